@@ -1,0 +1,29 @@
+"""backplane: an LLM inference engine for hybrid models with plugin kernel backends.
+
+The public surface for plugin authors is :data:`hookimpl` and
+:class:`BackendSpec`; applications use :class:`LLM` and :class:`SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backplane.core.backend_spec import BackendSpec
+from backplane.core.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = ["BackendSpec", "LLM", "SamplingParams", "__version__", "hookimpl"]
+
+
+def __getattr__(name: str) -> Any:
+    # The engine pulls in torch; keep `import backplane` cheap for plugin discovery.
+    if name == "LLM":
+        from backplane.api import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from backplane.core.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'backplane' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Kernel implementations of the op families, one package per provider."""

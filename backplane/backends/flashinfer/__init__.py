@@ -1,0 +1,1 @@
+"""FlashInfer backends: attention, MLA, SSM decode and GDN prefill on FlashInfer kernels."""

@@ -1,0 +1,1 @@
+"""The executor's core: hook specs, registry, contracts, scheduling, memory and execution."""

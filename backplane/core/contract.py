@@ -1,0 +1,111 @@
+"""The out-buffer contract, implemented once for every cached op.
+
+Every cached op of every family ends its signature with ``out=None``:
+
+1. Without ``out`` it returns a new tensor of the full padded token count.
+2. With ``out`` (exactly that shape, dtype and device) it writes rows
+   ``[0, num_tokens)`` straight into ``out`` (no full-size temporary),
+   zero-fills rows ``[num_tokens, padded)`` so stale rows of a reused buffer
+   never leak, and returns an empty tensor (``numel() == 0``) as the sentinel:
+   a custom op may not return an alias of an input.
+3. It is a ``torch.library.custom_op`` whose ``mutates_args`` names ``out``
+   and every cache it writes, with a fake implementation that agrees with the
+   real one in both cases, so that ``torch.library.opcheck`` passes.
+4. It never synchronises with the device; host values come from
+   ``batch.host``.
+
+:func:`cached_op` registers such an op and its fake; :func:`output_buffer` and
+:func:`finish_output` are the two calls an implementation makes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def output_buffer(
+    out: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Return the tensor an op writes its result rows into.
+
+    :param out: the caller's buffer or ``None``.
+    :param shape: the full (padded) result shape.
+    :param dtype: the result dtype.
+    :param device: the result device.
+    :return: ``out`` itself after checking it, or a new uninitialised tensor.
+    :raises ValueError: ``out`` differs in shape, dtype or device.
+    """
+    shape = tuple(int(s) for s in shape)
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != torch.device(device):
+        raise ValueError(
+            f"out buffer has shape {tuple(out.shape)}, {out.dtype} on {out.device}; "
+            f"expected {shape}, {dtype} on {device}"
+        )
+    return out
+
+
+def finish_output(out: torch.Tensor | None, buf: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Zero the padding rows and return what the op must return.
+
+    :param out: the caller's buffer or ``None``.
+    :param buf: the buffer the op wrote rows ``[0, num_tokens)`` of.
+    :param num_tokens: the number of real rows.
+    :return: the empty sentinel when ``out`` was given, else ``buf``.
+    """
+    if num_tokens < buf.shape[0]:
+        buf[num_tokens:].zero_()
+    if out is not None:
+        return buf.new_empty(0)
+    return buf
+
+
+def cached_op(
+    qualname: str,
+    mutates_args: Sequence[str],
+    output_shape: Callable[..., tuple[Sequence[int], torch.dtype]],
+) -> Callable[[Callable[..., torch.Tensor]], torch.library.CustomOpDef]:
+    """Register a cached op under the out-buffer contract.
+
+    :param qualname: ``"namespace::name"`` of the custom op.
+    :param mutates_args: names of every argument the op writes; must include
+        ``"out"`` and every cache.
+    :param output_shape: called with the op's arguments, returns the full
+        result ``(shape, dtype)``; it serves as the fake implementation so the
+        fake and the real op agree by construction.
+    :return: a decorator turning the implementation into the custom op.
+    """
+    mutates = tuple(mutates_args)
+    if "out" not in mutates:
+        raise ValueError(f"{qualname}: mutates_args must name 'out'")
+
+    def decorate(fn: Callable[..., torch.Tensor]) -> torch.library.CustomOpDef:
+        params = list(inspect.signature(fn).parameters)
+        if not params or params[-1] != "out":
+            raise ValueError(f"{qualname}: the last parameter must be 'out'")
+        for name in mutates:
+            if name not in params:
+                raise ValueError(f"{qualname}: mutates_args names unknown argument {name!r}")
+        op = torch.library.custom_op(qualname, mutates_args=mutates)(fn)
+
+        def fake(*args, **kwargs):
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound.apply_defaults()
+            out = bound.arguments["out"]
+            shape, dtype = output_shape(*bound.args, **bound.kwargs)
+            ref = next(a for a in bound.arguments.values() if isinstance(a, torch.Tensor))
+            if out is not None:
+                return out.new_empty(0)
+            return ref.new_empty(tuple(shape), dtype=dtype)
+
+        op.register_fake(fake)
+        return op
+
+    return decorate

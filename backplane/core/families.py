@@ -1,0 +1,347 @@
+"""What a backend object of each op family provides.
+
+A backend's ``BackendSpec.load`` produces an instance of one of the classes
+below. Each provides:
+
+* ``cache_spec(layer, ...)``: the cache tensors one layer needs (defaults are
+  the shared layouts of :mod:`backplane.core.layouts`);
+* ``plan(batch)``: host-side preparation called once per step for all layers,
+  outside any CUDA graph; what it returns is handed back to the ops through
+  :class:`~backplane.core.forward_context.ForwardContext`;
+* the cached op(s), each ending in ``out=None`` and honouring the out-buffer
+  contract of :mod:`backplane.core.contract`;
+* ``dynamic_ops()``: the custom-op overloads the piecewise CUDA-graph runner
+  must leave out of captured segments (matched by identity).
+
+Tensor shapes below use ``T`` for the padded token count of the batch; the real
+token count and everything else per step come from the forward context.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from backplane.core import layouts
+from backplane.core.layouts import TensorSpec
+from backplane.core.metadata import BatchMetadata
+
+# -- per-layer constants ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Constants of one attention layer.
+
+    :param sliding_window: attend to at most this many most recent keys
+        (including the query's own position); ``0`` means full causal attention.
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float | None = None
+    sliding_window: int = 0
+
+    @property
+    def softmax_scale(self) -> float:
+        """The scale applied to ``q @ k^T`` (default ``head_dim ** -0.5``)."""
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+
+@dataclass(frozen=True)
+class MLALayerSpec:
+    """Constants of one multi-head latent attention layer (DeepSeek)."""
+
+    layer_id: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float
+
+
+@dataclass(frozen=True)
+class ConvLayerSpec:
+    """Constants of one causal depthwise convolution (Mamba2 and delta-rule mixers).
+
+    :param activation: ``"silu"`` or ``""`` (none).
+    """
+
+    layer_id: int
+    conv_dim: int
+    kernel_size: int
+    activation: str = "silu"
+
+
+@dataclass(frozen=True)
+class SSMLayerSpec:
+    """Constants of one Mamba2 selective-scan layer."""
+
+    layer_id: int
+    nheads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    dt_softplus: bool = True
+    chunk_size: int = 256
+
+
+@dataclass(frozen=True)
+class DeltaLayerSpec:
+    """Constants of one gated delta rule layer.
+
+    :param scale: applied to ``q`` (default ``k_head_dim ** -0.5``).
+    :param use_qk_l2norm: L2-normalise ``q`` and ``k`` per head inside the kernel.
+    """
+
+    layer_id: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    scale: float | None = None
+    use_qk_l2norm: bool = True
+
+    @property
+    def q_scale(self) -> float:
+        """The scale applied to ``q``."""
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.k_head_dim)
+
+
+# -- backend base classes -----------------------------------------------------
+
+
+class Backend(ABC):
+    """Common base of all family backends."""
+
+    family: ClassVar[str]
+    #: The backend's name; set by the implementation (matches its BackendSpec).
+    name: ClassVar[str] = ""
+
+    def plan(self, batch: BatchMetadata) -> Any:
+        """Prepare host-side state for one step, for all layers.
+
+        Called once per step, outside any CUDA graph, before the model runs.
+
+        :param batch: the step's metadata.
+        :return: anything; ops get it back from ``get_forward_context().plan(family)``.
+        """
+        return None
+
+    def dynamic_ops(self) -> tuple[Any, ...]:
+        """Return the custom-op overloads this backend's forward calls.
+
+        The piecewise graph runner splits the model at exactly these ops.
+        """
+        return ()
+
+
+class AttentionBackend(Backend):
+    """Causal attention over a paged KV cache for a ragged batch."""
+
+    family: ClassVar[str] = "attention"
+
+    def cache_spec(
+        self, layer: AttentionLayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Return ``{"kv_cache": spec}`` for one layer (default: shared paged-KV layout)."""
+        return {"kv_cache": layouts.paged_kv(num_pages, page_size, layer.num_kv_heads, layer.head_dim, dtype)}
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: AttentionLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append this step's keys/values to the cache and attend.
+
+        :param q: ``[T, num_heads, head_dim]``, RoPE already applied.
+        :param k: ``[T, num_kv_heads, head_dim]``, RoPE already applied.
+        :param v: ``[T, num_kv_heads, head_dim]``.
+        :param kv_cache: the layer's paged KV cache (written at ``slot_mapping``).
+        :param layer: the layer's constants.
+        :param out: optional ``[T, num_heads, head_dim]`` buffer (out-buffer contract).
+        :return: the attention output, or the empty sentinel when ``out`` is given.
+        """
+
+
+class MLABackend(Backend):
+    """DeepSeek multi-head latent attention over a paged latent cache."""
+
+    family: ClassVar[str] = "mla"
+
+    def cache_spec(
+        self, layer: MLALayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Return ``{"latent_cache": spec}`` for one layer."""
+        return {
+            "latent_cache": layouts.mla_latent(
+                num_pages, page_size, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype
+            )
+        }
+
+    @abstractmethod
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        layer: MLALayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append the latent and rotary key to the cache and attend.
+
+        The key of head ``h`` is ``[kv_c @ w_uk[h]^T, k_pe]`` and its value
+        ``kv_c @ w_uv[h]``; backends may absorb the weights into the query
+        (decode) or expand the cache (prefill).
+
+        :param q_nope: ``[T, H, qk_nope_head_dim]``.
+        :param q_pe: ``[T, H, qk_rope_head_dim]``, RoPE applied.
+        :param kv_c: ``[T, kv_lora_rank]``, the normalised latent.
+        :param k_pe: ``[T, qk_rope_head_dim]``, RoPE applied (shared by heads).
+        :param latent_cache: the layer's latent cache.
+        :param w_uk: ``[H, qk_nope_head_dim, kv_lora_rank]``.
+        :param w_uv: ``[H, v_head_dim, kv_lora_rank]``.
+        :param out: optional ``[T, H, v_head_dim]`` buffer.
+        :return: the output or the empty sentinel.
+        """
+
+
+class SSMBackend(Backend):
+    """Mamba2: causal depthwise convolution with state, and the selective scan."""
+
+    family: ClassVar[str] = "ssm"
+
+    def cache_spec(
+        self, layer: SSMLayerSpec, *, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Return ``{"ssm_state": spec}`` for one scan layer."""
+        return {"ssm_state": layouts.ssm_state(num_slots, layer.nheads, layer.head_dim, layer.d_state)}
+
+    def conv_cache_spec(
+        self, layer: ConvLayerSpec, *, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Return ``{"conv_state": spec}`` for one convolution."""
+        return {"conv_state": layouts.conv_state(num_slots, layer.conv_dim, layer.kernel_size, dtype)}
+
+    @abstractmethod
+    def conv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        layer: ConvLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal depthwise conv1d per sequence, continuing from the conv state.
+
+        :param x: ``[T, conv_dim]``.
+        :param weight: ``[conv_dim, kernel_size]``.
+        :param bias: ``[conv_dim]`` or ``None``.
+        :param conv_state: the last ``kernel_size - 1`` inputs per slot; read
+            when ``has_initial_state`` and updated for every sequence.
+        :param out: optional ``[T, conv_dim]`` buffer.
+        :return: activation(conv(x)) or the empty sentinel.
+        """
+
+    @abstractmethod
+    def scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor,
+        dt_bias: torch.Tensor,
+        z: torch.Tensor | None,
+        ssm_state: torch.Tensor,
+        layer: SSMLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Selective scan: ``h = exp(dt*A) h + dt * B x``; ``y = C h + D x``.
+
+        ``dt`` is ``softplus(dt + dt_bias)`` when ``layer.dt_softplus``; with
+        ``z`` the output is gated as ``y * silu(z)``.
+
+        :param x: ``[T, nheads, head_dim]``.
+        :param dt: ``[T, nheads]``.
+        :param A: ``[nheads]`` (negative).
+        :param B: ``[T, n_groups, d_state]``.
+        :param C: ``[T, n_groups, d_state]``.
+        :param D: ``[nheads]``.
+        :param dt_bias: ``[nheads]``.
+        :param z: ``[T, nheads, head_dim]`` or ``None``.
+        :param ssm_state: the layer's state cache, read when ``has_initial_state``
+            and left holding the state after the last token of each sequence.
+        :param out: optional ``[T, nheads, head_dim]`` buffer.
+        :return: ``y`` or the empty sentinel.
+        """
+
+
+class DeltaBackend(Backend):
+    """Gated delta rule with one float32 state per sequence slot."""
+
+    family: ClassVar[str] = "delta"
+
+    def cache_spec(
+        self, layer: DeltaLayerSpec, *, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Return ``{"delta_state": spec}`` for one layer."""
+        return {
+            "delta_state": layouts.delta_state(
+                num_slots, layer.num_v_heads, layer.k_head_dim, layer.v_head_dim
+            )
+        }
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        layer: DeltaLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The gated delta rule recurrence per sequence.
+
+        For each token, with ``S`` of shape ``[k_head_dim, v_head_dim]`` per value head:
+        ``S = exp(g) * S``; ``S = S + beta * k (v - k^T S)``; ``o = (scale * q)^T S``.
+        Key heads are shared by ``num_v_heads // num_k_heads`` value heads.
+
+        :param q: ``[T, num_k_heads, k_head_dim]``.
+        :param k: ``[T, num_k_heads, k_head_dim]``.
+        :param v: ``[T, num_v_heads, v_head_dim]``.
+        :param g: ``[T, num_v_heads]``, log of the decay (``<= 0``).
+        :param beta: ``[T, num_v_heads]``, in ``(0, 1)``.
+        :param state: the layer's float32 state cache.
+        :param out: optional ``[T, num_v_heads, v_head_dim]`` buffer.
+        :return: ``o`` or the empty sentinel.
+        """
+
+
+FAMILY_BASES: dict[str, type[Backend]] = {
+    "attention": AttentionBackend,
+    "ssm": SSMBackend,
+    "mla": MLABackend,
+    "delta": DeltaBackend,
+}

@@ -1,0 +1,261 @@
+"""The description of one ragged batch, shared by every layer of every family.
+
+Layout rules (all backends rely on them):
+
+* One flat token dimension. Prefill sequences (including chunked-prefill
+  "extend" chunks that continue from cached context) come first, decode
+  sequences (exactly one new token on top of cached context) last. Tokens
+  ``[num_tokens, padded_num_tokens)`` are padding.
+* Sequence ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]``; its
+  cached context is ``cached_lens[i]`` tokens and its total length after this
+  step is ``seq_lens[i] = cached_lens[i] + query_lens[i]``.
+* Paged KV: the pages of sequence ``i`` are
+  ``page_indices[page_indptr[i]:page_indptr[i+1]]`` (also as a dense
+  ``block_table[i, :]``, padded with page 0); the last page holds
+  ``last_page_lens[i]`` tokens. Token ``t`` is written to cache slot
+  ``slot_mapping[t] = page * page_size + offset``; padding tokens have ``-1``
+  and must not be written.
+* Recurrent state: sequence ``i`` reads and writes state slot ``state_slots[i]``;
+  ``has_initial_state[i]`` says whether that slot holds the state after
+  ``cached_lens[i]`` tokens (otherwise the recurrence starts from zeros).
+* Page 0 and state slot 0 are reserved scratch entries: the cache managers never
+  hand them to a request, so padded sequences (CUDA-graph buckets) may point at
+  them without touching live data.
+
+Host values (counts, lengths) are read from :attr:`BatchMetadata.host`, never
+from the device tensors, so no op needs to synchronise with the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+NULL_PAGE = 0
+NULL_SLOT = 0
+
+
+@dataclass
+class HostBatch:
+    """Host (numpy) arrays of a batch; see the module docstring for meanings.
+
+    Per-sequence arrays have ``num_seqs`` rows, ``*_start_loc``/``*_indptr``
+    arrays ``num_seqs + 1``, per-token arrays ``padded_num_tokens``.
+    """
+
+    query_start_loc: np.ndarray  # int32 [num_seqs + 1]
+    query_lens: np.ndarray  # int32 [num_seqs]
+    cached_lens: np.ndarray  # int32 [num_seqs]
+    seq_lens: np.ndarray  # int32 [num_seqs]
+    page_indptr: np.ndarray  # int32 [num_seqs + 1]
+    page_indices: np.ndarray  # int32 [total pages]
+    last_page_lens: np.ndarray  # int32 [num_seqs]
+    block_table: np.ndarray  # int32 [num_seqs, max_pages_per_seq]
+    state_slots: np.ndarray  # int32 [num_seqs]
+    has_initial_state: np.ndarray  # bool [num_seqs]
+    positions: np.ndarray  # int64 [padded_num_tokens]
+    slot_mapping: np.ndarray  # int64 [padded_num_tokens], -1 for padding
+    token_seq_ids: np.ndarray  # int32 [padded_num_tokens], -1 for padding
+    last_token_indices: np.ndarray  # int64 [num_seqs]
+
+
+@dataclass
+class BatchMetadata:
+    """A ragged batch: host counts and arrays plus their device copies.
+
+    Build one with :func:`build_batch_metadata` (tests, tools) or from the
+    engine's persistent input buffers. Device tensors share names with the
+    :class:`HostBatch` fields.
+    """
+
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_decode_tokens: int
+    padded_num_tokens: int
+    page_size: int
+    max_query_len: int
+    max_seq_len: int
+    host: HostBatch
+    query_start_loc: torch.Tensor
+    query_lens: torch.Tensor
+    cached_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    page_indptr: torch.Tensor
+    page_indices: torch.Tensor
+    last_page_lens: torch.Tensor
+    block_table: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_seq_ids: torch.Tensor
+    last_token_indices: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of real sequences (prefill + decode)."""
+        return self.num_prefill_seqs + self.num_decode_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of real tokens; rows past this are padding."""
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def device(self) -> torch.device:
+        """The device the tensors live on."""
+        return self.positions.device
+
+    @property
+    def is_decode_only(self) -> bool:
+        """True when every sequence adds exactly one token to cached context."""
+        return self.num_prefill_seqs == 0 and self.num_decode_seqs > 0
+
+    @classmethod
+    def from_host(
+        cls,
+        host: HostBatch,
+        *,
+        num_prefill_seqs: int,
+        page_size: int,
+        padded_num_tokens: int,
+        device: torch.device | str = "cpu",
+    ) -> BatchMetadata:
+        """Copy a :class:`HostBatch` to ``device`` and derive the counts.
+
+        :param host: the host arrays.
+        :param num_prefill_seqs: how many leading sequences are prefill/extend.
+        :param page_size: tokens per KV page.
+        :param padded_num_tokens: the flat token count including padding.
+        :param device: where the device tensors go.
+        """
+        device = torch.device(device)
+        num_seqs = len(host.query_lens)
+        num_tokens = int(host.query_start_loc[-1]) if num_seqs else 0
+        num_prefill_tokens = int(host.query_start_loc[num_prefill_seqs]) if num_seqs else 0
+        tensors = {}
+        for f in fields(HostBatch):
+            arr = getattr(host, f.name)
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            tensors[f.name] = t.to(device, non_blocking=True) if device.type != "cpu" else t
+        return cls(
+            num_prefill_seqs=num_prefill_seqs,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_seqs=num_seqs - num_prefill_seqs,
+            num_decode_tokens=num_tokens - num_prefill_tokens,
+            padded_num_tokens=padded_num_tokens,
+            page_size=page_size,
+            max_query_len=int(host.query_lens.max()) if num_seqs else 0,
+            max_seq_len=int(host.seq_lens.max()) if num_seqs else 0,
+            host=host,
+            **tensors,
+        )
+
+
+def build_batch_metadata(
+    query_lens: Sequence[int] | np.ndarray,
+    cached_lens: Sequence[int] | np.ndarray,
+    page_tables: Sequence[Sequence[int] | np.ndarray],
+    page_size: int,
+    *,
+    state_slots: Sequence[int] | np.ndarray | None = None,
+    padded_num_tokens: int | None = None,
+    device: torch.device | str = "cpu",
+) -> BatchMetadata:
+    """Build batch metadata from per-sequence facts, vectorised with numpy.
+
+    :param query_lens: new tokens per sequence this step; prefill/extend
+        sequences first, then decode sequences (``query_len == 1`` with cached
+        context).
+    :param cached_lens: tokens already in the cache per sequence.
+    :param page_tables: the page ids of each sequence, enough to hold
+        ``cached_len + query_len`` tokens.
+    :param page_size: tokens per page.
+    :param state_slots: recurrent-state slot per sequence (default ``1..n``).
+    :param padded_num_tokens: flat token count including padding (default: no padding).
+    :param device: where the device tensors go.
+    :return: the metadata; raises ``ValueError`` on inconsistent input.
+    """
+    q = np.asarray(query_lens, dtype=np.int32)
+    c = np.asarray(cached_lens, dtype=np.int32)
+    n = len(q)
+    if len(c) != n or len(page_tables) != n:
+        raise ValueError("query_lens, cached_lens and page_tables must have one entry per sequence")
+    if n and q.min() < 1:
+        raise ValueError("every sequence needs at least one new token")
+    is_decode = (q == 1) & (c > 0)
+    num_prefill = int((~is_decode).sum())
+    if is_decode[:num_prefill].any():
+        raise ValueError("prefill/extend sequences must come before decode sequences")
+    seq_lens = c + q
+    qsl = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(q, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+    padded = num_tokens if padded_num_tokens is None else int(padded_num_tokens)
+    if padded < num_tokens:
+        raise ValueError(f"padded_num_tokens={padded} < num_tokens={num_tokens}")
+
+    pages_needed = -(-seq_lens // page_size)
+    tables = [np.asarray(t, dtype=np.int32) for t in page_tables]
+    have = np.array([len(t) for t in tables], dtype=np.int32)
+    if (have < pages_needed).any():
+        bad = int(np.argmax(have < pages_needed))
+        raise ValueError(
+            f"sequence {bad} needs {pages_needed[bad]} pages for {seq_lens[bad]} tokens, got {have[bad]}"
+        )
+    page_indptr = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(pages_needed, out=page_indptr[1:])
+    page_indices = (
+        np.concatenate([t[:k] for t, k in zip(tables, pages_needed)]).astype(np.int32)
+        if n
+        else np.zeros(0, np.int32)
+    )
+    max_pages = int(pages_needed.max()) if n else 0
+    block_table = np.full((n, max(max_pages, 1)), NULL_PAGE, dtype=np.int32)
+    col = np.arange(max_pages)
+    mask = col[None, :] < pages_needed[:, None]
+    block_table[:, :max_pages][mask] = page_indices
+    last_page_lens = (seq_lens - (pages_needed - 1) * page_size).astype(np.int32)
+
+    token_seq = np.repeat(np.arange(n, dtype=np.int32), q)
+    offs = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1], q)
+    positions = np.zeros(padded, dtype=np.int64)
+    positions[:num_tokens] = np.repeat(c, q) + offs
+    slot_mapping = np.full(padded, -1, dtype=np.int64)
+    if num_tokens:
+        page_of_tok = block_table[token_seq, positions[:num_tokens] // page_size].astype(np.int64)
+        slot_mapping[:num_tokens] = page_of_tok * page_size + positions[:num_tokens] % page_size
+    token_seq_ids = np.full(padded, -1, dtype=np.int32)
+    token_seq_ids[:num_tokens] = token_seq
+    slots = (
+        np.arange(1, n + 1, dtype=np.int32)
+        if state_slots is None
+        else np.asarray(state_slots, dtype=np.int32)
+    )
+    host = HostBatch(
+        query_start_loc=qsl,
+        query_lens=q,
+        cached_lens=c,
+        seq_lens=seq_lens.astype(np.int32),
+        page_indptr=page_indptr,
+        page_indices=page_indices,
+        last_page_lens=last_page_lens,
+        block_table=block_table,
+        state_slots=slots,
+        has_initial_state=c > 0,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        token_seq_ids=token_seq_ids,
+        last_token_indices=(qsl[1:] - 1).astype(np.int64),
+    )
+    return BatchMetadata.from_host(
+        host,
+        num_prefill_seqs=num_prefill,
+        page_size=page_size,
+        padded_num_tokens=padded,
+        device=device,
+    )

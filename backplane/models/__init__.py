@@ -1,0 +1,1 @@
+"""HF-config-compatible model implementations whose mixers call the op families."""

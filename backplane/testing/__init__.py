@@ -1,0 +1,1 @@
+"""The conformance kit: reusable tests that every backend, in-tree or third-party, runs."""
