@@ -1,0 +1,210 @@
+"""Checks shared by every family's conformance tests.
+
+* :data:`TOLERANCES` — documented per-dtype tolerances against the float64
+  references of the kit.
+* :func:`poison_` — fill a buffer with NaN (or the largest integer) so that any
+  element an op forgets to write is caught.
+* :func:`check_out_contract` — the out-buffer contract of
+  :mod:`backplane.core.contract`, checked in one place.
+* :func:`no_host_sync` — fail on any device synchronisation (CUDA only).
+* :func:`run_opcheck` — ``torch.library.opcheck`` with the kit's defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+#: ``dtype -> (atol, rtol)`` for comparing a backend's output with the kit's
+#: float64 reference (computed from the same, already rounded, inputs). The
+#: half-precision entries allow for inputs, intermediate products and the
+#: output each being rounded once (bfloat16 keeps 8 significant bits, float16
+#: 11); float32 allows for accumulation-order differences only.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, scale: float = 1.0) -> tuple[float, float]:
+    """Return ``(atol, rtol)`` for ``dtype``, optionally scaled.
+
+    :param dtype: the dtype the backend computed in.
+    :param scale: a multiplier for ops whose error grows with sequence length
+        (recurrences); document why wherever it is not 1.
+    :return: the tolerances.
+    """
+    atol, rtol = TOLERANCES[dtype]
+    return atol * scale, rtol * scale
+
+
+def assert_close_to_reference(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    scale: float = 1.0,
+    msg: str = "",
+) -> None:
+    """Compare a backend result with a float64 reference under :data:`TOLERANCES`.
+
+    Every element is compared (NaN never passes).
+
+    :param actual: the backend's output.
+    :param expected: the reference (any float dtype; compared in float64).
+    :param dtype: the dtype whose tolerance applies.
+    :param scale: see :func:`tolerance`.
+    :param msg: context prepended to the failure message.
+    """
+    atol, rtol = tolerance(dtype, scale)
+    torch.testing.assert_close(
+        actual.detach().to("cpu", torch.float64),
+        expected.detach().to("cpu", torch.float64),
+        atol=atol,
+        rtol=rtol,
+        equal_nan=False,
+        msg=(lambda m: f"{msg}\n{m}") if msg else None,
+    )
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with values no correct op leaves behind.
+
+    Floating tensors get NaN, integer tensors their largest value, booleans
+    ``True``.
+
+    :param t: the tensor to poison.
+    :return: ``t``.
+    """
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def check_out_contract(
+    run: Callable[[torch.Tensor | None], torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    num_tokens: int,
+) -> torch.Tensor:
+    """Check the out-buffer contract of one cached op on one batch.
+
+    ``run(None)`` calls the op without ``out`` and ``run(buf)`` calls it with
+    ``out=buf``; ``run`` must use the same inputs and the same active forward
+    context both times. The caches are snapshotted first and restored between
+    the two calls, so both calls see the same starting state.
+
+    Checked: the op without ``out`` returns a full-size tensor; with a
+    NaN-poisoned ``out`` it returns an empty sentinel (``numel() == 0``), rows
+    ``[0, num_tokens)`` of ``out`` equal the rows returned without ``out``,
+    rows ``[num_tokens, padded)`` are exactly zero, and every cache ends up
+    bit-identical after the two calls.
+
+    :param run: calls the op, with ``out`` or ``None``.
+    :param caches: every cache the op may write (they are restored in place).
+    :param num_tokens: the batch's real token count.
+    :return: the result of ``run(None)`` (compare it with a reference).
+    """
+    snapshot = [c.clone() for c in caches]
+    full = run(None)
+    assert isinstance(full, torch.Tensor), f"op without out returned {type(full).__name__}"
+    assert full.dim() >= 1 and full.shape[0] >= num_tokens, (
+        f"op without out returned shape {tuple(full.shape)}; expected {num_tokens}+ rows"
+    )
+    assert full.numel() > 0 or num_tokens == 0, "op without out returned an empty tensor"
+    after_plain = [c.clone() for c in caches]
+    for cache, saved in zip(caches, snapshot, strict=True):
+        cache.copy_(saved)
+
+    out = poison_(torch.empty_like(full))
+    ret = run(out)
+    assert isinstance(ret, torch.Tensor) and ret.numel() == 0, (
+        "with out= the op must return an empty sentinel tensor (numel() == 0), got "
+        f"{type(ret).__name__} of shape {tuple(getattr(ret, 'shape', ()))}"
+    )
+    head_out, head_full = out[:num_tokens], full[:num_tokens]
+    if head_out.is_floating_point():
+        assert not torch.isnan(head_out).any(), (
+            f"rows [0, {num_tokens}) of out still hold NaN poison: the op did not write every "
+            "element (or produced NaN)"
+        )
+    torch.testing.assert_close(
+        head_out,
+        head_full,
+        atol=0,
+        rtol=0,
+        equal_nan=False,
+        msg=lambda m: (
+            f"rows [0, {num_tokens}) differ between the out= call and the plain call\n{m}"
+        ),
+    )
+    tail = out[num_tokens:]
+    if tail.numel():
+        bad = tail != 0
+        if tail.is_floating_point():
+            bad = bad | torch.isnan(tail)
+        assert not bad.any(), (
+            f"padding rows [{num_tokens}, {out.shape[0]}) of out must be exactly zero; "
+            f"{int(bad.sum())} elements are not"
+        )
+    for i, (cache, expected) in enumerate(zip(caches, after_plain, strict=True)):
+        assert torch.equal(cache, expected), (
+            f"cache {i} differs between the call with out= and the call without it"
+        )
+    return full
+
+
+@contextlib.contextmanager
+def no_host_sync(device: torch.device | str | None = None) -> Iterator[None]:
+    """Make any host-device synchronisation inside the block an error.
+
+    On CUDA this sets ``torch.cuda.set_sync_debug_mode("error")`` (``.item()``,
+    ``.cpu()``, ``nonzero``, blocking copies raise); elsewhere it does nothing,
+    since a CPU "device" has nothing to synchronise with.
+
+    :param device: the device the op runs on (``None``: CUDA when available).
+    """
+    dev = torch.device(device) if device is not None else None
+    use_cuda = torch.cuda.is_available() and (dev is None or dev.type == "cuda")
+    if not use_cuda:
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def run_opcheck(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    test_utils: Sequence[str] | None = None,
+) -> dict[str, str]:
+    """Run ``torch.library.opcheck`` on one call of a cached op.
+
+    opcheck calls the op several times on the same arguments (eagerly, on
+    fake tensors, under AOT dispatch) and compares the results, so the call
+    must be idempotent: an attention append rewrites the same slots, but a
+    recurrent op must be checked on a batch that does not read the state it
+    writes (every ``has_initial_state`` false, e.g. a pure-prefill case).
+
+    :param op: the custom op (``CustomOpDef`` or ``OpOverload``).
+    :param args: positional arguments of the call.
+    :param kwargs: keyword arguments of the call.
+    :param test_utils: opcheck's checks (default: all of its defaults).
+    :return: opcheck's result dict; failures raise.
+    """
+    extra: dict[str, Any] = {}
+    if test_utils is not None:
+        extra["test_utils"] = tuple(test_utils)
+    return torch.library.opcheck(op, args, kwargs or {}, **extra)
