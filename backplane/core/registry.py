@@ -9,8 +9,10 @@ working.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as importlib_metadata
+import inspect
 import logging
 import os
 import traceback
@@ -27,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "backplane.plugins"
 DISABLE_ENV = "BACKPLANE_DISABLE_PLUGINS"
+#: Capability tags that name a device type. A backend that declares any of them
+#: runs only on the device types it declares; one that declares none is assumed
+#: to run wherever its availability check says it can.
+DEVICE_TAGS: frozenset[str] = frozenset({"cpu", "cuda", "rocm", "mps", "xpu"})
 BUILTIN_PLUGINS: dict[str, str] = {
     "torch": "backplane.plugins.torch",
     "triton": "backplane.plugins.triton",
@@ -99,9 +105,6 @@ class BackendRegistry:
         disabled = _disabled_names()
         seen: set[str] = set()
         for ep in _entry_points():
-            if ep.name in seen:
-                continue
-            seen.add(ep.name)
             dist = getattr(ep, "dist", None)
             info = PluginInfo(
                 name=ep.name,
@@ -109,6 +112,22 @@ class BackendRegistry:
                 distribution=dist.metadata["Name"] if dist is not None else None,
                 version=dist.version if dist is not None else None,
             )
+            if ep.name in seen:
+                first = self.plugins[ep.name]
+                if (first.distribution, first.module) != (info.distribution, info.module):
+                    # Two distributions claim one plugin name: keep the first, and make
+                    # the second visible instead of silently dropping it.
+                    key = f"{ep.name} ({info.distribution or info.module})"
+                    info.name = key
+                    info.error = (
+                        f"plugin name {ep.name!r} is already used by "
+                        f"{first.distribution or first.module!r}; rename the entry point "
+                        f"in the {ENTRY_POINT_GROUP!r} group"
+                    )
+                    self.plugins[key] = info
+                    logger.warning("plugin %s not loaded: %s", key, info.error)
+                continue
+            seen.add(ep.name)
             self._load_one(info, ep.load, disabled)
         for name, module in BUILTIN_PLUGINS.items():
             if name in seen:
@@ -132,9 +151,45 @@ class BackendRegistry:
             return
         self._register_loaded(info, plugin)
 
+    def _hook_problems(self, plugin: Any) -> list[str]:
+        """Name the functions of ``plugin`` that look like hooks but are not valid ones."""
+        problems = []
+        known = list(hookspecs.FAMILY_HOOKS.values())
+        for attr in sorted(dir(plugin)):
+            if not attr.startswith(f"{hookspecs.PROJECT_NAME}_"):
+                continue
+            try:
+                value = getattr(plugin, attr)
+            except Exception:
+                continue
+            if not callable(value) or isinstance(value, type):
+                continue
+            opts = self.pm.parse_hookimpl_opts(plugin, attr)
+            marked = opts is not None
+            hook_name = (opts or {}).get("specname") or attr
+            if hook_name not in known:
+                if not marked and not inspect.isfunction(value):
+                    continue
+                close = difflib.get_close_matches(attr, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"unknown hook {attr!r}{hint}; the hooks are: {', '.join(known)}")
+            elif not marked:
+                problems.append(
+                    f"function {attr!r} is not marked with @backplane.hookimpl, "
+                    "so it would never be called"
+                )
+        return problems
+
     def _register_loaded(self, info: PluginInfo, plugin: Any) -> None:
+        problems = self._hook_problems(plugin)
+        if problems:
+            info.error = "PluginError: " + "; ".join(problems)
+            logger.warning("plugin %s failed to register: %s", info.name, info.error)
+            return
         try:
             self.pm.register(plugin, name=info.name)
+            # Backstop for anything the check above does not see (e.g. hookimpls
+            # added under another name through ``specname``).
             self.pm.check_pending()
         except Exception as exc:
             if self.pm.is_registered(plugin):
@@ -142,9 +197,7 @@ class BackendRegistry:
             info.error = f"{type(exc).__name__}: {exc}"
             logger.warning("plugin %s failed to register: %s", info.name, info.error)
             return
-        info.hooks = sorted(
-            caller.name for caller in self.pm.get_hookcallers(plugin) or []
-        )
+        info.hooks = sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
         self._specs = None
 
     def register(self, plugin: Any, name: str, module: str | None = None) -> PluginInfo:
@@ -155,6 +208,11 @@ class BackendRegistry:
         :param module: where it came from, for listings.
         :return: the recorded :class:`PluginInfo` (check its ``error``).
         """
+        if name in self.plugins:
+            raise PluginError(
+                f"a plugin named {name!r} is already registered "
+                f"(from {self.plugins[name].module}); choose another name"
+            )
         info = PluginInfo(name=name, module=module or getattr(plugin, "__name__", repr(plugin)))
         self.plugins[name] = info
         self._register_loaded(info, plugin)
@@ -166,38 +224,57 @@ class BackendRegistry:
         owners: dict[tuple[str, str], str] = {}
         for family, hook_name in hookspecs.FAMILY_HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
+            # get_hookimpls() is in registration order, so a duplicate error names
+            # the plugin that was registered first first.
             for impl in hook.get_hookimpls():
                 plugin_name = impl.plugin_name
                 try:
-                    result = impl.function()
+                    result = list(impl.function() or [])
                 except Exception as exc:
-                    info = self.plugins.get(plugin_name)
-                    if info is not None:
-                        info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
-                    logger.warning("plugin %s: %s raised %s", plugin_name, hook_name, exc)
+                    self._record_error(
+                        plugin_name, f"{hook_name}() raised {type(exc).__name__}: {exc}"
+                    )
                     continue
-                for spec in result or []:
+                for spec in result:
+                    problem = None
                     if not isinstance(spec, BackendSpec):
-                        raise PluginError(
-                            f"plugin {plugin_name!r}: {hook_name} returned {type(spec).__name__}, "
-                            "expected BackendSpec"
+                        problem = (
+                            f"{hook_name}() returned a {type(spec).__name__}, "
+                            "expected a BackendSpec"
                         )
-                    if spec.family != family:
-                        raise PluginError(
-                            f"plugin {plugin_name!r}: {hook_name} returned a spec of family "
-                            f"{spec.family!r}; it belongs in the {family!r} hook"
+                    elif spec.family != family:
+                        problem = (
+                            f"{hook_name}() returned backend {spec.name!r} of family "
+                            f"{spec.family!r}; return it from "
+                            f"{hookspecs.FAMILY_HOOKS.get(spec.family, 'the matching hook')}()"
                         )
-                    if spec.key in owners:
+                    if problem is not None:
+                        self._record_error(plugin_name, problem)
+                        continue
+                    owner = owners.get(spec.key)
+                    if owner == plugin_name:
+                        raise PluginError(
+                            f"plugin {plugin_name!r} provides backend {family}/{spec.name} "
+                            "twice; give each backend of a family its own name"
+                        )
+                    if owner is not None:
                         raise PluginError(
                             f"backend {family}/{spec.name} is provided by two plugins: "
-                            f"{owners[spec.key]!r} and {plugin_name!r}; disable one with "
-                            f"{DISABLE_ENV}={plugin_name}"
+                            f"{owner!r} and {plugin_name!r}; uninstall one, or disable "
+                            f"one with {DISABLE_ENV}={plugin_name}"
                         )
                     owners[spec.key] = plugin_name
                     specs[family].append(spec.with_plugin(plugin_name))
         for family in specs:
             specs[family].sort(key=lambda s: (-s.priority, s.name))
         return specs
+
+    def _record_error(self, plugin_name: str, error: str) -> None:
+        """Record a problem of a registered plugin without stopping the others."""
+        info = self.plugins.get(plugin_name)
+        if info is not None:
+            info.error = f"{info.error}; {error}" if info.error else error
+        logger.warning("plugin %s: %s", plugin_name, error)
 
     def backends(self, family: str | None = None) -> list[BackendSpec]:
         """Return the registered backends, best priority first.
@@ -216,6 +293,10 @@ class BackendRegistry:
         """Return ``{plugin name: error}`` for plugins that did not load."""
         return {n: i.error for n, i in self.plugins.items() if i.error and not i.disabled}
 
+    def disabled_plugins(self) -> list[str]:
+        """Return the names of plugins blocked by ``BACKPLANE_DISABLE_PLUGINS``."""
+        return sorted(n for n, i in self.plugins.items() if i.disabled)
+
     def _check_family(self, family: str) -> None:
         if family not in hookspecs.FAMILIES:
             raise UnknownBackendError(
@@ -230,26 +311,36 @@ class BackendRegistry:
             hint += "; plugins that failed to load: " + "; ".join(
                 f"{n} ({e})" for n, e in sorted(failed.items())
             )
+        disabled = self.disabled_plugins()
+        if disabled:
+            hint += f"; disabled by {DISABLE_ENV}: {', '.join(disabled)}"
         return hint
 
     def get(self, family: str, name: str) -> BackendSpec:
         """Return the spec of ``family``/``name``.
 
-        :raises UnknownBackendError: listing the installed backends of that family.
+        :raises UnknownBackendError: listing the installed backends of that
+            family and the plugins that failed to load.
         """
-        for spec in self.backends(family):
+        specs = self.backends(family)
+        for spec in specs:
             if spec.name == name:
                 return spec
+        close = difflib.get_close_matches(name, [s.name for s in specs], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownBackendError(
-            f"unknown {family} backend {name!r}; {self._installed_hint(family)}"
+            f"unknown {family} backend {name!r}{hint}; {self._installed_hint(family)}"
         )
 
-    def select(self, family: str, name: str = "auto") -> BackendSpec:
+    def select(self, family: str, name: str = "auto", *, device: str | None = None) -> BackendSpec:
         """Choose the backend for ``family`` from a configured name.
 
         :param family: the op family.
         :param name: a backend name, or ``"auto"`` for the highest-priority
-            available one (the reasons the others lost are logged).
+            available one (the reasons the others lost are logged at INFO).
+        :param device: the device type the engine runs on (``"cpu"``,
+            ``"cuda"``); a backend whose capabilities name device types
+            (see :data:`DEVICE_TAGS`) must name this one. ``None`` skips the check.
         :return: the chosen, available spec.
         :raises UnknownBackendError: the name is not installed.
         :raises BackendUnavailableError: the backend (or, for ``auto``, every
@@ -257,7 +348,7 @@ class BackendRegistry:
         """
         if name != "auto":
             spec = self.get(family, name)
-            ok, reason = spec.availability()
+            ok, reason = self._usable(spec, device)
             if not ok:
                 raise BackendUnavailableError(
                     f"{family} backend {name!r} (plugin {spec.plugin}) is unavailable: {reason}"
@@ -266,32 +357,47 @@ class BackendRegistry:
         chosen: BackendSpec | None = None
         lost: list[str] = []
         for spec in self.backends(family):
-            ok, reason = spec.availability()
-            if chosen is None and ok:
-                chosen = spec
-            elif not ok:
+            ok, reason = self._usable(spec, device)
+            if not ok:
                 lost.append(f"{spec.name} (unavailable: {reason})")
+            elif chosen is None:
+                chosen = spec
+            elif spec.priority == chosen.priority:
+                lost.append(f"{spec.name} (same priority {spec.priority}; ties go by name)")
             else:
                 lost.append(f"{spec.name} (priority {spec.priority} < {chosen.priority})")
         if chosen is None:
             raise BackendUnavailableError(
-                f"no available {family} backend; "
+                f"no available {family} backend: "
                 + ("; ".join(lost) if lost else self._installed_hint(family))
             )
         logger.info(
-            "%s backend: auto chose %s (priority %d)%s",
+            "%s backend: auto chose %s (plugin %s, priority %d)%s",
             family,
             chosen.name,
+            chosen.plugin,
             chosen.priority,
             "; others: " + ", ".join(lost) if lost else "",
         )
         return chosen
 
+    @staticmethod
+    def _usable(spec: BackendSpec, device: str | None) -> tuple[bool, str]:
+        if device is not None:
+            device_type = device.split(":", 1)[0]
+            declared = spec.capabilities & DEVICE_TAGS
+            if declared and device_type not in declared:
+                return False, (
+                    f"it does not run on {device_type} (it supports: {', '.join(sorted(declared))})"
+                )
+        return spec.availability()
+
     def matrix(self, family: str | None = None) -> list[dict[str, Any]]:
         """Return the backend matrix as rows for ``backplane backends``.
 
+        :param family: restrict to one family; ``None`` lists all.
         :return: dicts with ``family``, ``name``, ``plugin``, ``available``,
-            ``reason``, ``priority``, ``capabilities``, ``description``.
+            ``reason``, ``priority``, ``capabilities``, ``description``, ``load``.
         """
         rows = []
         for spec in self.backends(family):
@@ -306,6 +412,7 @@ class BackendRegistry:
                     "priority": spec.priority,
                     "capabilities": sorted(spec.capabilities),
                     "description": spec.description,
+                    "load": spec.load if isinstance(spec.load, str) else repr(spec.load),
                 }
             )
         return rows
