@@ -1,0 +1,781 @@
+"""Engine configuration: one validated object built from YAML, CLI flags or keyword arguments.
+
+Precedence, lowest first: the defaults below, a YAML file (``--config``), then
+command-line flags or keyword arguments. Every value is checked when the
+configuration is built; an error names where the bad value came from (the
+file and key, the flag, or the keyword argument) and what is accepted.
+
+Backend names are checked against the plugin registry at engine start-up
+(:meth:`EngineConfig.validate_backends` / :meth:`EngineConfig.resolve_backends`),
+not at parse time, so that a configuration can be written on a machine that
+lacks a plugin.
+
+Example YAML::
+
+    model: tiny-llama
+    dtype: auto            # float32 | bfloat16 | float16 | auto
+    device: auto           # cpu | cuda | cuda:N | auto
+    max_num_seqs: 16
+    max_num_tokens: 1024
+    kv_memory: 256MiB      # bytes, or a size with a unit; omit for auto
+    backends:
+      attention: auto      # a backend name, or auto
+      ssm: torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from backplane.core.errors import (
+    BackendUnavailableError,
+    BackplaneError,
+    ConfigError,
+    PluginError,
+)
+from backplane.core.hookspecs import FAMILIES
+
+if TYPE_CHECKING:
+    import torch
+
+    from backplane.core.backend_spec import BackendSpec
+    from backplane.core.registry import BackendRegistry
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, str] = {
+    "auto": "auto",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+"""Accepted ``dtype`` spellings and the canonical name each one means."""
+
+CUDA_GRAPH_MODES: tuple[str, ...] = ("off", "decode", "piecewise", "full_and_piecewise")
+"""``off``: eager; ``decode``: monolithic graphs for decode-only batches;
+``piecewise``: piecewise graphs for every batch; ``full_and_piecewise``: both."""
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Parse a memory size into bytes.
+
+    :param value: an int (bytes) or a string such as ``"1073741824"``,
+        ``"256MiB"``, ``"1.5GiB"``, ``"512MB"``. ``KiB``/``MiB``/``GiB``/``TiB``
+        and the bare letters ``K``/``M``/``G``/``T`` are powers of 1024;
+        ``KB``/``MB``/``GB``/``TB`` are powers of 1000. Case-insensitive.
+    :return: the size in bytes (a non-negative int; fractions round down).
+    :raises ValueError: the value is not a size (the message lists the units).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 256MiB or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(f"expected a whole, non-negative number of bytes, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            number, unit = match.groups()
+            return int(float(number) * _SIZE_UNITS[unit.lower()])
+    raise ValueError(
+        f"expected a size such as 256MiB, 1.5GiB, 512MB or a number of bytes, got {value!r} "
+        "(units: B, KiB, MiB, GiB, TiB or K, M, G, T in powers of 1024; KB, MB, GB, TB in "
+        "powers of 1000)"
+    )
+
+
+def format_size(num_bytes: int) -> str:
+    """Format a byte count for messages (``268435456`` -> ``"256.0 MiB"``)."""
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+# -- where a value came from ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where configuration values came from, for error messages."""
+
+    kind: str  # "file" | "cli" | "kwargs" | "default"
+    path: str = ""
+
+    def where(self, key: str) -> str:
+        if self.kind == "file":
+            return f"config file {self.path!r}, key {key!r}"
+        if self.kind == "cli":
+            flag = "--" + key.split(".", 1)[0].replace("_", "-")
+            if key.startswith("backends."):
+                return f"option --backend {key.split('.', 1)[1]}=..."
+            return f"option {flag}"
+        if self.kind == "default":
+            return f"default {key!r}"
+        return f"EngineConfig argument {key!r}"
+
+
+_KWARGS = _Source("kwargs")
+_DEFAULT = _Source("default")
+_building_from: contextvars.ContextVar[_Source] = contextvars.ContextVar(
+    "backplane_config_source", default=_KWARGS
+)
+
+
+def _default_backends() -> dict[str, str]:
+    return {family: "auto" for family in FAMILIES}
+
+
+def _field_defaults() -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start, validated on construction.
+
+    Build it with keyword arguments (``EngineConfig(model="tiny-llama",
+    page_size=32)``), from a YAML file (:meth:`from_yaml`), from parsed CLI
+    flags (:meth:`from_cli`), and derive variants with :meth:`merge`.
+    ``"auto"`` values stay as written; :attr:`device_resolved`,
+    :attr:`dtype_resolved`, :attr:`cuda_graphs_resolved` (or :meth:`resolved`)
+    turn them into concrete ones.
+
+    :param model: a local model directory or a preset name (``tiny-llama``...).
+    :param dtype: ``auto`` (bfloat16 on CUDA, float32 on CPU), ``float32``,
+        ``bfloat16`` or ``float16`` (also ``fp32``, ``bf16``, ``fp16``, ``half``).
+    :param device: ``auto`` (``cuda`` when available, else ``cpu``), ``cpu``,
+        ``cuda`` or ``cuda:N``.
+    :param max_num_seqs: most sequences in one step.
+    :param max_num_tokens: most tokens in one step (the chunked-prefill budget);
+        at least ``max_num_seqs``, since every running sequence decodes one token.
+    :param max_model_len: longest prompt + output; ``None`` = the model's limit.
+    :param page_size: tokens per KV-cache page.
+    :param kv_memory: device memory for the KV cache and recurrent states, bytes
+        or a size string (``"256MiB"``); ``None`` = sized automatically.
+    :param num_kv_pages: exact number of KV pages (overrides ``kv_memory``).
+    :param host_kv_memory: pinned host memory for the offload tier of reusable
+        KV blocks; ``0`` turns the tier off.
+    :param enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+    :param cuda_graphs: one of :data:`CUDA_GRAPH_MODES`; ``None`` =
+        ``full_and_piecewise`` on CUDA, ``off`` on CPU.
+    :param cuda_graph_buckets: token counts to capture graphs for (sorted,
+        unique); ``None`` = powers of two up to ``max_num_tokens``.
+    :param seed: seed of the sampling RNG.
+    :param debug: extra checks and logging (slower).
+    :param backends: backend name or ``auto`` per op family; families left out
+        are ``auto``.
+    """
+
+    model: str = "tiny-llama"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 32
+    max_num_tokens: int = 2048
+    max_model_len: int | None = None
+    page_size: int = 16
+    kv_memory: int | None = None
+    num_kv_pages: int | None = None
+    host_kv_memory: int = 0
+    enable_prefix_caching: bool = True
+    cuda_graphs: str | None = None
+    cuda_graph_buckets: tuple[int, ...] | None = None
+    seed: int = 0
+    debug: bool = False
+    backends: Mapping[str, str] = field(default_factory=_default_backends)
+
+    def __post_init__(self) -> None:
+        source = _building_from.get()
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        checked = _validate(values, source)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        defaults = _field_defaults()
+        origins = {name: source if values[name] != defaults[name] else _DEFAULT for name in values}
+        object.__setattr__(self, "_origins", origins)
+        if source is not _DEFAULT:
+            self._check_cross_fields(source)
+
+    def __hash__(self) -> int:
+        data = self.to_dict()
+        data["backends"] = tuple(sorted(data["backends"].items()))
+        if data["cuda_graph_buckets"] is not None:
+            data["cuda_graph_buckets"] = tuple(data["cuda_graph_buckets"])
+        return hash(tuple(data.items()))
+
+    # -- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Return the configuration keys, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], *, source: str = "", base: EngineConfig | None = None
+    ) -> EngineConfig:
+        """Build a configuration from a mapping (a parsed YAML document).
+
+        :param data: keys of :class:`EngineConfig`; ``backends`` may name only
+            some families.
+        :param source: the file the mapping came from, for error messages
+            (empty: the values are treated as keyword arguments).
+        :param base: the configuration the values override (defaults if ``None``).
+        :raises ConfigError: an unknown key or a bad value, naming file and key.
+        """
+        src = _Source("file", source) if source else _KWARGS
+        return (base or cls())._with(dict(data), src)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> EngineConfig:
+        """Load a YAML file, then apply keyword ``overrides``.
+
+        :param path: the YAML file; its top level is a mapping of configuration keys.
+        :raises ConfigError: the file is missing, is not valid YAML, is not a
+            mapping, or has an unknown key or a bad value (naming the file and key).
+        """
+        path_str = os.fspath(path)
+        try:
+            with open(path_str, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read config file {path_str!r}: {exc.strerror or exc}"
+            ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = ""
+            mark = getattr(exc, "problem_mark", None)
+            if mark is not None:
+                where = f" at line {mark.line + 1}, column {mark.column + 1}"
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(
+                f"config file {path_str!r} is not valid YAML{where}: {problem}"
+            ) from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {path_str!r} must hold a mapping of configuration keys "
+                f"(key: value lines), not a {type(data).__name__}"
+            )
+        config = cls.from_dict(data, source=path_str)
+        return config.merge(**overrides) if overrides else config
+
+    def merge(self, **overrides: Any) -> EngineConfig:
+        """Return a copy with ``overrides`` applied (validated like keyword arguments).
+
+        ``backends`` is merged per family: ``merge(backends={"ssm": "torch"})``
+        keeps the other families' choices.
+        """
+        return self._with(overrides, _KWARGS)
+
+    def _with(self, values: dict[str, Any], source: _Source) -> EngineConfig:
+        values = dict(values)
+        if "backends" in values:
+            backends = values["backends"]
+            if backends is None:
+                backends = {}
+            if isinstance(backends, Mapping):
+                values["backends"] = {**self.backends, **_check_backends_keys(backends, source)}
+        checked = _validate(values, source)
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        current.update(checked)
+        token = _building_from.set(_DEFAULT)
+        try:
+            new = type(self)(**current)
+        finally:
+            _building_from.reset(token)
+        origins = dict(self._origins)  # type: ignore[attr-defined]
+        for name in checked:
+            origins[name] = source
+        for family in values.get("backends") or {}:
+            origins[f"backends.{family}"] = source
+        object.__setattr__(new, "_origins", origins)
+        new._check_cross_fields(source)
+        return new
+
+    def _check_cross_fields(self, source: _Source) -> None:
+        if self.max_num_tokens < self.max_num_seqs:
+            key = "max_num_tokens" if self.origin("max_num_tokens") is source else "max_num_seqs"
+            raise ConfigError(
+                f"{self.origin(key).where(key)}: max_num_tokens ({self.max_num_tokens}) "
+                f"must be at least max_num_seqs ({self.max_num_seqs}), since every running "
+                "sequence decodes one token per step"
+            )
+
+    def origin(self, key: str) -> _Source:
+        """Return where the value of ``key`` (or ``backends.FAMILY``) came from."""
+        origins = self._origins  # type: ignore[attr-defined]
+        return origins.get(key) or origins[key.split(".", 1)[0]]
+
+    # -- command line -----------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the engine flags (``--config``, ``--model``, ``--backend``...) to ``parser``.
+
+        Flags not given on the command line keep the value of the ``--config``
+        file, or the default. Use :meth:`from_cli` on the parsed arguments.
+        """
+        group = parser.add_argument_group("engine configuration")
+        sup = argparse.SUPPRESS
+        group.add_argument(
+            "--config", metavar="FILE", default=None, help="YAML file of engine settings"
+        )
+        group.add_argument("--model", default=sup, help="model directory or preset name")
+        group.add_argument("--dtype", default=sup, help="auto | float32 | bfloat16 | float16")
+        group.add_argument("--device", default=sup, help="auto | cpu | cuda | cuda:N")
+        group.add_argument("--max-num-seqs", default=sup, metavar="N", help="sequences per step")
+        group.add_argument(
+            "--max-num-tokens", default=sup, metavar="N", help="tokens per step (prefill chunk)"
+        )
+        group.add_argument(
+            "--max-model-len", default=sup, metavar="N", help="longest prompt + output"
+        )
+        group.add_argument("--page-size", default=sup, metavar="N", help="tokens per KV page")
+        group.add_argument(
+            "--kv-memory", default=sup, metavar="SIZE", help="KV cache memory, e.g. 256MiB"
+        )
+        group.add_argument(
+            "--num-kv-pages", default=sup, metavar="N", help="exact KV page count (overrides)"
+        )
+        group.add_argument(
+            "--host-kv-memory",
+            default=sup,
+            metavar="SIZE",
+            help="pinned host memory for offloaded KV blocks (0 = off)",
+        )
+        group.add_argument(
+            "--prefix-caching",
+            dest="enable_prefix_caching",
+            action=argparse.BooleanOptionalAction,
+            default=sup,
+            help="reuse KV blocks of shared prompt prefixes",
+        )
+        group.add_argument(
+            "--cuda-graphs", default=sup, help=" | ".join(CUDA_GRAPH_MODES) + " (default by device)"
+        )
+        group.add_argument(
+            "--cuda-graph-buckets",
+            default=sup,
+            metavar="N,N,...",
+            help="token counts to capture graphs for",
+        )
+        group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
+        group.add_argument(
+            "--debug", action="store_true", default=sup, help="extra checks and logging"
+        )
+        group.add_argument(
+            "--backend",
+            dest="backend_choices",
+            action="append",
+            default=sup,
+            metavar="FAMILY=NAME",
+            help=f"backend per op family ({', '.join(FAMILIES)}); repeatable; NAME may be auto",
+        )
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        """Build a configuration from flags added by :meth:`add_cli_arguments`.
+
+        :param args: the parsed namespace; ``--config FILE`` is loaded first,
+            then every flag that was given overrides it.
+        :raises ConfigError: naming the file and key, or the flag.
+        """
+        config_file = getattr(args, "config", None)
+        base = cls.from_yaml(config_file) if config_file else cls()
+        given = vars(args)
+        values: dict[str, Any] = {}
+        for name in cls.field_names():
+            if name != "backends" and name in given:
+                values[name] = given[name]
+        if "backend_choices" in given:
+            backends: dict[str, str] = {}
+            for item in given["backend_choices"] or []:
+                family, sep, name = item.partition("=")
+                if not sep or not family.strip() or not name.strip():
+                    raise ConfigError(
+                        f"option --backend: expected FAMILY=NAME (e.g. attention=torch), "
+                        f"got {item!r}"
+                    )
+                backends[family.strip()] = name.strip()
+            values["backends"] = backends
+        return base._with(values, _Source("cli")) if values else base
+
+    # -- resolution of "auto" ---------------------------------------------------------------
+
+    @property
+    def device_resolved(self) -> str:
+        """The device: ``device`` as written, or for ``auto`` ``cuda`` if available else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def device_type(self) -> str:
+        """``"cpu"`` or ``"cuda"`` (the resolved device without an index)."""
+        return self.device_resolved.split(":", 1)[0]
+
+    @property
+    def dtype_resolved(self) -> str:
+        """The dtype name: as written, or for ``auto`` bfloat16 on CUDA, float32 on CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device_type == "cuda" else "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The resolved dtype as a ``torch.dtype``."""
+        import torch
+
+        return getattr(torch, self.dtype_resolved)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The resolved device as a ``torch.device``."""
+        import torch
+
+        return torch.device(self.device_resolved)
+
+    @property
+    def cuda_graphs_resolved(self) -> str:
+        """The CUDA-graph mode: ``full_and_piecewise`` on CUDA and ``off`` on CPU unless set;
+        a mode set for a CPU run is turned ``off`` (with a warning), as graphs need CUDA."""
+        on_cuda = self.device_type == "cuda"
+        if self.cuda_graphs is None:
+            return "full_and_piecewise" if on_cuda else "off"
+        if not on_cuda and self.cuda_graphs != "off":
+            logger.warning(
+                "cuda_graphs=%s ignored: device %s is not CUDA; running eagerly",
+                self.cuda_graphs,
+                self.device_resolved,
+            )
+            return "off"
+        return self.cuda_graphs
+
+    def resolved(self) -> EngineConfig:
+        """Return a copy with ``device``, ``dtype`` and ``cuda_graphs`` made concrete."""
+        return self._with(
+            {
+                "device": self.device_resolved,
+                "dtype": self.dtype_resolved,
+                "cuda_graphs": self.cuda_graphs_resolved,
+            },
+            _DEFAULT,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the configuration as plain data (YAML/JSON-serialisable)."""
+        data = {name: getattr(self, name) for name in self.field_names()}
+        data["backends"] = dict(self.backends)
+        if self.cuda_graph_buckets is not None:
+            data["cuda_graph_buckets"] = list(self.cuda_graph_buckets)
+        return data
+
+    # -- backends ---------------------------------------------------------------------------
+
+    def select_backends(
+        self,
+        families: Iterable[str] | None = None,
+        registry: BackendRegistry | None = None,
+    ) -> dict[str, BackendSpec]:
+        """Check the configured backends against the registry and choose one per family.
+
+        Every family whose backend is named explicitly is checked for an
+        installed backend of that name (a typo is an error even for a family
+        the model does not use); the families in ``families`` are selected
+        (``auto``: highest-priority available backend that runs on the device).
+
+        :param families: the op families the model uses; ``None`` = all.
+        :param registry: the plugin registry (the process-wide one if ``None``).
+        :return: ``{family: BackendSpec}`` for ``families``.
+        :raises UnknownBackendError: naming the key, the installed backends and
+            the plugins that failed to load.
+        :raises BackendUnavailableError: with the reason the backend cannot run.
+        """
+        if registry is None:
+            from backplane.core.registry import get_registry
+
+            registry = get_registry()
+        wanted = list(FAMILIES if families is None else families)
+        for family in wanted:
+            if family not in FAMILIES:
+                raise ConfigError(
+                    f"unknown op family {family!r}; the families are: {', '.join(FAMILIES)}"
+                )
+        device = self.device_type
+        chosen: dict[str, BackendSpec] = {}
+        for family in FAMILIES:
+            name = self.backends.get(family, "auto")
+            if family not in wanted and name == "auto":
+                continue
+            try:
+                if family in wanted:
+                    spec = registry.select(family, name, device=device)
+                    chosen[family] = spec
+                    if name != "auto":
+                        logger.info("%s backend: %s (configured)", family, spec.name)
+                else:
+                    registry.get(family, name)
+            except BackplaneError as exc:
+                key = f"backends.{family}"
+                where = self.origin(key)
+                if where is _DEFAULT:  # "auto" by default: the key was never written
+                    raise
+                raise type(exc)(f"{where.where(key)}: {exc}") from None
+        return chosen
+
+    def validate_backends(
+        self, families: Iterable[str] | None = None, registry: BackendRegistry | None = None
+    ) -> None:
+        """Raise if a configured backend is unknown or cannot run (see :meth:`select_backends`)."""
+        self.select_backends(families, registry)
+
+    def resolve_backends(
+        self,
+        families: Iterable[str] | None = None,
+        registry: BackendRegistry | None = None,
+    ) -> dict[str, Any]:
+        """Select (see :meth:`select_backends`) and load one backend object per family.
+
+        :param families: the op families the model uses (``model.families``);
+            ``None`` = all four.
+        :return: ``{family: backend object}`` (instances of the family classes
+            of :mod:`backplane.core.families`).
+        :raises BackendUnavailableError: a backend failed to load.
+        :raises PluginError: ``load`` produced an object of the wrong family.
+        """
+        from backplane.core import families as family_classes
+
+        expected = {
+            "attention": family_classes.AttentionBackend,
+            "ssm": family_classes.SSMBackend,
+            "mla": family_classes.MLABackend,
+            "delta": family_classes.DeltaBackend,
+        }
+        backends: dict[str, Any] = {}
+        for family, spec in self.select_backends(families, registry).items():
+            load = spec.load if isinstance(spec.load, str) else repr(spec.load)
+            try:
+                backend = spec.resolve()
+            except BackplaneError:
+                raise
+            except Exception as exc:
+                raise BackendUnavailableError(
+                    f"{family} backend {spec.name!r} (plugin {spec.plugin}) failed to load "
+                    f"from {load}: {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(backend, expected[family]):
+                raise PluginError(
+                    f"{family} backend {spec.name!r} (plugin {spec.plugin}): {load} produced "
+                    f"{type(backend).__name__}, which is not a "
+                    f"backplane.core.families.{expected[family].__name__}"
+                )
+            backends[family] = backend
+        return backends
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _check_backends_keys(backends: Mapping[Any, Any], source: _Source) -> dict[str, Any]:
+    for family in backends:
+        if family not in FAMILIES:
+            close = difflib.get_close_matches(str(family), FAMILIES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{source.where(f'backends.{family}')}: unknown op family{hint}; "
+                f"the families are: {', '.join(FAMILIES)}"
+            )
+    return dict(backends)
+
+
+def _int(value: Any, *, minimum: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"expected an integer >= {minimum}{' or null' if allow_none else ''}, got {value!r}"
+        )
+    if value < minimum:
+        raise ValueError(f"expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _choice(value: Any, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _device(value: Any) -> str:
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+            return text
+    raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+
+
+def _dtype(value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() in DTYPES:
+        return DTYPES[value.strip().lower()]
+    raise ValueError(f"expected one of auto, float32, bfloat16, float16, got {value!r}")
+
+
+def _buckets(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = [p for p in value.replace(" ", "").split(",") if p]
+        value = parts
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"expected a non-empty list of positive integers, got {value!r}")
+    out = []
+    for item in value:
+        try:
+            out.append(_int(item, minimum=1))
+        except ValueError:
+            raise ValueError(
+                f"expected a non-empty list of positive integers, got {value!r}"
+            ) from None
+    return tuple(sorted(set(out)))  # type: ignore[arg-type]
+
+
+def _backends(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            "expected a mapping of op family to backend name, e.g. {attention: torch}, "
+            f"got {value!r}"
+        )
+    out = _default_backends()
+    for family, name in value.items():
+        if not isinstance(name, str) or not name.strip():
+            raise _KeyedError(
+                f"backends.{family}", f"expected a backend name or auto, got {name!r}"
+            )
+        out[family] = name.strip()
+    return out
+
+
+class _KeyedError(ValueError):
+    """A bad value inside a nested key (``backends.ssm``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+_VALIDATORS: dict[str, Any] = {
+    "model": lambda v: v if isinstance(v, str) and v.strip() else _raise_model(v),
+    "dtype": _dtype,
+    "device": _device,
+    "max_num_seqs": lambda v: _int(v, minimum=1),
+    "max_num_tokens": lambda v: _int(v, minimum=1),
+    "max_model_len": lambda v: _int(v, minimum=1, allow_none=True),
+    "page_size": lambda v: _int(v, minimum=1),
+    "kv_memory": lambda v: None if v is None or v == "auto" else _positive_size(v),
+    "num_kv_pages": lambda v: _int(v, minimum=2, allow_none=True),
+    "host_kv_memory": parse_size,
+    "enable_prefix_caching": _bool,
+    "cuda_graphs": lambda v: None if v is None else _choice(v, CUDA_GRAPH_MODES),
+    "cuda_graph_buckets": _buckets,
+    "seed": lambda v: _int(v, minimum=0),
+    "debug": _bool,
+    "backends": _backends,
+}
+
+
+def _raise_model(value: Any) -> str:
+    raise ValueError(f"expected a model directory or preset name, got {value!r}")
+
+
+def _positive_size(value: Any) -> int:
+    size = parse_size(value)
+    if size == 0:
+        raise ValueError("expected a size above zero (omit the key for automatic sizing)")
+    return size
+
+
+def _validate(values: Mapping[str, Any], source: _Source) -> dict[str, Any]:
+    """Check and normalise ``values``; raise :class:`ConfigError` naming source and key."""
+    known = list(_VALIDATORS)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in _VALIDATORS:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{source.where(str(key))}: unknown key{hint}; the keys are: {', '.join(known)}"
+            )
+        if key == "backends" and isinstance(value, Mapping):
+            _check_backends_keys(value, source)
+        try:
+            out[key] = _VALIDATORS[key](value)
+        except _KeyedError as exc:
+            raise ConfigError(f"{source.where(exc.key)}: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{source.where(key)}: {exc}") from None
+    return out
