@@ -1,0 +1,62 @@
+"""Padded sizes ("buckets") at which graphs are captured, and the choice of one per step."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+
+def powers_of_two_up_to(limit: int) -> list[int]:
+    """Return ``1, 2, 4, ...`` up to ``limit``, plus ``limit`` itself when it is not a power of two.
+
+    :param limit: the largest size that must have a bucket.
+    :return: the sorted, de-duplicated sizes.
+    """
+    if limit < 1:
+        raise ValueError(f"bucket limit must be >= 1, got {limit}")
+    sizes = []
+    n = 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    sizes.append(limit)
+    return sorted(set(sizes))
+
+
+def token_buckets(max_num_tokens: int, sizes: Iterable[int] | None = None) -> list[int]:
+    """Buckets of the piecewise runner (flat token counts).
+
+    Pure-prefill batches can fill the whole token budget, so ``max_num_tokens``
+    always has a bucket, whatever the configured sizes.
+
+    :param max_num_tokens: the scheduler's token budget per step.
+    :param sizes: configured sizes (default: powers of two).
+    :return: sorted sizes, none above ``max_num_tokens``.
+    """
+    chosen = powers_of_two_up_to(max_num_tokens) if sizes is None else list(sizes)
+    chosen = [s for s in chosen if 1 <= s <= max_num_tokens]
+    chosen.append(max_num_tokens)
+    return sorted(set(chosen))
+
+
+def decode_buckets(max_num_seqs: int, sizes: Iterable[int] | None = None) -> list[int]:
+    """Buckets of the monolithic decode graphs (batch sizes).
+
+    :param max_num_seqs: the most sequences in one step.
+    :param sizes: configured sizes (default: powers of two).
+    :return: sorted sizes, none above ``max_num_seqs``.
+    """
+    chosen = powers_of_two_up_to(max_num_seqs) if sizes is None else list(sizes)
+    chosen = [s for s in chosen if 1 <= s <= max_num_seqs]
+    chosen.append(max_num_seqs)
+    return sorted(set(chosen))
+
+
+def pick_bucket(n: int, buckets: list[int]) -> int | None:
+    """Return the smallest bucket ``>= n``, or ``None`` when ``n`` exceeds them all.
+
+    :param n: the real size of the step.
+    :param buckets: sorted sizes.
+    """
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None

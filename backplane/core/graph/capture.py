@@ -1,0 +1,178 @@
+"""Capturing one callable as a CUDA graph, and the memory helpers around it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def new_pool() -> Any:
+    """Return a memory pool shared by every graph and out buffer of one runner.
+
+    A ``torch.cuda.MemPool`` when available (so out buffers can be allocated in
+    it outside capture), else a graph pool handle.
+    """
+    if hasattr(torch.cuda, "MemPool"):
+        return torch.cuda.MemPool()
+    return torch.cuda.graph_pool_handle()
+
+
+def pool_id(pool: Any) -> Any:
+    """Return what ``torch.cuda.graph(pool=...)`` expects for ``pool``."""
+    return pool.id if hasattr(pool, "id") else pool
+
+
+@contextlib.contextmanager
+def allocate_in(pool: Any) -> Iterator[None]:
+    """Allocate tensors created inside the block from ``pool`` (when supported)."""
+    if pool is not None and hasattr(torch.cuda, "use_mem_pool") and hasattr(pool, "id"):
+        with torch.cuda.use_mem_pool(pool):
+            yield
+    else:
+        yield
+
+
+def weak_ref(t: torch.Tensor) -> torch.Tensor:
+    """Return a tensor aliasing ``t``'s memory without keeping it allocated.
+
+    Graph outputs that only feed the next captured segment are held this way,
+    so that once a bucket is captured its intermediates return to the pool
+    and later captures reuse the memory. Replays are sequential, and each replay
+    rewrites an intermediate before anything reads it.
+    """
+    if t.device.type != "cuda":
+        return t
+
+    class _Iface:
+        __slots__ = ("__cuda_array_interface__",)
+
+    raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    iface = _Iface()
+    iface.__cuda_array_interface__ = {
+        "shape": tuple(raw.shape),
+        "strides": tuple(s * raw.element_size() for s in raw.stride()),
+        "typestr": {
+            torch.int16: "<i2",
+            torch.float32: "<f4",
+            torch.int32: "<i4",
+            torch.int64: "<i8",
+            torch.uint8: "|u1",
+            torch.bool: "|b1",
+            torch.float64: "<f8",
+        }[raw.dtype],
+        "data": (raw.data_ptr(), False),
+        "version": 2,
+    }
+    alias = torch.as_tensor(iface, device=t.device)
+    return alias.view(t.dtype) if alias.dtype != t.dtype else alias
+
+
+def weak_refs(value: Any) -> Any:
+    """Apply :func:`weak_ref` to every tensor in a (nested) tuple/list."""
+    if isinstance(value, torch.Tensor):
+        return weak_ref(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(weak_refs(v) for v in value)
+    return value
+
+
+class _EagerGraph:
+    """Stand-in for ``torch.cuda.CUDAGraph`` without CUDA: replay re-runs the forward."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: tuple, outputs: Any):
+        self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+    def replay(self) -> None:
+        result = self.fn(*self.inputs)
+        _copy_into(self.outputs, result)
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src, strict=True):
+            _copy_into(d, s)
+
+
+@dataclass
+class CapturedGraph:
+    """A captured graph and the outputs it writes on every replay."""
+
+    graph: Any
+    outputs: Any
+
+    def replay(self) -> Any:
+        """Replay the graph and return its (stable-address) outputs."""
+        self.graph.replay()
+        return self.outputs
+
+
+def capture(
+    forward_fn: Callable[..., Any],
+    postprocess_fn: Callable[..., None] | None,
+    inputs: tuple[Any, ...],
+    *,
+    pool: Any = None,
+    num_warmup: int = 2,
+    stream: Any = None,
+) -> CapturedGraph:
+    """Warm up and capture ``forward_fn(*inputs)`` as one CUDA graph.
+
+    :param forward_fn: the computation; it reads ``inputs`` (stable-address
+        tensors) and may mutate some of them in place.
+    :param postprocess_fn: called as ``postprocess_fn(*inputs)`` after each
+        warmup run and after capture, to restore inputs the forward mutates
+        (e.g. offsets advanced in place); without it, warmup runs would
+        compound the mutation and the graph would be recorded from wrong inputs.
+    :param inputs: the arguments, at the addresses replays will use.
+    :param pool: the memory pool to capture into.
+    :param num_warmup: eager runs before capture (kernel selection, lazy init).
+    :param stream: the side stream to capture on (default: a new one).
+    :return: the captured graph; its outputs live in the pool. Without CUDA
+        the "graph" re-runs ``forward_fn`` eagerly on replay and copies the
+        results into the outputs of the capture run, which keeps the phase
+        logic (and this hook) testable on any machine.
+    """
+    if not torch.cuda.is_available():
+        for _ in range(num_warmup):
+            forward_fn(*inputs)
+            if postprocess_fn is not None:
+                postprocess_fn(*inputs)
+        outputs = forward_fn(*inputs)
+        if postprocess_fn is not None:
+            postprocess_fn(*inputs)
+        return CapturedGraph(_EagerGraph(forward_fn, inputs, outputs), outputs)
+    stream = stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(num_warmup):
+            forward_fn(*inputs)
+            if postprocess_fn is not None:
+                postprocess_fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool_id(pool) if pool is not None else None, stream=stream):
+        outputs = forward_fn(*inputs)
+    if postprocess_fn is not None:
+        postprocess_fn(*inputs)
+    return CapturedGraph(graph, outputs)
+
+
+def pool_bytes(pool: Any) -> int:
+    """Bytes currently reserved by ``pool`` (0 when it cannot be measured)."""
+    if pool is None or not torch.cuda.is_available():
+        return 0
+    if hasattr(pool, "snapshot"):
+        try:
+            return sum(seg["total_size"] for seg in pool.snapshot())
+        except Exception:  # older torch: fall back to the device-wide figure
+            pass
+    return torch.cuda.memory_reserved()

@@ -1,0 +1,302 @@
+"""Piecewise CUDA graphs: captured static segments, eager dynamic ops between them.
+
+The model's forward is traced by ``torch.compile`` with a backend of ours
+(:class:`PiecewiseCompiler`) that splits the traced graph at the dynamic ops
+and swaps every segment for a runner:
+
+* :class:`StaticSegment` records one CUDA graph per bucket and replays it;
+* :class:`DynamicOpSegment` runs its cached op eagerly, writing into an out
+  buffer allocated once in the shared pool (the out-buffer contract is what
+  makes this possible: the op writes at a stable address the next captured
+  segment reads from).
+
+Buckets are captured largest first. After a bucket is captured, strong
+references to its intermediates are dropped so the pool memory is reused by the
+next bucket's capture; out buffers of smaller buckets are row-prefix views of
+the largest bucket's buffer for the same op, so each op owns one allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.fx
+
+from backplane.core.graph.capture import allocate_in, new_pool, pool_id, weak_refs
+from backplane.core.graph.context import GraphContext, GraphPhase
+from backplane.core.graph.split import Segment, split_at_dynamic_ops
+
+logger = logging.getLogger(__name__)
+
+
+def _tensor_ptrs(args: Iterable[Any]) -> list[int]:
+    return [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+
+
+class StaticSegment(torch.nn.Module):
+    """A segment without dynamic ops: eager, or one CUDA graph per bucket.
+
+    :param name: the segment's name, for messages.
+    :param module: the traced submodule.
+    :param ctx: the runner's shared :class:`GraphContext`.
+    """
+
+    def __init__(self, name: str, module: torch.nn.Module, ctx: GraphContext) -> None:
+        super().__init__()
+        self.name = name
+        self.module = module
+        self.ctx = ctx
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.input_ptrs: dict[int, list[int]] = {}
+        self.checked: set[int] = set()
+
+    def forward(self, *args: Any) -> Any:
+        ctx = self.ctx
+        phase, bucket = ctx.phase, ctx.bucket
+        if phase in (GraphPhase.EAGER, GraphPhase.WARMUP) or bucket is None:
+            return self.module(*args)
+        if phase is GraphPhase.CAPTURE:
+            if not torch.cuda.is_available():
+                return self.module(*args)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool_id(ctx.pool)):
+                out = self.module(*args)
+            self.graphs[bucket] = graph
+            self.outputs[bucket] = weak_refs(out)
+            self.input_ptrs[bucket] = _tensor_ptrs(args)
+            return out
+        graph = self.graphs.get(bucket)
+        if graph is None:  # no CUDA (or capture skipped): same code, eagerly
+            return self.module(*args)
+        if bucket not in self.checked:
+            if _tensor_ptrs(args) != self.input_ptrs[bucket]:
+                raise RuntimeError(
+                    f"piecewise segment {self.name}, bucket {bucket}: an input moved since capture; "
+                    "inputs must live in persistent buffers"
+                )
+            self.checked.add(bucket)
+        graph.replay()
+        return self.outputs[bucket]
+
+
+class DynamicOpSegment(torch.nn.Module):
+    """A segment holding exactly one cached op, always run eagerly.
+
+    In capture and replay phases the op writes into an out buffer of the
+    current bucket, so the following captured segment finds its input at the
+    address it was recorded with.
+
+    :param name: the segment's name.
+    :param module: the traced submodule (one ``call_function`` node).
+    :param op: the op's overload.
+    :param ctx: the runner's shared context.
+    """
+
+    def __init__(self, name: str, module: torch.fx.GraphModule, op: Any, ctx: GraphContext) -> None:
+        super().__init__()
+        self.name = name
+        self.module = module
+        self.op = op
+        self.ctx = ctx
+        self.with_out = _rewrite_with_out(module, op)
+        self.out_info: dict[int, tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._base: torch.Tensor | None = None
+
+    def forward(self, *args: Any) -> Any:
+        ctx = self.ctx
+        phase, bucket = ctx.phase, ctx.bucket
+        if phase is GraphPhase.EAGER or bucket is None:
+            return self.module(*args)
+        if phase is GraphPhase.WARMUP:
+            out = self.module(*args)
+            self.out_info[bucket] = (tuple(out.shape), out.dtype, out.device)
+            return out
+        buf = self.buffers.get(bucket)
+        if buf is None:
+            if phase is GraphPhase.REPLAY:
+                raise RuntimeError(
+                    f"{self.name}: bucket {bucket} is replayed but was never captured"
+                )
+            if bucket not in self.out_info:
+                # this trace was first reached at capture time (a recompile): discover the shape now
+                out = self.module(*args)
+                self.out_info[bucket] = (tuple(out.shape), out.dtype, out.device)
+                del out
+            buf = self._allocate(bucket)
+        self.with_out(*args, buf)
+        return buf
+
+    def _allocate(self, bucket: int) -> torch.Tensor:
+        shape, dtype, device = self.out_info[bucket]
+        base = self._base
+        if (
+            base is not None
+            and base.dtype == dtype
+            and tuple(base.shape[1:]) == shape[1:]
+            and base.shape[0] >= shape[0]
+        ):
+            buf = base[: shape[0]]
+        else:
+            with allocate_in(self.ctx.pool if device.type == "cuda" else None):
+                buf = torch.empty(shape, dtype=dtype, device=device)
+            if base is None or buf.shape[0] > base.shape[0]:
+                self._base = buf
+        self.buffers[bucket] = buf
+        return buf
+
+
+def _rewrite_with_out(module: torch.fx.GraphModule, op: Any) -> torch.fx.GraphModule:
+    """Copy ``module`` so that it takes an extra last input, the op's ``out``, and returns it."""
+    gm = torch.fx.GraphModule(module, torch.fx.Graph())
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for n in placeholders:
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    out_ph = graph.placeholder("backplane_out")
+    result = None
+    for n in module.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            graph.output(out_ph)
+            continue
+        new = graph.node_copy(n, lambda x: env[x])
+        if n.op == "call_function" and n.target is op:
+            names = [a.name for a in op._schema.arguments]
+            out_pos = names.index("out")
+            if len(new.args) > out_pos:
+                new.args = (*new.args[:out_pos], out_ph, *new.args[out_pos + 1 :])
+            else:
+                new.kwargs = {**new.kwargs, "out": out_ph}
+            result = new
+        env[n] = new
+    if result is None:
+        raise RuntimeError("dynamic segment does not call its op")
+    gm.graph = graph
+    gm.recompile()
+    return gm
+
+
+class PiecewiseCompiler:
+    """A ``torch.compile`` backend that splits at dynamic ops and installs segment runners.
+
+    :param dynamic_ops: the cached ops of the selected backends.
+    :param ctx: the runner's shared context.
+    """
+
+    def __init__(self, dynamic_ops: Iterable[Any], ctx: GraphContext) -> None:
+        self.dynamic_ops = list(dynamic_ops)
+        self.ctx = ctx
+        self.splits: list[tuple[torch.fx.GraphModule, list[Segment]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        split, segments = split_at_dynamic_ops(gm, self.dynamic_ops)
+        for seg in segments:
+            sub = getattr(split, seg.name)
+            if seg.dynamic:
+                runner: torch.nn.Module = DynamicOpSegment(seg.name, sub, seg.op, self.ctx)
+            else:
+                runner = StaticSegment(seg.name, sub, self.ctx)
+            setattr(split, seg.name, runner)
+        self.splits.append((split, segments))
+        n_dyn = sum(s.dynamic for s in segments)
+        logger.info(
+            "piecewise graph: %d segments (%d dynamic ops, %d static)",
+            len(segments),
+            n_dyn,
+            len(segments) - n_dyn,
+        )
+        return split
+
+
+class PiecewiseGraphs:
+    """Piecewise CUDA graphs of one model forward, per token-count bucket.
+
+    :param forward: the model's forward (``input_ids, positions -> hidden``).
+    :param dynamic_ops: the ops to split at (from the selected backends).
+    :param buckets: token counts to capture.
+    :param pool: a shared memory pool (default: a new one on CUDA).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        dynamic_ops: Iterable[Any],
+        buckets: list[int],
+        pool: Any = None,
+    ) -> None:
+        cuda = torch.cuda.is_available()
+        self.ctx = GraphContext(pool=pool if pool is not None else (new_pool() if cuda else None))
+        self.buckets = sorted(buckets)
+        self.compiler = PiecewiseCompiler(dynamic_ops, self.ctx)
+        self.compiled = torch.compile(forward, backend=self.compiler, dynamic=True, fullgraph=True)
+        self.captured: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self._marked = False
+
+    def capture(
+        self,
+        make_inputs: Callable[[int], AbstractContextManager[tuple[Any, ...]]],
+        postprocess_fn: Callable[..., None] | None = None,
+        progress: Any = None,
+    ) -> None:
+        """Warm up and capture every bucket, largest first.
+
+        :param make_inputs: ``make_inputs(bucket)`` is a context manager that
+            prepares a batch of ``bucket`` padded tokens in the persistent
+            input buffers (and its forward context) and yields the forward's
+            arguments.
+        :param postprocess_fn: restores inputs the forward mutates; called with
+            the forward's arguments after the warmup run and after capture.
+        :param progress: an optional tqdm-like bar, advanced once per bucket.
+        """
+        from backplane.core.graph.capture import pool_bytes
+
+        for bucket in sorted(self.buckets, reverse=True):
+            before = pool_bytes(self.ctx.pool)
+            try:
+                with make_inputs(bucket) as args:
+                    if not self._marked:
+                        # one trace with a symbolic token count serves every bucket above 1
+                        for a in args:
+                            if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1:
+                                torch._dynamo.mark_dynamic(a, 0)
+                        self._marked = True
+                    self.ctx.enter(GraphPhase.WARMUP, bucket)
+                    self.compiled(*args)
+                    if postprocess_fn is not None:
+                        postprocess_fn(*args)
+                    self.ctx.enter(GraphPhase.CAPTURE, bucket)
+                    out = self.compiled(*args)
+                    if postprocess_fn is not None:
+                        postprocess_fn(*args)
+                    del out  # drop strong refs: the pool is reused by the next bucket
+                self.captured.add(bucket)
+            except Exception as exc:  # a failed bucket runs eagerly; the others still replay
+                self.failed[bucket] = f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "piecewise capture of bucket %d failed, it will run eagerly: %s", bucket, exc
+                )
+            finally:
+                self.ctx.enter(GraphPhase.EAGER, None)
+            self.ctx.pool_bytes[bucket] = pool_bytes(self.ctx.pool) - before
+            if progress is not None:
+                progress.set_postfix_str(
+                    f"piecewise bucket {bucket}, pool {pool_bytes(self.ctx.pool) / 2**20:.1f} MiB"
+                )
+                progress.update(1)
+
+    def run(self, bucket: int, *args: Any) -> Any:
+        """Replay bucket ``bucket`` on the current inputs (already padded to it)."""
+        self.ctx.enter(GraphPhase.REPLAY if bucket in self.captured else GraphPhase.EAGER, bucket)
+        try:
+            return self.compiled(*args)
+        finally:
+            self.ctx.enter(GraphPhase.EAGER, None)
