@@ -1,0 +1,589 @@
+"""The KV-cache manager: pages, prefix reuse, host tier, state slots, admission.
+
+Two-phase batch admission
+-------------------------
+Admitting a batch of waiting requests is split so that the number of reused
+tokens the scheduler counts on is exactly the number it gets:
+
+1. :meth:`KVCacheManager.claim` (per request, while the scheduler builds the
+   batch): walk the request's chained page hashes and *claim* every matching
+   page, on the device (reference count + 1, so it leaves the LRU and cannot be
+   evicted) or in the host tier (host claim, so it cannot be evicted from the
+   host). The claim says how many tokens are cached; the scheduler sizes the
+   request's chunk with it and :meth:`KVCacheManager.reserve` sets aside the
+   device pages the request still needs.
+2. :meth:`KVCacheManager.allocate_claimed` (once, for the whole batch): onboard
+   the claimed host pages and allocate the new pages. Allocation may evict idle
+   cached pages (offloading them to the host, which may evict host pages), but
+   every page promised to any request of the batch is claimed by then, so
+   nothing promised can disappear. Reused tokens realised == estimated; both are
+   counted in :class:`KVCacheStats` and compared by an assertion in debug mode.
+
+Prefix reuse is turned off for models with recurrent layers (SSM, conv,
+delta): their state after a prefix is a single per-sequence slot, not a page
+that could be shared, so a KV prefix hit could not skip the recurrent layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backplane.core.errors import OutOfKVMemoryError
+from backplane.core.kv_cache.block_pool import BlockPool
+from backplane.core.kv_cache.host_tier import HostTier
+from backplane.core.kv_cache.prefix_cache import PrefixCache, hash_pages
+from backplane.core.kv_cache.state_slots import StateSlotPool
+from backplane.core.metadata import NULL_PAGE, NULL_SLOT
+from backplane.core.request import Request
+
+__all__ = ["Claim", "KVCacheManager", "KVCacheStats", "RequestKV"]
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class KVCacheStats:
+    """Counters of the KV-cache manager (monotonic unless noted).
+
+    :param admissions: requests admitted (a resumed preempted request counts again).
+    :param lookup_pages: full pages looked up in the prefix cache at admission.
+    :param device_hit_pages: of those, found on the device.
+    :param host_hit_pages: of those, found in the host tier.
+    :param estimated_reused_tokens: cached tokens promised by phase-1 claims of admitted requests.
+    :param realised_reused_tokens: cached tokens actually delivered in phase 2 (equal, always).
+    :param new_pages: pages newly allocated to requests.
+    :param evicted_pages: idle cached pages evicted from the device.
+    :param offloaded_pages: evicted pages copied to the host tier.
+    :param onboarded_pages: host pages copied back to the device.
+    """
+
+    admissions: int = 0
+    lookup_pages: int = 0
+    device_hit_pages: int = 0
+    host_hit_pages: int = 0
+    estimated_reused_tokens: int = 0
+    realised_reused_tokens: int = 0
+    new_pages: int = 0
+    evicted_pages: int = 0
+    offloaded_pages: int = 0
+    onboarded_pages: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up pages found (device or host)."""
+        hits = self.device_hit_pages + self.host_hit_pages
+        return hits / self.lookup_pages if self.lookup_pages else 0.0
+
+
+class RequestKV:
+    """What the manager keeps per request (``request.kv_state``).
+
+    :param capacity_pages: pages the request can ever need.
+    """
+
+    __slots__ = ("pages", "num_pages", "hashes", "num_registered", "slot", "claim")
+
+    def __init__(self, capacity_pages: int) -> None:
+        self.pages = np.zeros(capacity_pages, dtype=np.int32)  # page table, first num_pages valid
+        self.num_pages = 0
+        self.hashes: list[int] = []  # chained hashes of leading full pages (kept across preemption)
+        self.num_registered = 0  # leading pages already offered to the prefix cache
+        self.slot = NULL_SLOT
+        self.claim: Claim | None = None
+
+    @property
+    def page_table(self) -> np.ndarray:
+        """The request's pages (a view, no copy)."""
+        return self.pages[: self.num_pages]
+
+
+@dataclass
+class Claim:
+    """Phase-1 result for one request: the pages it was promised.
+
+    :param request: the request.
+    :param hits: per leading page, ``(device_page, -1)`` for a device hit or
+        ``(-1, host_page)`` for a host hit, in page order.
+    :param num_lookup: pages looked up (the hit chain stops at the first miss).
+    :param page_size: tokens per page.
+    """
+
+    request: Request
+    hits: list[tuple[int, int]]
+    num_lookup: int
+    page_size: int
+    num_new_tokens: int = 0
+    reserved_pages: int = 0
+    reserved_slot: bool = False
+    num_host_hits: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_host_hits = sum(1 for d, _ in self.hits if d < 0)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the request will not compute (the scheduler's estimate of reuse)."""
+        return len(self.hits) * self.page_size
+
+    @property
+    def num_device_hits(self) -> int:
+        """Claimed pages already on the device."""
+        return len(self.hits) - self.num_host_hits
+
+
+class KVCacheManager:
+    """Owns the page pool, the prefix cache, the host tier and the state slots.
+
+    :param num_pages: pages in the pool, including the reserved scratch page 0.
+    :param page_size: tokens per page.
+    :param num_state_slots: recurrent-state slots including the reserved slot 0
+        (0 when the model has no recurrent layers); each live request gets one.
+    :param enable_prefix_caching: reuse computed full pages across requests
+        (forced off when ``num_state_slots > 0``).
+    :param host_tier: optional :class:`HostTier` keeping evicted reusable pages.
+    :param debug: check internal invariants (estimate == realised) with assertions.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        num_state_slots: int = 0,
+        enable_prefix_caching: bool = True,
+        host_tier: HostTier | None = None,
+        debug: bool = False,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} must be positive")
+        self.page_size = int(page_size)
+        self.pool = BlockPool(num_pages)
+        self.prefix = PrefixCache(num_pages)
+        self.slots = StateSlotPool(num_state_slots)
+        self.needs_state_slot = num_state_slots > 0
+        if self.needs_state_slot and num_state_slots < 2:
+            raise ValueError("num_state_slots must be 0 or at least 2 (slot 0 is reserved)")
+        self.prefix_caching = bool(enable_prefix_caching) and not self.needs_state_slot
+        if enable_prefix_caching and self.needs_state_slot:
+            logger.info(
+                "prefix caching is off: the model has recurrent layers (ssm/conv/delta) whose "
+                "state after a prefix is one per-sequence slot, not a shareable page"
+            )
+        self.host = host_tier if self.prefix_caching else None
+        if host_tier is not None and self.host is None:
+            logger.info("host KV tier is off because prefix caching is off")
+        if self.host is not None and self.host.device_caches[0].shape[0] != num_pages:
+            raise ValueError(
+                f"host tier caches have {self.host.device_caches[0].shape[0]} pages, "
+                f"the manager {num_pages}"
+            )
+        self.debug = debug
+        self._reserved_pages = 0
+        self._reserved_slots = 0
+        self.stats = KVCacheStats()
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool including the scratch page."""
+        return self.pool.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens (ceil division)."""
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation may take now: free + idle cached - reserved for admission."""
+        return self.pool.num_free + self.prefix.num_evictable - self._reserved_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages with at least one user."""
+        return self.pool.num_usable - self.pool.num_free - self.prefix.num_evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages held by requests."""
+        return self.num_used_pages / self.pool.num_usable
+
+    def check_fits(self, request: Request) -> None:
+        """Reject a request that could not run even with the whole pool to itself.
+
+        :raises OutOfKVMemoryError: with the sizes and what to change.
+        """
+        need = self.pages_for(request.capacity)
+        if need > self.pool.num_usable:
+            most = self.pool.num_usable * self.page_size
+            raise OutOfKVMemoryError(
+                f"request {request.request_id!r} needs up to {request.capacity} tokens "
+                f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) = "
+                f"{need} KV pages of {self.page_size} tokens, but the whole KV cache holds "
+                f"{self.pool.num_usable} pages ({most} tokens); lower max_tokens, shorten the "
+                "prompt, or give the KV cache more memory (kv_memory / num_kv_pages)"
+            )
+        if self.needs_state_slot and self.slots.num_slots < 2:
+            raise OutOfKVMemoryError("no recurrent-state slot exists; set num_state_slots >= 2")
+
+    def _state(self, request: Request) -> RequestKV:
+        st = request.kv_state
+        if st is None:
+            st = RequestKV(self.pages_for(request.capacity))
+            request.kv_state = st
+        return st
+
+    # -- phase 1 --------------------------------------------------------------------------------
+
+    def claim(self, request: Request) -> Claim:
+        """Phase 1: claim every cached page (device or host) matching the request's prefix.
+
+        At most ``(num_tokens - 1) // page_size`` pages are matched: the last
+        token is always computed, so a full hit still produces logits.
+
+        :param request: a waiting (or preempted) request holding no pages.
+        :return: the claim; give it to :meth:`reserve` then :meth:`allocate_claimed`,
+            or back with :meth:`unclaim`.
+        """
+        st = self._state(request)
+        if st.num_pages or st.claim is not None:
+            raise RuntimeError(f"request {request.request_id!r} already holds or claimed pages")
+        hits: list[tuple[int, int]] = []
+        limit = 0
+        if self.prefix_caching:
+            limit = (request.num_tokens - 1) // self.page_size
+            hashes = st.hashes
+            hash_pages(request.token_buffer, self.page_size, hashes, limit)
+            refs = self.pool.ref_counts
+            prefix = self.prefix
+            host = self.host
+            for i in range(limit):
+                h = hashes[i]
+                d = prefix.get(h)
+                if d is not None:
+                    if refs[d] == 0:
+                        prefix.take(d)
+                    refs[d] += 1
+                    hits.append((d, -1))
+                    continue
+                hp = host.get(h) if host is not None else None
+                if hp is None:
+                    break
+                host.claim(hp)
+                hits.append((-1, hp))
+        claim = Claim(request, hits, limit, self.page_size)
+        st.claim = claim
+        return claim
+
+    def unclaim(self, claim: Claim) -> None:
+        """Give back a claim that will not be admitted (pages return to the LRU)."""
+        st = claim.request.kv_state
+        self._reserved_pages -= claim.reserved_pages
+        self._reserved_slots -= int(claim.reserved_slot)
+        claim.reserved_pages = 0
+        claim.reserved_slot = False
+        for d, hp in reversed(claim.hits):
+            if d >= 0:
+                self._release_page(d)
+            else:
+                self.host.unclaim(hp)  # type: ignore[union-attr]
+        claim.hits = []
+        st.claim = None
+
+    def reserve(self, claim: Claim, num_new_tokens: int) -> bool:
+        """Set aside the device pages (and state slot) the claimed request needs.
+
+        :param claim: a phase-1 claim.
+        :param num_new_tokens: tokens the request computes this step, after its cached ones.
+        :return: False (nothing reserved) if memory or slots do not suffice.
+        """
+        need = self.pages_for(claim.num_cached_tokens + num_new_tokens) - claim.num_device_hits
+        need = max(need, 0)
+        if need > self.num_available_pages:
+            return False
+        if self.needs_state_slot and self.slots.num_free - self._reserved_slots < 1:
+            return False
+        self._reserved_pages += need
+        claim.reserved_pages = need
+        if self.needs_state_slot:
+            self._reserved_slots += 1
+            claim.reserved_slot = True
+        claim.num_new_tokens = num_new_tokens
+        return True
+
+    # -- phase 2 --------------------------------------------------------------------------------
+
+    def allocate_claimed(self, claims: list[Claim]) -> None:
+        """Phase 2: onboard claimed host pages and allocate new pages for every claim.
+
+        Sets each request's page table, state slot, ``num_computed_tokens``
+        (the realised cached tokens) and per-request stats.
+
+        :param claims: reserved claims of the batch (all claimed before this call).
+        """
+        ps = self.page_size
+        prefix = self.prefix
+        refs = self.pool.ref_counts
+        host = self.host
+        onboard_src: list[int] = []
+        onboard_dst: list[int] = []
+        for c in claims:
+            req = c.request
+            st: RequestKV = req.kv_state
+            table = st.pages
+            reused = onboarded = 0
+            realised = len(c.hits)
+            for i, (d, hp) in enumerate(c.hits):
+                h = st.hashes[i]
+                if d >= 0:
+                    if prefix.page_hash[d] != h:  # a claimed page changed: a bug
+                        realised = i
+                        break
+                    table[i] = d
+                    reused += 1
+                    continue
+                if host is None or host._page_hash[hp] != h:
+                    realised = i
+                    break
+                d2 = prefix.get(h)
+                if d2 is not None:  # onboarded by an earlier request of this batch
+                    if refs[d2] == 0:
+                        prefix.take(d2)
+                    refs[d2] += 1
+                    table[i] = d2
+                    reused += 1
+                    continue
+                d2 = self._alloc_one()
+                prefix.register(d2, h)
+                table[i] = d2
+                onboard_src.append(hp)
+                onboard_dst.append(d2)
+                onboarded += 1
+            if realised < len(c.hits):
+                self._drop_hits(c.hits[realised:])
+            self._reserved_pages -= c.reserved_pages
+            c.reserved_pages = 0
+            cached = realised * ps
+            total = self.pages_for(cached + c.num_new_tokens)
+            fresh = self._alloc(total - realised)
+            table[realised:total] = fresh
+            st.num_pages = total
+            st.num_registered = realised
+            if c.reserved_slot:
+                self._reserved_slots -= 1
+                c.reserved_slot = False
+                st.slot = self.slots.allocate()
+            req.num_computed_tokens = cached
+            s = req.stats
+            s.reused_pages += reused
+            s.reused_tokens += reused * ps
+            s.onboarded_pages += onboarded
+            s.onboarded_tokens += onboarded * ps
+            s.new_pages += len(fresh)
+            s.missed_pages += c.num_lookup - len(c.hits)
+            s.missed_tokens += req.num_tokens - cached
+            g = self.stats
+            g.admissions += 1
+            g.lookup_pages += c.num_lookup
+            g.device_hit_pages += c.num_device_hits
+            g.host_hit_pages += c.num_host_hits
+            g.estimated_reused_tokens += c.num_cached_tokens
+            g.realised_reused_tokens += cached
+            g.new_pages += len(fresh)
+            if cached != c.num_cached_tokens:
+                msg = (
+                    f"request {req.request_id!r}: admission promised {c.num_cached_tokens} "
+                    f"cached tokens but delivered {cached}"
+                )
+                if self.debug:
+                    raise AssertionError(msg)
+                logger.error(msg)
+        if onboard_src:
+            host.onboard(onboard_src, onboard_dst)  # type: ignore[union-attr]
+            self.stats.onboarded_pages += len(onboard_src)
+        # Host claims end once the copies out of them are queued (copies run in order).
+        for c in claims:
+            for d, hp in c.hits:
+                if d < 0:
+                    host.unclaim(hp)  # type: ignore[union-attr]
+            c.request.kv_state.claim = None
+        if self.debug:
+            assert self._reserved_pages >= 0 and self._reserved_slots >= 0
+
+    def _drop_hits(self, hits: list[tuple[int, int]]) -> None:
+        """Release device claims of hits that will not be used (host claims end later)."""
+        for d, _ in reversed(hits):
+            if d >= 0:
+                self._release_page(d)
+
+    # -- running requests ---------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of a running request.
+
+        :return: False (nothing allocated) if the pool cannot provide the pages.
+        """
+        st: RequestKV = request.kv_state
+        total = -(-(request.num_computed_tokens + num_new_tokens) // self.page_size)
+        extra = total - st.num_pages
+        if extra <= 0:
+            return True
+        if extra > self.num_available_pages:
+            return False
+        if extra == 1 and self.pool.num_free:
+            st.pages[st.num_pages] = self.pool.allocate_one()
+        else:
+            st.pages[st.num_pages : total] = self._alloc(extra)
+        st.num_pages = total
+        request.stats.new_pages += extra
+        self.stats.new_pages += extra
+        return True
+
+    def on_computed(self, request: Request) -> None:
+        """Offer the request's newly completed full pages to the prefix cache.
+
+        Call after ``request.num_computed_tokens`` advanced (the step's KV is written).
+        """
+        if not self.prefix_caching:
+            return
+        st: RequestKV = request.kv_state
+        full = request.num_computed_tokens // self.page_size
+        if full <= st.num_registered:
+            return
+        hash_pages(request.token_buffer, self.page_size, st.hashes, full)
+        register = self.prefix.register
+        pages = st.pages
+        hashes = st.hashes
+        for i in range(st.num_registered, full):
+            register(int(pages[i]), hashes[i])
+        st.num_registered = full
+
+    def free(self, request: Request) -> None:
+        """Release everything the request holds (finish, abort, preemption).
+
+        Cached pages go to the LRU, tail pages first, so a sequence's shared
+        head stays cached longest; other pages go back to the free stack.
+        """
+        st: RequestKV | None = request.kv_state
+        if st is None:
+            return
+        if st.claim is not None:
+            self.unclaim(st.claim)
+        n = st.num_pages
+        if n:
+            pages = st.pages[:n][::-1]
+            refs = self.pool.ref_counts
+            refs[pages] -= 1
+            idle = pages[refs[pages] == 0]
+            if len(idle):
+                page_hash = self.prefix.page_hash
+                park = self.prefix.park
+                free = []
+                for p in idle.tolist():
+                    if page_hash[p] is not None:
+                        park(p)
+                    else:
+                        free.append(p)
+                if free:
+                    self.pool.push_free(np.asarray(free, dtype=np.int32))
+            st.num_pages = 0
+            st.num_registered = 0
+        if st.slot != NULL_SLOT:
+            self.slots.free(st.slot)
+            st.slot = NULL_SLOT
+        request.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every idle cached device page (e.g. after weights change).
+
+        :return: pages freed.
+        """
+        pages = self.prefix.clear()
+        if pages:
+            self.pool.push_free(np.asarray(pages, dtype=np.int32))
+        return len(pages)
+
+    def wait_transfers(self) -> None:
+        """Order the compute stream after queued host-tier copies (no host sync)."""
+        if self.host is not None:
+            self.host.wait()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _release_page(self, page: int) -> None:
+        refs = self.pool.ref_counts
+        r = refs[page] - 1
+        refs[page] = r
+        if r == 0:
+            if self.prefix.page_hash[page] is not None:
+                self.prefix.park(page)
+            else:
+                self.pool.push_free_one(page)
+
+    def _evict(self, n: int) -> None:
+        """Evict ``n`` idle cached pages to the free stack, offloading them to the host."""
+        evicted = [self.prefix.evict() for _ in range(n)]
+        pages = [p for p, _ in evicted]
+        if self.host is not None:
+            self.stats.offloaded_pages += self.host.offload(pages, [h for _, h in evicted])
+        self.pool.push_free(np.asarray(pages, dtype=np.int32))
+        self.stats.evicted_pages += n
+
+    def _alloc(self, n: int) -> np.ndarray:
+        if n <= 0:
+            return _EMPTY
+        short = n - self.pool.num_free
+        if short > 0:
+            self._evict(short)
+        return self.pool.allocate(n)
+
+    def _alloc_one(self) -> int:
+        if self.pool.num_free == 0:
+            self._evict(1)
+        return self.pool.allocate_one()
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_invariants(self, live: list[Request]) -> None:
+        """Assert the bookkeeping is consistent (tests; O(pages)).
+
+        :param live: every request currently holding pages or claims.
+        """
+        n = self.pool.num_pages
+        refs = self.pool.ref_counts
+        free = self.pool.free_pages().tolist()
+        lru = list(self.prefix.lru)
+        assert len(set(free)) == len(free), "a page is twice on the free stack"
+        assert NULL_PAGE not in free and NULL_PAGE not in lru, "scratch page handed out"
+        assert refs[NULL_PAGE] == 0
+        users = np.zeros(n, dtype=np.int64)
+        for r in live:
+            st: RequestKV = r.kv_state
+            tbl = st.page_table
+            assert NULL_PAGE not in tbl.tolist(), "scratch page in a page table"
+            assert len(set(tbl.tolist())) == len(tbl), "a request holds a page twice"
+            users[tbl] += 1
+            if st.claim is not None:
+                for d, _ in st.claim.hits:
+                    if d >= 0:
+                        users[d] += 1
+        assert (users == refs).all(), "reference counts differ from live users"
+        for p in free:
+            assert refs[p] == 0, f"page {p} free and referenced"
+            assert self.prefix.page_hash[p] is None, f"page {p} free and cached"
+        for p in lru:
+            assert refs[p] == 0, f"page {p} evictable and referenced"
+            assert self.prefix.page_hash[p] is not None
+        assert not set(free) & set(lru)
+        accounted = len(free) + len(lru) + int((refs[1:] > 0).sum())
+        assert accounted == n - 1, f"{n - 1 - accounted} pages leaked"
+        for h, p in self.prefix._map.items():
+            assert self.prefix.page_hash[p] == h
+        assert self._reserved_pages >= 0
+        if self.host is not None:
+            self.host.check_invariants()

@@ -1,0 +1,374 @@
+"""One generation request: its tokens, its progress and its statistics.
+
+Tokens live in ONE preallocated contiguous ``int32`` buffer of capacity
+``prompt + max_tokens``: the prompt occupies the front, generated tokens are
+appended behind it. Building a request from an ``int32`` ndarray is a single
+memcpy (no per-element conversion); a Python list is converted once, straight
+into the buffer. Appending a token, reading the last token and slicing the
+tokens of a step are O(1) and never build Python lists, which keeps the
+per-step CPU cost of the engine independent of sequence length.
+
+Validation (:class:`~backplane.core.errors.RequestError`) rejects only the
+request at hand: an empty prompt, token ids outside ``[0, vocab_size)`` and
+``prompt + max_tokens`` beyond the model length are reported with what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from backplane.core.errors import RequestError
+
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestStats",
+    "RequestStatus",
+    "SamplingLike",
+]
+
+
+class SamplingLike(Protocol):
+    """What the scheduler reads from a sampling-parameters object (duck-typed).
+
+    :class:`backplane.core.sampling.SamplingParams` satisfies it.
+    """
+
+    max_tokens: int
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"  #: queued, holds no KV pages
+    RUNNING = "running"  #: admitted, holds KV pages (and a state slot if needed)
+    PREEMPTED = "preempted"  #: lost its pages under memory pressure; requeued at the front
+    FINISHED = "finished"  #: done (see :attr:`Request.finish_reason`); holds nothing
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request holds no resources and produces no more tokens."""
+        return self is RequestStatus.FINISHED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request finished."""
+
+    STOP = "stop"  #: a stop token id or the end-of-sequence token was generated
+    LENGTH = "length"  #: ``max_tokens`` reached, or the model length
+    ABORT = "abort"  #: aborted by the caller
+
+
+@dataclass
+class RequestStats:
+    """Per-request KV-cache and timing statistics (accumulated over preemptions).
+
+    Page counts are KV pages; token counts are prompt (or, after a preemption,
+    prompt + generated) tokens whose KV came from the given source.
+
+    :param reused_pages: pages found on the device at admission (prefix hits).
+    :param reused_tokens: tokens covered by ``reused_pages``.
+    :param onboarded_pages: pages found in the host tier and copied back.
+    :param onboarded_tokens: tokens covered by ``onboarded_pages``.
+    :param new_pages: pages newly allocated for this request (prefill and decode).
+    :param missed_pages: full pages looked up in the prefix cache and not found.
+    :param missed_tokens: tokens that had to be computed at admission.
+    :param num_preemptions: how often the request lost its pages.
+    """
+
+    reused_pages: int = 0
+    reused_tokens: int = 0
+    onboarded_pages: int = 0
+    onboarded_tokens: int = 0
+    new_pages: int = 0
+    missed_pages: int = 0
+    missed_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose KV was not computed (device reuse + host onboarding)."""
+        return self.reused_tokens + self.onboarded_tokens
+
+
+class Request:
+    """A generation request.
+
+    :param request_id: unique id (any hashable string).
+    :param prompt_token_ids: the prompt: an ``int32`` ndarray (copied with one
+        memcpy), another integer ndarray (converted with one vectorised cast) or
+        a sequence of ints (converted once).
+    :param sampling_params: object with ``max_tokens``, ``stop_token_ids`` and
+        ``ignore_eos`` (e.g. :class:`backplane.core.sampling.SamplingParams`);
+        kept by reference for the sampler.
+    :param vocab_size: token ids must be in ``[0, vocab_size)``; ``None`` skips the check.
+    :param max_model_len: ``prompt + max_tokens`` must not exceed it; ``None`` skips the check.
+    :param eos_token_ids: the model's end-of-sequence ids (ignored with ``ignore_eos``).
+    :param arrival_time: ``time.perf_counter()`` value of arrival (default: now).
+    :raises RequestError: on an empty prompt, out-of-vocabulary ids or a too long request.
+    """
+
+    __slots__ = (
+        "request_id",
+        "sampling_params",
+        "max_tokens",
+        "max_model_len",
+        "status",
+        "finish_reason",
+        "stats",
+        "num_computed_tokens",
+        "_tokens",
+        "_num_prompt",
+        "_num_tokens",
+        "_token_times",
+        "_stop_ids",
+        "kv_state",
+        "scheduled_step",
+        "user_data",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: np.ndarray | Sequence[int],
+        sampling_params: SamplingLike,
+        *,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        n = _prompt_len(request_id, prompt_token_ids)
+        if n == 0:
+            raise RequestError(
+                f"request {request_id!r}: the prompt is empty; give at least one token "
+                "(for text prompts, check that the tokenizer produced tokens)"
+            )
+        max_tokens = int(sampling_params.max_tokens)
+        if max_tokens < 1:
+            raise RequestError(
+                f"request {request_id!r}: max_tokens={max_tokens}; ask for at least one token"
+            )
+        if max_model_len is not None and n + max_tokens > max_model_len:
+            raise RequestError(
+                f"request {request_id!r}: prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+                f"{n + max_tokens} exceeds the model length max_model_len={max_model_len}; "
+                f"shorten the prompt or lower max_tokens to at most {max(max_model_len - n, 0)}"
+            )
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        # One buffer for prompt + outputs: the prompt is copied in once.
+        buf = np.empty(n + max_tokens, dtype=np.int32)
+        _fill_prompt(request_id, buf, prompt_token_ids, n)
+        if n:
+            lo = int(buf[:n].min())
+            hi = int(buf[:n].max())
+            if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+                bad = lo if lo < 0 else hi
+                pos = int(np.argmax(buf[:n] == bad))
+                limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise RequestError(
+                    f"request {request_id!r}: prompt token id {bad} at position {pos} is outside "
+                    f"the vocabulary {limit}; tokenize with this model's tokenizer"
+                )
+        self._tokens = buf
+        self._num_prompt = n
+        self._num_tokens = n
+        self._token_times = np.zeros(max_tokens, dtype=np.float64)
+        stops = set(int(t) for t in sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stops.update(int(t) for t in eos_token_ids)
+        self._stop_ids = frozenset(stops)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.stats = RequestStats(
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time
+        )
+        # Owned by the KV-cache manager while the request holds pages.
+        self.kv_state: Any = None
+        # Last scheduler step that scheduled this request (owned by the scheduler).
+        self.scheduled_step = -1
+        # Free for the layer above (e.g. the executor's per-request state).
+        self.user_data: Any = None
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return self._num_prompt
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of generated tokens so far."""
+        return self._num_tokens - self._num_prompt
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return self._num_tokens
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens this request can ever hold (``prompt + max_tokens``)."""
+        return len(self._tokens)
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        """The prompt as a read-only ``int32`` view (no copy)."""
+        v = self._tokens[: self._num_prompt]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        """The generated tokens as a read-only ``int32`` view (no copy)."""
+        v = self._tokens[self._num_prompt : self._num_tokens]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt + generated tokens as a read-only ``int32`` view (no copy)."""
+        v = self._tokens[: self._num_tokens]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def token_buffer(self) -> np.ndarray:
+        """The whole preallocated buffer; only ``[:num_tokens]`` is meaningful.
+
+        Input preparation slices ``token_buffer[start:stop]`` without the
+        read-only view the other accessors build.
+        """
+        return self._tokens
+
+    @property
+    def last_token_id(self) -> int:
+        """The most recent token (the input of the next decode step)."""
+        return int(self._tokens[self._num_tokens - 1])
+
+    @property
+    def output_token_times(self) -> np.ndarray:
+        """``time.perf_counter()`` value at which each generated token was committed."""
+        return self._token_times[: self._num_tokens - self._num_prompt]
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Token ids that finish the request (stop ids, plus EOS unless ``ignore_eos``)."""
+        return self._stop_ids
+
+    def append_token(self, token_id: int, now: float | None = None) -> FinishReason | None:
+        """Append one generated token (O(1)) and say whether the request is now done.
+
+        Does not change :attr:`status`; the scheduler finishes the request.
+
+        :param token_id: the sampled token.
+        :param now: commit time (default ``time.perf_counter()``); the scheduler
+            passes one timestamp per step.
+        :return: the finish reason if this token ends the request, else ``None``.
+        """
+        i = self._num_tokens
+        if i >= len(self._tokens):
+            raise RuntimeError(
+                f"request {self.request_id!r} already holds {i} tokens, its capacity; "
+                "it should have been finished"
+            )
+        self._tokens[i] = token_id
+        self._num_tokens = i + 1
+        t = time.perf_counter() if now is None else now
+        k = i - self._num_prompt
+        self._token_times[k] = t
+        if k == 0:
+            self.stats.first_token_time = t
+        self.stats.last_token_time = t
+        if token_id in self._stop_ids:
+            return FinishReason.STOP
+        if k + 1 >= self.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and i + 1 >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request is finished (stopped, length or aborted)."""
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not yet in the cache (1 while decoding)."""
+        return self._num_tokens - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self._num_prompt}, "
+            f"output={self.num_output_tokens}/{self.max_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )
+
+
+def _prompt_len(request_id: str, prompt: Any) -> int:
+    """Length of a prompt given as an ndarray or a sequence, with a clear error otherwise."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise RequestError(
+                f"request {request_id!r}: prompt token ids must be 1-D, got shape {prompt.shape}; "
+                "pass one flat array per request"
+            )
+        if prompt.dtype.kind not in "iu":
+            raise RequestError(
+                f"request {request_id!r}: prompt token ids must be integers, got dtype "
+                f"{prompt.dtype}; convert with .astype(np.int32)"
+            )
+        return int(prompt.shape[0])
+    if isinstance(prompt, (str, bytes)):
+        raise RequestError(
+            f"request {request_id!r}: got text where token ids were expected; tokenize first"
+        )
+    try:
+        return len(prompt)
+    except TypeError:
+        raise RequestError(
+            f"request {request_id!r}: prompt token ids must be a list or an int32 array, "
+            f"got {type(prompt).__name__}"
+        ) from None
+
+
+def _fill_prompt(request_id: str, buf: np.ndarray, prompt: Any, n: int) -> None:
+    """Copy the prompt into ``buf[:n]``: memcpy for int32, one vectorised cast otherwise."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype != np.int32:
+            info = np.iinfo(np.int32)
+            if n and (int(prompt.min()) < info.min or int(prompt.max()) > info.max):
+                raise RequestError(
+                    f"request {request_id!r}: prompt token ids do not fit in int32; "
+                    "tokenize with this model's tokenizer"
+                )
+        buf[:n] = prompt  # int32: one memcpy; other ints: one vectorised cast
+        return
+    try:
+        buf[:n] = prompt  # one pass of the list straight into the buffer
+    except (OverflowError, ValueError, TypeError) as e:
+        raise RequestError(
+            f"request {request_id!r}: prompt token ids must be integers in the vocabulary "
+            f"({e}); tokenize with this model's tokenizer"
+        ) from None

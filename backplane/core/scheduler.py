@@ -1,0 +1,429 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Every step the scheduler fills a token budget (``max_num_tokens``) and a
+sequence budget (``max_num_seqs``):
+
+1. **Decodes first.** Running requests with one token left to compute (one
+   decode token each) are scheduled before anything else, in arrival order,
+   because their latency is what users see between tokens.
+2. **Running prefills next.** Requests in the middle of a chunked prefill get
+   the next chunk, ``min(tokens left, budget left)``.
+3. **Admission.** Waiting requests are admitted first-come-first-served with
+   two-phase admission (:mod:`backplane.core.kv_cache.manager`): each one's
+   cached prefix is claimed, its chunk is sized with the *claimed* reuse, its
+   pages reserved; then the whole batch is onboarded and allocated at once.
+   Admission stops at the first request that does not fit (no overtaking) and
+   is skipped in a step that had to preempt.
+
+When a running request needs a page and none is free, the most recently
+admitted running request that is not scheduled this step is preempted: its
+pages are freed (cached ones stay reusable) and it is requeued at the *front*
+of the waiting queue; on readmission it recomputes prompt + generated tokens
+("preemption by recompute"). The budget is never exceeded: every token
+scheduled is subtracted from it.
+
+Output order (what input preparation relies on, see
+:mod:`backplane.core.metadata`): prefill/extend sequences first, decode
+sequences last, where a *decode* sequence is one that adds exactly one token
+on top of cached context (``num_new_tokens == 1 and num_cached_tokens > 0``);
+a one-token final prefill chunk therefore sits with the decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backplane.core.errors import ConfigError, RequestError
+from backplane.core.kv_cache.manager import Claim, KVCacheManager, RequestKV
+from backplane.core.request import FinishReason, Request, RequestStatus
+
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class ScheduledSeq:
+    """One sequence of a step.
+
+    :param request: the request.
+    :param num_new_tokens: tokens computed this step (``token_buffer[num_cached_tokens:
+        num_cached_tokens + num_new_tokens]``).
+    :param num_cached_tokens: context already in the KV cache before this step.
+    :param page_ids: ``int32`` page table holding ``num_cached_tokens + num_new_tokens``
+        tokens (a view of the manager's table; valid until the next ``schedule``).
+    :param state_slot: recurrent-state slot (0 when the model has no recurrent layers).
+    :param is_prefill_chunk_final: the step computes the request's last uncomputed
+        token, so a token is sampled from it.
+    """
+
+    __slots__ = (
+        "request",
+        "num_new_tokens",
+        "num_cached_tokens",
+        "page_ids",
+        "state_slot",
+        "is_prefill_chunk_final",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_cached_tokens: int,
+        page_ids: np.ndarray,
+        state_slot: int,
+        is_prefill_chunk_final: bool,
+    ) -> None:
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.page_ids = page_ids
+        self.state_slot = state_slot
+        self.is_prefill_chunk_final = is_prefill_chunk_final
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token on top of cached context (the metadata's decode definition)."""
+        return self.num_new_tokens == 1 and self.num_cached_tokens > 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledSeq({self.request.request_id!r}, new={self.num_new_tokens}, "
+            f"cached={self.num_cached_tokens}, pages={len(self.page_ids)}, "
+            f"slot={self.state_slot}, final={self.is_prefill_chunk_final})"
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs.
+
+    :param scheduled: the sequences, prefill/extend first, decode last.
+    :param num_prefill_seqs: how many leading entries of ``scheduled`` are prefill/extend.
+    :param num_scheduled_tokens: total new tokens (never above ``max_num_tokens``).
+    :param preempted: requests that lost their pages in this step (requeued).
+    :param finished: requests that finished since the previous ``schedule`` call
+        (in :meth:`Scheduler.update` or by :meth:`Scheduler.abort`), reported once,
+        so per-request state above the scheduler can be released.
+    """
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_prefill_seqs: int = 0
+    num_scheduled_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        """How many trailing entries of ``scheduled`` are decodes."""
+        return len(self.scheduled) - self.num_prefill_seqs
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run this step."""
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Scheduler counters (monotonic)."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    preemptions: int = 0
+    admitted: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a :class:`KVCacheManager`.
+
+    :param kv: the KV-cache manager (pages, prefix cache, state slots).
+    :param max_num_seqs: most sequences per step (and running at once).
+    :param max_num_tokens: most new tokens per step (the token budget).
+    """
+
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_tokens < 1:
+            raise ConfigError(
+                f"max_num_seqs={max_num_seqs} and max_num_tokens={max_num_tokens} must be >= 1"
+            )
+        if max_num_tokens < max_num_seqs:
+            raise ConfigError(
+                f"max_num_tokens={max_num_tokens} < max_num_seqs={max_num_seqs}: every running "
+                "sequence needs one token of budget per decode step; raise max_num_tokens or "
+                "lower max_num_seqs"
+            )
+        self.kv = kv
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_tokens = int(max_num_tokens)
+        self._requests: dict[str, Request] = {}  # live (not finished)
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}  # admission order
+        self._finished_pending: list[Request] = []
+        self._step = 0
+        self.stats = SchedulerStats()
+
+    # -- queue ----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        :raises RequestError: if the id is already live or the request is not new.
+        :raises OutOfKVMemoryError: if the request could not fit in the whole KV cache;
+            nothing else is affected.
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in use; give each request a new id")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise RequestError(f"request {rid!r} was already scheduled; create a new Request")
+        self.kv.check_fits(request)
+        self._requests[rid] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request, freeing its pages and state slot.
+
+        :return: False if no live request has that id.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            del self._running[request_id]
+        else:
+            self._waiting.remove(req)
+        self._finish(req, FinishReason.ABORT)
+        self.stats.aborted += 1
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with that id, if any."""
+        return self._requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (including preempted ones)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV pages."""
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def running(self) -> list[Request]:
+        """Running requests in admission order (a copy)."""
+        return list(self._running.values())
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests, next to admit first (a copy)."""
+        return list(self._waiting)
+
+    # -- scheduling -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring for the policy).
+
+        :return: the step; run it, then call :meth:`update` with the sampled tokens.
+        """
+        self._step += 1
+        step = self._step
+        kv = self.kv
+        budget = self.max_num_tokens
+        prefills: list[ScheduledSeq] = []
+        decodes: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        running = list(self._running.values())
+
+        # 1. decodes (and one-token final chunks): one token each.
+        for req in running:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens != 1:
+                continue
+            if not self._make_room(req, 1, preempted):
+                self._preempt(req, preempted)
+                continue
+            req.scheduled_step = step
+            st: RequestKV = req.kv_state
+            c = req.num_computed_tokens
+            seq = ScheduledSeq(req, 1, c, st.pages[: st.num_pages], st.slot, True)
+            (decodes if c > 0 else prefills).append(seq)
+            budget -= 1
+
+        # 2. chunked prefills in progress.
+        for req in running:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.scheduled_step == step:
+                continue
+            left = req.num_uncomputed_tokens
+            n = min(left, budget)
+            if not self._make_room(req, n, preempted):
+                st = req.kv_state
+                n = (st.num_pages + kv.num_available_pages) * kv.page_size
+                n = min(n - req.num_computed_tokens, budget)
+                if n < 1 or not kv.allocate_slots(req, n):
+                    continue  # all memory is held by sequences running this step
+            req.scheduled_step = step
+            st = req.kv_state
+            c = req.num_computed_tokens
+            seq = ScheduledSeq(req, n, c, st.pages[: st.num_pages], st.slot, n == left)
+            (decodes if n == 1 and c > 0 else prefills).append(seq)
+            budget -= n
+
+        # 3. admission, first come first served, two-phase.
+        if not preempted:
+            budget = self._admit(budget, step, prefills, decodes)
+
+        kv.wait_transfers()
+        scheduled = prefills + decodes
+        num_tokens = self.max_num_tokens - budget
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += num_tokens
+        finished, self._finished_pending = self._finished_pending, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_prefill_seqs=len(prefills),
+            num_scheduled_tokens=num_tokens,
+            preempted=preempted,
+            finished=finished,
+        )
+
+    def _admit(
+        self, budget: int, step: int, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]
+    ) -> int:
+        kv = self.kv
+        waiting = self._waiting
+        claims: list[Claim] = []
+        seats = self.max_num_seqs - len(self._running)
+        while waiting and budget > 0 and len(claims) < seats:
+            req = waiting[0]
+            claim = kv.claim(req)  # phase 1
+            n = min(req.num_tokens - claim.num_cached_tokens, budget)
+            if not kv.reserve(claim, n):
+                kv.unclaim(claim)
+                break
+            waiting.popleft()
+            claims.append(claim)
+            budget -= n
+        if not claims:
+            return budget
+        kv.allocate_claimed(claims)  # phase 2, for the whole batch
+        now = time.perf_counter()
+        running = self._running
+        for claim in claims:
+            req = claim.request
+            req.status = RequestStatus.RUNNING
+            req.scheduled_step = step
+            if req.stats.first_scheduled_time is None:
+                req.stats.first_scheduled_time = now
+            running[req.request_id] = req
+            st: RequestKV = req.kv_state
+            c = req.num_computed_tokens  # realised reuse (== claimed)
+            n = claim.num_new_tokens
+            seq = ScheduledSeq(
+                req, n, c, st.pages[: st.num_pages], st.slot, c + n == req.num_tokens
+            )
+            (decodes if n == 1 and c > 0 else prefills).append(seq)
+        self.stats.admitted += len(claims)
+        return budget
+
+    def _make_room(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        """Allocate pages for ``n`` more tokens of ``req``, preempting others if needed."""
+        kv = self.kv
+        while not kv.allocate_slots(req, n):
+            victim = None
+            for r in reversed(self._running.values()):
+                if r is not req and r.scheduled_step != self._step:
+                    victim = r
+                    break
+            if victim is None:
+                return False
+            self._preempt(victim, preempted)
+        return True
+
+    def _preempt(self, req: Request, preempted: list[Request]) -> None:
+        del self._running[req.request_id]
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.stats.num_preemptions += 1
+        self._waiting.appendleft(req)
+        preempted.append(req)
+        self.stats.preemptions += 1
+        logger.debug("preempted %s (KV cache full)", req.request_id)
+
+    # -- commit ---------------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Commit a step: advance computed tokens, append sampled tokens, finish requests.
+
+        :param output: the step returned by :meth:`schedule`.
+        :param sampled: the sampled token of every sequence with
+            ``is_prefill_chunk_final`` (request id -> token id).
+        :return: requests that finished in this update (also reported in the
+            next output's ``finished``).
+        """
+        now = time.perf_counter()
+        kv = self.kv
+        done: list[Request] = []
+        running = RequestStatus.RUNNING
+        for s in output.scheduled:
+            req = s.request
+            if req.status is not running:  # aborted since schedule()
+                continue
+            req.num_computed_tokens = s.num_cached_tokens + s.num_new_tokens
+            kv.on_computed(req)
+            if not s.is_prefill_chunk_final:
+                continue
+            try:
+                token = sampled[req.request_id]
+            except KeyError:
+                raise KeyError(
+                    f"no sampled token for request {req.request_id!r}, whose step ended its "
+                    "prefill or decoded; pass one token per is_prefill_chunk_final sequence"
+                ) from None
+            reason = req.append_token(int(token), now)
+            if reason is not None:
+                del self._running[req.request_id]
+                self._finish(req, reason)
+                done.append(req)
+        self.stats.finished += len(done)
+        return done
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stats.finished_time = time.perf_counter()
+        del self._requests[req.request_id]
+        self._finished_pending.append(req)
+
+    def check_invariants(self) -> None:
+        """Assert scheduler and KV bookkeeping agree (tests; O(requests + pages))."""
+        live = list(self._running.values())
+        assert len(live) <= self.max_num_seqs
+        for r in live:
+            assert r.status is RequestStatus.RUNNING
+            assert r.kv_state.num_pages * self.kv.page_size >= r.num_computed_tokens
+        for r in self._waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.kv_state is None or r.kv_state.num_pages == 0
+        assert set(self._requests) == {r.request_id for r in live} | {
+            r.request_id for r in self._waiting
+        }
+        self.kv.check_invariants(live)
