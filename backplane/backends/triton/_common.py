@@ -1,0 +1,50 @@
+"""Helpers shared by the Triton backends (imported only when a Triton backend is selected)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+#: Largest number of key/value splits the split-KV decode uses per sequence.
+MAX_KV_SPLITS = 32
+
+
+def next_pow2(n: int) -> int:
+    """Return the smallest power of two ``>= n`` (and ``>= 1``)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def dot_block(n: int) -> int:
+    """Round a dimension up to a block size ``tl.dot`` accepts (a power of two, at least 16)."""
+    return max(16, next_pow2(n))
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Return the number of streaming multiprocessors of a CUDA device (cached per device)."""
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def device_parallelism(device: torch.device) -> int:
+    """Return how many programs keep the device busy: ``2 x SMs`` on CUDA, a small constant otherwise.
+
+    The CPU interpreter gets a small value so that tests still exercise several
+    key/value splits without running for long.
+    """
+    if device.type == "cuda":
+        return 2 * num_sms(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+    return 8
+
+
+def ieee_dot(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` must use exact float32 products (no TF32) for inputs of ``dtype``."""
+    return dtype == torch.float32

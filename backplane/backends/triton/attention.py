@@ -1,0 +1,748 @@
+"""Paged attention in Triton: KV append, ragged prefill/extend and split-KV decode.
+
+One cached op, ``backplane_triton::attention``, runs three kernels (or four):
+
+1. ``_kv_append_kernel`` writes this step's keys and values into the paged
+   cache at ``slot_mapping`` (``-1`` = padding, skipped);
+2. ``_prefill_kernel`` attends every prefill/extend query to its sequence's
+   keys, read from the pages (the cached prefix and the chunk just appended),
+   with causal and optional sliding-window masks; one program per
+   ``(sequence, query block, query head)``;
+3. ``_decode_kernel`` attends the one query of each decode sequence, split
+   along the keys into ``num_splits`` parts so that long contexts fill the
+   device; one program per ``(sequence, kv head x head block, split)`` serving
+   every query head of its GQA group, so each key/value page is read once;
+4. ``_decode_reduce_kernel`` merges the splits by their log-sum-exp.
+
+The kernels are written generally enough to serve MLA too (see
+:mod:`backplane.backends.triton.mla`): the key may come in two parts (a main
+part and a rotary part, each with its own query part) and the value may be a
+view of the key's storage.
+
+Grid sizes come from the host side of the batch (``batch.host`` and the counts);
+offsets and page tables are read on the device, so nothing synchronises.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backplane.backends.triton._common import (
+    MAX_KV_SPLITS,
+    device_parallelism,
+    dot_block,
+    ieee_dot,
+    next_pow2,
+)
+from backplane.core.contract import cached_op, finish_output, output_buffer
+from backplane.core.families import AttentionBackend, AttentionLayerSpec
+from backplane.core.forward_context import get_forward_context
+from backplane.core.metadata import BatchMetadata
+
+#: Stands in for "no sliding window": larger than any position.
+_NO_WINDOW = 1 << 30
+_LOG2E = 1.4426950408889634
+
+
+# -- kernels ------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_append_kernel(
+    src_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_st,
+    stride_sh,
+    stride_cp,
+    stride_co,
+    stride_ch,
+    page_size,
+    H,
+    D,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Copy token ``pid``'s ``[H, D]`` row of ``src`` into the cache slot ``slot_mapping[pid]``."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    # The scalar is broadcast to a block first: the interpreter rejects scalar-by-block masks.
+    valid = (hs[:, None] * 0 + slot) >= 0
+    mask = (hs[:, None] < H) & (ds[None, :] < D) & valid
+    slot = tl.maximum(slot, 0)
+    page = slot // page_size
+    off = slot % page_size
+    x = tl.load(src_ptr + t * stride_st + hs[:, None] * stride_sh + ds[None, :], mask=mask)
+    dst = cache_ptr + page * stride_cp + off * stride_co + hs[:, None] * stride_ch + ds[None, :]
+    tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    qpe_ptr,
+    k_ptr,
+    kpe_ptr,
+    v_ptr,
+    o_ptr,
+    qsl_ptr,
+    cached_ptr,
+    bt_ptr,
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_ph,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_ep,
+    stride_eo,
+    stride_eh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    qk_scale,
+    page_size,
+    group,
+    window,
+    DK,
+    DPE,
+    DV,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Causal (optionally windowed) attention of one query block of one head over the pages."""
+    seq = tl.program_id(0)
+    mblk = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if mblk * BLOCK_M < q_len:
+        cached = tl.load(cached_ptr + seq)
+        kvh = h // group
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        q_pos = cached + offs_m
+        rows = (q_start + offs_m).to(tl.int64)
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + dk[None, :],
+            mask=m_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        ).to(k_ptr.dtype.element_ty)
+        if HAS_PE:
+            de = tl.arange(0, BLOCK_DPE)
+            qpe = tl.load(
+                qpe_ptr + rows[:, None] * stride_pt + h * stride_ph + de[None, :],
+                mask=m_mask[:, None] & (de[None, :] < DPE),
+                other=0.0,
+            ).to(kpe_ptr.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        hi = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len)
+        lo = tl.maximum(cached + mblk * BLOCK_M - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            page = tl.load(bt_row + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+            off = offs_n % page_size
+            k = tl.load(
+                k_ptr
+                + page[:, None] * stride_kp
+                + off[:, None] * stride_ko
+                + kvh * stride_kh
+                + dk[None, :],
+                mask=n_mask[:, None] & (dk[None, :] < DK),
+                other=0.0,
+            )
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if HAS_PE:
+                kpe = tl.load(
+                    kpe_ptr
+                    + page[:, None] * stride_ep
+                    + off[:, None] * stride_eo
+                    + kvh * stride_eh
+                    + de[None, :],
+                    mask=n_mask[:, None] & (de[None, :] < DPE),
+                    other=0.0,
+                )
+                if IEEE:
+                    s += tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
+                else:
+                    s += tl.dot(qpe, tl.trans(kpe))
+            s = s * qk_scale
+            keep = (
+                n_mask[None, :]
+                & (offs_n[None, :] <= q_pos[:, None])
+                & (offs_n[None, :] > q_pos[:, None] - window)
+            )
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows with nothing visible yet keep m = -inf; shift by 0 to avoid inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr
+                + page[:, None] * stride_vp
+                + off[:, None] * stride_vo
+                + kvh * stride_vh
+                + dv[None, :],
+                mask=n_mask[:, None] & (dv[None, :] < DV),
+                other=0.0,
+            )
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & (dv[None, :] < DV),
+        )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    qpe_ptr,
+    k_ptr,
+    kpe_ptr,
+    v_ptr,
+    po_ptr,
+    plse_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    first_seq,
+    first_tok,
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_ph,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_ep,
+    stride_eo,
+    stride_eh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    stride_bt,
+    qk_scale,
+    page_size,
+    num_heads,
+    group,
+    window,
+    DK,
+    DPE,
+    DV,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One split of the keys of one decode sequence, for one block of a GQA group's heads.
+
+    Writes the split's normalised partial output and its log2-sum-exp to the
+    partial buffers ``po[seq, head, split, :]`` and ``plse[seq, head, split]``
+    (``-inf`` for an empty split).
+    """
+    j = tl.program_id(0)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hb = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    seq = first_seq + j
+    tok = (first_tok + j).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo0 = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo0, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = lo0 + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    in_group = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = in_group < group
+    heads = kvh * group + in_group
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + dk[None, :],
+        mask=h_mask[:, None] & (dk[None, :] < DK),
+        other=0.0,
+    ).to(k_ptr.dtype.element_ty)
+    if HAS_PE:
+        de = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(
+            qpe_ptr + tok * stride_pt + heads[:, None] * stride_ph + de[None, :],
+            mask=h_mask[:, None] & (de[None, :] < DPE),
+            other=0.0,
+        ).to(kpe_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(bt_row + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+        off = offs_n % page_size
+        k = tl.load(
+            k_ptr
+            + page[:, None] * stride_kp
+            + off[:, None] * stride_ko
+            + kvh * stride_kh
+            + dk[None, :],
+            mask=n_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if HAS_PE:
+            kpe = tl.load(
+                kpe_ptr
+                + page[:, None] * stride_ep
+                + off[:, None] * stride_eo
+                + kvh * stride_eh
+                + de[None, :],
+                mask=n_mask[:, None] & (de[None, :] < DPE),
+                other=0.0,
+            )
+            if IEEE:
+                s += tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
+            else:
+                s += tl.dot(qpe, tl.trans(kpe))
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vp
+            + off[:, None] * stride_vo
+            + kvh * stride_vh
+            + dv[None, :],
+            mask=n_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    row = (j.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+    tl.store(
+        po_ptr + row[:, None] * BLOCK_DV + dv[None, :],
+        acc,
+        mask=h_mask[:, None] & (dv[None, :] < DV),
+    )
+    tl.store(plse_ptr + row, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    po_ptr,
+    plse_ptr,
+    o_ptr,
+    first_tok,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    DV,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Merge the splits of one (decode sequence, head) by their log2-sum-exp into ``out``."""
+    j = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ss = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    row0 = (j * num_heads + h) * NUM_SPLITS
+    lse = tl.load(plse_ptr + row0 + ss, mask=ss < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        po_ptr + (row0 + ss)[:, None] * BLOCK_DV + dv[None, :],
+        mask=(ss[:, None] < NUM_SPLITS) & (dv[None, :] < DV),
+        other=0.0,
+    )
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        o_ptr + (first_tok + j) * stride_ot + h * stride_oh + dv,
+        o.to(o_ptr.dtype.element_ty),
+        mask=dv < DV,
+    )
+
+
+# -- launchers (shared with MLA) ------------------------------------------------
+
+
+def kv_append(
+    src: torch.Tensor, cache_plane: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
+) -> None:
+    """Write ``src[:num_tokens]`` into a cache plane at ``slot_mapping`` (``-1`` skipped).
+
+    :param src: ``[T, H, D]`` (or ``[T, D]``), last dimension contiguous.
+    :param cache_plane: a ``[num_pages, page_size, H, D]`` (or ``[num_pages,
+        page_size, D]``) view of the cache, last dimension contiguous.
+    :param slot_mapping: ``[>= num_tokens]`` int64 device tensor.
+    :param num_tokens: how many rows to write (host value).
+    """
+    if num_tokens == 0:
+        return
+    if src.dim() == 2:
+        src = src.unsqueeze(1)
+    if cache_plane.dim() == 3:
+        cache_plane = cache_plane.unsqueeze(2)
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    _, page_size, H, D = cache_plane.shape
+    _kv_append_kernel[(num_tokens,)](
+        src,
+        cache_plane,
+        slot_mapping,
+        src.stride(0),
+        src.stride(1),
+        cache_plane.stride(0),
+        cache_plane.stride(1),
+        cache_plane.stride(2),
+        page_size,
+        H,
+        D,
+        BLOCK_H=next_pow2(H),
+        BLOCK_D=next_pow2(D),
+    )
+
+
+def _plane_strides(plane: torch.Tensor) -> tuple[int, int, int]:
+    """(page, offset, head) strides of a ``[P, page, H, D]`` or ``[P, page, D]`` cache view."""
+    if plane.dim() == 3:
+        return plane.stride(0), plane.stride(1), 0
+    return plane.stride(0), plane.stride(1), plane.stride(2)
+
+
+def paged_prefill(
+    batch: BatchMetadata,
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    group: int,
+    sliding_window: int = 0,
+    q_pe: torch.Tensor | None = None,
+    kpe_plane: torch.Tensor | None = None,
+) -> None:
+    """Attend the prefill/extend queries of ``batch`` over their pages, writing ``out`` rows.
+
+    :param batch: the step's metadata; its prefill sequences come first.
+    :param q: ``[T, Hq, DK]``.
+    :param k_plane: keys, ``[P, page, Hkv, DK]`` (or ``[P, page, DK]`` for one shared head).
+    :param v_plane: values, like ``k_plane`` with ``DV``.
+    :param out: ``[T, Hq, DV]``; rows ``[0, num_prefill_tokens)`` are written.
+    :param scale: softmax scale.
+    :param group: query heads per kv head.
+    :param sliding_window: ``0`` = full causal attention.
+    :param q_pe: optional second query part (MLA rotary part), ``[T, Hq, DPE]``.
+    :param kpe_plane: the matching key part.
+    """
+    n = batch.num_prefill_seqs
+    if n == 0:
+        return
+    max_q = int(batch.host.query_lens[:n].max())
+    num_heads, dk = q.shape[1], q.shape[2]
+    dv = out.shape[2]
+    has_pe = q_pe is not None
+    dpe = q_pe.shape[2] if has_pe else 0
+    big = max(dk, dv) + dpe > 256
+    block_m = 16 if big else (32 if max_q <= 32 else 64)
+    block_n = 16 if big else 32
+    qpe = q_pe if has_pe else q
+    kpe = kpe_plane if has_pe else k_plane
+    grid = (n, triton.cdiv(max_q, block_m), num_heads)
+    _prefill_kernel[grid](
+        q,
+        qpe,
+        k_plane,
+        kpe,
+        v_plane,
+        out,
+        batch.query_start_loc,
+        batch.cached_lens,
+        batch.block_table,
+        q.stride(0),
+        q.stride(1),
+        qpe.stride(0),
+        qpe.stride(1),
+        *_plane_strides(k_plane),
+        *_plane_strides(kpe),
+        *_plane_strides(v_plane),
+        out.stride(0),
+        out.stride(1),
+        batch.block_table.stride(0),
+        scale * _LOG2E,
+        batch.page_size,
+        group,
+        sliding_window if sliding_window > 0 else _NO_WINDOW,
+        dk,
+        dpe,
+        dv,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_DK=dot_block(dk),
+        BLOCK_DPE=dot_block(dpe) if has_pe else 16,
+        BLOCK_DV=dot_block(dv),
+        HAS_PE=has_pe,
+        IEEE=ieee_dot(k_plane.dtype),
+        num_warps=8 if big else 4,
+        num_stages=1 if big else 2,
+    )
+
+
+def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: torch.device) -> int:
+    """Pick how many key splits each decode sequence gets.
+
+    Enough splits to fill the device (about two programs per SM), but no more
+    than one split per 128 keys of the longest context (host value), and at
+    most :data:`MAX_KV_SPLITS`. The kernel derives each split's range from the
+    sequence length on the device, so any value is correct for any lengths
+    (a decode graph captured with one value replays correctly for others).
+    """
+    n = batch.num_decode_seqs
+    if n == 0:
+        return 1
+    want = triton.cdiv(device_parallelism(device), max(n * programs_per_split, 1))
+    by_len = triton.cdiv(max(batch.max_seq_len, 1), 128)
+    return int(max(1, min(want, by_len, MAX_KV_SPLITS)))
+
+
+def paged_decode(
+    batch: BatchMetadata,
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    group: int,
+    sliding_window: int = 0,
+    q_pe: torch.Tensor | None = None,
+    kpe_plane: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> None:
+    """Split-KV decode for the decode sequences of ``batch``, writing their ``out`` rows.
+
+    Arguments as for :func:`paged_prefill`; ``num_splits`` overrides
+    :func:`choose_num_splits` (tests use it to force several splits).
+    """
+    nd = batch.num_decode_seqs
+    if nd == 0:
+        return
+    num_heads, dk = q.shape[1], q.shape[2]
+    dv = out.shape[2]
+    num_kv_heads = num_heads // group
+    has_pe = q_pe is not None
+    dpe = q_pe.shape[2] if has_pe else 0
+    big = max(dk, dv) + dpe > 256
+    block_h = min(dot_block(group), 16 if big else 64)
+    head_blocks = triton.cdiv(group, block_h)
+    block_n = 16 if big else (32 if dk > 128 else 64)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
+    block_dv = dot_block(dv)
+    partial = torch.empty(
+        (nd, num_heads, num_splits, block_dv), dtype=torch.float32, device=q.device
+    )
+    lse = torch.empty((nd, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    qpe = q_pe if has_pe else q
+    kpe = kpe_plane if has_pe else k_plane
+    first_seq = batch.num_prefill_seqs
+    first_tok = batch.num_prefill_tokens
+    _decode_kernel[(nd, num_kv_heads * head_blocks, num_splits)](
+        q,
+        qpe,
+        k_plane,
+        kpe,
+        v_plane,
+        partial,
+        lse,
+        batch.seq_lens,
+        batch.block_table,
+        first_seq,
+        first_tok,
+        q.stride(0),
+        q.stride(1),
+        qpe.stride(0),
+        qpe.stride(1),
+        *_plane_strides(k_plane),
+        *_plane_strides(kpe),
+        *_plane_strides(v_plane),
+        batch.block_table.stride(0),
+        scale * _LOG2E,
+        batch.page_size,
+        num_heads,
+        group,
+        sliding_window if sliding_window > 0 else _NO_WINDOW,
+        dk,
+        dpe,
+        dv,
+        NUM_SPLITS=num_splits,
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_DK=dot_block(dk),
+        BLOCK_DPE=dot_block(dpe) if has_pe else 16,
+        BLOCK_DV=block_dv,
+        HAS_PE=has_pe,
+        IEEE=ieee_dot(k_plane.dtype),
+        num_warps=8 if big else 4,
+        num_stages=1 if big else 2,
+    )
+    _decode_reduce_kernel[(nd, num_heads)](
+        partial,
+        lse,
+        out,
+        first_tok,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        dv,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits),
+        BLOCK_DV=block_dv,
+    )
+
+
+# -- the cached op ----------------------------------------------------------------
+
+
+#: Forces the number of decode splits when set (tests); ``0`` = choose automatically.
+_FORCED_SPLITS = {"value": 0}
+
+
+def _attention_shape(q, k, v, kv_cache, sliding_window, scale, out=None):
+    return tuple(q.shape), q.dtype
+
+
+@cached_op(
+    "backplane_triton::attention",
+    mutates_args=("kv_cache", "out"),
+    output_shape=_attention_shape,
+)
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    sliding_window: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Append ``k``/``v`` to the paged cache and attend (see the module docstring).
+
+    :param q: ``[T, Hq, D]``.
+    :param k: ``[T, Hkv, D]``.
+    :param v: ``[T, Hkv, D]``.
+    :param kv_cache: ``[P, 2, page, Hkv, D]``, written at ``slot_mapping``.
+    :param sliding_window: ``0`` = full causal attention.
+    :param scale: softmax scale.
+    :param out: optional ``[T, Hq, D]`` buffer.
+    :return: the output or the empty sentinel.
+    """
+    batch = get_forward_context().batch
+    buf = output_buffer(out, q.shape, q.dtype, q.device)
+    num_tokens = batch.num_tokens
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    kv_append(k, kv_cache[:, 0], batch.slot_mapping, num_tokens)
+    kv_append(v, kv_cache[:, 1], batch.slot_mapping, num_tokens)
+    group = q.shape[1] // k.shape[1]
+    paged_prefill(
+        batch,
+        q,
+        kv_cache[:, 0],
+        kv_cache[:, 1],
+        buf,
+        scale=scale,
+        group=group,
+        sliding_window=sliding_window,
+    )
+    paged_decode(
+        batch,
+        q,
+        kv_cache[:, 0],
+        kv_cache[:, 1],
+        buf,
+        scale=scale,
+        group=group,
+        sliding_window=sliding_window,
+        num_splits=_FORCED_SPLITS["value"] or None,
+    )
+    return finish_output(out, buf, num_tokens)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with the Triton kernels of this module (GQA, sliding window)."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: AttentionLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append this step's keys/values and attend; see :meth:`AttentionBackend.forward`."""
+        return torch.ops.backplane_triton.attention(
+            q, k, v, kv_cache, int(layer.sliding_window), float(layer.softmax_scale), out
+        )
+
+    def dynamic_ops(self) -> tuple:
+        """The attention op runs eagerly between captured graph segments."""
+        return (torch.ops.backplane_triton.attention.default,)

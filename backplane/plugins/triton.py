@@ -1,0 +1,134 @@
+"""The Triton plugin: our own paged attention and MLA kernels, mamba-ssm's and fla's kernels.
+
+Importing this module is cheap (no torch, no triton); the kernels load from
+:mod:`backplane.backends.triton` only when a Triton backend is selected.
+
+Availability, per family:
+
+* every family needs the ``triton`` package and a CUDA device, unless
+  ``TRITON_INTERPRET=1`` (the CPU interpreter, for tests at small float32 shapes);
+* ``ssm`` also needs ``mamba-ssm`` (only its Triton modules are loaded, see
+  :mod:`backplane.backends.triton._mamba_import`) and ``einops``, which those modules import;
+* ``delta`` also needs ``fla-core`` (the ``fla`` package).
+"""
+
+from __future__ import annotations
+
+from backplane.core.backend_spec import BackendSpec
+from backplane.core.hookspecs import hookimpl
+from backplane.plugins._availability import cuda_reason, module_missing, triton_interpret
+
+#: Above the torch reference backends (0), below vendor libraries that may claim more.
+PRIORITY = 50
+
+_BASE_CAPS = frozenset({"cuda", "float32", "bfloat16", "float16", "cuda_graph"})
+
+
+def _caps(*extra: str) -> frozenset[str]:
+    caps = _BASE_CAPS | set(extra)
+    if triton_interpret():
+        # Under the CPU interpreter only float32/float16 are emulated.
+        caps = (caps - {"bfloat16"}) | {"cpu", "interpret"}
+    return frozenset(caps)
+
+
+def _needs(*packages: tuple[str, str]) -> tuple[bool, str]:
+    """Availability: triton, a CUDA device (or the interpreter), then ``(package, why)`` pairs."""
+    missing = module_missing("triton")
+    if missing:
+        return False, f"{missing} (pip install 'backplane[triton]')"
+    if not triton_interpret():
+        reason = cuda_reason()
+        if reason:
+            return (
+                False,
+                f"{reason}; Triton kernels need CUDA (or TRITON_INTERPRET=1 for CPU tests)",
+            )
+    for package, why in packages:
+        missing = module_missing(package)
+        if missing:
+            return False, f"{missing}; {why}"
+    return True, ""
+
+
+def _attention_available() -> tuple[bool, str]:
+    return _needs()
+
+
+def _mla_available() -> tuple[bool, str]:
+    return _needs()
+
+
+def _ssm_available() -> tuple[bool, str]:
+    return _needs(
+        ("mamba_ssm", "the Triton SSM backend runs mamba-ssm's kernels (pip install mamba-ssm)"),
+        ("einops", "mamba-ssm's Triton modules import it (pip install einops)"),
+    )
+
+
+def _delta_available() -> tuple[bool, str]:
+    return _needs(("fla", "the Triton delta backend runs fla's kernels (pip install fla-core)"))
+
+
+@hookimpl
+def backplane_attention_backends() -> list[BackendSpec]:
+    """Paged attention in Triton (prefill/extend, split-KV decode, KV append)."""
+    return [
+        BackendSpec(
+            family="attention",
+            name="triton",
+            load="backplane.backends.triton.attention:TritonAttentionBackend",
+            is_available=_attention_available,
+            priority=PRIORITY,
+            capabilities=_caps("gqa", "sliding_window"),
+            description="Triton paged attention: ragged prefill/extend, split-KV decode",
+        )
+    ]
+
+
+@hookimpl
+def backplane_mla_backends() -> list[BackendSpec]:
+    """Weight-absorbed MLA over the latent cache in Triton."""
+    return [
+        BackendSpec(
+            family="mla",
+            name="triton",
+            load="backplane.backends.triton.mla:TritonMLABackend",
+            is_available=_mla_available,
+            priority=PRIORITY,
+            capabilities=_caps(),
+            description="Triton MLA: weight-absorbed prefill and split-KV decode on the latent cache",
+        )
+    ]
+
+
+@hookimpl
+def backplane_ssm_backends() -> list[BackendSpec]:
+    """Mamba2 on mamba-ssm's Triton kernels plus our causal-conv kernel."""
+    return [
+        BackendSpec(
+            family="ssm",
+            name="triton",
+            load="backplane.backends.triton.ssm:TritonSSMBackend",
+            is_available=_ssm_available,
+            priority=PRIORITY,
+            capabilities=_caps("z_gate", "n_groups"),
+            description="mamba-ssm chunk scan / state update + Triton causal conv",
+        )
+    ]
+
+
+@hookimpl
+def backplane_delta_backends() -> list[BackendSpec]:
+    """Gated delta rule on fla's Triton kernels."""
+    return [
+        BackendSpec(
+            family="delta",
+            name="triton",
+            load="backplane.backends.triton.delta:TritonDeltaBackend",
+            is_available=_delta_available,
+            priority=PRIORITY,
+            capabilities=_caps("qk_l2norm", "grouped_v_heads"),
+            description="fla chunk_gated_delta_rule / fused_recurrent_gated_delta_rule",
+        )
+    ]
