@@ -1,0 +1,563 @@
+"""Conformance tests of the ``ssm`` family (Mamba2 causal conv1d and selective scan).
+
+Subclass :class:`SSMBackendTests` and provide a ``backend`` fixture::
+
+    from backplane.testing.plugin import backend_params, load_backend
+    from backplane.testing.ssm import SSMBackendTests
+
+    class TestMySSM(SSMBackendTests):
+        @pytest.fixture(params=backend_params("ssm"))
+        def backend(self, request):
+            return load_backend(request.param)
+
+The references below are naive float64 per-token recurrences written from the
+definitions in :class:`backplane.core.families.SSMBackend` (and matching the
+Mamba2 mixer of NemotronH in ``transformers``): they share no code with any
+backend.
+
+The state slots of sequences without initial state are filled with NaN before
+each call, so a backend that reads them (instead of starting from zeros) fails;
+slots no sequence uses hold random values that must come back untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from backplane.core.families import ConvLayerSpec, SSMLayerSpec
+from backplane.core.forward_context import forward_context
+from backplane.core.metadata import BatchMetadata, build_batch_metadata
+from backplane.testing.batches import BatchCase, batch_cases, make_case
+from backplane.testing.checks import (
+    assert_close_to_reference,
+    check_out_contract,
+    no_host_sync,
+    run_opcheck,
+)
+from backplane.testing.plugin import BackendTestsBase, require_feature
+
+# -- float64 references -------------------------------------------------------------------------
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(torch.exp(x))
+
+
+def reference_causal_conv1d(
+    batch: BatchMetadata,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive float64 causal depthwise conv1d, one token at a time.
+
+    Each sequence's history starts as the ``kernel_size - 1`` inputs in its
+    slot (zeros without initial state); every new token is appended and the
+    output is the dot product of the last ``kernel_size`` entries with the
+    kernel. The slot ends up holding the last ``kernel_size - 1`` entries.
+
+    :param batch: the step's metadata (host arrays are used).
+    :param x: ``[T, conv_dim]``.
+    :param weight: ``[conv_dim, kernel_size]``.
+    :param bias: ``[conv_dim]`` or ``None``.
+    :param conv_state: ``[num_slots, conv_dim, kernel_size - 1]`` before the step.
+    :param activation: ``"silu"`` or ``""``.
+    :return: ``(out [num_tokens, conv_dim], conv_state after the step)``, float64 on CPU.
+    """
+    host = batch.host
+    x = x.detach().double().cpu()
+    w = weight.detach().double().cpu()
+    b = (
+        bias.detach().double().cpu()
+        if bias is not None
+        else torch.zeros(w.shape[0], dtype=torch.float64)
+    )
+    old = conv_state.detach().double().cpu()
+    new = old.clone()
+    width = w.shape[1] - 1
+    out = torch.zeros(batch.num_tokens, w.shape[0], dtype=torch.float64)
+    for i in range(batch.num_seqs):
+        slot = int(host.state_slots[i])
+        if host.has_initial_state[i]:
+            history = [old[slot, :, j] for j in range(width)]
+        else:
+            history = [torch.zeros(w.shape[0], dtype=torch.float64) for _ in range(width)]
+        for t in range(int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])):
+            history.append(x[t])
+            window = history[len(history) - (width + 1) :]
+            acc = b.clone()
+            for j in range(width + 1):
+                acc += w[:, j] * window[j]
+            out[t] = _silu(acc) if activation == "silu" else acc
+        if width:
+            new[slot] = torch.stack(history[len(history) - width :], dim=-1)
+    return out, new
+
+
+def reference_ssm_scan(
+    batch: BatchMetadata,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    dt_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive float64 Mamba2 recurrence, one token at a time.
+
+    Per token: ``dt' = softplus(dt + dt_bias)`` (or ``dt + dt_bias``);
+    ``h = exp(dt' A) h + dt' x B^T`` (head ``j`` uses group ``j // (H / G)`` of B, C);
+    ``y = h C + D x``; ``y *= silu(z)`` when gated.
+
+    :return: ``(y [num_tokens, H, P], ssm_state after the step)``, float64 on CPU.
+    """
+    host = batch.host
+    x, dt, B, C = (t.detach().double().cpu() for t in (x, dt, B, C))
+    A, D, dt_bias = (t.detach().double().cpu() for t in (A, D, dt_bias))
+    zz = z.detach().double().cpu() if z is not None else None
+    old = ssm_state.detach().double().cpu()
+    new = old.clone()
+    nheads, head_dim = x.shape[1], x.shape[2]
+    group = torch.arange(nheads) // (nheads // B.shape[1])
+    y = torch.zeros(batch.num_tokens, nheads, head_dim, dtype=torch.float64)
+    for i in range(batch.num_seqs):
+        slot = int(host.state_slots[i])
+        h = old[slot].clone() if host.has_initial_state[i] else torch.zeros_like(old[slot])
+        for t in range(int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])):
+            d = dt[t] + dt_bias
+            if dt_softplus:
+                d = _softplus(d)
+            bt, ct = B[t][group], C[t][group]  # [H, N]
+            h = (
+                torch.exp(d * A)[:, None, None] * h
+                + (d[:, None] * x[t])[:, :, None] * bt[:, None, :]
+            )
+            yt = (h * ct[:, None, :]).sum(-1) + D[:, None] * x[t]
+            if zz is not None:
+                yt = yt * _silu(zz[t])
+            y[t] = yt
+        new[slot] = h
+    return y, new
+
+
+# -- helpers shared with the delta kit ------------------------------------------------------------
+
+
+def capture_op_calls(
+    fn: Callable[[], Any], ops: Sequence[Any]
+) -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+    """Run ``fn`` and record every call of one of ``ops`` (with its arguments).
+
+    Lets the kit ``opcheck`` a backend's cached ops without knowing their
+    signatures: the backend's ``forward`` is run once and the calls it makes to
+    the ops of its ``dynamic_ops()`` are replayed through ``opcheck``.
+
+    :param fn: runs the backend once.
+    :param ops: the op overloads to record.
+    :return: ``[(op, args, kwargs), ...]`` in call order.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    wanted = set(ops)
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            if func in wanted:
+                calls.append((func, tuple(args), dict(kwargs)))
+            return func(*args, **kwargs)
+
+    with _Recorder():
+        fn()
+    return calls
+
+
+def _with_out(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor | None):
+    """Return ``(args, kwargs)`` with the ``out`` argument replaced."""
+    names = [a.name for a in op._schema.arguments]
+    if "out" not in names:
+        raise AssertionError(f"{op} has no 'out' argument; cached ops must end with out=None")
+    idx = names.index("out")
+    if idx < len(args):
+        args = args[:idx] + (out,) + args[idx + 1 :]
+    else:
+        kwargs = dict(kwargs, out=out)
+    return args, kwargs
+
+
+def opcheck_backend_calls(
+    backend: Any,
+    batch: BatchMetadata,
+    fn: Callable[[], Any],
+    out_shape: Sequence[int],
+    out_dtype: torch.dtype,
+) -> int:
+    """``opcheck`` every dynamic op ``fn`` calls, without and with ``out``.
+
+    The batch must not read the state it writes (no ``has_initial_state``), so
+    that opcheck's repeated calls are idempotent.
+
+    :param backend: the backend object (its ``dynamic_ops()`` are checked).
+    :param batch: the batch ``fn`` runs on.
+    :param fn: calls the backend once.
+    :param out_shape: the op's full result shape.
+    :param out_dtype: the op's result dtype.
+    :return: the number of op calls checked.
+    """
+    ops = tuple(backend.dynamic_ops())
+    assert ops, "the backend's dynamic_ops() must list the cached ops its forward calls"
+    with forward_context(batch, {backend.family: backend.plan(batch)}):
+        calls = capture_op_calls(fn, ops)
+        assert calls, "the backend's forward called none of the ops listed by dynamic_ops()"
+        for op, args, kwargs in calls:
+            device = next(a for a in args if isinstance(a, torch.Tensor)).device
+            for out in (None, torch.zeros(tuple(out_shape), dtype=out_dtype, device=device)):
+                a, k = _with_out(op, args, kwargs, out)
+                run_opcheck(op, a, k)
+    return len(calls)
+
+
+def random_state(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    batch: BatchMetadata,
+    gen: torch.Generator,
+    device: torch.device,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """A random per-slot state whose slots without initial state hold NaN.
+
+    :return: the state tensor on ``device``.
+    """
+    state = torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * scale
+    host = batch.host
+    for i in range(batch.num_seqs):
+        if not host.has_initial_state[i]:
+            state[int(host.state_slots[i])] = float("nan")
+    return state.to(device=device, dtype=dtype)
+
+
+def single_sequence_batch(
+    query_len: int, cached_len: int, slot: int, device: torch.device, padding: int = 1
+) -> BatchMetadata:
+    """One sequence in state slot ``slot``, with a few padding rows.
+
+    :return: the batch metadata.
+    """
+    total = query_len + cached_len
+    return build_batch_metadata(
+        [query_len],
+        [cached_len],
+        [list(range(1, total + 1))],
+        1,
+        state_slots=[slot],
+        padded_num_tokens=query_len + padding,
+        device=device,
+    )
+
+
+#: Scale of the sequence-length dependent error of a recurrence against float64
+#: (applied to the kit's per-dtype tolerances): prompts here are at most ~20
+#: tokens, over which float32 accumulation error stays a few ulps per step.
+RECURRENCE_TOL_SCALE = 2.0
+
+
+def _ssm_cases() -> list[BatchCase]:
+    """The kit's standard batches plus long prompts that span several scan chunks."""
+    return [
+        *batch_cases(),
+        make_case(
+            "long_prefill_and_extend",
+            [19, 13, 1],
+            [0, 9, 6],
+            shuffle_slots=True,
+            padding=2,
+            seed=5,
+        ),
+    ]
+
+
+# -- the mixin ----------------------------------------------------------------------------------
+
+
+class SSMBackendTests(BackendTestsBase):
+    """Conformance tests of an ``ssm`` backend (``conv`` and ``scan``).
+
+    Class attributes set the (small) layer shapes; a subclass may override them.
+    """
+
+    family: ClassVar[str] = "ssm"
+    NHEADS: ClassVar[int] = 4
+    HEAD_DIM: ClassVar[int] = 4
+    D_STATE: ClassVar[int] = 6
+    KERNEL_SIZE: ClassVar[int] = 4
+    #: Small, so the kit's prompts span several chunks of the prefill scan.
+    CHUNK_SIZE: ClassVar[int] = 4
+
+    # -- inputs
+
+    def conv_inputs(
+        self,
+        batch: BatchMetadata,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        conv_dim: int = 10,
+        with_bias: bool = True,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Random ``conv`` inputs for ``batch`` (padding rows hold random values too)."""
+        gen = torch.Generator().manual_seed(seed)
+        T = batch.padded_num_tokens
+
+        def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
+            return t.to(device=device, dtype=dtype)
+
+        return {
+            "x": rnd(T, conv_dim),
+            "weight": rnd(conv_dim, self.KERNEL_SIZE, scale=0.5),
+            "bias": rnd(conv_dim, scale=0.5) if with_bias else None,
+            "conv_state": random_state(
+                (num_slots, conv_dim, self.KERNEL_SIZE - 1), dtype, batch, gen, device
+            ),
+        }
+
+    def scan_inputs(
+        self,
+        batch: BatchMetadata,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        n_groups: int = 1,
+        gated: bool = False,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Random ``scan`` inputs for ``batch`` with Mamba2-like magnitudes."""
+        gen = torch.Generator().manual_seed(seed)
+        T, H, P, N = batch.padded_num_tokens, self.NHEADS, self.HEAD_DIM, self.D_STATE
+
+        def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale + shift
+            return t.to(device=device, dtype=dtype)
+
+        # A = -exp(A_log) as in the models: negative, order 1; dt + dt_bias around -1 so that
+        # softplus(dt) spans roughly 0.1 .. 1 and the state decays but does not vanish
+        A = -torch.exp(torch.rand(H, generator=gen) * 2 - 1)
+        return {
+            "x": rnd(T, H, P),
+            "dt": rnd(T, H, scale=0.5),
+            "A": A.to(device),
+            "B": rnd(T, n_groups, N),
+            "C": rnd(T, n_groups, N),
+            "D": rnd(H).float(),
+            "dt_bias": (torch.rand(H, generator=gen) - 1.5).to(device),
+            "z": rnd(T, H, P) if gated else None,
+            "ssm_state": random_state(
+                (num_slots, H, P, N), torch.float32, batch, gen, device, scale=0.5
+            ),
+        }
+
+    def conv_layer(self, conv_dim: int, activation: str) -> ConvLayerSpec:
+        """The conv layer constants used by the tests."""
+        return ConvLayerSpec(
+            layer_id=0, conv_dim=conv_dim, kernel_size=self.KERNEL_SIZE, activation=activation
+        )
+
+    def scan_layer(self, n_groups: int) -> SSMLayerSpec:
+        """The scan layer constants used by the tests."""
+        return SSMLayerSpec(
+            layer_id=0,
+            nheads=self.NHEADS,
+            head_dim=self.HEAD_DIM,
+            d_state=self.D_STATE,
+            n_groups=n_groups,
+            dt_softplus=True,
+            chunk_size=self.CHUNK_SIZE,
+        )
+
+    # -- tests
+
+    def test_cache_specs(self, backend: Any) -> None:
+        """The default cache specs follow the shared layouts (float32 SSM state)."""
+        spec = backend.cache_spec(self.scan_layer(1), num_slots=5, dtype=torch.bfloat16)
+        assert spec["ssm_state"].shape == (5, self.NHEADS, self.HEAD_DIM, self.D_STATE)
+        assert spec["ssm_state"].dtype == torch.float32
+        conv = backend.conv_cache_spec(
+            self.conv_layer(10, "silu"), num_slots=5, dtype=torch.bfloat16
+        )
+        assert conv["conv_state"].shape == (5, 10, self.KERNEL_SIZE - 1)
+
+    @pytest.mark.parametrize("activation", ["silu", ""], ids=["silu", "no_act"])
+    @pytest.mark.parametrize("case", _ssm_cases(), ids=lambda c: c.name)
+    def test_conv_matches_reference(
+        self,
+        backend: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        case: BatchCase,
+        activation: str,
+    ) -> None:
+        """``conv`` output and conv state equal the float64 reference; out contract holds."""
+        batch = case.metadata(device)
+        inp = self.conv_inputs(batch, case.num_slots, dtype, device, with_bias=activation == "silu")
+        layer = self.conv_layer(inp["x"].shape[1], activation)
+        expected, expected_state = reference_causal_conv1d(
+            batch, inp["x"], inp["weight"], inp["bias"], inp["conv_state"], activation
+        )
+
+        def run(out: torch.Tensor | None) -> torch.Tensor:
+            with no_host_sync(device):
+                return backend.conv(
+                    inp["x"], inp["weight"], inp["bias"], inp["conv_state"], layer, out=out
+                )
+
+        with forward_context(batch, {"ssm": backend.plan(batch)}):
+            full = check_out_contract(run, [inp["conv_state"]], batch.num_tokens)
+        assert full.shape == inp["x"].shape and full.dtype == dtype
+        assert_close_to_reference(full[: batch.num_tokens], expected, dtype, msg="conv output")
+        # the state holds copies of (rounded) inputs: it must match at the state dtype's precision
+        assert_close_to_reference(inp["conv_state"], expected_state, dtype, msg="conv state")
+
+    @pytest.mark.parametrize("variant", ["plain", "gated_groups"])
+    @pytest.mark.parametrize("case", _ssm_cases(), ids=lambda c: c.name)
+    def test_scan_matches_reference(
+        self,
+        backend: Any,
+        backend_capabilities: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        case: BatchCase,
+        variant: str,
+    ) -> None:
+        """``scan`` output and SSM state equal the float64 reference; out contract holds.
+
+        ``gated_groups`` adds the ``z`` gate and two B/C groups.
+        """
+        n_groups, gated = 1, False
+        if variant == "gated_groups":
+            require_feature(backend_capabilities, "z_gate", "n_groups")
+            n_groups, gated = 2, True
+        batch = case.metadata(device)
+        inp = self.scan_inputs(batch, case.num_slots, dtype, device, n_groups=n_groups, gated=gated)
+        layer = self.scan_layer(n_groups)
+        args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "z", "ssm_state")]
+        expected, expected_state = reference_ssm_scan(batch, *args, dt_softplus=True)
+
+        def run(out: torch.Tensor | None) -> torch.Tensor:
+            with no_host_sync(device):
+                return backend.scan(*args, layer, out=out)
+
+        with forward_context(batch, {"ssm": backend.plan(batch)}):
+            full = check_out_contract(run, [inp["ssm_state"]], batch.num_tokens)
+        assert full.shape == inp["x"].shape and full.dtype == dtype
+        assert_close_to_reference(
+            full[: batch.num_tokens], expected, dtype, scale=RECURRENCE_TOL_SCALE, msg="scan output"
+        )
+        # the state is float32 whatever the activation dtype
+        assert inp["ssm_state"].dtype == torch.float32
+        assert_close_to_reference(
+            inp["ssm_state"],
+            expected_state,
+            torch.float32,
+            scale=RECURRENCE_TOL_SCALE,
+            msg="ssm state",
+        )
+
+    @pytest.mark.parametrize(
+        "chunks", [(5, 3, 1, 1, 1), (1, 2, 1, 7)], ids=["5-3-d-d-d", "1-2-1-7"]
+    )
+    def test_chunked_equals_whole_prompt(
+        self, backend: Any, device: torch.device, dtype: torch.dtype, chunks: tuple[int, ...]
+    ) -> None:
+        """A prompt run whole equals the same prompt in chunks (+ decodes), outputs and states."""
+        total, slot, num_slots, conv_dim = sum(chunks), 2, 4, 10
+        whole = single_sequence_batch(total, 0, slot, device, padding=0)
+        conv_in = self.conv_inputs(whole, num_slots, dtype, device, conv_dim=conv_dim, seed=1)
+        scan_in = self.scan_inputs(whole, num_slots, dtype, device, seed=2)
+        conv_layer, scan_layer = self.conv_layer(conv_dim, "silu"), self.scan_layer(1)
+        keys = ("x", "dt", "A", "B", "C", "D", "dt_bias", "z")
+        per_token = {"x", "dt", "B", "C", "z"}
+
+        def step(
+            batch: BatchMetadata, rows: slice, conv_state: torch.Tensor, ssm_state: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            def take(t: torch.Tensor | None) -> torch.Tensor | None:
+                # this step's rows of a per-token input, plus the batch's padding rows
+                if t is None:
+                    return None
+                pad = batch.padded_num_tokens - (rows.stop - rows.start)
+                return torch.cat([t[rows], torch.zeros_like(t[:pad])])
+
+            n = rows.stop - rows.start
+            with forward_context(batch, {"ssm": backend.plan(batch)}):
+                c = backend.conv(
+                    take(conv_in["x"]), conv_in["weight"], conv_in["bias"], conv_state, conv_layer
+                )
+                s = backend.scan(
+                    *[take(scan_in[k]) if k in per_token else scan_in[k] for k in keys],
+                    ssm_state,
+                    scan_layer,
+                )
+            return c[:n], s[:n]
+
+        conv_state0, ssm_state0 = conv_in["conv_state"].clone(), scan_in["ssm_state"].clone()
+        conv_whole, scan_whole = step(whole, slice(0, total), conv_state0, ssm_state0)
+
+        conv_state1, ssm_state1 = conv_in["conv_state"].clone(), scan_in["ssm_state"].clone()
+        conv_parts, scan_parts, done = [], [], 0
+        for q in chunks:
+            batch = single_sequence_batch(q, done, slot, device)
+            c, s = step(batch, slice(done, done + q), conv_state1, ssm_state1)
+            conv_parts.append(c)
+            scan_parts.append(s)
+            done += q
+        atol, rtol = (2e-5, 2e-5) if dtype == torch.float32 else (0.0, 0.0)
+        torch.testing.assert_close(torch.cat(conv_parts), conv_whole, atol=atol, rtol=rtol)
+        torch.testing.assert_close(conv_state1, conv_state0, atol=0, rtol=0)
+        assert_close_to_reference(
+            torch.cat(scan_parts), scan_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="scan output"
+        )
+        assert_close_to_reference(
+            ssm_state1, ssm_state0, torch.float32, scale=RECURRENCE_TOL_SCALE, msg="ssm state"
+        )
+
+    def test_opcheck(self, backend: Any, device: torch.device) -> None:
+        """``torch.library.opcheck`` passes for the ops ``conv`` and ``scan`` call."""
+        case = batch_cases("prefill")[0]  # no initial state: repeated calls are idempotent
+        batch = case.metadata(device)
+        conv_in = self.conv_inputs(batch, case.num_slots, torch.float32, device)
+        layer = self.conv_layer(conv_in["x"].shape[1], "silu")
+        n = opcheck_backend_calls(
+            backend,
+            batch,
+            lambda: backend.conv(*conv_in.values(), layer),
+            conv_in["x"].shape,
+            torch.float32,
+        )
+        scan_in = self.scan_inputs(batch, case.num_slots, torch.float32, device)
+        n += opcheck_backend_calls(
+            backend,
+            batch,
+            lambda: backend.scan(*scan_in.values(), self.scan_layer(1)),
+            scan_in["x"].shape,
+            torch.float32,
+        )
+        assert n >= 2
