@@ -1,0 +1,385 @@
+"""The engine loop: schedule -> prepare inputs -> run the model -> sample -> commit.
+
+:class:`Engine` wires the parts together at startup (config -> backends ->
+model -> caches -> KV manager + scheduler -> input buffers) and runs one step
+at a time. The model forward goes through a :class:`ModelRunner`, the seam the
+CUDA-graph runner replaces: it takes the step's :class:`BatchInputs` and
+returns the hidden states of every (padded) token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from backplane.core.batch import BatchInputs, InputBatch
+from backplane.core.errors import ConfigError, OutOfKVMemoryError, RequestError
+from backplane.core.forward_context import forward_context, plan_step
+from backplane.core.sampling import Sampler, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineStepOutput", "ModelRunner"]
+
+
+class ModelRunner:
+    """Runs the model forward for one step (eagerly).
+
+    The CUDA-graph runner subclasses or replaces this: it may pad the token
+    count to a captured bucket (:meth:`padded_num_tokens`) and replay a graph
+    in :meth:`run`. The forward context (batch metadata + backend plans) is
+    already set when :meth:`run` is called.
+
+    :param model: the loaded ``CausalLM``.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def padded_num_tokens(self, num_tokens: int, num_seqs: int, is_decode_only: bool) -> int:
+        """Return the token count to pad a step to (eager: no padding).
+
+        :param num_tokens: real tokens of the step.
+        :param num_seqs: sequences of the step.
+        :param is_decode_only: whether every sequence decodes one token.
+        """
+        return num_tokens
+
+    @torch.inference_mode()
+    def run(self, inputs: BatchInputs) -> torch.Tensor:
+        """Return ``[padded_num_tokens, hidden]`` hidden states for the step.
+
+        :param inputs: the prepared step inputs.
+        """
+        return self.model(inputs.input_ids, inputs.positions)
+
+
+@dataclass
+class EngineStepOutput:
+    """What one step produced for one request.
+
+    :param request_id: the request.
+    :param new_token_ids: tokens committed this step (zero or one).
+    :param finished: whether the request is done.
+    :param finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+def _spec_bytes(specs: dict[str, dict[str, Any]]) -> int:
+    return sum(spec.nbytes for layer in specs.values() for spec in layer.values())
+
+
+class Engine:
+    """The inference engine: owns the model, the caches, the scheduler and the loop.
+
+    :param config: an ``EngineConfig`` (or ``None`` for defaults); keyword
+        arguments override its fields.
+    :raises ConfigError: on an invalid configuration.
+    """
+
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        from backplane.core.config import EngineConfig
+
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = config.merge(**overrides)
+        self.config = config
+        self.device = config.torch_device
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={config.device!r} but CUDA is not available here; use device='cpu'"
+            )
+        self.dtype = config.torch_dtype
+        torch.manual_seed(int(config.seed))
+
+        from backplane.models import load_model
+
+        # Backends first (selection errors surface before any weight is read),
+        # for every family; the model then says which it uses.
+        all_backends = config.resolve_backends(("attention", "ssm", "mla", "delta"))
+        loaded = load_model(
+            config.model, dtype=self.dtype, device=self.device, backends=all_backends
+        )
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.backends = {f: b for f, b in all_backends.items() if f in self.model.families}
+        self.max_model_len = int(
+            min(config.max_model_len or self.model.max_model_len, self.model.max_model_len)
+        )
+        self.vocab_size = int(self.model.vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in (self.model.eos_token_ids or ()))
+        self.page_size = int(config.page_size)
+        self.max_num_seqs = int(config.max_num_seqs)
+        self.max_num_tokens = int(config.max_num_tokens)
+        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+
+        self.num_slots = self.max_num_seqs + 1 if self.model.has_recurrent_state else 0
+        self.num_pages = self._size_kv_pages()
+        specs = self.model.cache_specs(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            num_slots=max(self.num_slots, 1),
+            dtype=self.dtype,
+        )
+        self.caches = {
+            layer: {name: spec.allocate(self.device) for name, spec in layer_specs.items()}
+            for layer, layer_specs in specs.items()
+        }
+        self.model.bind_caches(self.caches)
+        paged = [self.caches[layer][name] for layer, name in self._paged_keys]
+        self.kv_bytes = sum(t.numel() * t.element_size() for t in paged)
+        self.state_bytes = _spec_bytes(specs) - self.kv_bytes
+        self.scheduler = self._build_scheduler(paged)
+        self.input_batch = InputBatch(
+            max_num_tokens=self.max_num_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_pages_per_seq=self.max_pages_per_seq,
+            page_size=self.page_size,
+            device=self.device,
+        )
+        self.runner: ModelRunner = ModelRunner(self.model)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        self._requests: dict[str, Any] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s pages=%d x %d tokens (%.1f MiB KV), "
+            "state slots=%d, backends=%s",
+            config.model,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            self.page_size,
+            self.kv_bytes / 2**20,
+            self.num_slots,
+            {f: getattr(b, "name", type(b).__name__) for f, b in self.backends.items()},
+        )
+
+    # -- startup -----------------------------------------------------------------
+
+    def _size_kv_pages(self) -> int:
+        """Pages (including the scratch page 0) that fit the configured KV memory.
+
+        Also finds which cache tensors are paged (their first dimension follows
+        ``num_pages``) as opposed to per-slot recurrent state.
+        """
+        cfg = self.config
+        slots = max(self.num_slots, 1)
+        kw = {"page_size": self.page_size, "num_slots": slots, "dtype": self.dtype}
+        two = self.model.cache_specs(num_pages=2, **kw)
+        three = self.model.cache_specs(num_pages=3, **kw)
+        self._paged_keys = [
+            (layer, name)
+            for layer, layer_specs in two.items()
+            for name, spec in layer_specs.items()
+            if spec.shape != three[layer][name].shape
+        ]
+        per_page = _spec_bytes(three) - _spec_bytes(two)
+        state_bytes = _spec_bytes(two) - 2 * per_page
+        if cfg.num_kv_pages is not None:
+            n = int(cfg.num_kv_pages)
+        elif per_page == 0:  # no paged layers: pages are bookkeeping only
+            n = self.max_num_seqs * self.max_pages_per_seq + 1
+        else:
+            budget = cfg.kv_memory if cfg.kv_memory is not None else self._default_kv_budget()
+            n = int((budget - state_bytes) // per_page)
+        if n < 2:
+            raise OutOfKVMemoryError(
+                f"the KV memory holds {max(n, 0)} page(s) of {self.page_size} tokens after "
+                f"{state_bytes} bytes of recurrent state; at least 2 are needed (page 0 is "
+                f"scratch), one page takes {per_page} bytes. Raise kv_memory or num_kv_pages"
+            )
+        return n
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        # CPU: enough for every sequence at full length, capped at 1 GiB
+        return 1 << 30
+
+    def _build_scheduler(self, paged_caches: list[torch.Tensor]) -> Any:
+        from backplane.core.kv_cache.host_tier import HostTier
+        from backplane.core.kv_cache.manager import KVCacheManager
+        from backplane.core.scheduler import Scheduler
+
+        cfg = self.config
+        host = None
+        if cfg.host_kv_memory and paged_caches and not self.model.has_recurrent_state:
+            try:
+                host = HostTier.from_bytes(paged_caches, cfg.host_kv_memory)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        self.kv_manager = KVCacheManager(
+            self.num_pages,
+            self.page_size,
+            num_state_slots=self.num_slots,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            host_tier=host,
+            debug=cfg.debug,
+        )
+        return Scheduler(
+            self.kv_manager,
+            max_num_seqs=self.max_num_seqs,
+            max_num_tokens=self.max_num_tokens,
+        )
+
+    # -- requests ----------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: np.ndarray | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request.
+
+        :param prompt_token_ids: the prompt (int32 ndarray taken with one memcpy, or a list).
+        :param sampling_params: defaults to ``SamplingParams()``.
+        :param request_id: a unique id (default: generated).
+        :return: the request id.
+        :raises RequestError: the request is invalid (it is not queued; others are unaffected).
+        """
+        from backplane.core.request import Request
+
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}"
+            )
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in use; pass a unique request_id")
+        req = Request(
+            rid,
+            prompt_token_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(req)
+        self._requests[rid] = req
+        gen = params.make_generator(self.device)
+        if gen is not None:
+            self._generators[rid] = gen
+        return rid
+
+    def get_request(self, request_id: str) -> Any:
+        """Return the live request object (``None`` once finished and collected)."""
+        return self._requests.get(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request, freeing its pages and state slot.
+
+        :return: ``True`` if the request was live.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.abort_request(request_id)
+        self._generators.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued or running."""
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests queued or running."""
+        return len(self._requests)
+
+    # -- the step -----------------------------------------------------------------
+
+    def step(self) -> list[EngineStepOutput]:
+        """Run one engine step.
+
+        :return: one entry per request that got a token or finished this step.
+        """
+        sched = self.scheduler.schedule()
+        scheduled = sched.scheduled
+        sampled: dict[str, int] = {}
+        if scheduled:
+            inputs = self.prepare_inputs(scheduled)
+            hidden = self.execute(inputs)
+            sampled = self.sample(hidden, inputs, scheduled)
+        self.scheduler.update(sched, sampled)
+        return self._collect(sched, sampled)
+
+    def prepare_inputs(self, scheduled: Sequence[Any]) -> BatchInputs:
+        """Turn scheduled sequences into device inputs (padded as the runner asks)."""
+        num_tokens = 0
+        decode_only = True
+        for s in scheduled:  # O(1) per sequence; the runner needs the count up front
+            num_tokens += s.num_new_tokens
+        decode_only = num_tokens == len(scheduled)
+        padded = self.runner.padded_num_tokens(num_tokens, len(scheduled), decode_only)
+        return self.input_batch.prepare(scheduled, padded_num_tokens=padded)
+
+    def execute(self, inputs: BatchInputs) -> torch.Tensor:
+        """Plan every backend once, then run the model under the forward context."""
+        plans = plan_step(self.backends, inputs.metadata)
+        with forward_context(inputs.metadata, plans):
+            return self.runner.run(inputs)
+
+    @torch.inference_mode()
+    def sample(
+        self, hidden: torch.Tensor, inputs: BatchInputs, scheduled: Sequence[Any]
+    ) -> dict[str, int]:
+        """Gather the last token of each sampling sequence, compute logits, sample.
+
+        :return: ``{request_id: token}`` for the sequences that sample this step.
+        """
+        if len(inputs.sample_seqs) == 0:
+            return {}
+        reqs = [scheduled[i].request for i in inputs.sample_seqs]
+        last = hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(last)
+        params = [r.sampling_params for r in reqs]
+        gens = None
+        if self._generators:
+            g = self._generators
+            gens = [g.get(r.request_id) for r in reqs]
+        tokens = self.sampler.sample(logits, params, gens).tolist()
+        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+
+    def _collect(self, sched: Any, sampled: dict[str, int]) -> list[EngineStepOutput]:
+        outs: dict[str, EngineStepOutput] = {}
+        for rid, tok in sampled.items():
+            outs[rid] = EngineStepOutput(rid, [tok])
+        # every request the scheduler finished (stopped, length, aborted) this step
+        for req in _finished_requests(self.scheduler, sched):
+            rid = req.request_id
+            o = outs.get(rid)
+            if o is None:
+                o = outs[rid] = EngineStepOutput(rid)
+            o.finished = True
+            o.finish_reason = req.finish_reason.value if req.finish_reason is not None else None
+            self._requests.pop(rid, None)
+            self._generators.pop(rid, None)
+        return list(outs.values())
+
+
+def _finished_requests(scheduler: Any, sched: Any) -> list[Any]:
+    """Requests finished before this step (aborts, in ``sched.finished``) or by it."""
+    return [*sched.finished, *scheduler.pop_finished()]
+
+
+def now() -> float:
+    """The engine's clock (``time.perf_counter``)."""
+    return time.perf_counter()
