@@ -241,7 +241,7 @@ class EngineConfig:
         origins = {name: source if values[name] != defaults[name] else _DEFAULT for name in values}
         object.__setattr__(self, "_origins", origins)
         if source is not _DEFAULT:
-            self._check_cross_fields(source)
+            self._check_cross_fields()
 
     def __hash__(self) -> int:
         data = self.to_dict()
@@ -340,12 +340,15 @@ class EngineConfig:
         for family in values.get("backends") or {}:
             origins[f"backends.{family}"] = source
         object.__setattr__(new, "_origins", origins)
-        new._check_cross_fields(source)
+        new._check_cross_fields(checked)
         return new
 
-    def _check_cross_fields(self, source: _Source) -> None:
+    def _check_cross_fields(self, changed: Iterable[str] = ()) -> None:
         if self.max_num_tokens < self.max_num_seqs:
-            key = "max_num_tokens" if self.origin("max_num_tokens") is source else "max_num_seqs"
+            # Blame the key that was just set; when both (or neither) were, the token budget.
+            changed = set(changed)
+            only_seqs = "max_num_seqs" in changed and "max_num_tokens" not in changed
+            key = "max_num_seqs" if only_seqs else "max_num_tokens"
             raise ConfigError(
                 f"{self.origin(key).where(key)}: max_num_tokens ({self.max_num_tokens}) "
                 f"must be at least max_num_seqs ({self.max_num_seqs}), since every running "

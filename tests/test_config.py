@@ -1,0 +1,492 @@
+"""EngineConfig: sources, validation messages, sizes, auto resolution, backend selection."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import types
+
+import pytest
+import torch
+
+from backplane import BackendSpec, hookimpl
+from backplane.core.config import EngineConfig, format_size, parse_size
+from backplane.core.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    PluginError,
+    UnknownBackendError,
+)
+from backplane.core.families import AttentionBackend
+from backplane.core.registry import BackendRegistry
+
+KEYS = (
+    "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, page_size, kv_memory, "
+    "num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
+    "seed, debug, backends"
+)
+
+
+def _write(tmp_path, text: str, name: str = "engine.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    return parser
+
+
+# -- defaults and sources ---------------------------------------------------------------------
+
+
+def test_defaults():
+    cfg = EngineConfig()
+    assert (cfg.model, cfg.dtype, cfg.device, cfg.page_size) == ("tiny-llama", "auto", "auto", 16)
+    assert cfg.kv_memory is None and cfg.num_kv_pages is None and cfg.host_kv_memory == 0
+    assert cfg.enable_prefix_caching is True and cfg.cuda_graphs is None
+    assert cfg.backends == {"attention": "auto", "ssm": "auto", "mla": "auto", "delta": "auto"}
+    assert cfg == EngineConfig() and hash(cfg) == hash(EngineConfig())
+
+
+def test_from_yaml_normalises_values(tmp_path):
+    path = _write(
+        tmp_path,
+        "model: /models/m\n"
+        "dtype: bf16\n"
+        "device: CUDA:1\n"
+        "max_num_seqs: 4\n"
+        "max_num_tokens: '64'\n"
+        "kv_memory: 256MiB\n"
+        "host_kv_memory: 1.5GiB\n"
+        "enable_prefix_caching: off\n"
+        "cuda_graphs: decode\n"
+        "cuda_graph_buckets: [8, 1, 4, 4]\n"
+        "backends:\n  ssm: torch\n",
+    )
+    cfg = EngineConfig.from_yaml(path)
+    assert cfg.model == "/models/m"
+    assert cfg.dtype == "bfloat16" and cfg.device == "cuda:1"
+    assert (cfg.max_num_seqs, cfg.max_num_tokens) == (4, 64)
+    assert cfg.kv_memory == 256 * 1024 * 1024
+    assert cfg.host_kv_memory == 3 * 1024**3 // 2
+    assert cfg.enable_prefix_caching is False
+    assert cfg.cuda_graphs == "decode" and cfg.cuda_graph_buckets == (1, 4, 8)
+    assert cfg.backends == {"attention": "auto", "ssm": "torch", "mla": "auto", "delta": "auto"}
+
+
+def test_empty_yaml_gives_defaults_and_overrides_apply(tmp_path):
+    cfg = EngineConfig.from_yaml(_write(tmp_path, "# nothing\n"), page_size=32)
+    assert cfg == EngineConfig(page_size=32)
+
+
+def test_merge_overrides_and_merges_backends_per_family():
+    base = EngineConfig(backends={"attention": "torch"})
+    merged = base.merge(backends={"ssm": "torch"}, seed=7)
+    assert merged.backends == {"attention": "torch", "ssm": "torch", "mla": "auto", "delta": "auto"}
+    assert merged.seed == 7 and base.seed == 0
+
+
+def test_cli_flags_override_the_config_file(tmp_path):
+    path = _write(tmp_path, "page_size: 8\nseed: 3\nbackends: {attention: torch}\n")
+    args = _parser().parse_args(
+        [
+            "--config",
+            path,
+            "--page-size",
+            "32",
+            "--kv-memory",
+            "64MiB",
+            "--backend",
+            "ssm=torch",
+            "--no-prefix-caching",
+            "--cuda-graph-buckets",
+            "4,2",
+            "--debug",
+        ]
+    )
+    cfg = EngineConfig.from_cli(args)
+    assert cfg.page_size == 32 and cfg.seed == 3
+    assert cfg.kv_memory == 64 * 2**20
+    assert cfg.backends["attention"] == "torch" and cfg.backends["ssm"] == "torch"
+    assert cfg.enable_prefix_caching is False and cfg.debug is True
+    assert cfg.cuda_graph_buckets == (2, 4)
+
+
+def test_cli_without_flags_is_the_default():
+    assert EngineConfig.from_cli(_parser().parse_args([])) == EngineConfig()
+
+
+# -- errors name the source and the key -------------------------------------------------------
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = _write(tmp_path, "max_num_seq: 4\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    assert str(err.value) == (
+        f"config file {path!r}, key 'max_num_seq': unknown key (did you mean 'max_num_seqs'?); "
+        f"the keys are: {KEYS}"
+    )
+
+
+def test_unknown_keyword_argument():
+    with pytest.raises(ConfigError) as err:
+        EngineConfig().merge(colour="blue")
+    assert str(err.value) == f"EngineConfig argument 'colour': unknown key; the keys are: {KEYS}"
+
+
+def test_bad_yaml_names_file_and_position(tmp_path):
+    path = _write(tmp_path, "model: tiny\nbackends: [attention\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    message = str(err.value)
+    assert message.startswith(f"config file {path!r} is not valid YAML at line 3, column 1: ")
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    path = _write(tmp_path, "- model\n- dtype\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    assert str(err.value) == (
+        f"config file {path!r} must hold a mapping of configuration keys (key: value lines), "
+        "not a list"
+    )
+
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    assert str(err.value) == f"cannot read config file {path!r}: No such file or directory"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("page_size: 0", "page_size", "expected an integer >= 1, got 0"),
+        ("page_size: sixteen", "page_size", "expected an integer >= 1, got 'sixteen'"),
+        ("max_num_seqs: true", "max_num_seqs", "expected an integer >= 1, got True"),
+        ("max_model_len: -5", "max_model_len", "expected an integer >= 1, got -5"),
+        ("dtype: int8", "dtype", "expected one of auto, float32, bfloat16, float16, got 'int8'"),
+        ("device: tpu", "device", "expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (
+            "cuda_graphs: always",
+            "cuda_graphs",
+            "expected one of off, decode, piecewise, full_and_piecewise, got 'always'",
+        ),
+        ("debug: maybe", "debug", "expected true or false, got 'maybe'"),
+        (
+            "kv_memory: 0",
+            "kv_memory",
+            "expected a size above zero (omit the key for automatic sizing)",
+        ),
+        ("num_kv_pages: 1", "num_kv_pages", "expected an integer >= 2, got 1"),
+        (
+            "cuda_graph_buckets: [4, 0]",
+            "cuda_graph_buckets",
+            "expected a non-empty list of positive integers, got [4, 0]",
+        ),
+        (
+            "backends: torch",
+            "backends",
+            "expected a mapping of op family to backend name, e.g. {attention: torch}, got 'torch'",
+        ),
+        ("backends: {ssm: 3}", "backends.ssm", "expected a backend name or auto, got 3"),
+        (
+            "backends: {atention: torch}",
+            "backends.atention",
+            "unknown op family (did you mean 'attention'?); the families are: attention, ssm, "
+            "mla, delta",
+        ),
+    ],
+)
+def test_bad_values_name_file_key_and_what_is_accepted(tmp_path, text, key, problem):
+    path = _write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    assert str(err.value) == f"config file {path!r}, key {key!r}: {problem}"
+
+
+def test_bad_size_lists_the_units(tmp_path):
+    path = _write(tmp_path, "host_kv_memory: 2 parsecs\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    assert str(err.value) == (
+        f"config file {path!r}, key 'host_kv_memory': expected a size such as 256MiB, 1.5GiB, "
+        "512MB or a number of bytes, got '2 parsecs' (units: B, KiB, MiB, GiB, TiB or K, M, G, T "
+        "in powers of 1024; KB, MB, GB, TB in powers of 1000)"
+    )
+
+
+def test_bad_flag_names_the_option():
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_cli(_parser().parse_args(["--max-num-seqs", "many"]))
+    assert str(err.value) == "option --max-num-seqs: expected an integer >= 1, got 'many'"
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_cli(_parser().parse_args(["--backend", "attention:torch"]))
+    assert str(err.value) == (
+        "option --backend: expected FAMILY=NAME (e.g. attention=torch), got 'attention:torch'"
+    )
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_cli(_parser().parse_args(["--backend", "conv=torch"]))
+    assert str(err.value) == (
+        "option --backend conv=...: unknown op family; the families are: attention, ssm, mla, delta"
+    )
+
+
+def test_keyword_argument_errors_name_the_argument():
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(page_size="big")
+    assert (
+        str(err.value) == "EngineConfig argument 'page_size': expected an integer >= 1, got 'big'"
+    )
+
+
+def test_token_budget_must_cover_every_sequence(tmp_path):
+    path = _write(tmp_path, "max_num_tokens: 8\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_yaml(path)
+    assert str(err.value) == (
+        f"config file {path!r}, key 'max_num_tokens': max_num_tokens (8) must be at least "
+        f"max_num_seqs ({EngineConfig().max_num_seqs}), since every running sequence decodes "
+        "one token per step"
+    )
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(max_num_seqs=4, max_num_tokens=4).merge(max_num_seqs=5)
+    assert str(err.value).startswith("EngineConfig argument 'max_num_seqs': max_num_tokens (4)")
+
+
+# -- sizes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (0, 0),
+        (4096, 4096),
+        ("4096", 4096),
+        ("256MiB", 256 * 1024 * 1024),
+        ("256mib", 256 * 1024 * 1024),
+        ("1GiB", 1024**3),
+        ("1 GiB", 1024**3),
+        ("1.5GiB", 1024**3 + 512 * 1024**2),
+        ("512MB", 512 * 1000**2),
+        ("2G", 2 * 1024**3),
+        ("3k", 3 * 1024),
+        ("10KB", 10_000),
+        ("1TiB", 1024**4),
+        ("7B", 7),
+        (".5KiB", 512),
+        (2048.0, 2048),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "MiB", "-1MiB", "1XB", "1.2.3G", True, -1, 1.5, None, [1]])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_format_size():
+    assert format_size(512) == "512 B"
+    assert format_size(256 * 2**20) == "256.0 MiB"
+    assert format_size(3 * 2**40) == "3.0 TiB"
+
+
+# -- auto resolution --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_device_dtype_and_graphs_follow_cuda(monkeypatch, cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = EngineConfig()
+    assert cfg.device_resolved == ("cuda" if cuda else "cpu")
+    assert cfg.dtype_resolved == ("bfloat16" if cuda else "float32")
+    assert cfg.torch_dtype == (torch.bfloat16 if cuda else torch.float32)
+    assert cfg.cuda_graphs_resolved == ("full_and_piecewise" if cuda else "off")
+    concrete = cfg.resolved()
+    assert (concrete.device, concrete.dtype, concrete.cuda_graphs) == (
+        cfg.device_resolved,
+        cfg.dtype_resolved,
+        cfg.cuda_graphs_resolved,
+    )
+
+
+def test_explicit_values_win_and_graphs_are_off_on_cpu(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = EngineConfig(device="cpu", dtype="float16", cuda_graphs="piecewise")
+    assert cfg.torch_device == torch.device("cpu")
+    assert cfg.torch_dtype == torch.float16
+    with caplog.at_level(logging.WARNING, logger="backplane.core.config"):
+        assert cfg.cuda_graphs_resolved == "off"
+    assert caplog.messages == [
+        "cuda_graphs=piecewise ignored: device cpu is not CUDA; running eagerly"
+    ]
+    assert EngineConfig(device="cuda:0", cuda_graphs="decode").cuda_graphs_resolved == "decode"
+
+
+def test_to_dict_round_trips(tmp_path):
+    import yaml
+
+    cfg = EngineConfig(kv_memory="1GiB", cuda_graph_buckets=[2, 1], backends={"mla": "torch"})
+    path = _write(tmp_path, yaml.safe_dump(cfg.to_dict()))
+    assert EngineConfig.from_yaml(path) == cfg
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+
+class _Attn(AttentionBackend):
+    """A minimal attention backend for selection tests (never run)."""
+
+    name = "fake"
+
+    def forward(self, q, k, v, kv_cache, layer, out=None):  # pragma: no cover - not called
+        raise AssertionError("selection tests never run a backend")
+
+
+def _registry(*specs: BackendSpec, failing: str | None = None) -> BackendRegistry:
+    reg = BackendRegistry(load_entry_points=False)
+    by_family: dict[str, list[BackendSpec]] = {}
+    for spec in specs:
+        by_family.setdefault(spec.family, []).append(spec)
+    plugin = types.SimpleNamespace()
+    for family, family_specs in by_family.items():
+
+        def hook(family_specs=family_specs):
+            return list(family_specs)
+
+        setattr(plugin, f"backplane_{family}_backends", hookimpl(hook))
+    assert reg.register(plugin, name="p").error is None
+    if failing:
+        bad = types.SimpleNamespace(backplane_attention_backend=hookimpl(lambda: []))
+        reg.register(bad, name=failing)
+    return reg
+
+
+ATTN = BackendSpec(family="attention", name="fast", load=_Attn, priority=5)
+ATTN_SLOW = BackendSpec(family="attention", name="slow", load=lambda: _Attn(), priority=1)
+ATTN_GPU = BackendSpec(
+    family="attention",
+    name="gpu",
+    load=_Attn,
+    priority=9,
+    is_available=lambda: (False, "no CUDA device is available"),
+)
+
+
+def test_resolve_backends_auto_returns_objects_for_the_used_families(caplog):
+    reg = _registry(ATTN, ATTN_SLOW, ATTN_GPU)
+    cfg = EngineConfig(device="cpu")
+    with caplog.at_level(logging.INFO):
+        backends = cfg.resolve_backends(["attention"], registry=reg)
+    assert list(backends) == ["attention"] and isinstance(backends["attention"], _Attn)
+    assert (
+        "attention backend: auto chose fast (plugin p, priority 5); others: gpu (unavailable: "
+        "no CUDA device is available), slow (priority 1 < 5)"
+    ) in caplog.messages
+
+
+def test_configured_backend_is_used():
+    reg = _registry(ATTN, ATTN_SLOW)
+    specs = EngineConfig(backends={"attention": "slow"}).select_backends(["attention"], reg)
+    assert specs["attention"].name == "slow"
+
+
+def test_unknown_backend_from_file_names_file_key_installed_and_failed(tmp_path):
+    reg = _registry(ATTN, ATTN_SLOW, failing="broken")
+    path = _write(tmp_path, "backends:\n  attention: fsat\n")
+    cfg = EngineConfig.from_yaml(path)
+    with pytest.raises(UnknownBackendError) as err:
+        cfg.validate_backends(["attention"], registry=reg)
+    assert str(err.value) == (
+        f"config file {path!r}, key 'backends.attention': unknown attention backend 'fsat' "
+        "(did you mean 'fast'?); installed attention backends: fast, slow; plugins that failed "
+        "to load: broken (PluginError: unknown hook 'backplane_attention_backend' (did you mean "
+        "'backplane_attention_backends'?); the hooks are: backplane_attention_backends, "
+        "backplane_ssm_backends, backplane_mla_backends, backplane_delta_backends)"
+    )
+
+
+def test_unknown_backend_of_an_unused_family_is_still_an_error():
+    reg = _registry(ATTN)
+    cfg = EngineConfig(backends={"mla": "flashmla"})
+    with pytest.raises(UnknownBackendError) as err:
+        cfg.validate_backends(["attention"], registry=reg)
+    assert str(err.value) == (
+        "EngineConfig argument 'backends.mla': unknown mla backend 'flashmla'; installed mla "
+        "backends: (none)"
+    )
+
+
+def test_unavailable_backend_gives_the_reason():
+    reg = _registry(ATTN, ATTN_GPU)
+    args = _parser().parse_args(["--backend", "attention=gpu"])
+    with pytest.raises(BackendUnavailableError) as err:
+        EngineConfig.from_cli(args).resolve_backends(["attention"], registry=reg)
+    assert str(err.value) == (
+        "option --backend attention=...: attention backend 'gpu' (plugin p) is unavailable: "
+        "no CUDA device is available"
+    )
+
+
+def test_auto_with_nothing_installed_for_a_used_family():
+    reg = _registry(ATTN)
+    with pytest.raises(BackendUnavailableError) as err:
+        EngineConfig().resolve_backends(["attention", "ssm"], registry=reg)
+    assert str(err.value) == "no available ssm backend: installed ssm backends: (none)"
+
+
+def test_backend_that_fails_to_load_or_has_the_wrong_family():
+    missing = BackendSpec(family="attention", name="missing", load="no_such_module_xyz:Backend")
+    wrong = BackendSpec(family="attention", name="wrong", load=lambda: object())
+    reg = _registry(missing, wrong)
+    with pytest.raises(BackendUnavailableError) as err:
+        EngineConfig(backends={"attention": "missing"}).resolve_backends(["attention"], reg)
+    assert str(err.value) == (
+        "attention backend 'missing' (plugin p) failed to load from no_such_module_xyz:Backend: "
+        "ModuleNotFoundError: No module named 'no_such_module_xyz'"
+    )
+    with pytest.raises(PluginError) as err:
+        EngineConfig(backends={"attention": "wrong"}).resolve_backends(["attention"], reg)
+    assert str(err.value).startswith("attention backend 'wrong' (plugin p): <function")
+    assert str(err.value).endswith(
+        "produced object, which is not a backplane.core.families.AttentionBackend"
+    )
+
+
+def test_device_limits_auto(monkeypatch):
+    gpu_tagged = BackendSpec(
+        family="attention", name="cudaonly", load=_Attn, priority=50, capabilities={"cuda"}
+    )
+    reg = _registry(ATTN, gpu_tagged)
+    assert (
+        EngineConfig(device="cpu").select_backends(["attention"], reg)["attention"].name == "fast"
+    )
+    assert (
+        EngineConfig(device="cuda").select_backends(["attention"], reg)["attention"].name
+        == "cudaonly"
+    )
+
+
+def test_unknown_family_requested_by_a_model():
+    with pytest.raises(ConfigError) as err:
+        EngineConfig().select_backends(["conv"], registry=_registry(ATTN))
+    assert (
+        str(err.value) == "unknown op family 'conv'; the families are: attention, ssm, mla, delta"
+    )
+
+
+def test_builtin_torch_backends_are_selectable():
+    """Against the real registry: auto on CPU picks an available backend of each family."""
+    from backplane.core.registry import get_registry
+
+    specs = EngineConfig(device="cpu").select_backends(None, get_registry())
+    assert set(specs) == {"attention", "ssm", "mla", "delta"}
+    assert all(spec.availability()[0] for spec in specs.values())
