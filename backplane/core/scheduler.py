@@ -108,9 +108,10 @@ class SchedulerOutput:
     :param num_prefill_seqs: how many leading entries of ``scheduled`` are prefill/extend.
     :param num_scheduled_tokens: total new tokens (never above ``max_num_tokens``).
     :param preempted: requests that lost their pages in this step (requeued).
-    :param finished: requests that finished since the previous ``schedule`` call
-        (in :meth:`Scheduler.update` or by :meth:`Scheduler.abort`), reported once,
-        so per-request state above the scheduler can be released.
+    :param finished: requests that finished (in :meth:`Scheduler.update` or by
+        :meth:`Scheduler.abort`) since the previous ``schedule`` or
+        :meth:`Scheduler.pop_finished` call; each finished request is reported
+        exactly once, here or by ``pop_finished``.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -204,6 +205,20 @@ class Scheduler:
         self._finish(req, FinishReason.ABORT)
         self.stats.aborted += 1
         return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """Same as :meth:`abort`."""
+        return self.abort(request_id)
+
+    def pop_finished(self) -> list[Request]:
+        """Requests finished since the last :meth:`pop_finished` or :meth:`schedule` call.
+
+        Every finished request is reported exactly once: by this method or in
+        the ``finished`` field of the next :class:`SchedulerOutput`, whichever
+        comes first.
+        """
+        done, self._finished_pending = self._finished_pending, []
+        return done
 
     def get_request(self, request_id: str) -> Request | None:
         """The live request with that id, if any."""
