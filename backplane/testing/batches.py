@@ -19,6 +19,7 @@ a CPU; page 0 and state slot 0 are never handed out, as in the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,49 +157,48 @@ def make_case(
     )
 
 
-def batch_cases(kind: str = "all", seed: int = 0) -> list[BatchCase]:
+def batch_cases(kind: str = "all", seed: int = 0, page_size: int | None = None) -> list[BatchCase]:
     """Return the standard ragged batches.
 
     :param kind: ``"all"``; ``"prefill"`` (no decode sequence and no cached
         context); ``"decode"`` (decode sequences only); or ``"mixed"``
         (everything else: extend chunks, mixtures).
     :param seed: seeds the page and slot shuffles.
+    :param page_size: use this page size in every case (for backends that
+        support only some page sizes); by default the cases use pages of 4 and
+        2 tokens so that short sequences cross page boundaries.
     :return: the cases, each with a unique ``name``.
     :raises ValueError: for an unknown ``kind``.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown batch kind {kind!r}; expected one of {', '.join(KINDS)}")
-    cases = [
+    specs: list[tuple[str, list[int], list[int], dict[str, Any]]] = [
         # Pure prefill: two fresh prompts, one spanning several pages, padded.
-        make_case("prefill", [6, 3], [0, 0], padding=2, seed=seed),
+        ("prefill", [6, 3], [0, 0], {"padding": 2}),
         # Pure decode with padding, as a CUDA-graph bucket would pad it.
-        make_case("decode", [1, 1, 1], [5, 8, 2], shuffle_pages=True, padding=1, seed=seed),
+        ("decode", [1, 1, 1], [5, 8, 2], {"shuffle_pages": True, "padding": 1}),
         # Chunked prefill: second chunk of a prompt continuing from 8 cached
         # tokens (exactly two full pages), plus a chunk starting mid-page.
-        make_case("chunked_prefill", [5, 4], [8, 6], seed=seed),
+        ("chunked_prefill", [5, 4], [8, 6], {}),
         # Prefill + extend + decode in one step, shuffled pages and slots, padded.
-        make_case(
+        (
             "mixed",
             [5, 3, 1, 1],
             [0, 6, 9, 3],
-            shuffle_pages=True,
-            shuffle_slots=True,
-            padding=3,
-            seed=seed + 1,
+            {"shuffle_pages": True, "shuffle_slots": True, "padding": 3},
         ),
         # Long-ish sequences over tiny pages: every sequence crosses many page
         # boundaries, pages shuffled.
-        make_case(
-            "page_crossing",
-            [7, 1, 1],
-            [3, 10, 4],
-            page_size=2,
-            shuffle_pages=True,
-            seed=seed + 2,
-        ),
+        ("page_crossing", [7, 1, 1], [3, 10, 4], {"page_size": 2, "shuffle_pages": True}),
         # Single-token prefill (query_len 1, nothing cached) next to a decode.
-        make_case("single_token_prefill", [1, 2, 1], [0, 0, 7], shuffle_slots=True, seed=seed + 3),
+        ("single_token_prefill", [1, 2, 1], [0, 0, 7], {"shuffle_slots": True}),
     ]
+    cases = []
+    for i, (name, query_lens, cached_lens, options) in enumerate(specs):
+        options = dict(options)
+        if page_size is not None:
+            options["page_size"] = page_size
+        cases.append(make_case(name, query_lens, cached_lens, seed=seed + i, **options))
     if kind == "all":
         return cases
     out = []

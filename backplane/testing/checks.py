@@ -8,6 +8,8 @@
   :mod:`backplane.core.contract`, checked in one place.
 * :func:`no_host_sync` — fail on any device synchronisation (CUDA only).
 * :func:`run_opcheck` — ``torch.library.opcheck`` with the kit's defaults.
+* :func:`record_custom_ops` — the custom ops a backend's forward calls, to
+  opcheck them and to compare them with its ``dynamic_ops()``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: ``dtype -> (atol, rtol)`` for comparing a backend's output with the kit's
 #: float64 reference (computed from the same, already rounded, inputs). The
@@ -208,3 +211,37 @@ def run_opcheck(
     if test_utils is not None:
         extra["test_utils"] = tuple(test_utils)
     return torch.library.opcheck(op, args, kwargs or {}, **extra)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every non-aten operator call that reaches the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", "aten") not in _BUILTIN_NAMESPACES:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+_BUILTIN_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "c10d_functional"})
+
+
+def record_custom_ops(
+    fn: Callable[[], Any],
+) -> tuple[Any, list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
+    """Run ``fn()`` and record the custom (non-aten) operators it calls directly.
+
+    Calls made from inside a custom op's implementation are not recorded: a
+    dispatch mode is suspended while the op it intercepted runs.
+
+    :param fn: the call to observe, e.g. ``lambda: backend.forward(...)``.
+    :return: ``(fn's result, [(op overload, args, kwargs), ...])`` in call order.
+    """
+    recorder = _OpRecorder()
+    with recorder:
+        result = fn()
+    return result, recorder.calls
