@@ -1,0 +1,268 @@
+"""Pieces shared by the FlashInfer backends: the workspace, backend handles, sub-batches.
+
+FlashInfer is imported lazily (inside functions) so that importing these modules
+on a machine without it fails only when a kernel is actually used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from backplane.core.errors import BackendUnavailableError
+from backplane.core.metadata import BatchMetadata, HostBatch
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable overriding the size of the shared float workspace, in MiB.
+WORKSPACE_ENV = "BACKPLANE_FLASHINFER_WORKSPACE_MB"
+#: Default float workspace: FlashInfer recommends 128 MiB for decode; long-context
+#: prefill with split-KV needs more, and the buffer is allocated once per device.
+DEFAULT_WORKSPACE_MB = 256
+
+_workspaces: dict[torch.device, torch.Tensor] = {}
+_workspace_lock = threading.Lock()
+
+
+def workspace(device: torch.device) -> torch.Tensor:
+    """Return the float workspace every FlashInfer wrapper on ``device`` shares.
+
+    Wrappers only use it while their kernel runs, and kernels of one step run in
+    stream order, so one buffer serves attention, MLA, prefill and decode. It is
+    sized once (``BACKPLANE_FLASHINFER_WORKSPACE_MB``, default 256) and zeroed as
+    FlashInfer requires before first use.
+
+    :param device: a CUDA device.
+    :return: a ``uint8`` tensor.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _workspace_lock:
+        buf = _workspaces.get(device)
+        if buf is None:
+            mb = int(os.environ.get(WORKSPACE_ENV, DEFAULT_WORKSPACE_MB))
+            buf = torch.zeros(mb * 1024 * 1024, dtype=torch.uint8, device=device)
+            _workspaces[device] = buf
+            logger.info("FlashInfer float workspace: %d MiB on %s", mb, device)
+        return buf
+
+
+class UnsupportedLayerError(BackendUnavailableError, ValueError):
+    """A FlashInfer kernel cannot run this layer shape or dtype (the message says why)."""
+
+
+def require_cuda(t: torch.Tensor, what: str) -> None:
+    """Raise a clear error when a FlashInfer kernel is handed a non-CUDA tensor."""
+    if t.device.type != "cuda":
+        raise BackendUnavailableError(
+            f"the FlashInfer {what} backend runs only on CUDA tensors, got {t.device}; "
+            f"select the torch or triton backend for {t.device.type}"
+        )
+
+
+def require_not_capturing(what: str) -> None:
+    """Raise when host-side planning is attempted inside CUDA-graph capture."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"FlashInfer {what}: no plan for this step while a CUDA graph is being captured; "
+            "call backend.plan(batch) (and prepare_graph_bucket(bucket)) before capture"
+        )
+
+
+# -- backend handles ------------------------------------------------------------
+# Custom ops take only tensors and scalars, so an op finds the backend object
+# that owns its wrappers through a small integer handle.
+
+_handles: dict[int, Any] = {}
+_counter = itertools.count(1)
+
+
+def register_backend(backend: Any) -> int:
+    """Return a new handle for ``backend`` (kept as a weak reference)."""
+    handle = next(_counter)
+    _handles[handle] = weakref.ref(backend)
+    return handle
+
+
+def backend_for(handle: int) -> Any:
+    """Return the backend registered under ``handle``."""
+    ref = _handles.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None:
+        raise RuntimeError(f"FlashInfer backend handle {handle} is no longer alive")
+    return obj
+
+
+# -- batch slices -----------------------------------------------------------------
+
+
+def host_tensor(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Wrap a host numpy array as a contiguous CPU tensor of ``dtype`` (FlashInfer ``plan`` input)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+def to_device(
+    a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """Copy a host array to ``device`` (host -> device only; never the other way)."""
+    t = host_tensor(a, dtype)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def slice_prefill(batch: BatchMetadata) -> BatchMetadata:
+    """Return the prefill/extend part of ``batch`` as a batch of its own.
+
+    Views of the host arrays and device tensors, no copies: sequences
+    ``[0, num_prefill_seqs)`` and tokens ``[0, num_prefill_tokens)``, unpadded.
+    Used to hand the prefill sequences to a fallback backend while the decode
+    sequences run on FlashInfer.
+    """
+    s = batch.num_prefill_seqs
+    t = batch.num_prefill_tokens
+    h = batch.host
+    npg = int(h.page_indptr[s])
+    host = HostBatch(
+        query_start_loc=h.query_start_loc[: s + 1],
+        query_lens=h.query_lens[:s],
+        cached_lens=h.cached_lens[:s],
+        seq_lens=h.seq_lens[:s],
+        page_indptr=h.page_indptr[: s + 1],
+        page_indices=h.page_indices[:npg],
+        last_page_lens=h.last_page_lens[:s],
+        block_table=h.block_table[:s],
+        state_slots=h.state_slots[:s],
+        has_initial_state=h.has_initial_state[:s],
+        positions=h.positions[:t],
+        slot_mapping=h.slot_mapping[:t],
+        token_seq_ids=h.token_seq_ids[:t],
+        last_token_indices=h.last_token_indices[:s],
+    )
+    return BatchMetadata(
+        num_prefill_seqs=s,
+        num_prefill_tokens=t,
+        num_decode_seqs=0,
+        num_decode_tokens=0,
+        padded_num_tokens=t,
+        page_size=batch.page_size,
+        max_query_len=int(h.query_lens[:s].max()) if s else 0,
+        max_seq_len=int(h.seq_lens[:s].max()) if s else 0,
+        host=host,
+        query_start_loc=batch.query_start_loc[: s + 1],
+        query_lens=batch.query_lens[:s],
+        cached_lens=batch.cached_lens[:s],
+        seq_lens=batch.seq_lens[:s],
+        page_indptr=batch.page_indptr[: s + 1],
+        page_indices=batch.page_indices[:npg],
+        last_page_lens=batch.last_page_lens[:s],
+        block_table=batch.block_table[:s],
+        state_slots=batch.state_slots[:s],
+        has_initial_state=batch.has_initial_state[:s],
+        positions=batch.positions[:t],
+        slot_mapping=batch.slot_mapping[:t],
+        token_seq_ids=batch.token_seq_ids[:t],
+        last_token_indices=batch.last_token_indices[:s],
+    )
+
+
+# -- CUDA-graph decode buckets ----------------------------------------------------
+
+
+@dataclass
+class GraphBucketBuffers:
+    """Fixed device buffers of one CUDA-graph decode bucket.
+
+    A captured decode graph keeps pointing at these tensors; :meth:`fill`
+    rewrites their contents from the host batch before every replay. The batch
+    is padded to ``bucket`` sequences: padding sequence ``j`` owns the reserved
+    scratch page 0 with one token at position 0, so its KV append and attention
+    touch no live data, and ``valid`` masks its output rows to zero.
+
+    :param bucket: the decode batch size (= padded token count) of the bucket.
+    :param max_pages: capacity of the page-index buffer.
+    """
+
+    bucket: int
+    max_pages: int
+    kv_indptr: torch.Tensor  # int32 [bucket + 1]
+    kv_indices: torch.Tensor  # int32 [max_pages]
+    kv_last_page_len: torch.Tensor  # int32 [bucket]
+    kv_lens: torch.Tensor  # int32 [bucket]
+    qo_indptr: torch.Tensor  # int32 [bucket + 1] (0..bucket)
+    seq_ids: torch.Tensor  # int32 [bucket] (0..bucket-1)
+    positions: torch.Tensor  # int32 [bucket]
+    pad_mask: torch.Tensor  # bool [bucket, 1, 1], True on padding rows
+
+    @classmethod
+    def allocate(cls, bucket: int, max_pages: int, device: torch.device) -> GraphBucketBuffers:
+        """Allocate the buffers of one bucket on ``device``."""
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            bucket=bucket,
+            max_pages=max_pages,
+            kv_indptr=torch.zeros(bucket + 1, **i32),
+            kv_indices=torch.zeros(max(max_pages, bucket), **i32),
+            kv_last_page_len=torch.ones(bucket, **i32),
+            kv_lens=torch.ones(bucket, **i32),
+            qo_indptr=torch.arange(bucket + 1, **i32),
+            seq_ids=torch.arange(bucket, **i32),
+            positions=torch.zeros(bucket, **i32),
+            pad_mask=torch.zeros(bucket, 1, 1, dtype=torch.bool, device=device),
+        )
+
+    def host_arrays(self, batch: BatchMetadata) -> dict[str, np.ndarray]:
+        """Return the padded host arrays for ``batch`` (decode-only, ``num_seqs <= bucket``)."""
+        n = batch.num_seqs
+        b = self.bucket
+        if not batch.is_decode_only or n > b:
+            raise ValueError(
+                f"CUDA-graph bucket {b} takes decode-only batches of at most {b} sequences; "
+                f"got {batch.num_prefill_seqs} prefill + {batch.num_decode_seqs} decode"
+            )
+        h = batch.host
+        pages = int(h.page_indptr[n])
+        total = pages + (b - n)
+        if total > len(self.kv_indices):
+            raise ValueError(
+                f"CUDA-graph bucket {b}: the batch uses {pages} pages but the bucket was "
+                f"prepared for {self.max_pages}; call prepare_graph_bucket({b}, max_pages=...) "
+                "with the KV pool size"
+            )
+        indptr = np.empty(b + 1, np.int32)
+        indptr[: n + 1] = h.page_indptr[: n + 1]
+        indptr[n + 1 :] = pages + np.arange(1, b - n + 1, dtype=np.int32)
+        indices = np.zeros(total, np.int32)  # padding sequences -> scratch page 0
+        indices[:pages] = h.page_indices[:pages]
+        last = np.ones(b, np.int32)
+        last[:n] = h.last_page_lens[:n]
+        lens = np.ones(b, np.int32)
+        lens[:n] = h.seq_lens[:n]
+        pos = np.zeros(b, np.int32)
+        pos[:n] = h.positions[:n]
+        mask = np.ones(b, np.bool_)
+        mask[:n] = False
+        return {
+            "kv_indptr": indptr,
+            "kv_indices": indices,
+            "kv_last_page_len": last,
+            "kv_lens": lens,
+            "positions": pos,
+            "pad_mask": mask,
+        }
+
+    def fill(self, arrays: dict[str, np.ndarray]) -> None:
+        """Copy the padded host arrays into the fixed buffers (host -> device, no sync)."""
+        for name, arr in arrays.items():
+            dst: torch.Tensor = getattr(self, name)
+            src = torch.from_numpy(arr).pin_memory()
+            dst.view(-1)[: src.numel()].copy_(src, non_blocking=True)

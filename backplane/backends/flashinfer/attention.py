@@ -1,0 +1,467 @@
+"""Paged attention on FlashInfer's prefill and decode wrappers.
+
+Layout: backplane's paged KV cache ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+is FlashInfer's single-tensor ``NHD`` layout with K and V in dim 1, so the cache
+is handed to FlashInfer as is.
+
+Per step
+    :meth:`FlashInferAttentionBackend.plan` runs once, outside any CUDA graph,
+    from the host arrays of the batch only (``batch.host``: no device -> host
+    copy). For every distinct layer configuration (heads, KV heads, head dim,
+    sliding window, scale, dtype) it plans a ``BatchPrefillWithPagedKVCacheWrapper``
+    over the prefill/extend sequences and a ``BatchDecodeWithPagedKVCacheWrapper``
+    over the decode sequences. Every layer's op then only runs kernels:
+    ``append_paged_kv_cache`` for this step's keys/values, then ``run(..., out=)``
+    of the two wrappers, writing straight into the caller's ``out`` rows.
+
+CUDA graphs (decode)
+    A captured graph must find its wrapper's index buffers at the same
+    addresses on every replay. :meth:`FlashInferAttentionBackend.prepare_graph_bucket`
+    allocates, once per decode bucket ``B``, fixed buffers (page indptr, page
+    indices, last-page lengths, positions, a padding mask) and, per layer
+    configuration, a decode wrapper built with ``use_cuda_graph=True`` on them.
+    From then on :meth:`plan` recognises a graph step by its shape -- a
+    decode-only batch whose ``padded_num_tokens`` equals a prepared bucket --
+    pads it to ``B`` sequences (padding sequences point at the reserved scratch
+    page 0) and re-plans that bucket's wrappers, rewriting the fixed buffers.
+    The graph runner therefore: calls ``prepare_graph_bucket(B)`` for each
+    bucket before capture, and ``plan(batch)`` before warmup, capture and
+    *every* replay (``plan_step`` already does this once per step). The same
+    padded path runs eagerly, so a bucket-shaped step gives identical results
+    with or without a graph. ``plan(batch, graph_bucket=B)`` selects a bucket
+    explicitly.
+
+Workspace: one float workspace per device, shared by all wrappers, allocated
+once (see :func:`backplane.backends.flashinfer._common.workspace`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from backplane.backends.flashinfer import _common
+from backplane.core.contract import cached_op, finish_output, output_buffer
+from backplane.core.errors import BackendUnavailableError
+from backplane.core.families import AttentionBackend, AttentionLayerSpec
+from backplane.core.forward_context import get_forward_context
+from backplane.core.layouts import TensorSpec
+from backplane.core.metadata import BatchMetadata
+
+logger = logging.getLogger(__name__)
+
+#: Head dimensions FlashInfer's FA2/FA3 paged kernels are built for.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+#: GQA group sizes the CUDA-core decode kernel dispatches; larger groups use the
+#: tensor-core (prefill-kernel) decode path, which is also faster for them.
+_CUDA_CORE_GROUPS = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class _LayerKey:
+    """What a FlashInfer plan depends on besides the batch."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window_left: int
+    scale: float
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, layer: AttentionLayerSpec, dtype: torch.dtype) -> _LayerKey:
+        return cls(
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.sliding_window - 1 if layer.sliding_window > 0 else -1,
+            float(layer.softmax_scale),
+            dtype,
+        )
+
+
+@dataclass
+class AttentionStepPlan:
+    """What :meth:`FlashInferAttentionBackend.plan` made for one step.
+
+    :param batch: the batch it was made for (ops check identity).
+    :param positions: int32 KV positions of the real tokens (eager path).
+    :param prefill: planned prefill wrappers per layer configuration.
+    :param decode: planned decode wrappers per layer configuration.
+    :param graph: the CUDA-graph bucket buffers when this is a graph step.
+    """
+
+    batch: BatchMetadata
+    positions: torch.Tensor | None = None
+    prefill: dict[_LayerKey, Any] = field(default_factory=dict)
+    decode: dict[_LayerKey, Any] = field(default_factory=dict)
+    graph: _common.GraphBucketBuffers | None = None
+    graph_arrays: dict[str, np.ndarray] | None = None
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Paged causal attention (GQA, sliding window) on FlashInfer.
+
+    :param workspace_device: unused until the first plan; the workspace is
+        allocated on the batch's device.
+    """
+
+    name: ClassVar[str] = "flashinfer"
+
+    def __init__(self) -> None:
+        self.handle = _common.register_backend(self)
+        self._keys: set[_LayerKey] = set()
+        self._device: torch.device | None = None
+        self._prefill_wrappers: dict[_LayerKey, Any] = {}
+        self._decode_wrappers: dict[_LayerKey, Any] = {}
+        self._graph_buffers: dict[int, _common.GraphBucketBuffers] = {}
+        self._graph_wrappers: dict[tuple[int, _LayerKey], Any] = {}
+        self._num_pages: int | None = None
+
+    # -- layer registration and limits ------------------------------------------
+    @staticmethod
+    def supports(layer: AttentionLayerSpec, dtype: torch.dtype) -> tuple[bool, str]:
+        """Say whether FlashInfer's kernels can run ``layer`` in ``dtype``.
+
+        :return: ``(True, "")`` or ``(False, reason)``.
+        """
+        if dtype not in SUPPORTED_DTYPES:
+            return False, f"FlashInfer attention runs in float16/bfloat16, not {dtype}"
+        if layer.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, (
+                f"FlashInfer attention supports head_dim {SUPPORTED_HEAD_DIMS}, "
+                f"not {layer.head_dim}"
+            )
+        if layer.num_heads % layer.num_kv_heads:
+            return False, "num_heads must be a multiple of num_kv_heads"
+        return True, ""
+
+    def _check(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> None:
+        ok, reason = self.supports(layer, dtype)
+        if not ok:
+            raise _common.UnsupportedLayerError(
+                f"attention backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
+                "select backends.attention: triton or torch"
+            )
+
+    def register_layer(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> None:
+        """Make :meth:`plan` prepare ``layer``'s configuration every step."""
+        self._check(layer, dtype)
+        self._keys.add(_LayerKey.of(layer, dtype))
+
+    def cache_spec(
+        self, layer: AttentionLayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Return the shared paged-KV layout and remember the layer for planning."""
+        self.register_layer(layer, dtype)
+        self._num_pages = max(self._num_pages or 0, num_pages)
+        return super().cache_spec(layer, num_pages=num_pages, page_size=page_size, dtype=dtype)
+
+    def dynamic_ops(self) -> tuple[Any, ...]:
+        """The attention op (the piecewise graph runner leaves it out of segments)."""
+        return (torch.ops.backplane_flashinfer.attention.default,)
+
+    # -- wrappers ----------------------------------------------------------------
+    def _ensure_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise BackendUnavailableError(
+                f"the FlashInfer attention backend needs a CUDA batch, got {device}"
+            )
+        if self._device is None:
+            self._device = device
+            _common.workspace(device)
+
+    def _prefill_wrapper(self, key: _LayerKey) -> Any:
+        w = self._prefill_wrappers.get(key)
+        if w is None:
+            import flashinfer
+
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                _common.workspace(self._device), kv_layout="NHD"
+            )
+            self._prefill_wrappers[key] = w
+        return w
+
+    def _decode_wrapper(self, key: _LayerKey) -> Any:
+        w = self._decode_wrappers.get(key)
+        if w is None:
+            import flashinfer
+
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                _common.workspace(self._device),
+                kv_layout="NHD",
+                use_tensor_cores=self._tensor_cores(key),
+            )
+            self._decode_wrappers[key] = w
+        return w
+
+    @staticmethod
+    def _tensor_cores(key: _LayerKey) -> bool:
+        return key.num_heads // key.num_kv_heads not in _CUDA_CORE_GROUPS
+
+    def prepare_graph_bucket(
+        self, bucket: int, *, max_pages: int | None = None, device: torch.device | str | None = None
+    ) -> None:
+        """Allocate the fixed CUDA-graph buffers of decode bucket ``bucket``.
+
+        Call once per bucket before capturing it. Afterwards every decode-only
+        batch with ``padded_num_tokens == bucket`` is planned onto this
+        bucket's CUDA-graph wrappers (see the module docstring).
+
+        :param bucket: decode batch size of the bucket (= its padded token count).
+        :param max_pages: most pages a step may reference in total (default:
+            the KV pool size seen in :meth:`cache_spec`).
+        :param device: the CUDA device (default: the current one).
+        """
+        if bucket in self._graph_buffers:
+            return
+        pages = max_pages if max_pages is not None else self._num_pages
+        if pages is None:
+            raise ValueError(
+                "prepare_graph_bucket needs max_pages (the KV pool size) when cache_spec "
+                "was not called on this backend"
+            )
+        dev = (
+            torch.device(device)
+            if device is not None
+            else torch.device("cuda", torch.cuda.current_device())
+        )
+        self._ensure_device(dev)
+        self._graph_buffers[bucket] = _common.GraphBucketBuffers.allocate(
+            bucket, pages + bucket, self._device
+        )
+
+    def graph_buckets(self) -> list[int]:
+        """The decode buckets prepared for CUDA graphs."""
+        return sorted(self._graph_buffers)
+
+    def _graph_wrapper(self, bucket: int, key: _LayerKey) -> Any:
+        w = self._graph_wrappers.get((bucket, key))
+        if w is None:
+            import flashinfer
+
+            _common.require_not_capturing("attention (creating a CUDA-graph wrapper)")
+            buf = self._graph_buffers[bucket]
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                _common.workspace(self._device),
+                kv_layout="NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self._tensor_cores(key),
+                paged_kv_indptr_buffer=buf.kv_indptr,
+                paged_kv_indices_buffer=buf.kv_indices,
+                paged_kv_last_page_len_buffer=buf.kv_last_page_len,
+            )
+            self._graph_wrappers[(bucket, key)] = w
+        return w
+
+    # -- planning ----------------------------------------------------------------
+    def plan(self, batch: BatchMetadata, graph_bucket: int | None = None) -> AttentionStepPlan:
+        """Plan every known layer configuration for ``batch`` (host arrays only).
+
+        :param batch: the step's metadata.
+        :param graph_bucket: force the CUDA-graph wrappers of this bucket; by
+            default they are used when the batch is decode-only and its
+            ``padded_num_tokens`` is a prepared bucket.
+        :return: the step plan ops read from the forward context.
+        """
+        self._ensure_device(batch.device)
+        if (
+            graph_bucket is None
+            and batch.is_decode_only
+            and batch.padded_num_tokens in self._graph_buffers
+        ):
+            graph_bucket = batch.padded_num_tokens
+        step = AttentionStepPlan(batch=batch)
+        if graph_bucket is not None:
+            if graph_bucket not in self._graph_buffers:
+                raise ValueError(f"CUDA-graph bucket {graph_bucket} was not prepared")
+            if graph_bucket != batch.padded_num_tokens:
+                raise ValueError(
+                    f"CUDA-graph bucket {graph_bucket} needs padded_num_tokens == {graph_bucket}, "
+                    f"got {batch.padded_num_tokens}"
+                )
+            buf = self._graph_buffers[graph_bucket]
+            step.graph = buf
+            step.graph_arrays = buf.host_arrays(batch)
+            buf.fill(step.graph_arrays)
+        else:
+            n = batch.num_tokens
+            step.positions = _common.to_device(batch.host.positions[:n], batch.device)
+        for key in self._keys:
+            self._plan_key(step, key)
+        return step
+
+    def _plan_key(self, step: AttentionStepPlan, key: _LayerKey) -> None:
+        batch = step.batch
+        common = dict(
+            num_qo_heads=key.num_heads,
+            num_kv_heads=key.num_kv_heads,
+            page_size=batch.page_size,
+            window_left=key.window_left,
+            sm_scale=key.scale,
+            q_data_type=key.dtype,
+            kv_data_type=key.dtype,
+        )
+        if step.graph is not None:
+            a = step.graph_arrays
+            w = self._graph_wrapper(step.graph.bucket, key)
+            w.plan(
+                _common.host_tensor(a["kv_indptr"]),
+                _common.host_tensor(a["kv_indices"]),
+                _common.host_tensor(a["kv_last_page_len"]),
+                head_dim=key.head_dim,
+                **common,
+            )
+            step.decode[key] = w
+            return
+        h = batch.host
+        np_ = batch.num_prefill_seqs
+        n = batch.num_seqs
+        split = int(h.page_indptr[np_])
+        if np_:
+            w = self._prefill_wrapper(key)
+            w.plan(
+                _common.host_tensor(h.query_start_loc[: np_ + 1]),
+                _common.host_tensor(h.page_indptr[: np_ + 1]),
+                _common.host_tensor(h.page_indices[:split]),
+                _common.host_tensor(h.last_page_lens[:np_]),
+                head_dim_qk=key.head_dim,
+                causal=True,
+                **common,
+            )
+            step.prefill[key] = w
+        if n > np_:
+            w = self._decode_wrapper(key)
+            w.plan(
+                _common.host_tensor(h.page_indptr[np_ : n + 1] - split),
+                _common.host_tensor(h.page_indices[split : int(h.page_indptr[n])]),
+                _common.host_tensor(h.last_page_lens[np_:n]),
+                head_dim=key.head_dim,
+                **common,
+            )
+            step.decode[key] = w
+
+    def _step_plan(self, key: _LayerKey) -> AttentionStepPlan:
+        """The current step's plan, planning lazily (eagerly, never in capture) when missing."""
+        ctx = get_forward_context()
+        step = ctx.plan("attention")
+        if not isinstance(step, AttentionStepPlan) or step.batch is not ctx.batch:
+            _common.require_not_capturing("attention")
+            step = self.plan(ctx.batch)
+            ctx.plans["attention"] = step
+        if key not in self._keys:
+            self._keys.add(key)
+        if key not in step.decode and key not in step.prefill and ctx.batch.num_seqs:
+            _common.require_not_capturing("attention")
+            logger.debug("planning attention configuration %s lazily", key)
+            self._plan_key(step, key)
+        return step
+
+    # -- forward -----------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: AttentionLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append this step's keys/values to ``kv_cache`` and attend (see the family contract)."""
+        self._check(layer, q.dtype)
+        key = _LayerKey.of(layer, q.dtype)
+        return torch.ops.backplane_flashinfer.attention(
+            q,
+            k,
+            v,
+            kv_cache,
+            self.handle,
+            key.num_heads,
+            key.num_kv_heads,
+            key.head_dim,
+            key.window_left,
+            key.scale,
+            out,
+        )
+
+
+def _attention_shape(
+    q: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(q.shape), q.dtype
+
+
+@cached_op(
+    "backplane_flashinfer::attention",
+    mutates_args=("kv_cache", "out"),
+    output_shape=_attention_shape,
+)
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    handle: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window_left: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FlashInfer paged attention for the step in the forward context (out-buffer contract)."""
+    import flashinfer
+
+    _common.require_cuda(q, "attention")
+    backend: FlashInferAttentionBackend = _common.backend_for(handle)
+    key = _LayerKey(num_heads, num_kv_heads, head_dim, window_left, scale, q.dtype)
+    step = backend._step_plan(key)
+    batch = step.batch
+    buf = output_buffer(out, q.shape, q.dtype, q.device)
+    if not q.is_contiguous():
+        q = q.contiguous()
+    if step.graph is not None:
+        g = step.graph
+        b = g.bucket
+        flashinfer.append_paged_kv_cache(
+            k[:b],
+            v[:b],
+            g.seq_ids,
+            g.positions,
+            kv_cache,
+            g.kv_indices,
+            g.kv_indptr,
+            g.kv_last_page_len,
+            kv_layout="NHD",
+        )
+        step.decode[key].run(q[:b], kv_cache, out=buf[:b])
+        # Padding rows are masked on the device, so a replayed graph zeroes
+        # exactly the rows that are padding in *that* step.
+        buf[:b].masked_fill_(g.pad_mask, 0)
+        if b < buf.shape[0]:
+            buf[b:].zero_()
+        return buf.new_empty(0) if out is not None else buf
+    n = batch.num_tokens
+    npt = batch.num_prefill_tokens
+    if n:
+        flashinfer.append_paged_kv_cache(
+            k[:n],
+            v[:n],
+            batch.token_seq_ids[:n],
+            step.positions,
+            kv_cache,
+            batch.page_indices,
+            batch.page_indptr,
+            batch.last_page_lens,
+            kv_layout="NHD",
+        )
+    if npt:
+        step.prefill[key].run(q[:npt], kv_cache, out=buf[:npt])
+    if n > npt:
+        step.decode[key].run(q[npt:n], kv_cache, out=buf[npt:n])
+    return finish_output(out, buf, n)

@@ -1,0 +1,287 @@
+"""Mamba2 with FlashInfer's ``selective_state_update`` for decode.
+
+What runs where
+    * decode tokens of the selective scan: ``flashinfer.mamba.selective_state_update``
+      in place on the state cache (``state_batch_indices`` = the sequences' state slots);
+    * prefill/extend tokens of the scan and the causal conv: the Triton SSM backend
+      when it is available, otherwise the torch reference backend (see
+      :attr:`FlashInferSSMBackend.fallback_name`). Those run on a view of the batch
+      holding only the prefill sequences, inside the same custom op.
+
+FlashInfer's kernel wants Mamba2's *tied* layout: ``A`` as ``(nheads, head_dim,
+d_state)`` with strides ``(1, 0, 0)``, ``D`` and ``dt_bias`` as ``(nheads, head_dim)``
+with strides ``(1, 0)`` and the dtype of ``dt``, and ``dt`` with stride 0 along
+``head_dim``. These are all ``expand`` views of the per-head parameters; nothing is
+copied but the (tiny) dtype cast of ``D``/``dt_bias``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from backplane.backends.flashinfer import _common
+from backplane.backends.flashinfer._fallback import fallback_backend
+from backplane.core.contract import cached_op, finish_output, output_buffer
+from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
+from backplane.core.forward_context import forward_context, get_forward_context
+from backplane.core.metadata import BatchMetadata
+
+logger = logging.getLogger(__name__)
+
+#: Input dtypes FlashInfer's state-update kernel is instantiated for.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class SSMStepPlan:
+    """What :meth:`FlashInferSSMBackend.plan` made for one step.
+
+    :param batch: the full batch.
+    :param fallback_plan: the fallback backend's plan for the full batch (conv).
+    :param prefill_batch: the prefill sequences as a batch of their own.
+    :param prefill_plan: the fallback backend's plan for ``prefill_batch``.
+    """
+
+    batch: BatchMetadata
+    fallback_plan: Any = None
+    prefill_batch: BatchMetadata | None = None
+    prefill_plan: Any = None
+
+
+class FlashInferSSMBackend(SSMBackend):
+    """Mamba2 decode on FlashInfer; prefill scan and conv on the Triton (else torch) backend."""
+
+    name: ClassVar[str] = "flashinfer"
+
+    def __init__(self, fallback: Any = None) -> None:
+        self.handle = _common.register_backend(self)
+        self.fallback = fallback if fallback is not None else fallback_backend("ssm")
+        #: Name of the backend running the prefill scan and the conv.
+        self.fallback_name: str = getattr(self.fallback, "name", type(self.fallback).__name__)
+
+    @staticmethod
+    def supports(layer: SSMLayerSpec, dtype: torch.dtype) -> tuple[bool, str]:
+        """Say whether FlashInfer's state-update kernel can run ``layer`` in ``dtype``."""
+        if dtype not in SUPPORTED_DTYPES:
+            return False, f"FlashInfer selective_state_update does not take {dtype}"
+        if layer.nheads % layer.n_groups:
+            return False, "nheads must be a multiple of n_groups"
+        return True, ""
+
+    def plan(self, batch: BatchMetadata) -> SSMStepPlan:
+        """Plan the fallback for the full batch and for its prefill part (host only)."""
+        step = SSMStepPlan(batch=batch, fallback_plan=self.fallback.plan(batch))
+        if batch.num_prefill_seqs:
+            if batch.num_decode_seqs or batch.padded_num_tokens != batch.num_prefill_tokens:
+                step.prefill_batch = _common.slice_prefill(batch)
+                step.prefill_plan = self.fallback.plan(step.prefill_batch)
+            else:
+                step.prefill_batch, step.prefill_plan = batch, step.fallback_plan
+        return step
+
+    def _step_plan(self) -> SSMStepPlan:
+        ctx = get_forward_context()
+        step = ctx.plan("ssm")
+        if not isinstance(step, SSMStepPlan) or step.batch is not ctx.batch:
+            step = self.plan(ctx.batch)
+            ctx.plans["ssm"] = step
+        return step
+
+    def dynamic_ops(self) -> tuple[Any, ...]:
+        """The conv and scan ops of this backend."""
+        return (
+            torch.ops.backplane_flashinfer.ssm_conv.default,
+            torch.ops.backplane_flashinfer.ssm_scan.default,
+        )
+
+    def conv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        layer: ConvLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal depthwise conv with state, on the fallback backend (family contract)."""
+        return torch.ops.backplane_flashinfer.ssm_conv(
+            x,
+            weight,
+            bias,
+            conv_state,
+            self.handle,
+            layer.layer_id,
+            layer.conv_dim,
+            layer.kernel_size,
+            layer.activation,
+            out,
+        )
+
+    def scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor,
+        dt_bias: torch.Tensor,
+        z: torch.Tensor | None,
+        ssm_state: torch.Tensor,
+        layer: SSMLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Selective scan: prefill on the fallback, decode on FlashInfer (family contract)."""
+        ok, reason = self.supports(layer, x.dtype)
+        if not ok:
+            raise _common.UnsupportedLayerError(
+                f"ssm backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}"
+            )
+        return torch.ops.backplane_flashinfer.ssm_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            dt_bias,
+            z,
+            ssm_state,
+            self.handle,
+            layer.layer_id,
+            layer.nheads,
+            layer.head_dim,
+            layer.d_state,
+            layer.n_groups,
+            layer.dt_softplus,
+            layer.chunk_size,
+            out,
+        )
+
+
+def _conv_shape(x: torch.Tensor, *args: Any, **kwargs: Any):
+    return tuple(x.shape), x.dtype
+
+
+@cached_op(
+    "backplane_flashinfer::ssm_conv", mutates_args=("conv_state", "out"), output_shape=_conv_shape
+)
+def _ssm_conv_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    handle: int,
+    layer_id: int,
+    conv_dim: int,
+    kernel_size: int,
+    activation: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The causal conv on the fallback backend, under its own plan (out-buffer contract)."""
+    backend: FlashInferSSMBackend = _common.backend_for(handle)
+    step = backend._step_plan()
+    layer = ConvLayerSpec(layer_id, conv_dim, kernel_size, activation)
+    with forward_context(step.batch, {"ssm": step.fallback_plan}):
+        res = backend.fallback.conv(x, weight, bias, conv_state, layer, out=out)
+    if out is not None:
+        return x.new_empty(0)
+    # A custom op may not return an alias of an input; the fallback returns a new tensor.
+    return res
+
+
+def _scan_shape(x: torch.Tensor, *args: Any, **kwargs: Any):
+    return tuple(x.shape), x.dtype
+
+
+@cached_op(
+    "backplane_flashinfer::ssm_scan",
+    mutates_args=("ssm_state", "out"),
+    output_shape=_scan_shape,
+)
+def _ssm_scan_op(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    handle: int,
+    layer_id: int,
+    nheads: int,
+    head_dim: int,
+    d_state: int,
+    n_groups: int,
+    dt_softplus: bool,
+    chunk_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill rows through the fallback, decode rows through FlashInfer (out-buffer contract)."""
+    backend: FlashInferSSMBackend = _common.backend_for(handle)
+    step = backend._step_plan()
+    batch = step.batch
+    layer = SSMLayerSpec(layer_id, nheads, head_dim, d_state, n_groups, dt_softplus, chunk_size)
+    buf = output_buffer(out, x.shape, x.dtype, x.device)
+    npt = batch.num_prefill_tokens
+    n = batch.num_tokens
+    if npt:
+        with forward_context(step.prefill_batch, {"ssm": step.prefill_plan}):
+            backend.fallback.scan(
+                x[:npt],
+                dt[:npt],
+                A,
+                B[:npt],
+                C[:npt],
+                D,
+                dt_bias,
+                None if z is None else z[:npt],
+                ssm_state,
+                layer,
+                out=buf[:npt],
+            )
+    if n > npt:
+        _common.require_cuda(x, "SSM")
+        from flashinfer.mamba import selective_state_update
+
+        np_ = batch.num_prefill_seqs
+        wdt = dt.dtype
+        dec = slice(npt, n)
+        xd = x[dec]
+        if xd.stride(-1) != 1 or xd.stride(1) != head_dim:
+            xd = xd.contiguous()
+        zd = None
+        if z is not None:
+            zd = z[dec]
+            if zd.stride(-1) != 1 or zd.stride(1) != head_dim:
+                zd = zd.contiguous()
+        dtd = dt[dec]
+        if dtd.stride(1) != 1:
+            dtd = dtd.contiguous()
+        Bd, Cd = B[dec], C[dec]
+        if Bd.stride(-1) != 1 or Bd.stride(1) != d_state:
+            Bd = Bd.contiguous()
+        if Cd.stride(-1) != 1 or Cd.stride(1) != d_state:
+            Cd = Cd.contiguous()
+        selective_state_update(
+            ssm_state,
+            xd,
+            dtd.unsqueeze(-1).expand(-1, nheads, head_dim),
+            A.float()[:, None, None].expand(nheads, head_dim, d_state),
+            Bd,
+            Cd,
+            D.to(wdt)[:, None].expand(nheads, head_dim),
+            z=zd,
+            dt_bias=dt_bias.to(wdt)[:, None].expand(nheads, head_dim),
+            dt_softplus=dt_softplus,
+            state_batch_indices=batch.state_slots[np_ : batch.num_seqs],
+            pad_slot_id=-1,
+            out=buf[dec],
+        )
+    return finish_output(out, buf, n)

@@ -1,0 +1,150 @@
+"""The FlashInfer plugin: attention, MLA, Mamba2 decode and GDN prefill on FlashInfer kernels.
+
+FlashInfer is GPU-only and compiles its kernels with nvcc on first use (see
+``docs/flashinfer.md``). Every backend here is unavailable, with the reason,
+when ``flashinfer`` is not installed, when no CUDA device is usable or when the
+device's compute capability is below what the kernel needs. Per-layer shape
+limits (MLA latent 512 + rope 64, GDN head dim 128, attention head dims) are
+checked by each backend's ``supports(layer, dtype)`` because a spec cannot see
+the model; an unsupported layer fails at load with that reason.
+
+This module imports neither torch nor flashinfer at import time: the checks run
+only when availability is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backplane.core.backend_spec import BackendSpec
+from backplane.core.hookspecs import hookimpl
+from backplane.plugins._availability import cuda_reason, module_missing
+
+#: Priority of the FlashInfer backends: above the Triton backends (50) and the
+#: torch references (0), so ``auto`` picks FlashInfer's attention, MLA and
+#: SSM-decode kernels wherever they can run (see docs/benchmarks/flashinfer.md).
+PRIORITY = 60
+#: The delta backend replaces only the prefill kernel (and only on Hopper); it
+#: ranks just above the Triton (fla) backend, whose decode kernel it shares.
+DELTA_PRIORITY = 55
+
+_CAPS = frozenset({"cuda", "cuda_graph", "bfloat16", "float16", "jit"})
+
+
+def _capability() -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability()
+
+
+def availability(
+    min_capability: tuple[int, int] = (8, 0), *, exact_major: int | None = None
+) -> tuple[bool, str]:
+    """Return ``(available, reason)`` for a FlashInfer kernel on this machine.
+
+    :param min_capability: the lowest CUDA compute capability the kernel runs on.
+    :param exact_major: when set, the kernel runs only on devices of this major
+        capability (FlashInfer's GDN prefill is built for sm90a only).
+    :return: ``(True, "")`` or ``(False, reason)``; the reason says what to do.
+    """
+    missing = module_missing("flashinfer")
+    if missing:
+        return False, f"{missing} (pip install 'backplane[flashinfer]')"
+    no_cuda = cuda_reason()
+    if no_cuda:
+        return False, f"FlashInfer runs only on CUDA GPUs: {no_cuda}"
+    major, minor = _capability()
+    if exact_major is not None and major != exact_major:
+        return False, (
+            f"the FlashInfer kernel is built for compute capability {exact_major}.x only "
+            f"(Hopper); this GPU is {major}.{minor}"
+        )
+    if (major, minor) < min_capability:
+        want = f"{min_capability[0]}.{min_capability[1]}"
+        return False, f"FlashInfer needs compute capability >= {want}; this GPU is {major}.{minor}"
+    return True, ""
+
+
+def _check(
+    min_capability: tuple[int, int] = (8, 0), exact_major: int | None = None
+) -> Callable[[], tuple[bool, str]]:
+    def check() -> tuple[bool, str]:
+        return availability(min_capability, exact_major=exact_major)
+
+    return check
+
+
+@hookimpl
+def backplane_attention_backends() -> list[BackendSpec]:
+    """FlashInfer paged attention (prefill/extend + decode wrappers, CUDA-graph decode)."""
+    return [
+        BackendSpec(
+            family="attention",
+            name="flashinfer",
+            load="backplane.backends.flashinfer.attention:FlashInferAttentionBackend",
+            is_available=_check((8, 0)),
+            priority=PRIORITY,
+            capabilities=_CAPS | {"sliding_window", "gqa", "head_dim_64_128_256"},
+            description=(
+                "FlashInfer BatchPrefill/BatchDecode paged-KV wrappers + append_paged_kv_cache; "
+                "planned once per step, CUDA-graph decode wrappers per bucket"
+            ),
+        )
+    ]
+
+
+@hookimpl
+def backplane_mla_backends() -> list[BackendSpec]:
+    """FlashInfer MLA (absorbed, paged latent cache)."""
+    return [
+        BackendSpec(
+            family="mla",
+            name="flashinfer",
+            load="backplane.backends.flashinfer.mla:FlashInferMLABackend",
+            is_available=_check((8, 0)),
+            priority=PRIORITY,
+            capabilities=_CAPS | {"latent_512_rope_64"},
+            description=(
+                "FlashInfer BatchMLAPagedAttentionWrapper (weights absorbed, prefill and decode) + "
+                "append_paged_mla_kv_cache; kv_lora_rank 512 and rope 64 only"
+            ),
+        )
+    ]
+
+
+@hookimpl
+def backplane_ssm_backends() -> list[BackendSpec]:
+    """FlashInfer Mamba2 decode; prefill and conv on the Triton or torch path."""
+    return [
+        BackendSpec(
+            family="ssm",
+            name="flashinfer",
+            load="backplane.backends.flashinfer.ssm:FlashInferSSMBackend",
+            is_available=_check((8, 0)),
+            priority=PRIORITY,
+            capabilities=_CAPS | {"z_gate", "n_groups"},
+            description=(
+                "decode: flashinfer.mamba.selective_state_update (tied Mamba2 layout); "
+                "prefill scan and causal conv: the Triton backend when available, else torch"
+            ),
+        )
+    ]
+
+
+@hookimpl
+def backplane_delta_backends() -> list[BackendSpec]:
+    """FlashInfer GDN prefill (Hopper, head dim 128); decode through fla or torch."""
+    return [
+        BackendSpec(
+            family="delta",
+            name="flashinfer",
+            load="backplane.backends.flashinfer.delta:FlashInferDeltaBackend",
+            is_available=_check((9, 0), exact_major=9),
+            priority=DELTA_PRIORITY,
+            capabilities=_CAPS | {"qk_l2norm", "grouped_v_heads", "head_dim_128"},
+            description=(
+                "prefill: flashinfer chunk_gated_delta_rule (sm90, k/v head dim 128); "
+                "decode: fla fused_recurrent_gated_delta_rule when installed, else torch"
+            ),
+        )
+    ]
