@@ -1,0 +1,456 @@
+"""The causal-LM base class every architecture derives from.
+
+A model is built from its HF ``config.json`` (as a :class:`ModelConfig`) and
+the backends of the op families it uses. It computes on the flat ragged token
+layout: ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` inside a
+:func:`~backplane.core.forward_context.forward_context`, and the caller gathers
+the rows it needs before :meth:`CausalLM.compute_logits`.
+
+Weights are created uninitialised (usually on the ``meta`` device, then
+materialised with ``to_empty``) and filled by the loader through
+:meth:`CausalLM.weight_targets` / :meth:`CausalLM.load_weights`, or with random
+values by :meth:`CausalLM.init_random_weights_`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from backplane.core.errors import ConfigError
+from backplane.core.layouts import TensorSpec
+from backplane.models.layers import CachedMixer, MoE, RMSNorm, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+
+class ModelConfig(dict):
+    """An HF ``config.json`` as a dict with defaults and a readable error for missing keys."""
+
+    def get(self, key: str, default: Any = None) -> Any:  # noqa: D102 - dict.get semantics
+        value = super().get(key, default)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        """Return ``self[key]``.
+
+        :raises ConfigError: naming the key and the model type when it is missing.
+        """
+        value = super().get(key)
+        if value is None:
+            raise ConfigError(
+                f"config.json of {self.get('model_type', 'this model')!r} lacks {key!r}"
+            )
+        return value
+
+    @property
+    def architecture(self) -> str:
+        """The first entry of ``architectures`` (empty string when absent)."""
+        archs = self.get("architectures") or []
+        return archs[0] if archs else ""
+
+
+class WeightLoadError(ConfigError):
+    """The checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
+
+
+class CausalLM(nn.Module):
+    """Base of all backplane causal language models.
+
+    Subclasses build ``self.embed_tokens``, ``self.lm_head`` (or tie it), the
+    layers and ``self.final_norm``, set :attr:`families`, and implement
+    :meth:`forward`. Checkpoint names are the module paths, except where
+    :meth:`checkpoint_name_map` rewrites prefixes and :class:`MoE` stacks
+    per-expert tensors.
+
+    :param config: the HF config.
+    :param backends: ``{family: backend object}`` for every family in :attr:`families`.
+    """
+
+    #: op families the architecture may use (the instance narrows it to what its layers use)
+    families: set[str]
+    #: names of checkpoint tensors that are expected and ignored (regexes), e.g. MTP heads
+    ignored_checkpoint_patterns: ClassVar[tuple[str, ...]] = ()
+    #: ``(checkpoint prefix, module prefix)`` rewrites applied to checkpoint names
+    checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self, config: ModelConfig, backends: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+        self.backends = dict(backends)
+        self.vocab_size = int(config.require("vocab_size"))
+        self.max_model_len = int(config.get("max_position_embeddings", 4096))
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.eos_token_ids = _eos_ids(config.get("eos_token_id"))
+
+    # -- construction helpers ------------------------------------------------
+    def backend(self, family: str) -> Any:
+        """Return the backend of ``family``.
+
+        :raises ConfigError: when none was given.
+        """
+        try:
+            return self.backends[family]
+        except KeyError:
+            raise ConfigError(
+                f"{type(self).__name__} needs a {family!r} backend; got backends for "
+                f"{sorted(self.backends) or 'no family'}"
+            ) from None
+
+    def _finish_init(self) -> None:
+        """Derive :attr:`families` and :attr:`has_recurrent_state` from the layers built."""
+        fams: set[str] = set()
+        for m in self.modules():
+            if isinstance(m, CachedMixer):
+                fams.update(m.families)
+        self.families = fams
+        self.has_recurrent_state = bool(fams & {"ssm", "delta"})
+
+    # -- the step --------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the model over the flat token batch of the active forward context.
+
+        :param input_ids: ``[T]`` int64 token ids (padded rows included).
+        :param positions: ``[T]`` int64 positions.
+        :return: final-normalised hidden states ``[T, hidden]``.
+        """
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states (already gathered, e.g. last token per sequence) to logits.
+
+        :param hidden: ``[N, hidden]``.
+        :return: ``[N, vocab_size]`` logits in float32.
+        """
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # -- caches ------------------------------------------------------------------
+    def cached_layers(self) -> Iterator[tuple[str, CachedMixer]]:
+        """Yield ``(layer name, mixer)`` for every layer that owns caches."""
+        for name, m in self.named_modules():
+            if isinstance(m, CachedMixer):
+                yield name, m
+
+    def cache_specs(
+        self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, dict[str, TensorSpec]]:
+        """Describe every cache tensor the model needs.
+
+        :param num_pages: KV pages per layer (page 0 included, reserved).
+        :param page_size: tokens per page.
+        :param num_slots: recurrent-state slots (slot 0 included, reserved).
+        :param dtype: the KV / conv cache dtype (SSM and delta states are float32).
+        :return: ``{layer name: {cache name: spec}}``.
+        """
+        return {
+            name: m.cache_specs(
+                num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
+            )
+            for name, m in self.cached_layers()
+        }
+
+    def bind_caches(self, caches: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Hand the allocated caches to the layers.
+
+        :param caches: ``{layer name: {cache name: tensor}}`` shaped as :meth:`cache_specs` said.
+        :raises ConfigError: when a layer's caches are missing.
+        """
+        for name, m in self.cached_layers():
+            if name not in caches:
+                raise ConfigError(f"bind_caches: no caches for layer {name!r}")
+            m.bind_caches(caches[name])
+
+    def allocate_caches(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Allocate (zeroed) and bind every cache; convenient for tests and tools.
+
+        :return: the allocated caches, as passed to :meth:`bind_caches`.
+        """
+        specs = self.cache_specs(
+            num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
+        )
+        caches = {
+            layer: {n: s.allocate(device) for n, s in layer_specs.items()}
+            for layer, layer_specs in specs.items()
+        }
+        self.bind_caches(caches)
+        return caches
+
+    # -- weights -------------------------------------------------------------------
+    def checkpoint_to_module_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to a module path (``None``: ignored tensor)."""
+        for pattern in self.ignored_checkpoint_patterns:
+            if re.match(pattern, name):
+                return None
+        for ckpt, mod in self.checkpoint_prefixes:
+            if name.startswith(ckpt):
+                return mod + name[len(ckpt) :]
+        return name
+
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """Return every tensor the checkpoint must provide.
+
+        :return: ``{checkpoint-side module name: (target tensor, expert index or None)}``;
+            per-expert names map to one slice of a stacked parameter.
+        """
+        targets: dict[str, tuple[torch.Tensor, int | None]] = {}
+        tied = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        for name, p in self.named_parameters():
+            if name in tied:
+                continue
+            targets[name] = (p, None)
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                targets[name] = (b, None)
+        for mod_name, m in self.named_modules():
+            if not isinstance(m, MoE):
+                continue
+            for pname in ("experts_gate", "experts_up", "experts_down"):
+                full = f"{mod_name}.{pname}"
+                stacked = targets.pop(full, None)
+                if stacked is None:
+                    continue
+                hf = {
+                    "experts_gate": "gate_proj",
+                    "experts_up": "up_proj",
+                    "experts_down": "down_proj",
+                }[pname]
+                for e in range(stacked[0].shape[0]):
+                    targets[f"{mod_name}.experts.{e}.{hf}.weight"] = (stacked[0], e)
+        return targets
+
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    ) -> dict[str, list[str]]:
+        """Copy checkpoint tensors into the model.
+
+        :param tensors: ``(checkpoint name, tensor)`` pairs (any dtype/device; cast on copy).
+        :param strict: raise when tensors are missing or unexpected.
+        :return: ``{"missing": [...], "unexpected": [...], "ignored": [...]}``.
+        :raises WeightLoadError: on a shape mismatch, or (strict) missing/unexpected names.
+        """
+        targets = self.weight_targets()
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        ignored: list[str] = []
+        tied_head = self.tie_word_embeddings
+        with torch.no_grad():
+            for ckpt_name, tensor in tensors:
+                name = self.checkpoint_to_module_name(ckpt_name)
+                if name is None or (tied_head and name == "lm_head.weight"):
+                    ignored.append(ckpt_name)
+                    continue
+                target = targets.get(name)
+                if target is None:
+                    unexpected.append(ckpt_name)
+                    continue
+                dest, index = target
+                if index is not None:
+                    dest = dest[index]
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise WeightLoadError(
+                        f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "
+                        f"expects {tuple(dest.shape)} for {name!r}; config.json and the weights disagree"
+                    )
+                dest.copy_(tensor)
+                seen.add(name)
+        missing = sorted(set(targets) - seen)
+        report = {"missing": missing, "unexpected": sorted(unexpected), "ignored": sorted(ignored)}
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing tensors ({len(missing)}): {', '.join(_abbrev(missing))}")
+            if unexpected:
+                parts.append(
+                    f"unexpected tensors ({len(unexpected)}): {', '.join(_abbrev(sorted(unexpected)))}"
+                )
+            raise WeightLoadError(
+                f"weights do not match {type(self).__name__}: "
+                + "; ".join(parts)
+                + ". Check that config.json belongs to these safetensors files."
+            )
+        self.finalize_weights()
+        return report
+
+    def finalize_weights(self) -> None:
+        """Recompute derived buffers after the weights changed (rotary tables, MLA splits)."""
+        for m in self.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.reset_buffers_()
+            fin = getattr(m, "finalize_weights", None)
+            if fin is not None and m is not self:
+                fin()
+
+    def init_random_weights_(self, seed: int = 0, std: float = 0.02) -> None:
+        """Fill every weight with reproducible random values (presets, tests).
+
+        Linear/embedding weights ~ N(0, std); norm weights at identity scale;
+        Mamba/delta parameters in their usual ranges; router biases small.
+
+        :param seed: the generator seed.
+        :param std: standard deviation of matrix weights.
+        """
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf == "A_log":
+                    vals = torch.log(torch.rand(p.shape, generator=g) * 15 + 1)
+                elif leaf == "dt_bias":
+                    vals = torch.rand(p.shape, generator=g) * 0.5 + 0.5
+                elif leaf == "D":
+                    vals = torch.ones(p.shape)
+                elif p.dim() == 1 and ("norm" in name or "layernorm" in name):
+                    zc = _is_zero_centered(self, name)
+                    vals = torch.zeros(p.shape) if zc else torch.ones(p.shape)
+                elif leaf == "bias":
+                    vals = torch.zeros(p.shape)
+                else:
+                    vals = torch.randn(p.shape, generator=g) * std
+                p.copy_(vals.to(p.dtype))
+            for name, b in self.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_((torch.rand(b.shape, generator=g) * 0.01).to(b.dtype))
+        self.finalize_weights()
+
+
+def _is_zero_centered(model: nn.Module, param_name: str) -> bool:
+    mod_name = param_name.rsplit(".", 1)[0]
+    mod = model.get_submodule(mod_name)
+    return bool(getattr(mod, "zero_centered", False))
+
+
+def _abbrev(names: list[str], limit: int = 20) -> list[str]:
+    if len(names) <= limit:
+        return names
+    return names[:limit] + [f"... and {len(names) - limit} more"]
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def build_model(
+    cls: type[CausalLM],
+    config: ModelConfig,
+    backends: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> CausalLM:
+    """Construct ``cls`` without initialising weights, directly in ``dtype`` on ``device``.
+
+    Parameters are created on the ``meta`` device and materialised with
+    ``to_empty``, so no memory is spent on values the loader overwrites.
+    Float32-only buffers (router correction biases) stay float32.
+    """
+    prev = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            model = cls(config, backends)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device=device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
+
+    :param mixer_name: attribute (and checkpoint) name of the mixer
+        (``self_attn`` or ``linear_attn``).
+    :param mixer: the token mixer, called as ``mixer(positions, x)``.
+    :param mlp: the feed-forward block (dense or MoE).
+    :param hidden_size: model width.
+    :param eps: norm epsilon.
+    :param zero_centered: norms store ``w - 1`` (Qwen3-Next, Qwen3.5).
+    """
+
+    def __init__(
+        self,
+        mixer_name: str,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        hidden_size: int,
+        eps: float,
+        zero_centered: bool = False,
+    ) -> None:
+        super().__init__()
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered=zero_centered)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered=zero_centered)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x`` ``[T, hidden]``."""
+        mixer = getattr(self, self.mixer_name)
+        x = x + mixer(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderOnlyLM(CausalLM):
+    """A ``model.embed_tokens -> model.layers -> model.norm -> lm_head`` language model.
+
+    Subclasses implement :meth:`build_layer`; :attr:`zero_centered_norms`
+    selects the ``1 + w`` RMS norm.
+    """
+
+    zero_centered_norms: ClassVar[bool] = False
+
+    def __init__(self, config: ModelConfig, backends: dict[str, Any]) -> None:
+        super().__init__(config, backends)
+        hidden = int(config.require("hidden_size"))
+        self.hidden_size = hidden
+        self.norm_eps = float(config.get("rms_norm_eps", 1e-6))
+        self.num_layers = int(config.require("num_hidden_layers"))
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self.model.layers = nn.ModuleList([self.build_layer(i) for i in range(self.num_layers)])
+        self.model.norm = RMSNorm(hidden, self.norm_eps, zero_centered=self.zero_centered_norms)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
+        self._finish_init()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The input embedding."""
+        return self.model.embed_tokens
+
+    def build_layer(self, layer_id: int) -> nn.Module:
+        """Build decoder layer ``layer_id``."""
+        raise NotImplementedError
+
+    def checkpoint_to_module_name(self, name: str) -> str | None:
+        """Ignore multi-token-prediction layers stored past the last decoder layer."""
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m is not None and int(m.group(1)) >= self.num_layers:
+            return None
+        return super().checkpoint_to_module_name(name)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Embed, run every layer, apply the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x)
+        return self.model.norm(x)

@@ -1,0 +1,422 @@
+"""Whole-model parity with Hugging Face transformers.
+
+For each supported architecture a tiny, randomly initialised transformers
+model is saved with ``save_pretrained`` and loaded by backplane in float32.
+Then:
+
+(a) one ragged prefill batch of several sequences of different lengths gives
+    the same logits, at every position, as transformers run per sequence;
+(b) continuing with backplane's caches -- a chunked-prefill continuation
+    mixed with decodes, then several all-decode steps -- gives at each new
+    token the logits transformers computes over the whole sequence.
+
+Pages and state slots are handed out shuffled, never page 0 / slot 0. Every
+test runs for each registered backend of the families the model uses (the
+others on ``torch``); unavailable backends are skipped with their reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from backplane.core.forward_context import forward_context, plan_step  # noqa: E402
+from backplane.core.metadata import build_batch_metadata  # noqa: E402
+from backplane.core.registry import get_registry  # noqa: E402
+from backplane.models import load_model  # noqa: E402
+
+PAGE_SIZE = 4
+VOCAB = 96
+
+# -- tiny HF configs -----------------------------------------------------------------
+
+
+def _llama() -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    )
+
+
+def _qwen3() -> Any:
+    return transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+
+
+def _nemotron_h() -> Any:
+    return transformers.NemotronHConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        hybrid_override_pattern="M*-ME",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+    )
+
+
+def _deepseek_v3() -> Any:
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=64,
+    )
+
+
+def _qwen3_5() -> Any:
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=64,
+    )
+
+
+def _qwen3_next() -> Any:
+    return transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2],
+        max_position_embeddings=64,
+    )
+
+
+#: architecture -> (HF class name, config factory, families used, HF modeling module)
+ARCHS: dict[str, tuple[str, Any, tuple[str, ...], str]] = {
+    "llama": ("LlamaForCausalLM", _llama, ("attention",), "llama"),
+    "qwen3": ("Qwen3ForCausalLM", _qwen3, ("attention",), "qwen3"),
+    "nemotron_h": ("NemotronHForCausalLM", _nemotron_h, ("attention", "ssm"), "nemotron_h"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", _deepseek_v3, ("mla",), "deepseek_v3"),
+    "qwen3_5": ("Qwen3_5ForCausalLM", _qwen3_5, ("attention", "ssm", "delta"), "qwen3_5"),
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        _qwen3_next,
+        ("attention", "ssm", "delta"),
+        "qwen3_next",
+    ),
+}
+
+# -- backends ------------------------------------------------------------------------
+
+
+def _backend_choices() -> list[Any]:
+    """One parameter per (architecture, backend combination): all torch, then each
+    non-torch backend of each family swapped in alone."""
+    registry = get_registry()
+    params = []
+    for arch, (_, _, families, _) in ARCHS.items():
+        combos: list[dict[str, str]] = [{f: "torch" for f in families}]
+        for fam in families:
+            for spec in registry.backends(fam):
+                if spec.name != "torch":
+                    combos.append({**{f: "torch" for f in families}, fam: spec.name})
+        for combo in combos:
+            marks = []
+            for fam, name in combo.items():
+                try:
+                    ok, reason = registry.get(fam, name).availability()
+                except Exception as exc:  # a missing backend is reported, not hidden
+                    ok, reason = False, f"{type(exc).__name__}: {exc}"
+                if not ok:
+                    marks.append(pytest.mark.skip(reason=f"{fam}/{name} unavailable: {reason}"))
+            cid = arch + "-" + ",".join(f"{f}={n}" for f, n in combo.items())
+            params.append(pytest.param(arch, combo, marks=marks, id=cid))
+    return params
+
+
+def resolve_backends(combo: dict[str, str]) -> dict[str, Any]:
+    """Instantiate the selected backend of each family."""
+    registry = get_registry()
+    return {fam: registry.select(fam, name).resolve() for fam, name in combo.items()}
+
+
+def _device_for(combo: dict[str, str]) -> torch.device:
+    registry = get_registry()
+    for fam, name in combo.items():
+        caps = registry.get(fam, name).capabilities
+        if "cpu" not in caps:
+            if not torch.cuda.is_available():
+                pytest.skip(f"{fam}/{name} needs CUDA")
+            return torch.device("cuda")
+    return torch.device("cpu")
+
+
+# -- the HF side -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hf_torch_path(module_name: str) -> Iterator[None]:
+    """Make a transformers modeling module use its own torch code.
+
+    transformers binds fla / mamba-ssm / causal-conv1d kernels at import time
+    when those packages are installed; their Triton kernels need a GPU, so the
+    reference runs swap every such wrapped function back to the torch original.
+    """
+    mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    saved = {}
+    for attr, value in vars(mod).items():
+        wrapped = getattr(value, "__wrapped__", None)
+        if (
+            callable(value)
+            and wrapped is not None
+            and getattr(value, "__module__", "") == mod.__name__
+        ):
+            saved[attr] = value
+    try:
+        for attr, value in saved.items():
+            setattr(mod, attr, value.__wrapped__)
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(mod, attr, value)
+
+
+def _perturb_(model: torch.nn.Module, gen: torch.Generator) -> None:
+    # HF initialises norms to identity, biases to zero and the router
+    # correction bias to zero; random values make those paths observable.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and not name.endswith(("A_log", "dt_bias", "D")):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.05)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, tuple[Any, str]]:
+    """``{arch: (transformers model, saved directory)}``, built lazily per architecture."""
+    cache: dict[str, tuple[Any, str]] = {}
+
+    class _Lazy(dict):
+        def __missing__(self, arch: str) -> tuple[Any, str]:
+            cls_name, make_cfg, _, _ = ARCHS[arch]
+            torch.manual_seed(1234)
+            cfg = make_cfg()
+            cfg.initializer_range = 0.15
+            model = getattr(transformers, cls_name)(cfg).eval()
+            _perturb_(model, torch.Generator().manual_seed(99))
+            path = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(path)
+            self[arch] = (model, str(path))
+            return self[arch]
+
+    return _Lazy(cache)
+
+
+def hf_logits(arch: str, model: Any, tokens: list[int]) -> torch.Tensor:
+    """Full-sequence transformers logits ``[len, vocab]`` (float64 comparison copy)."""
+    with hf_torch_path(ARCHS[arch][3]), torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), use_cache=False)
+    return out.logits[0].double()
+
+
+# -- the backplane side -----------------------------------------------------------------
+
+
+class Engine:
+    """Minimal stepping harness: page/slot bookkeeping and one forward per step."""
+
+    def __init__(
+        self, lm: Any, backends: dict[str, Any], num_seqs: int, max_len: int, device, seed: int
+    ):
+        self.lm, self.backends, self.device = lm, backends, device
+        rng = np.random.default_rng(seed)
+        pages_per_seq = -(-max_len // PAGE_SIZE)
+        num_pages = num_seqs * pages_per_seq + 3
+        pool = rng.permutation(np.arange(1, num_pages))  # page 0 is reserved scratch
+        self.page_tables = [
+            pool[i * pages_per_seq : (i + 1) * pages_per_seq] for i in range(num_seqs)
+        ]
+        num_slots = num_seqs + 3
+        self.slots = rng.permutation(np.arange(1, num_slots))[:num_seqs]  # slot 0 reserved
+        self.caches = lm.allocate_caches(
+            num_pages=num_pages,
+            page_size=PAGE_SIZE,
+            num_slots=num_slots,
+            dtype=torch.float32,
+            device=device,
+        )
+        self.lens = [0] * num_seqs
+
+    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one step; ``new_tokens`` in batch order (prefill/extend first).
+
+        :return: ``{seq: logits of every new token [n, vocab]}``.
+        """
+        seqs = list(new_tokens)
+        batch = build_batch_metadata(
+            [len(new_tokens[s]) for s in seqs],
+            [self.lens[s] for s in seqs],
+            [self.page_tables[s] for s in seqs],
+            PAGE_SIZE,
+            state_slots=[int(self.slots[s]) for s in seqs],
+            device=self.device,
+        )
+        ids = torch.tensor(
+            [t for s in seqs for t in new_tokens[s]], dtype=torch.int64, device=self.device
+        )
+        with torch.no_grad(), forward_context(batch, plan_step(self.backends, batch)):
+            hidden = self.lm(ids, batch.positions)
+            logits = self.lm.compute_logits(hidden[: batch.num_tokens])
+        out = {}
+        start = 0
+        for s in seqs:
+            n = len(new_tokens[s])
+            out[s] = logits[start : start + n].double().cpu()
+            start += n
+            self.lens[s] += n
+        return out
+
+
+def _load(arch: str, hf_models, combo: dict[str, str]):
+    device = _device_for(combo)
+    backends = resolve_backends(combo)
+    hf_model, path = hf_models[arch]
+    loaded = load_model(path, dtype=torch.float32, device=device, backends=backends, progress=False)
+    assert loaded.model.families == set(ARCHS[arch][2])
+    return hf_model, loaded.model, backends, device
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= 2e-4 * max(scale, 1.0), f"{what}: max |diff| {err:.3e} (logit scale {scale:.3e})"
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+PROMPT_LENS = [7, 3, 11, 1, 5]
+
+
+@pytest.mark.parametrize(("arch", "combo"), _backend_choices())
+def test_prefill_ragged_batch_matches_transformers(arch, combo, hf_models):
+    hf_model, lm, backends, device = _load(arch, hf_models, combo)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
+    eng = Engine(lm, backends, len(prompts), max(PROMPT_LENS), device, seed=1)
+    got = eng.step(dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        _assert_close(
+            got[i], hf_logits(arch, hf_model, p), f"{arch} prefill seq {i} (len {len(p)})"
+        )
+
+
+@pytest.mark.parametrize(("arch", "combo"), _backend_choices())
+def test_chunked_prefill_then_decode_matches_transformers(arch, combo, hf_models):
+    hf_model, lm, backends, device = _load(arch, hf_models, combo)
+    rng = np.random.default_rng(1)
+    decode_steps = 5
+    full = [rng.integers(0, VOCAB, n + decode_steps + 1).tolist() for n in PROMPT_LENS[:4]]
+    prompts = [f[:n] for f, n in zip(full, PROMPT_LENS[:4], strict=True)]
+    eng = Engine(lm, backends, len(full), max(map(len, full)), device, seed=2)
+    refs = [hf_logits(arch, hf_model, f) for f in full]
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(full))}
+
+    # Step 1: sequence 2 prefills only the first part of its prompt (chunked prefill).
+    cut = 4
+    first = {i: (p[:cut] if i == 2 else p) for i, p in enumerate(prompts)}
+    for i, lg in eng.step(first).items():
+        got[i].append(lg)
+    # Step 2: sequence 2 continues its prompt (extend) while the others decode one token.
+    step2 = {2: prompts[2][cut:]}
+    step2.update({i: [full[i][len(prompts[i])]] for i in range(len(full)) if i != 2})
+    for i, lg in eng.step(step2).items():
+        got[i].append(lg)
+    # Then all sequences decode together, token by token.
+    for _ in range(decode_steps):
+        step = {i: [full[i][eng.lens[i]]] for i in range(len(full))}
+        for i, lg in eng.step(step).items():
+            got[i].append(lg)
+
+    for i in range(len(full)):
+        mine = torch.cat(got[i])
+        n = mine.shape[0]
+        _assert_close(mine, refs[i][:n], f"{arch} seq {i}: chunked prefill + {n} decoded positions")
