@@ -143,3 +143,30 @@ def test_example_backend_resolves_through_the_config(example_site, monkeypatch):
     # Below the in-tree backends: auto never prefers the example.
     auto = EngineConfig(device="cpu").select_backends(["attention"], registry=registry)
     assert auto["attention"].name != "example"
+
+
+def test_example_passes_the_conformance_kit(example_site):
+    """The example's own test file (a subclass of the kit's mixin) runs and passes."""
+    pytest.importorskip("backplane.testing.attention")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "cpu and float32",
+            str(EXAMPLE / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(example_site),
+        cwd=str(example_site),
+        timeout=600,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-2000:]}"
+    assert " passed" in summary, summary
