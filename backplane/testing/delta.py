@@ -1,0 +1,299 @@
+"""Conformance tests of the ``delta`` family (gated delta rule, Qwen3-Next linear attention).
+
+Subclass :class:`DeltaBackendTests` and provide a ``backend`` fixture::
+
+    from backplane.testing.delta import DeltaBackendTests
+    from backplane.testing.plugin import backend_params, load_backend
+
+    class TestMyDelta(DeltaBackendTests):
+        @pytest.fixture(params=backend_params("delta"))
+        def backend(self, request):
+            return load_backend(request.param)
+
+The reference is a naive float64 per-token recurrence written from
+:meth:`backplane.core.families.DeltaBackend.forward` (and the conventions of
+Qwen3-Next in ``transformers``: value head ``h`` reads key head
+``h // (Hv / Hk)``, the L2 norm is ``x * rsqrt(sum(x^2) + 1e-6)``); it shares no
+code with any backend. State slots of sequences without initial state hold NaN
+before the call; unused slots hold random values that must come back untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from backplane.core.families import DeltaLayerSpec
+from backplane.core.forward_context import forward_context
+from backplane.core.metadata import BatchMetadata
+from backplane.testing.batches import BatchCase, batch_cases, make_case
+from backplane.testing.checks import assert_close_to_reference, check_out_contract, no_host_sync
+from backplane.testing.plugin import BackendTestsBase, require_feature
+from backplane.testing.ssm import (
+    RECURRENCE_TOL_SCALE,
+    opcheck_backend_calls,
+    random_state,
+    single_sequence_batch,
+)
+
+#: Epsilon of the in-kernel L2 norm of q and k.
+L2NORM_EPS = 1e-6
+
+
+def reference_gated_delta_rule(
+    batch: BatchMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive float64 gated delta rule, one token and one value head at a time.
+
+    Per token and value head: ``S = exp(g) S``; ``S += beta k (v - S^T k)^T``;
+    ``o = S^T (scale q)``.
+
+    :param batch: the step's metadata (host arrays are used).
+    :param q: ``[T, Hk, Dk]``.
+    :param k: ``[T, Hk, Dk]``.
+    :param v: ``[T, Hv, Dv]``.
+    :param g: ``[T, Hv]``.
+    :param beta: ``[T, Hv]``.
+    :param state: ``[num_slots, Hv, Dk, Dv]`` before the step.
+    :param scale: the q scale.
+    :param use_qk_l2norm: L2-normalise q and k first.
+    :return: ``(o [num_tokens, Hv, Dv], state after the step)``, float64 on CPU.
+    """
+    host = batch.host
+    q, k, v, g, beta = (t.detach().double().cpu() for t in (q, k, v, g, beta))
+    old = state.detach().double().cpu()
+    new = old.clone()
+    num_k_heads, num_v_heads = q.shape[1], v.shape[1]
+    per_k = num_v_heads // num_k_heads
+    o = torch.zeros(batch.num_tokens, num_v_heads, v.shape[2], dtype=torch.float64)
+    for i in range(batch.num_seqs):
+        slot = int(host.state_slots[i])
+        s = old[slot].clone() if host.has_initial_state[i] else torch.zeros_like(old[slot])
+        for t in range(int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])):
+            for h in range(num_v_heads):
+                qt, kt = q[t, h // per_k], k[t, h // per_k]
+                if use_qk_l2norm:
+                    qt = qt / torch.sqrt((qt * qt).sum() + L2NORM_EPS)
+                    kt = kt / torch.sqrt((kt * kt).sum() + L2NORM_EPS)
+                sh = torch.exp(g[t, h]) * s[h]
+                sh = sh + beta[t, h] * torch.outer(kt, v[t, h] - sh.T @ kt)
+                s[h] = sh
+                o[t, h] = sh.T @ (scale * qt)
+        new[slot] = s
+    return o, new
+
+
+def _delta_cases() -> list[BatchCase]:
+    """The kit's standard batches plus prompts longer than one 64-token chunk."""
+    return [
+        *batch_cases(),
+        make_case(
+            "long_prefill_and_extend",
+            [70, 9, 1],
+            [0, 66, 5],
+            page_size=16,
+            shuffle_slots=True,
+            padding=2,
+            seed=7,
+        ),
+    ]
+
+
+class DeltaBackendTests(BackendTestsBase):
+    """Conformance tests of a ``delta`` backend.
+
+    Class attributes set the (small) layer shapes; a subclass may override them.
+    ``k_head_dim != v_head_dim`` on purpose, so that transposed states fail.
+    """
+
+    family: ClassVar[str] = "delta"
+    NUM_K_HEADS: ClassVar[int] = 2
+    K_HEAD_DIM: ClassVar[int] = 8
+    V_HEAD_DIM: ClassVar[int] = 6
+
+    def layer(self, num_v_heads: int, use_qk_l2norm: bool) -> DeltaLayerSpec:
+        """The layer constants used by the tests (default scale ``k_head_dim ** -0.5``)."""
+        return DeltaLayerSpec(
+            layer_id=0,
+            num_k_heads=self.NUM_K_HEADS,
+            num_v_heads=num_v_heads,
+            k_head_dim=self.K_HEAD_DIM,
+            v_head_dim=self.V_HEAD_DIM,
+            use_qk_l2norm=use_qk_l2norm,
+        )
+
+    def inputs(
+        self,
+        batch: BatchMetadata,
+        num_slots: int,
+        layer: DeltaLayerSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Random inputs with Qwen3-Next-like magnitudes.
+
+        Without the in-kernel L2 norm, q and k are normalised here (as a model
+        would before calling), since the delta rule is only stable for
+        ``beta * |k|^2 < 2``.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        T, hk, hv = batch.padded_num_tokens, layer.num_k_heads, layer.num_v_heads
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+        q, k = rnd(T, hk, layer.k_head_dim), rnd(T, hk, layer.k_head_dim)
+        if not layer.use_qk_l2norm:
+            q, k = (
+                torch.nn.functional.normalize(q, dim=-1),
+                torch.nn.functional.normalize(k, dim=-1),
+            )
+        # g = -exp(A_log) * softplus(a + dt_bias) as in Qwen3-Next: decays of 0.2 .. 1 per token
+        g = -torch.exp(torch.rand(hv, generator=gen) - 1) * torch.nn.functional.softplus(
+            rnd(T, hv) - 1
+        )
+        beta = torch.sigmoid(rnd(T, hv))
+        cast = {"device": device, "dtype": dtype}
+        return {
+            "q": q.to(**cast),
+            "k": k.to(**cast),
+            "v": rnd(T, hv, layer.v_head_dim).to(**cast),
+            "g": g.to(**cast),
+            "beta": beta.to(**cast),
+            "state": random_state(
+                (num_slots, hv, layer.k_head_dim, layer.v_head_dim),
+                torch.float32,
+                batch,
+                gen,
+                device,
+                scale=0.3,
+            ),
+        }
+
+    def _layer_for(self, variant: str, capabilities: Any) -> DeltaLayerSpec:
+        if variant == "l2norm_grouped":
+            require_feature(capabilities, "qk_l2norm", "grouped_v_heads")
+            return self.layer(2 * self.NUM_K_HEADS, True)
+        return self.layer(self.NUM_K_HEADS, False)
+
+    def test_cache_spec(self, backend: Any) -> None:
+        """The default cache spec is the shared float32 delta-state layout."""
+        spec = backend.cache_spec(self.layer(4, True), num_slots=3, dtype=torch.bfloat16)
+        assert spec["delta_state"].shape == (3, 4, self.K_HEAD_DIM, self.V_HEAD_DIM)
+        assert spec["delta_state"].dtype == torch.float32
+
+    @pytest.mark.parametrize("variant", ["plain", "l2norm_grouped"])
+    @pytest.mark.parametrize("case", _delta_cases(), ids=lambda c: c.name)
+    def test_matches_reference(
+        self,
+        backend: Any,
+        backend_capabilities: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        case: BatchCase,
+        variant: str,
+    ) -> None:
+        """Output and state equal the float64 reference; the out contract holds.
+
+        ``l2norm_grouped`` turns on the in-kernel L2 norm and shares each key
+        head between two value heads.
+        """
+        layer = self._layer_for(variant, backend_capabilities)
+        batch = case.metadata(device)
+        inp = self.inputs(batch, case.num_slots, layer, dtype, device)
+        args = [inp[n] for n in ("q", "k", "v", "g", "beta", "state")]
+        expected, expected_state = reference_gated_delta_rule(
+            batch, *args, scale=layer.q_scale, use_qk_l2norm=layer.use_qk_l2norm
+        )
+
+        def run(out: torch.Tensor | None) -> torch.Tensor:
+            with no_host_sync(device):
+                return backend.forward(*args, layer, out=out)
+
+        with forward_context(batch, {"delta": backend.plan(batch)}):
+            full = check_out_contract(run, [inp["state"]], batch.num_tokens)
+        assert full.shape == inp["v"].shape and full.dtype == dtype
+        assert_close_to_reference(
+            full[: batch.num_tokens],
+            expected,
+            dtype,
+            scale=RECURRENCE_TOL_SCALE,
+            msg="delta output",
+        )
+        assert inp["state"].dtype == torch.float32
+        assert_close_to_reference(
+            inp["state"],
+            expected_state,
+            torch.float32,
+            scale=RECURRENCE_TOL_SCALE,
+            msg="delta state",
+        )
+
+    @pytest.mark.parametrize(
+        "chunks", [(5, 3, 1, 1, 1), (1, 2, 1, 70)], ids=["5-3-d-d-d", "1-2-d-70"]
+    )
+    def test_chunked_equals_whole_prompt(
+        self,
+        backend: Any,
+        backend_capabilities: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        chunks: tuple[int, ...],
+    ) -> None:
+        """A prompt run whole equals the same prompt in chunks (+ decodes), outputs and state."""
+        layer = self._layer_for("l2norm_grouped", backend_capabilities)
+        total, slot, num_slots = sum(chunks), 3, 4
+        whole = single_sequence_batch(total, 0, slot, device, padding=0)
+        inp = self.inputs(whole, num_slots, layer, dtype, device, seed=3)
+        names = ("q", "k", "v", "g", "beta")
+
+        def step(batch: BatchMetadata, rows: slice, state: torch.Tensor) -> torch.Tensor:
+            pad = batch.padded_num_tokens - (rows.stop - rows.start)
+            args = [torch.cat([inp[n][rows], torch.zeros_like(inp[n][:pad])]) for n in names]
+            with forward_context(batch, {"delta": backend.plan(batch)}):
+                o = backend.forward(*args, state, layer)
+            return o[: rows.stop - rows.start]
+
+        state_whole = inp["state"].clone()
+        o_whole = step(whole, slice(0, total), state_whole)
+        state_parts, parts, done = inp["state"].clone(), [], 0
+        for q in chunks:
+            parts.append(
+                step(
+                    single_sequence_batch(q, done, slot, device), slice(done, done + q), state_parts
+                )
+            )
+            done += q
+        assert_close_to_reference(
+            torch.cat(parts), o_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta output"
+        )
+        assert_close_to_reference(
+            state_parts, state_whole, torch.float32, scale=RECURRENCE_TOL_SCALE, msg="delta state"
+        )
+
+    def test_opcheck(self, backend: Any, device: torch.device) -> None:
+        """``torch.library.opcheck`` passes for the ops ``forward`` calls."""
+        case = batch_cases("prefill")[0]  # no initial state: repeated calls are idempotent
+        batch = case.metadata(device)
+        layer = self.layer(self.NUM_K_HEADS, True)
+        inp = self.inputs(batch, case.num_slots, layer, torch.float32, device)
+        n = opcheck_backend_calls(
+            backend,
+            batch,
+            lambda: backend.forward(*inp.values(), layer),
+            inp["v"].shape,
+            torch.float32,
+        )
+        assert n >= 1
