@@ -207,7 +207,7 @@ class MLABackend(Backend):
         """Append the latent and rotary key to the cache and attend.
 
         The key of head ``h`` is ``[kv_c @ w_uk[h]^T, k_pe]`` and its value
-        ``kv_c @ w_uv[h]``; backends may absorb the weights into the query
+        ``kv_c @ w_uv[h]^T``; backends may absorb the weights into the query
         (decode) or expand the cache (prefill).
 
         :param q_nope: ``[T, H, qk_nope_head_dim]``.
