@@ -1,0 +1,131 @@
+"""The one place that loads mamba-ssm's Triton kernels.
+
+``import mamba_ssm`` runs the package ``__init__``, which imports the compiled
+CUDA extension (``selective_scan_cuda``) and the model classes; a source or
+wheel install without that extension fails there, although the Triton kernels
+under ``mamba_ssm.ops.triton`` need none of it. So this module registers
+*empty* package objects for ``mamba_ssm``, ``mamba_ssm.ops`` and
+``mamba_ssm.utils`` (with their real ``__path__``) in ``sys.modules`` and then
+imports only the Triton submodules; their own absolute imports
+(``from mamba_ssm.ops.triton.ssd_bmm import ...``) resolve through those
+packages. Consequence: after loading, ``import mamba_ssm`` in the same process
+gives the empty package (its ``ops.triton`` modules still work). If
+``mamba_ssm`` was already imported (a full install), that package is used as is.
+
+Under ``TRITON_INTERPRET=1`` on a CPU-only torch, the kernels' launchers wrap
+launches in ``torch.cuda.device(x.device.index)``, which fails for CPU tensors
+(index ``None``); there, the loaded modules see a ``torch`` whose
+``cuda.device(None)`` is a no-op context, and each autotuned kernel keeps only
+its smallest config (autotuning benchmarks on a GPU driver the interpreter does
+not have). Nothing is patched on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from typing import Any
+
+#: The Triton submodules the SSM backend uses.
+TRITON_MODULES = (
+    "mamba_ssm.ops.triton.selective_state_update",
+    "mamba_ssm.ops.triton.ssd_combined",
+)
+
+
+class _CudaNoDevice:
+    """``torch.cuda`` with ``device(None)`` turned into a no-op (CPU interpreter only)."""
+
+    def __init__(self, cuda: Any) -> None:
+        self._cuda = cuda
+
+    def device(self, index: Any) -> Any:
+        if index is None:
+            return contextlib.nullcontext()
+        return self._cuda.device(index)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cuda, name)
+
+
+class _TorchForInterpreter:
+    """Forwards to ``torch``, except for ``torch.cuda.device(None)`` (see the module docstring)."""
+
+    def __init__(self, torch: Any) -> None:
+        self._torch = torch
+        self.cuda = _CudaNoDevice(torch.cuda)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+
+def _stub_package(name: str, path: str) -> None:
+    module = types.ModuleType(name)
+    module.__path__ = [path]  # a package: submodules are found under path
+    module.__package__ = name
+    # A real spec keeps importlib.util.find_spec(name) working after the stub is registered.
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    module.__spec__.submodule_search_locations = [path]
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent and parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+
+
+def _block_volume(config: Any) -> int:
+    volume = 1
+    for key, value in config.kwargs.items():
+        if key.startswith("BLOCK_SIZE") and isinstance(value, int):
+            volume *= value
+    return volume
+
+
+def _adapt_for_interpreter(torch: Any) -> None:
+    """CPU interpreter only: no-op ``torch.cuda.device(None)``, one config per autotuner."""
+    from triton.runtime.autotuner import Autotuner
+
+    proxy = _TorchForInterpreter(torch)
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mamba_ssm.ops.triton."):
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+        for value in vars(module).values():
+            if isinstance(value, Autotuner) and len(value.configs) > 1:
+                value.configs = [min(value.configs, key=_block_volume)]
+
+
+@functools.cache
+def load() -> types.SimpleNamespace:
+    """Import mamba-ssm's Triton kernels without running its package ``__init__``.
+
+    :return: a namespace with ``selective_state_update`` (decode) and
+        ``mamba_chunk_scan_combined_fwd`` (the forward of
+        ``mamba_chunk_scan_combined``, without its autograd wrapper).
+    :raises ImportError: mamba-ssm (or einops, which its modules import) is missing.
+    """
+    if "mamba_ssm" not in sys.modules:
+        spec = importlib.util.find_spec("mamba_ssm")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("python package 'mamba_ssm' is not installed (pip install mamba-ssm)")
+        root = list(spec.submodule_search_locations)[0]
+        _stub_package("mamba_ssm", root)
+        _stub_package("mamba_ssm.ops", os.path.join(root, "ops"))
+        _stub_package("mamba_ssm.utils", os.path.join(root, "utils"))
+    modules = [importlib.import_module(name) for name in TRITON_MODULES]
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    import torch
+
+    if interpreting and not torch.cuda.is_available():
+        _adapt_for_interpreter(torch)
+    ssu, combined = modules
+    return types.SimpleNamespace(
+        selective_state_update=ssu.selective_state_update,
+        mamba_chunk_scan_combined_fwd=combined._mamba_chunk_scan_combined_fwd,
+    )
