@@ -264,42 +264,54 @@ class Scheduler:
         preempted: list[Request] = []
         running = list(self._running.values())
 
-        # 1. decodes (and one-token final chunks): one token each.
+        # 1. decodes (and one-token final chunks): one token each. This loop is the
+        # per-step cost of a decode batch, so it does O(1) plain-attribute work per
+        # request and calls into the KV manager only when a page boundary is crossed.
+        ps = kv.page_size
+        is_running = RequestStatus.RUNNING
+        num_prefilling = 0
         for req in running:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens != 1:
+            if req.status is not is_running:
                 continue
-            if not self._make_room(req, 1, preempted):
+            c = req.num_computed_tokens
+            if req.num_tokens - c != 1:
+                num_prefilling += 1
+                continue
+            st: RequestKV = req.kv_state
+            if c >= st.num_pages * ps and not self._make_room(req, 1, preempted):
                 self._preempt(req, preempted)
                 continue
             req.scheduled_step = step
-            st: RequestKV = req.kv_state
-            c = req.num_computed_tokens
-            seq = ScheduledSeq(req, 1, c, st.pages[: st.num_pages], st.slot, True)
-            (decodes if c > 0 else prefills).append(seq)
+            seq = ScheduledSeq(req, 1, c, st.table, st.slot, True)
+            if c:
+                decodes.append(seq)
+            else:
+                prefills.append(seq)
             budget -= 1
 
         # 2. chunked prefills in progress.
-        for req in running:
-            if budget == 0:
-                break
-            if req.status is not RequestStatus.RUNNING or req.scheduled_step == step:
-                continue
-            left = req.num_uncomputed_tokens
-            n = min(left, budget)
-            if not self._make_room(req, n, preempted):
+        if num_prefilling:
+            for req in running:
+                if budget == 0:
+                    break
+                if req.status is not is_running or req.scheduled_step == step:
+                    continue
+                left = req.num_uncomputed_tokens
+                n = min(left, budget)
+                if not self._make_room(req, n, preempted):
+                    st = req.kv_state
+                    n = (st.num_pages + kv.num_available_pages) * ps
+                    n = min(n - req.num_computed_tokens, budget)
+                    if n < 1 or not kv.allocate_slots(req, n):
+                        continue  # all memory is held by sequences running this step
+                req.scheduled_step = step
                 st = req.kv_state
-                n = (st.num_pages + kv.num_available_pages) * kv.page_size
-                n = min(n - req.num_computed_tokens, budget)
-                if n < 1 or not kv.allocate_slots(req, n):
-                    continue  # all memory is held by sequences running this step
-            req.scheduled_step = step
-            st = req.kv_state
-            c = req.num_computed_tokens
-            seq = ScheduledSeq(req, n, c, st.pages[: st.num_pages], st.slot, n == left)
-            (decodes if n == 1 and c > 0 else prefills).append(seq)
-            budget -= n
+                c = req.num_computed_tokens
+                seq = ScheduledSeq(req, n, c, st.table, st.slot, n == left)
+                (decodes if n == 1 and c > 0 else prefills).append(seq)
+                budget -= n
 
         # 3. admission, first come first served, two-phase.
         if not preempted:
@@ -351,9 +363,7 @@ class Scheduler:
             st: RequestKV = req.kv_state
             c = req.num_computed_tokens  # realised reuse (== claimed)
             n = claim.num_new_tokens
-            seq = ScheduledSeq(
-                req, n, c, st.pages[: st.num_pages], st.slot, c + n == req.num_tokens
-            )
+            seq = ScheduledSeq(req, n, c, st.table, st.slot, c + n == req.num_tokens)
             (decodes if n == 1 and c > 0 else prefills).append(seq)
         self.stats.admitted += len(claims)
         return budget
@@ -397,12 +407,16 @@ class Scheduler:
         kv = self.kv
         done: list[Request] = []
         running = RequestStatus.RUNNING
+        # Only pages that just became full are offered to the prefix cache.
+        ps = kv.page_size if kv.prefix_caching else 0
         for s in output.scheduled:
             req = s.request
             if req.status is not running:  # aborted since schedule()
                 continue
-            req.num_computed_tokens = s.num_cached_tokens + s.num_new_tokens
-            kv.on_computed(req)
+            computed = s.num_cached_tokens + s.num_new_tokens
+            req.num_computed_tokens = computed
+            if ps and computed // ps > req.kv_state.num_registered:
+                kv.on_computed(req)
             if not s.is_prefill_chunk_final:
                 continue
             try:

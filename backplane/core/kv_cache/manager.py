@@ -86,11 +86,12 @@ class RequestKV:
     :param capacity_pages: pages the request can ever need.
     """
 
-    __slots__ = ("pages", "num_pages", "hashes", "num_registered", "slot", "claim")
+    __slots__ = ("pages", "num_pages", "table", "hashes", "num_registered", "slot", "claim")
 
     def __init__(self, capacity_pages: int) -> None:
         self.pages = np.zeros(capacity_pages, dtype=np.int32)  # page table, first num_pages valid
         self.num_pages = 0
+        self.table = self.pages[:0]  # view of the valid part, rebuilt only when it grows
         self.hashes: list[int] = []  # chained hashes of leading full pages (kept across preemption)
         self.num_registered = 0  # leading pages already offered to the prefix cache
         self.slot = NULL_SLOT
@@ -99,7 +100,12 @@ class RequestKV:
     @property
     def page_table(self) -> np.ndarray:
         """The request's pages (a view, no copy)."""
-        return self.pages[: self.num_pages]
+        return self.table
+
+    def set_num_pages(self, n: int) -> None:
+        """Record that the first ``n`` entries of :attr:`pages` are valid."""
+        self.num_pages = n
+        self.table = self.pages[:n]
 
 
 @dataclass
@@ -372,7 +378,7 @@ class KVCacheManager:
             total = self.pages_for(cached + c.num_new_tokens)
             fresh = self._alloc(total - realised)
             table[realised:total] = fresh
-            st.num_pages = total
+            st.set_num_pages(total)
             st.num_registered = realised
             if c.reserved_slot:
                 self._reserved_slots -= 1
@@ -439,7 +445,7 @@ class KVCacheManager:
             st.pages[st.num_pages] = self.pool.allocate_one()
         else:
             st.pages[st.num_pages : total] = self._alloc(extra)
-        st.num_pages = total
+        st.set_num_pages(total)
         request.stats.new_pages += extra
         self.stats.new_pages += extra
         return True
@@ -491,7 +497,7 @@ class KVCacheManager:
                         free.append(p)
                 if free:
                     self.pool.push_free(np.asarray(free, dtype=np.int32))
-            st.num_pages = 0
+            st.set_num_pages(0)
             st.num_registered = 0
         if st.slot != NULL_SLOT:
             self.slots.free(st.slot)
