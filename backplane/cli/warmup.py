@@ -268,6 +268,46 @@ def _model_specs(model: str, backends: dict[str, Any]) -> tuple[dict[str, list[A
     return collect_layer_specs(lm), config
 
 
+def _ints(text: str, n_min: int, n_max: int, flag: str) -> list[int]:
+    from backplane.core.errors import ConfigError
+
+    try:
+        vals = [int(x) for x in text.split(":")]
+    except ValueError:
+        vals = []
+    if not n_min <= len(vals) <= n_max:
+        raise ConfigError(
+            f"{flag} expects {n_min} to {n_max} integers separated by ':', got {text!r}"
+        )
+    return vals
+
+
+def explicit_specs(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """Layer specs from the ``--attention/--mla/--ssm/--delta`` flags."""
+    from backplane.core import families as fam
+
+    specs: dict[str, list[Any]] = {k: [] for k in ("attention", "mla", "ssm", "conv", "delta")}
+    for text in args.attention:
+        v = _ints(text, 3, 4, "--attention")
+        specs["attention"].append(
+            fam.AttentionLayerSpec(0, v[0], v[1], v[2], None, v[3] if len(v) > 3 else 0)
+        )
+    for text in args.mla:
+        v = _ints(text, 1, 5, "--mla")
+        h, rank, rope, nope, vd = (v + [512, 64, 128, 128][len(v) - 1 :])[:5]
+        specs["mla"].append(fam.MLALayerSpec(0, h, rank, nope, rope, vd, (nope + rope) ** -0.5))
+    for text in args.ssm:
+        v = _ints(text, 4, 5, "--ssm")
+        nheads, head_dim, d_state, groups = v[:4]
+        specs["ssm"].append(fam.SSMLayerSpec(0, nheads, head_dim, d_state, groups))
+        conv_dim = nheads * head_dim + 2 * groups * d_state
+        specs["conv"].append(fam.ConvLayerSpec(0, conv_dim, v[4] if len(v) > 4 else 4))
+    for text in args.delta:
+        hk, hv, dk, dv = _ints(text, 4, 4, "--delta")
+        specs["delta"].append(fam.DeltaLayerSpec(0, hk, hv, dk, dv))
+    return specs
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``warmup`` sub-command."""
     parser = subparsers.add_parser(
@@ -280,7 +320,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "(default: the home directory)/.cache/flashinfer."
         ),
     )
-    parser.add_argument("model", help="a local model directory (config.json) or a preset name")
+    parser.add_argument(
+        "model", nargs="?", help="a local model directory (config.json) or a preset name"
+    )
+    parser.add_argument(
+        "--attention",
+        action="append",
+        default=[],
+        metavar="H:HKV:D[:WINDOW]",
+        help="also warm this attention shape (heads, KV heads, head dim, sliding window)",
+    )
+    parser.add_argument(
+        "--mla",
+        action="append",
+        default=[],
+        metavar="H[:L:R:DN:DV]",
+        help="also warm MLA with H heads (default latent 512, rope 64, nope 128, v 128)",
+    )
+    parser.add_argument(
+        "--ssm",
+        action="append",
+        default=[],
+        metavar="NHEADS:HEADDIM:DSTATE:NGROUPS[:CONVK]",
+        help="also warm this Mamba2 shape (scan and its causal conv)",
+    )
+    parser.add_argument(
+        "--delta",
+        action="append",
+        default=[],
+        metavar="HK:HV:DK:DV",
+        help="also warm this gated-delta-rule shape",
+    )
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=("attention", "ssm", "mla", "delta"),
+        help="warm only these families (repeatable)",
+    )
     parser.add_argument(
         "--backend",
         action="append",
@@ -333,9 +409,22 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
     backends = _select_backends(args.backend)
-    specs, _ = _model_specs(args.model, backends)
+    specs = explicit_specs(args)
+    if args.model:
+        found, _ = _model_specs(args.model, backends)
+        for kind, shapes in found.items():
+            specs[kind].extend(s for s in shapes if s not in specs[kind])
+    if not any(specs.values()):
+        from backplane.core.errors import ConfigError
+
+        raise ConfigError("nothing to warm: give a MODEL or shapes (--attention, --mla, ...)")
     results = warmup(
-        specs, backends, dtype=dtype, device=torch.device(args.device), page_size=args.page_size
+        specs,
+        backends,
+        dtype=dtype,
+        device=torch.device(args.device),
+        page_size=args.page_size,
+        families=args.family,
     )
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))

@@ -11,8 +11,9 @@ What runs where
 FlashInfer's kernel wants Mamba2's *tied* layout: ``A`` as ``(nheads, head_dim,
 d_state)`` with strides ``(1, 0, 0)``, ``D`` and ``dt_bias`` as ``(nheads, head_dim)``
 with strides ``(1, 0)`` and the dtype of ``dt``, and ``dt`` with stride 0 along
-``head_dim``. These are all ``expand`` views of the per-head parameters; nothing is
-copied but the (tiny) dtype cast of ``D``/``dt_bias``.
+``head_dim``. These are ``expand`` views of the per-head parameters; ``dt`` of the
+decode rows (``[num_decode, nheads]``, tiny) is cast to float32 so that ``D`` and
+``dt_bias`` keep full precision.
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ def _ssm_scan_op(
         from flashinfer.mamba import selective_state_update
 
         np_ = batch.num_prefill_seqs
-        wdt = dt.dtype
+        # dt, D and dt_bias must share a dtype; float32 keeps dt_bias exact (dt is tiny).
+        wdt = torch.float32
         dec = slice(npt, n)
         xd = x[dec]
         if xd.stride(-1) != 1 or xd.stride(1) != head_dim:
@@ -261,9 +263,7 @@ def _ssm_scan_op(
             zd = z[dec]
             if zd.stride(-1) != 1 or zd.stride(1) != head_dim:
                 zd = zd.contiguous()
-        dtd = dt[dec]
-        if dtd.stride(1) != 1:
-            dtd = dtd.contiguous()
+        dtd = dt[dec].to(wdt).contiguous()
         Bd, Cd = B[dec], C[dec]
         if Bd.stride(-1) != 1 or Bd.stride(1) != d_state:
             Bd = Bd.contiguous()
