@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
-    """Split page-index pairs into runs consecutive on both sides: ``(src, dst, length)``."""
+    """Split index pairs into runs consecutive on both sides: ``(src, dst, length)``."""
     if len(src) == 0:
         return []
     brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
@@ -79,6 +79,14 @@ class HostTier:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unclaimed
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # CPU: numpy byte views ([pages, bytes]) make page gathers plain memcpys
+        # (torch's CPU index ops are several times slower for this, and threaded).
+        self._np_views: dict[int, np.ndarray] | None = None
+        if not self.is_cuda and all(t.is_contiguous() for t in self.device_caches):
+            self._np_views = {
+                id(t): t.view(t.shape[0], -1).view(torch.uint8).numpy()
+                for t in (*self.device_caches, *self.host_caches)
+            }
         self._event: torch.cuda.Event | None = None
         self.num_offloaded = 0
         self.num_onboarded = 0
@@ -196,22 +204,43 @@ class HostTier:
         *,
         to_host: bool,
     ) -> None:
-        """Copy pages ``src_pages`` of every tensor in ``srcs`` to ``dst_pages`` of ``dsts``."""
+        """Copy pages ``src_pages`` of every tensor in ``srcs`` to ``dst_pages`` of ``dsts``.
+
+        CUDA: the device side is gathered/scattered by one index kernel per
+        tensor; only runs of consecutive host pages become separate transfers
+        (host pages of one offload are handed out consecutively, so runs are long).
+        """
+        src = np.asarray(src_pages, dtype=np.int64)
+        dst = np.asarray(dst_pages, dtype=np.int64)
+        if self._np_views is not None:
+            views = self._np_views
+            for s, d in zip(srcs, dsts, strict=True):
+                views[id(d)][dst] = views[id(s)][src]
+            return
         if self._stream is None:
-            si = torch.as_tensor(np.asarray(src_pages, dtype=np.int64))
-            di = torch.as_tensor(np.asarray(dst_pages, dtype=np.int64))
+            si = torch.from_numpy(src)
+            di = torch.from_numpy(dst)
             for s, d in zip(srcs, dsts, strict=True):
                 d.index_copy_(0, di, s.index_select(0, si))
             return
-        runs = _runs(np.asarray(src_pages), np.asarray(dst_pages))
         stream = self._stream
         # The compute stream's queued work (the forward that wrote these pages, or
         # earlier users of the destination pages) must finish before the copy.
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        host_side = dst if to_host else src
+        runs = _runs(np.arange(len(host_side)), host_side)  # (batch pos, host page, n)
         with torch.cuda.stream(stream):
+            idx = torch.from_numpy(src if to_host else dst).to(self.device, non_blocking=True)
             for s_t, d_t in zip(srcs, dsts, strict=True):
-                for s, d, n in runs:
-                    d_t[d : d + n].copy_(s_t[s : s + n], non_blocking=True)
+                if to_host:
+                    g = s_t.index_select(0, idx)
+                    for k, h, n in runs:
+                        d_t[h : h + n].copy_(g[k : k + n], non_blocking=True)
+                else:
+                    g = torch.empty((len(src), *s_t.shape[1:]), dtype=s_t.dtype, device=self.device)
+                    for k, h, n in runs:
+                        g[k : k + n].copy_(s_t[h : h + n], non_blocking=True)
+                    d_t.index_copy_(0, idx, g)
             ev = torch.cuda.Event()
             ev.record(stream)
         self._event = ev

@@ -328,7 +328,9 @@ class KVCacheManager:
         """Phase 2: onboard claimed host pages and allocate new pages for every claim.
 
         Sets each request's page table, state slot, ``num_computed_tokens``
-        (the realised cached tokens) and per-request stats.
+        (the realised cached tokens) and per-request stats. The pages of the
+        whole batch are allocated in one go, so evictions (and their host
+        offloads) and onboarding copies are each issued as one batch.
 
         :param claims: reserved claims of the batch (all claimed before this call).
         """
@@ -336,13 +338,14 @@ class KVCacheManager:
         prefix = self.prefix
         refs = self.pool.ref_counts
         host = self.host
-        onboard_src: list[int] = []
-        onboard_dst: list[int] = []
+        # Pass 1: validate the claims, decide which host hits need a copy (a
+        # prefix shared by several requests of the batch is onboarded once).
+        plans: list[tuple[Claim, int, list[int], int]] = []
+        pending: dict[int, int] = {}  # hash -> index into the batch's page allocation
+        need = 0
         for c in claims:
-            req = c.request
-            st: RequestKV = req.kv_state
-            table = st.pages
-            reused = onboarded = 0
+            st: RequestKV = c.request.kv_state
+            slots: list[int] = []  # per hit: -1 device page, else index into the allocation
             realised = len(c.hits)
             for i, (d, hp) in enumerate(c.hits):
                 h = st.hashes[i]
@@ -350,34 +353,56 @@ class KVCacheManager:
                     if prefix.page_hash[d] != h:  # a claimed page changed: a bug
                         realised = i
                         break
-                    table[i] = d
-                    reused += 1
+                    slots.append(-1)
                     continue
                 if host is None or host._page_hash[hp] != h:
                     realised = i
                     break
-                d2 = prefix.get(h)
-                if d2 is not None:  # onboarded by an earlier request of this batch
-                    if refs[d2] == 0:
-                        prefix.take(d2)
-                    refs[d2] += 1
-                    table[i] = d2
-                    reused += 1
-                    continue
-                d2 = self._alloc_one()
-                prefix.register(d2, h)
-                table[i] = d2
-                onboard_src.append(hp)
-                onboard_dst.append(d2)
-                onboarded += 1
+                j = pending.get(h)
+                if j is None:
+                    j = pending[h] = need
+                    need += 1
+                slots.append(j)
             if realised < len(c.hits):
                 self._drop_hits(c.hits[realised:])
-            self._reserved_pages -= c.reserved_pages
+            total = self.pages_for(realised * ps + c.num_new_tokens)
+            plans.append((c, realised, slots, need))
+            need += total - realised
+        self._reserved_pages -= sum(c.reserved_pages for c in claims)
+        for c in claims:
             c.reserved_pages = 0
+        pages = self._alloc(need).tolist()
+        # Pass 2: fill the page tables; the first user of an onboarded page owns
+        # the allocation's reference, later users of the batch share it.
+        owner_done: set[int] = set()
+        onboard_src: list[int] = []
+        onboard_dst: list[int] = []
+        for c, realised, slots, start in plans:
+            req = c.request
+            st = req.kv_state
+            table = st.pages
+            reused = onboarded = 0
+            for i in range(realised):
+                j = slots[i]
+                if j < 0:
+                    table[i] = c.hits[i][0]
+                    reused += 1
+                    continue
+                d = pages[j]
+                table[i] = d
+                if j in owner_done:
+                    refs[d] += 1
+                    reused += 1
+                else:
+                    owner_done.add(j)
+                    prefix.register(d, st.hashes[i])
+                    onboard_src.append(c.hits[i][1])
+                    onboard_dst.append(d)
+                    onboarded += 1
             cached = realised * ps
             total = self.pages_for(cached + c.num_new_tokens)
-            fresh = self._alloc(total - realised)
-            table[realised:total] = fresh
+            fresh = total - realised
+            table[realised:total] = pages[start : start + fresh]
             st.set_num_pages(total)
             st.num_registered = realised
             if c.reserved_slot:
@@ -390,7 +415,7 @@ class KVCacheManager:
             s.reused_tokens += reused * ps
             s.onboarded_pages += onboarded
             s.onboarded_tokens += onboarded * ps
-            s.new_pages += len(fresh)
+            s.new_pages += fresh
             s.missed_pages += c.num_lookup - len(c.hits)
             s.missed_tokens += req.num_tokens - cached
             g = self.stats
@@ -400,7 +425,7 @@ class KVCacheManager:
             g.host_hit_pages += c.num_host_hits
             g.estimated_reused_tokens += c.num_cached_tokens
             g.realised_reused_tokens += cached
-            g.new_pages += len(fresh)
+            g.new_pages += fresh
             if cached != c.num_cached_tokens:
                 msg = (
                     f"request {req.request_id!r}: admission promised {c.num_cached_tokens} "
