@@ -118,6 +118,10 @@ def test_backplane_error_is_one_line_exit_2(monkeypatch, capsys, quiet_logging):
 def test_log_level_option(capsys, quiet_logging):
     assert cli.main(["--log-level", "DEBUG", "plugins", "--json"]) == 0
     assert quiet_logging == ["debug"]
+    assert cli.main(["plugins", "--json", "--log-level", "info"]) == 0
+    assert quiet_logging == ["debug", "info"]
+    assert cli.main(["plugins", "--json"]) == 0
+    assert quiet_logging[-1] == "warning"
     with pytest.raises(SystemExit) as exc:
         cli.main(["--log-level", "loud", "plugins"])
     assert exc.value.code == 2

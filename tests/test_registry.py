@@ -519,3 +519,12 @@ def test_discovery_imports_no_kernel_library():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [], f"imported during plugin discovery: {result['heavy']}"
     assert "torch" in result["loaded"]
+
+
+def test_unreadable_entry_points_still_register_builtins(monkeypatch):
+    def broken():
+        raise ValueError("malformed entry_points.txt")
+
+    monkeypatch.setattr(registry_mod, "_entry_points", broken)
+    reg = BackendRegistry()
+    assert reg.plugins["torch"].error is None

@@ -70,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
             _add_broken_command(subparsers, name, f"{type(exc).__name__}: {exc}")
             continue
         module.add_parser(subparsers)
+    # Accept --log-level after the command name too (`backplane generate --log-level info`).
+    for sub in subparsers.choices.values():
+        try:
+            sub.add_argument(
+                "--log-level",
+                choices=LOG_LEVELS,
+                type=str.lower,
+                default=argparse.SUPPRESS,
+                help="logging verbosity (default: warning)",
+            )
+        except argparse.ArgumentError:
+            pass  # the command defines its own
     return parser
 
 

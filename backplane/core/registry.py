@@ -104,7 +104,12 @@ class BackendRegistry:
     def _discover(self) -> None:
         disabled = _disabled_names()
         seen: set[str] = set()
-        for ep in _entry_points():
+        try:
+            entry_points = _entry_points()
+        except Exception as exc:  # corrupt metadata of some distribution
+            logger.warning("cannot read %s entry points: %s", ENTRY_POINT_GROUP, exc)
+            entry_points = []
+        for ep in entry_points:
             dist = getattr(ep, "dist", None)
             info = PluginInfo(
                 name=ep.name,
