@@ -33,6 +33,7 @@ from backplane.testing.checks import assert_close_to_reference, check_out_contra
 from backplane.testing.plugin import BackendTestsBase, require_feature
 from backplane.testing.ssm import (
     RECURRENCE_TOL_SCALE,
+    check_graph_replay,
     opcheck_backend_calls,
     random_state,
     single_sequence_batch,
@@ -297,3 +298,28 @@ class DeltaBackendTests(BackendTestsBase):
             torch.float32,
         )
         assert n >= 1
+
+    @pytest.mark.gpu
+    def test_decode_cuda_graph_replay(self, backend: Any, backend_capabilities: Any) -> None:
+        """A decode step captured in a CUDA graph replays correctly with new inputs and slots."""
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA is not available")
+        require_feature(backend_capabilities, "cuda", "cuda_graph")
+        device = torch.device("cuda")
+        case = batch_cases("decode")[0]
+        batch = case.metadata(device)
+        layer = self.layer(self.NUM_K_HEADS, True)
+        inp = self.inputs(batch, case.num_slots, layer, torch.float32, device, seed=13)
+        out = torch.empty_like(inp["v"])
+
+        def step() -> None:
+            backend.forward(*inp.values(), layer, out=out)
+
+        check_graph_replay(
+            batch,
+            {"delta": backend.plan(batch)},
+            step,
+            [inp["q"], inp["k"], inp["v"]],
+            [inp["state"]],
+            [out],
+        )

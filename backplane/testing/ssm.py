@@ -232,6 +232,68 @@ def opcheck_backend_calls(
     return len(calls)
 
 
+def check_graph_replay(
+    batch: BatchMetadata,
+    plans: dict[str, Any],
+    step: Callable[[], None],
+    per_step_inputs: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    seed: int = 0,
+) -> None:
+    """Capture ``step`` in a CUDA graph, replay it on a new step, compare with eager.
+
+    The replayed step gets fresh per-token inputs and the batch's state slots
+    in reverse order (written in place into the batch's device tensor, as the
+    engine does with its persistent buffers), so an op that baked slots or
+    inputs into the graph as constants fails.
+
+    :param batch: a decode batch on CUDA.
+    :param plans: the backends' plans for ``batch``.
+    :param step: runs the op(s), writing into ``outs``.
+    :param per_step_inputs: tensors refreshed before the replay.
+    :param caches: every cache the op(s) write.
+    :param outs: the out buffers ``step`` writes.
+    :param seed: seeds the fresh inputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    snapshot = [c.clone() for c in caches]
+    with forward_context(batch, plans):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm up outside the graph
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    for t in per_step_inputs:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t))
+    for cache, saved in zip(caches, snapshot, strict=True):
+        cache.copy_(saved)
+    batch.state_slots.copy_(batch.state_slots.flip(0))
+    batch.host.state_slots[:] = batch.host.state_slots[::-1].copy()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [o.clone() for o in outs]
+    replayed_caches = [c.clone() for c in caches]
+    for cache, saved in zip(caches, snapshot, strict=True):
+        cache.copy_(saved)
+    for o in outs:
+        o.fill_(float("nan"))
+    with forward_context(batch, plans):
+        step()
+    for i, (got, want) in enumerate(zip(replayed, outs, strict=True)):
+        torch.testing.assert_close(
+            got, want, atol=1e-6, rtol=1e-6, msg=lambda m, i=i: f"out {i}: {m}"
+        )
+    for i, (got, want) in enumerate(zip(replayed_caches, caches, strict=True)):
+        torch.testing.assert_close(
+            got, want, atol=1e-6, rtol=1e-6, msg=lambda m, i=i: f"cache {i}: {m}"
+        )
+    del graph
+
+
 def random_state(
     shape: Sequence[int],
     dtype: torch.dtype,
@@ -561,3 +623,32 @@ class SSMBackendTests(BackendTestsBase):
             torch.float32,
         )
         assert n >= 2
+
+    @pytest.mark.gpu
+    def test_decode_cuda_graph_replay(self, backend: Any, backend_capabilities: Any) -> None:
+        """A decode step captured in a CUDA graph replays correctly with new inputs and slots."""
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA is not available")
+        require_feature(backend_capabilities, "cuda", "cuda_graph")
+        device = torch.device("cuda")
+        case = batch_cases("decode")[0]
+        batch = case.metadata(device)
+        conv_in = self.conv_inputs(batch, case.num_slots, torch.float32, device, seed=11)
+        scan_in = self.scan_inputs(batch, case.num_slots, torch.float32, device, seed=12)
+        conv_layer = self.conv_layer(conv_in["x"].shape[1], "silu")
+        scan_layer = self.scan_layer(1)
+        conv_out, scan_out = torch.empty_like(conv_in["x"]), torch.empty_like(scan_in["x"])
+        scan_args = [scan_in[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "z")]
+
+        def step() -> None:
+            backend.conv(*conv_in.values(), conv_layer, out=conv_out)
+            backend.scan(*scan_args, scan_in["ssm_state"], scan_layer, out=scan_out)
+
+        check_graph_replay(
+            batch,
+            {"ssm": backend.plan(batch)},
+            step,
+            [conv_in["x"], scan_in["x"], scan_in["dt"], scan_in["B"], scan_in["C"]],
+            [conv_in["conv_state"], scan_in["ssm_state"]],
+            [conv_out, scan_out],
+        )

@@ -15,6 +15,11 @@ Conventions (as in Qwen3-Next): value head ``h`` uses key head
 ``rsqrt(sum(x^2) + 1e-6)`` in float32; q is then multiplied by ``scale``; the
 state is decayed by ``exp(g)`` before the delta update, and the output reads the
 updated state. All arithmetic is float32.
+
+The ops' ``out`` argument has no default in the schema: with a default, the
+dispatcher drops a trailing ``out=None`` before the kernel runs, and torch 2.11's
+in-place/view handling of mutable arguments then indexes past the arguments it
+got. The backend methods always pass ``out`` (``None`` or a buffer).
 """
 
 from __future__ import annotations
@@ -132,7 +137,7 @@ def gated_delta_rule(
     state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Gated delta rule over a ragged batch (see :meth:`DeltaBackend.forward`).
 

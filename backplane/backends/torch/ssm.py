@@ -20,6 +20,11 @@ float32 (:func:`backplane.core.layouts.ssm_state`), the conv state has the
 model dtype. Index tensors are derived on the device from the batch's device
 tensors; host values are used only for shapes and slicing, so neither op
 synchronises with the device.
+
+The ops' ``out`` argument has no default in the schema: with a default, the
+dispatcher drops a trailing ``out=None`` before the kernel runs, and torch 2.11's
+in-place/view handling of mutable arguments then indexes past the arguments it
+got. The backend methods always pass ``out`` (``None`` or a buffer).
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def causal_conv1d(
     bias: torch.Tensor | None,
     conv_state: torch.Tensor,
     activation: str,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Causal depthwise conv1d per sequence, continuing from and updating the conv state.
 
@@ -220,7 +225,7 @@ def ssm_scan(
     ssm_state: torch.Tensor,
     dt_softplus: bool,
     chunk_size: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Mamba2 selective scan over a ragged batch (see :meth:`SSMBackend.scan`).
 
