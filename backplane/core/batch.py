@@ -127,7 +127,7 @@ class InputBatch:
             t * 8,  # input_ids
             s * 8,  # logits_indices
         ]
-        nbytes = sum(x + _ALIGN for x in sizes)
+        nbytes = -(-sum(x + _ALIGN for x in sizes) // _ALIGN) * _ALIGN
         self._host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._host = self._host_t.numpy()
         self._dev = (
@@ -135,10 +135,21 @@ class InputBatch:
             if self.device.type == "cpu"
             else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         )
+        # typed views of the whole buffers, made once: a section is one slice of these
+        self._host_typed = {
+            np.int32: self._host.view(np.int32),
+            np.int64: self._host.view(np.int64),
+            np.bool_: self._host.view(np.bool_),
+        }
+        self._dev_typed = {
+            np.int32: self._dev.view(torch.int32),
+            np.int64: self._dev.view(torch.int64),
+            np.bool_: self._dev.view(torch.bool),
+        }
         self._copy_done: torch.cuda.Event | None = None
         self._on_cuda = on_cuda
         self._arange = np.arange(max(t, s * p, s) + 1, dtype=np.int64)
-        self._sections: list[tuple[str, int, torch.dtype, tuple[int, ...]]] = []
+        self._sections: list[tuple[str, type, int, int, tuple[int, ...]]] = []
         self._offset = 0
 
     @property
@@ -148,17 +159,16 @@ class InputBatch:
 
     # -- packing ---------------------------------------------------------------
 
-    def _take(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    def _take(self, name: str, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
         """Reserve the next section of the host buffer and return a typed view."""
         off = self._offset
-        count = 1
-        for d in shape:
-            count *= d
-        itemsize = np.dtype(dtype).itemsize
-        end = off + count * itemsize
-        self._offset = -(-end // _ALIGN) * _ALIGN
-        self._sections.append((name, off, _TORCH_DTYPES[np.dtype(dtype)], shape))
-        return self._host[off:end].view(dtype).reshape(shape)
+        count = shape[0] if len(shape) == 1 else shape[0] * shape[1]
+        size = _ITEMSIZE[dtype]
+        start = off // size
+        self._offset = off + -(-(count * size) // _ALIGN) * _ALIGN
+        self._sections.append((name, dtype, start, count, shape))
+        view = self._host_typed[dtype][start : start + count]
+        return view if len(shape) == 1 else view.reshape(shape)
 
     def _device_views(self) -> dict[str, torch.Tensor]:
         """Copy the packed prefix once and return typed device views of each section."""
@@ -168,14 +178,11 @@ class InputBatch:
             if self._on_cuda:
                 self._copy_done = torch.cuda.Event()
                 self._copy_done.record()
-        dev = self._dev
+        typed = self._dev_typed
         out = {}
-        for name, off, dtype, shape in self._sections:
-            n = 1
-            for d in shape:
-                n *= d
-            size = n * _ITEMSIZE[dtype]
-            out[name] = dev[off : off + size].view(dtype).view(shape)
+        for name, dtype, start, count, shape in self._sections:
+            t = typed[dtype][start : start + count]
+            out[name] = t if len(shape) == 1 else t.view(shape)
         return out
 
     # -- the step ---------------------------------------------------------------
@@ -383,9 +390,4 @@ class InputBatch:
         )
 
 
-_TORCH_DTYPES = {
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.bool_): torch.bool,
-}
-_ITEMSIZE = {torch.int32: 4, torch.int64: 8, torch.bool: 1}
+_ITEMSIZE = {np.int32: 4, np.int64: 8, np.bool_: 1}
