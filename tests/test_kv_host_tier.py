@@ -80,3 +80,13 @@ def test_runs_coalesce_consecutive_pairs():
         (7, 0, 1),
         (8, 2, 1),
     ]
+
+
+def test_offload_larger_than_host_never_reuses_a_page_twice():
+    caches = _caches("cpu")
+    orig = caches[1].clone()
+    tier = HostTier(caches, 2)
+    assert tier.offload([1, 2, 3, 4], [11, 12, 13, 14]) == 2
+    assert tier.num_dropped == 2 and tier.get(11) is not None and tier.get(12) is not None
+    torch.testing.assert_close(tier.host_caches[1][tier.get(12)], orig[2], rtol=0, atol=0)
+    tier.check_invariants()

@@ -158,6 +158,7 @@ class HostTier:
         """
         src: list[int] = []
         dst: list[int] = []
+        fresh: set[int] = set()  # host pages filled by this call
         for d, h in zip(device_pages, hashes, strict=True):
             hp = self._map.get(h)
             if hp is not None:
@@ -166,13 +167,15 @@ class HostTier:
                 continue
             if self._free:
                 hp = self._free.pop()
-            elif self._lru:
+            elif self._lru and next(iter(self._lru)) not in fresh:
+                # never recycle a page this call just filled: its copy is queued
                 hp, _ = self._lru.popitem(last=False)
                 del self._map[self._page_hash[hp]]  # type: ignore[index]
                 self.num_evicted += 1
             else:
                 self.num_dropped += 1
                 continue
+            fresh.add(hp)
             self._map[h] = hp
             self._page_hash[hp] = h
             self._lru[hp] = None

@@ -272,6 +272,10 @@ class KVCacheManager:
                 h = hashes[i]
                 d = prefix.get(h)
                 if d is not None:
+                    # Taking an idle page may eat into pages reserved for requests
+                    # claimed earlier in this batch; the request then needs at least
+                    # one fresh page itself, so its reserve() fails and unclaim()
+                    # restores the pool: reservations are never broken.
                     if refs[d] == 0:
                         prefix.take(d)
                     refs[d] += 1
@@ -371,6 +375,8 @@ class KVCacheManager:
         self._reserved_pages -= sum(c.reserved_pages for c in claims)
         for c in claims:
             c.reserved_pages = 0
+        if need > self.pool.num_free + prefix.num_evictable:
+            raise RuntimeError(f"admission needs {need} pages beyond its reservation")
         pages = self._alloc(need).tolist()
         # Pass 2: fill the page tables; the first user of an onboarded page owns
         # the allocation's reference, later users of the batch share it.
