@@ -24,11 +24,14 @@ PRIORITY = 50
 _BASE_CAPS = frozenset({"cuda", "float32", "bfloat16", "float16", "cuda_graph"})
 
 
-def _caps(*extra: str) -> frozenset[str]:
+def _caps(*extra: str, interpreter_cpu: bool = True) -> frozenset[str]:
+    """Capability tags; under ``TRITON_INTERPRET=1`` add ``cpu`` (when the family runs there)."""
     caps = _BASE_CAPS | set(extra)
     if triton_interpret():
         # Under the CPU interpreter only float32/float16 are emulated.
-        caps = (caps - {"bfloat16"}) | {"cpu", "interpret"}
+        caps = (caps - {"bfloat16"}) | {"interpret"}
+        if interpreter_cpu:
+            caps |= {"cpu"}
     return frozenset(caps)
 
 
@@ -128,7 +131,9 @@ def backplane_delta_backends() -> list[BackendSpec]:
             load="backplane.backends.triton.delta:TritonDeltaBackend",
             is_available=_delta_available,
             priority=PRIORITY,
-            capabilities=_caps("qk_l2norm", "grouped_v_heads"),
+            # fla's chunked prefill kernels need a GPU driver even in the interpreter
+            # (autotuning); only the decode kernel runs on CPU, so "cpu" is not claimed.
+            capabilities=_caps("qk_l2norm", "grouped_v_heads", interpreter_cpu=False),
             description="fla chunk_gated_delta_rule / fused_recurrent_gated_delta_rule",
         )
     ]
