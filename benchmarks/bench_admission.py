@@ -67,9 +67,9 @@ def run_case(args: argparse.Namespace, case: str, seed: int) -> dict[str, float]
         sched.add_request(Request(f"doc{i}", np.append(d, 1), _params()))
     _drain(sched)
     if case != "device-hit":
-        # unique prompts covering the whole pool evict every document page
+        # unique prompts covering 1.5x the pool evict every document page
         per = 64 * ps
-        for i in range(-(-args.num_pages * ps // per)):
+        for i in range(-(-3 * args.num_pages * ps // (2 * per))):
             sched.add_request(
                 Request(f"fill{i}", rng.integers(0, vocab, per - 1).astype(np.int32), _params())
             )
@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=2048)
-    p.add_argument("--host-pages", type=int, default=512)
+    p.add_argument("--host-pages", type=int, default=4096)
     p.add_argument("--docs", type=int, default=8)
     p.add_argument("--doc-pages", type=int, default=32)
     p.add_argument("--suffix", type=int, default=64)
