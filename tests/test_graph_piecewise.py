@@ -45,9 +45,9 @@ class Toy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         h = self.l1(x) + pos[:, None]
-        h = rowmix(h, self.w)
-        h = rowmix_lookalike(torch.relu(self.l2(h)), self.w)
-        h = rowmix(h, self.w)
+        h = rowmix(h, self.w, None)
+        h = rowmix_lookalike(torch.relu(self.l2(h)), self.w, None)
+        h = rowmix(h, self.w, None)
         return h * 2 + 1
 
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 
 
 def output_buffer(
@@ -67,6 +69,19 @@ def finish_output(out: torch.Tensor | None, buf: torch.Tensor, num_tokens: int) 
     return buf
 
 
+class _CachedOpDef(CustomOpDef):
+    """A custom op whose trailing ``out`` may be omitted by Python callers."""
+
+    #: number of schema arguments, set at registration (a plain int keeps the
+    #: check traceable by torch.compile)
+    num_args: int = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "out" not in kwargs and len(args) < self.num_args:
+            kwargs["out"] = None
+        return super().__call__(*args, **kwargs)
+
+
 def cached_op(
     qualname: str,
     mutates_args: Sequence[str],
@@ -80,7 +95,9 @@ def cached_op(
     :param output_shape: called with the op's arguments, returns the full
         result ``(shape, dtype)``; it serves as the fake implementation so the
         fake and the real op agree by construction.
-    :return: a decorator turning the implementation into the custom op.
+    :return: a decorator turning the implementation into the custom op; its
+        schema has no default for ``out`` (the op object fills in ``None`` when
+        a Python caller omits it).
     """
     mutates = tuple(mutates_args)
     if "out" not in mutates:
@@ -93,7 +110,20 @@ def cached_op(
         for name in mutates:
             if name not in params:
                 raise ValueError(f"{qualname}: mutates_args names unknown argument {name!r}")
+        # The schema gets no default for `out`: with one, the dispatcher drops a
+        # trailing out=None and some torch releases (2.11) then mis-index the
+        # mutable arguments. The dispatcher always sees `out` (None or a buffer).
+        sig = inspect.signature(fn)
+        fn.__signature__ = sig.replace(
+            parameters=[
+                p.replace(default=inspect.Parameter.empty) if p.name == "out" else p
+                for p in sig.parameters.values()
+            ]
+        )
         op = torch.library.custom_op(qualname, mutates_args=mutates)(fn)
+        # Python callers may still omit ``out``: _CachedOpDef.__call__ passes None.
+        op.__class__ = _CachedOpDef
+        op.num_args = len(params)
 
         def fake(*args, **kwargs):
             bound = inspect.signature(fn).bind(*args, **kwargs)

@@ -210,7 +210,7 @@ def build_batch_metadata(
     page_indptr = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(pages_needed, out=page_indptr[1:])
     page_indices = (
-        np.concatenate([t[:k] for t, k in zip(tables, pages_needed)]).astype(np.int32)
+        np.concatenate([t[:k] for t, k in zip(tables, pages_needed, strict=True)]).astype(np.int32)
         if n
         else np.zeros(0, np.int32)
     )
