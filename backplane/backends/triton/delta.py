@@ -3,9 +3,10 @@
 One cached op, ``backplane_triton::gated_delta``:
 
 * prefill/extend sequences run ``chunk_gated_delta_rule`` over the packed
-  tokens with ``cu_seqlens`` (device) **and** ``cu_seqlens_cpu`` (from
-  ``batch.host``), so fla builds its chunk indices from the host copy instead
-  of reading the device tensor back; their initial states are gathered from
+  tokens with ``cu_seqlens`` (device), ``cu_seqlens_cpu`` (from ``batch.host``)
+  and the chunk index table built from the host values in :meth:`plan` and
+  copied from pinned memory without blocking, so fla never reads the device
+  ``cu_seqlens`` back (which would synchronise); their initial states are gathered from
   the slots (zeros without ``has_initial_state``) and the final states
   scattered back;
 * decode sequences run ``fused_recurrent_gated_delta_rule`` as a batch of
@@ -21,12 +22,16 @@ from __future__ import annotations
 import functools
 import types
 
+import numpy as np
 import torch
 
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
 from backplane.core.forward_context import get_forward_context
 from backplane.core.metadata import BatchMetadata
+
+#: The chunk length of fla's chunked gated delta rule (its default).
+FLA_CHUNK = 64
 
 
 @functools.cache
@@ -49,9 +54,24 @@ def _plan(batch: BatchMetadata) -> dict:
     n = batch.num_prefill_seqs
     plan: dict = {"prefill": None}
     if n:
+        cu_host = batch.host.query_start_loc[: n + 1].astype(np.int64)
+        # fla's chunk index table ([chunk, 2] = (sequence, chunk within it)), built here on
+        # the host: fla would build it from the device cu_seqlens (a repeat_interleave that
+        # syncs) or copy it from pageable host memory (which syncs too).
+        counts = -(-np.diff(cu_host) // FLA_CHUNK)
+        seq_ids = np.repeat(np.arange(n, dtype=np.int64), counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        host_idx = torch.from_numpy(
+            np.stack([seq_ids, np.arange(len(seq_ids), dtype=np.int64) - starts], 1)
+        )
+        device = batch.device
+        if device.type == "cuda":
+            host_idx = host_idx.pin_memory()
         plan["prefill"] = {
             "cu_seqlens": batch.query_start_loc[: n + 1].long(),
-            "cu_seqlens_cpu": torch.from_numpy(batch.host.query_start_loc[: n + 1].astype("int64")),
+            "cu_seqlens_cpu": torch.from_numpy(cu_host),
+            "chunk_indices": host_idx.to(device, non_blocking=True),
+            "pinned": host_idx,  # keeps the pinned source alive until the copy is done
             "slots": batch.state_slots[:n].long(),
             "has_init": batch.has_initial_state[:n],
         }
@@ -115,6 +135,8 @@ def gated_delta(
             use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
             cu_seqlens=pre["cu_seqlens"],
             cu_seqlens_cpu=pre["cu_seqlens_cpu"],
+            chunk_indices=pre["chunk_indices"],
+            chunk_size=FLA_CHUNK,
         )
         buf[:tp].copy_(o[0])
         state.index_copy_(0, slots, ht.to(state.dtype))
