@@ -120,7 +120,7 @@ class LLM:
         if model is not None:
             overrides["model"] = model
         if config is None:
-            config = EngineConfig(**overrides)
+            config = EngineConfig.from_dict(overrides)
         elif overrides:
             config = config.merge(**overrides)
         self.engine = Engine(config)

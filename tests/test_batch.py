@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -181,3 +182,17 @@ def test_cuda_one_copy_agrees():
             ib, random_batch(rng, n_prefill=3, n_decode=5, extra_pages=True)
         )
         assert inputs.input_ids.is_cuda and inputs.metadata.block_table.is_cuda
+
+
+def test_bench_cpu_command_reports_every_size(capsys):
+    from backplane.cli import main
+
+    assert main(["bench", "cpu", "--quick", "--json", "--steps", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["batch"] for r in res["decode_step"]] == [1, 64]
+    for r in res["decode_step"]:
+        assert r["prepare_us"] > 0 and r["schedule_us"] > 0
+        assert r["total_us"] == pytest.approx(r["schedule_us"] + r["prepare_us"] + r["update_us"])
+    rc = res["request_construction"]
+    assert [r["prompt_tokens"] for r in rc] == [128, 1024]
+    assert res["machine"]["cores"] >= 1

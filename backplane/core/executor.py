@@ -93,7 +93,7 @@ class Engine:
         from backplane.core.config import EngineConfig
 
         if config is None:
-            config = EngineConfig(**overrides)
+            config = EngineConfig.from_dict(overrides)
         elif overrides:
             config = config.merge(**overrides)
         self.config = config
@@ -284,7 +284,9 @@ class Engine:
         return self._requests.get(request_id)
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a request, freeing its pages and state slot.
+        """Abort a request, freeing its pages and state slot at once.
+
+        The next :meth:`step` reports it as finished with reason ``"abort"``.
 
         :return: ``True`` if the request was live.
         """
@@ -292,6 +294,8 @@ class Engine:
         if req is None:
             return False
         self.scheduler.abort_request(request_id)
+        # finished now; the next step() still reports it (finish_reason "abort")
+        self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
         return True
 

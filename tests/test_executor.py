@@ -1,0 +1,153 @@
+"""The engine loop: request rejection, abort, padding through the runner seam, sizing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backplane.core.errors import OutOfKVMemoryError, RequestError
+from backplane.core.executor import Engine, ModelRunner
+from backplane.core.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def make_engine(model: str = "tiny-llama", **kw) -> Engine:
+    cfg = dict(
+        model=model, device="cpu", max_num_seqs=4, max_num_tokens=32, page_size=4, num_kv_pages=64
+    )
+    cfg.update(kw)
+    return Engine(**cfg)
+
+
+def run_all(engine: Engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not engine.has_unfinished_requests()
+    return tokens
+
+
+def alone(prompt, params=GREEDY, model="tiny-llama") -> list[int]:
+    e = make_engine(model)
+    rid = e.add_request(prompt, params)
+    return run_all(e)[rid]
+
+
+def test_bad_requests_are_rejected_and_others_keep_running():
+    e = make_engine()
+    prompt = np.arange(5, 17, dtype=np.int32)
+    rid = e.add_request(prompt, GREEDY, request_id="good")
+    got = []
+    for o in e.step():
+        got.extend(o.new_token_ids)
+    bad = [
+        ([], GREEDY, "empty"),
+        ([1, 2, 10_000], GREEDY, "outside the vocabulary"),
+        ([1, -1], GREEDY, "outside the vocabulary"),
+        (list(range(100)) * 30, GREEDY, "exceeds the model length"),
+        ([1, 2], "greedy", "SamplingParams"),
+        ([1, 2], GREEDY, "already in use"),
+    ]
+    for p, sp, msg in bad:
+        with pytest.raises(RequestError, match=msg):
+            e.add_request(p, sp, request_id="good" if msg == "already in use" else None)
+    tokens = run_all(e)
+    assert got + tokens.get(rid, []) == alone(prompt)
+    assert e.kv_manager.num_used_pages == 0
+
+
+def test_request_larger_than_kv_cache_is_rejected():
+    e = make_engine(num_kv_pages=4)  # 3 usable pages of 4 tokens
+    with pytest.raises(OutOfKVMemoryError):
+        e.add_request(list(range(20)), GREEDY)
+    rid = e.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(run_all(e)[rid]) == 4
+
+
+def test_abort_frees_pages_and_reports_once():
+    e = make_engine()
+    a = e.add_request(list(range(1, 30)), GREEDY)
+    b = e.add_request(list(range(40, 50)), GREEDY)
+    b_tokens = []
+    for _ in range(2):
+        b_tokens += [t for o in e.step() if o.request_id == b for t in o.new_token_ids]
+    assert e.kv_manager.num_used_pages > 0
+    assert e.abort_request(a)
+    assert not e.abort_request("nope")
+    outs = e.step()
+    b_tokens += [t for o in outs if o.request_id == b for t in o.new_token_ids]
+    aborted = [o for o in outs if o.request_id == a]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    rest = run_all(e)
+    assert a not in rest
+    assert b_tokens + rest.get(b, []) == alone(list(range(40, 50)))
+    assert e.kv_manager.num_used_pages == 0
+    assert not e.abort_request(a)
+
+
+class PaddingRunner(ModelRunner):
+    """Pads every step by a few tokens, as a CUDA-graph bucket would."""
+
+    calls = 0
+
+    def padded_num_tokens(self, num_tokens: int, num_seqs: int, is_decode_only: bool) -> int:
+        return num_tokens + 3
+
+    def run(self, inputs):
+        PaddingRunner.calls += 1
+        assert inputs.input_ids.shape[0] == inputs.metadata.num_tokens + 3
+        return super().run(inputs)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-nemotron-h"])
+def test_runner_seam_with_padding_gives_same_tokens(model):
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 2)]
+    ref = make_engine(model)
+    ids = [ref.add_request(p, GREEDY) for p in prompts]
+    want = run_all(ref)
+    e = make_engine(model)
+    e.runner = PaddingRunner(e.model)
+    ids2 = [e.add_request(p, GREEDY) for p in prompts]
+    got = run_all(e)
+    assert PaddingRunner.calls > 0
+    assert [got[i] for i in ids2] == [want[i] for i in ids]
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch():
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    first = alone([5, 6, 7], p)
+    e = make_engine()
+    others = [e.add_request(list(range(10, 10 + n)), SamplingParams(max_tokens=5)) for n in (3, 9)]
+    rid = e.add_request([5, 6, 7], p)
+    out = run_all(e)
+    assert out[rid] == first and all(o in out for o in others)
+    assert (
+        alone([5, 6, 7], SamplingParams(max_tokens=8, temperature=1.0, seed=8, ignore_eos=True))
+        != first
+    )
+
+
+def test_kv_memory_sizing():
+    e = make_engine(num_kv_pages=None, kv_memory="1MiB")
+    # tiny-llama: 4 layers x [P, 2, page, 2 heads, 16] float32
+    per_page = 4 * 2 * 4 * 2 * 16 * 4
+    assert e.num_pages == (1 << 20) // per_page
+    assert e.kv_bytes == e.num_pages * per_page
+    with pytest.raises(OutOfKVMemoryError, match="kv_memory"):
+        make_engine(num_kv_pages=None, kv_memory=per_page)
+    r = make_engine("tiny-nemotron-h", num_kv_pages=None, kv_memory="2MiB")
+    assert r.num_slots == r.max_num_seqs + 1 and r.state_bytes > 0
+    assert r.kv_bytes + r.state_bytes <= 2 << 20

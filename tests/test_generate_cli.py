@@ -1,0 +1,112 @@
+"""``backplane generate``: a real subprocess run against the Python API, flags and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from backplane.cli import main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def api_greedy(prompts, n, model="tiny-llama"):
+    from backplane import LLM, SamplingParams
+
+    llm = LLM(model, device="cpu")
+    return llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))
+
+
+def test_subprocess_json_matches_api():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from backplane.cli import main; sys.exit(main())",
+            "generate",
+            "--prompt",
+            "hi there",
+            "--prompt-token-ids",
+            "1, 2,3",
+            "--max-new-tokens",
+            "5",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["index"] for r in records] == [0, 1]
+    want = api_greedy(["hi there", [1, 2, 3]], 5)
+    for r, w in zip(records, want, strict=True):
+        assert r["token_ids"] == w.token_ids
+        assert r["text"] == w.text
+        assert r["finish_reason"] == w.finish_reason
+    assert records[1]["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_config_file_and_backend_flags(tmp_path, capsys):
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("model: tiny-nemotron-h\ndevice: cpu\nmax_num_seqs: 2\nmax_num_tokens: 8\n")
+    rc = main(
+        [
+            "generate",
+            "--config",
+            str(cfg),
+            "--prompt",
+            "abc",
+            "--prompt",
+            "a longer second prompt",
+            "--max-new-tokens",
+            "3",
+            "--backend",
+            "ssm=torch",
+            "--backend",
+            "attention=torch",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = api_greedy(["abc", "a longer second prompt"], 3, model="tiny-nemotron-h")
+    assert [r["token_ids"] for r in records] == [w.token_ids for w in want]
+
+
+def test_plain_output(capsys):
+    assert main(["generate", "--prompt", "hello", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[0] hello -> ") and "(length)" in out
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["generate"], "at least one --prompt"),
+        (["generate", "--prompt-token-ids", "1,x"], "comma-separated integers"),
+        (["generate", "--prompt-token-ids", "1,99999"], "outside the vocabulary"),
+        (["generate", "--prompt", "x", "--backend", "attention=nope"], "nope"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_errors_exit_2_with_a_message(argv, msg, capsys):
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("backplane: error:") and msg in err
