@@ -123,6 +123,7 @@ def capture(
     pool: Any = None,
     num_warmup: int = 2,
     stream: Any = None,
+    cuda: bool | None = None,
 ) -> CapturedGraph:
     """Warm up and capture ``forward_fn(*inputs)`` as one CUDA graph.
 
@@ -136,12 +137,15 @@ def capture(
     :param pool: the memory pool to capture into.
     :param num_warmup: eager runs before capture (kernel selection, lazy init).
     :param stream: the side stream to capture on (default: a new one).
+    :param cuda: record a real CUDA graph (default: when CUDA is available).
     :return: the captured graph; its outputs live in the pool. Without CUDA
         the "graph" re-runs ``forward_fn`` eagerly on replay and copies the
         results into the outputs of the capture run, which keeps the phase
         logic (and this hook) testable on any machine.
     """
-    if not torch.cuda.is_available():
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if not cuda:
         for _ in range(num_warmup):
             forward_fn(*inputs)
             if postprocess_fn is not None:

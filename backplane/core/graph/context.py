@@ -29,8 +29,10 @@ class GraphContext:
     :param bucket: the padded size being warmed up, captured or replayed.
     :param pool: the memory pool every graph and out buffer of the runner uses.
     :param pool_bytes: memory the pool grew by while capturing each bucket.
+    :param cuda: capture real CUDA graphs (else segments run eagerly in every phase).
     """
 
+    cuda: bool = False
     phase: GraphPhase = GraphPhase.EAGER
     bucket: int | None = None
     pool: Any = None

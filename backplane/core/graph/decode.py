@@ -24,16 +24,21 @@ class DecodeGraphs:
     :param forward_fn: the computation to capture (model forward and LM head).
     :param buckets: batch sizes to capture.
     :param pool: a memory pool shared with the piecewise graphs (default: new).
+    :param cuda: record real CUDA graphs (default: when CUDA is available);
+        otherwise eager stand-ins with the same phases.
     """
 
     def __init__(
-        self, forward_fn: Callable[..., Any], buckets: list[int], pool: Any = None
+        self,
+        forward_fn: Callable[..., Any],
+        buckets: list[int],
+        pool: Any = None,
+        cuda: bool | None = None,
     ) -> None:
         self.forward_fn = forward_fn
         self.buckets = sorted(buckets)
-        self.pool = (
-            pool if pool is not None else (new_pool() if torch.cuda.is_available() else None)
-        )
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self.pool = pool if pool is not None else (new_pool() if self.cuda else None)
         self.graphs: dict[int, CapturedGraph] = {}
         self.failed: dict[int, str] = {}
         self.pool_bytes: dict[int, int] = {}
@@ -58,7 +63,7 @@ class DecodeGraphs:
             try:
                 with make_inputs(bucket) as args:
                     self.graphs[bucket] = capture(
-                        self.forward_fn, postprocess_fn, args, pool=self.pool
+                        self.forward_fn, postprocess_fn, args, pool=self.pool, cuda=self.cuda
                     )
             except Exception as exc:  # that bucket runs eagerly; the others still replay
                 self.failed[bucket] = f"{type(exc).__name__}: {exc}"

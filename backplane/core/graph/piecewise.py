@@ -61,7 +61,7 @@ class StaticSegment(torch.nn.Module):
         if phase in (GraphPhase.EAGER, GraphPhase.WARMUP) or bucket is None:
             return self.module(*args)
         if phase is GraphPhase.CAPTURE:
-            if not torch.cuda.is_available():
+            if not ctx.cuda:
                 return self.module(*args)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool_id(ctx.pool)):
@@ -223,6 +223,8 @@ class PiecewiseGraphs:
     :param dynamic_ops: the ops to split at (from the selected backends).
     :param buckets: token counts to capture.
     :param pool: a shared memory pool (default: a new one on CUDA).
+    :param cuda: record real CUDA graphs (default: when CUDA is available);
+        otherwise every phase runs the segments eagerly.
     """
 
     def __init__(
@@ -231,9 +233,12 @@ class PiecewiseGraphs:
         dynamic_ops: Iterable[Any],
         buckets: list[int],
         pool: Any = None,
+        cuda: bool | None = None,
     ) -> None:
-        cuda = torch.cuda.is_available()
-        self.ctx = GraphContext(pool=pool if pool is not None else (new_pool() if cuda else None))
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        self.ctx = GraphContext(
+            cuda=cuda, pool=pool if pool is not None else (new_pool() if cuda else None)
+        )
         self.buckets = sorted(buckets)
         self.compiler = PiecewiseCompiler(dynamic_ops, self.ctx)
         self.compiled = torch.compile(forward, backend=self.compiler, dynamic=True, fullgraph=True)

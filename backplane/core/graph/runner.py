@@ -66,6 +66,9 @@ class GraphModelRunner:
     :param page_size: tokens per KV page.
     :param token_bucket_sizes: configured piecewise buckets (default powers of two).
     :param decode_bucket_sizes: configured decode buckets (default powers of two).
+    :param allow_cpu: keep the graph machinery on a CPU device, where "graphs"
+        are eager stand-ins; lets the dispatch, padding and capture logic be
+        tested without CUDA.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class GraphModelRunner:
         page_size: int,
         token_bucket_sizes: Sequence[int] | None = None,
         decode_bucket_sizes: Sequence[int] | None = None,
+        allow_cpu: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"cuda_graphs={mode!r}; expected one of {', '.join(MODES)}")
@@ -92,19 +96,23 @@ class GraphModelRunner:
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.cuda = torch.cuda.is_available() and input_batch.device.type == "cuda"
-        if mode != "off" and not self.cuda:
+        if mode != "off" and not self.cuda and not allow_cpu:
             logger.info("CUDA graphs need a CUDA device; running eagerly")
             self.mode = mode = "off"
-        self.pool = new_pool() if mode != "off" else None
+        self.pool = new_pool() if mode != "off" and self.cuda else None
         self.token_buckets = token_buckets(max_num_tokens, token_bucket_sizes)
         self.decode_buckets = decode_buckets(max_num_seqs, decode_bucket_sizes)
         self.decode: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if mode in ("decode", "full_and_piecewise"):
-            self.decode = DecodeGraphs(self._forward, self.decode_buckets, self.pool)
+            self.decode = DecodeGraphs(
+                self._forward, self.decode_buckets, self.pool, cuda=self.cuda
+            )
         if mode in ("piecewise", "full_and_piecewise"):
             ops = [op for b in backends.values() for op in b.dynamic_ops()]
-            self.piecewise = PiecewiseGraphs(self._forward, ops, self.token_buckets, self.pool)
+            self.piecewise = PiecewiseGraphs(
+                self._forward, ops, self.token_buckets, self.pool, cuda=self.cuda
+            )
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -145,7 +153,8 @@ class GraphModelRunner:
                 self.piecewise.capture(self._piecewise_inputs, progress=bar)
             if self.decode is not None:
                 self.decode.capture(self._decode_inputs, progress=bar)
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         logger.info("CUDA graph pool: %.1f MiB", pool_bytes(self.pool) / 2**20)
 
     def memory_report(self) -> dict[str, Any]:
