@@ -90,3 +90,16 @@ def test_offload_larger_than_host_never_reuses_a_page_twice():
     assert tier.num_dropped == 2 and tier.get(11) is not None and tier.get(12) is not None
     torch.testing.assert_close(tier.host_caches[1][tier.get(12)], orig[2], rtol=0, atol=0)
     tier.check_invariants()
+
+
+def test_round_trip_non_contiguous_cache_uses_index_copies():
+    base = torch.randn(6, 4, 2, 3)
+    cache = base.transpose(1, 2)  # dim 0 is still the page, but not contiguous
+    orig = cache.clone()
+    tier = HostTier([cache], 3)
+    assert tier._np_views is None
+    tier.offload([1, 4], [21, 24])
+    cache[[1, 4]] = 0
+    tier.onboard([tier.get(21), tier.get(24)], [2, 5])
+    torch.testing.assert_close(cache[[2, 5]], orig[[1, 4]], rtol=0, atol=0)
+    torch.testing.assert_close(cache[[0, 3]], orig[[0, 3]], rtol=0, atol=0)
