@@ -149,8 +149,7 @@ class InputBatch:
         self._copy_done: torch.cuda.Event | None = None
         self._on_cuda = on_cuda
         self._arange = np.arange(max(t, s * p, s) + 1, dtype=np.int64)
-        self._sections: list[tuple[str, type, int, int, tuple[int, ...]]] = []
-        self._offset = 0
+        self._layouts: dict[tuple[int, int, int, int], _Layout] = {}
 
     @property
     def nbytes(self) -> int:
@@ -159,31 +158,45 @@ class InputBatch:
 
     # -- packing ---------------------------------------------------------------
 
-    def _take(self, name: str, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
-        """Reserve the next section of the host buffer and return a typed view."""
-        off = self._offset
-        count = shape[0] if len(shape) == 1 else shape[0] * shape[1]
-        size = _ITEMSIZE[dtype]
-        start = off // size
-        self._offset = off + -(-(count * size) // _ALIGN) * _ALIGN
-        self._sections.append((name, dtype, start, count, shape))
-        view = self._host_typed[dtype][start : start + count]
-        return view if len(shape) == 1 else view.reshape(shape)
+    def _layout(self, n: int, padded: int, num_sample: int, width: int) -> _Layout:
+        """Return the packed layout (host and device views) for a step's shape.
 
-    def _device_views(self) -> dict[str, torch.Tensor]:
-        """Copy the packed prefix once and return typed device views of each section."""
-        used = self._offset
+        Sections are packed back to back in the order of :data:`_SECTIONS`
+        (``page_indices``, whose length changes most often, last). Layouts are
+        cached by shape, so a steady decode batch reuses the same views and a
+        step creates only the ``page_indices`` view.
+        """
+        key = (n, padded, num_sample, width)
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        if len(self._layouts) >= 256:
+            self._layouts.clear()
+        counts = {"seq": n, "seq1": n + 1, "tok": padded, "sample": num_sample, "table": n * width}
+        host: dict[str, np.ndarray] = {}
+        dev: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, dtype, dim in _SECTIONS:
+            count = counts[dim]
+            size = _ITEMSIZE[dtype]
+            start = off // size
+            h = self._host_typed[dtype][start : start + count]
+            d = self._dev_typed[dtype][start : start + count]
+            if name == "block_table":
+                h, d = h.reshape(n, width), d.view(n, width)
+            host[name], dev[name] = h, d
+            off += -(-(count * size) // _ALIGN) * _ALIGN
+        layout = _Layout(host, dev, off // 4, off)
+        self._layouts[key] = layout
+        return layout
+
+    def _copy(self, nbytes: int) -> None:
+        """The step's one host-to-device copy of the packed prefix of the buffer."""
         if self._dev is not self._host_t:
-            self._dev[:used].copy_(self._host_t[:used], non_blocking=True)
+            self._dev[:nbytes].copy_(self._host_t[:nbytes], non_blocking=True)
             if self._on_cuda:
                 self._copy_done = torch.cuda.Event()
                 self._copy_done.record()
-        typed = self._dev_typed
-        out = {}
-        for name, dtype, start, count, shape in self._sections:
-            t = typed[dtype][start : start + count]
-            out[name] = t if len(shape) == 1 else t.view(shape)
-        return out
 
     # -- the step ---------------------------------------------------------------
 
@@ -213,60 +226,77 @@ class InputBatch:
         n = len(scheduled)
         if n > self.max_num_seqs:
             raise ValueError(f"{n} sequences exceed max_num_seqs={self.max_num_seqs}")
-        self._sections = []
-        self._offset = 0
-        take = self._take
         ps = self.page_size
+        ar = self._arange
 
         # -- O(1) Python per sequence: read the scheduler's facts ---------------
-        q = take("query_lens", np.int32, (n,))
-        c = take("cached_lens", np.int32, (n,))
-        slots = take("state_slots", np.int32, (n,))
-        q[:] = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
-        c[:] = np.fromiter((s.num_cached_tokens for s in scheduled), np.int32, n)
-        if n and q.min() < 1:
-            raise ValueError("every scheduled sequence needs at least one new token")
-        # One new token on top of cached context counts as decode for the kernels,
-        # even when it is the last chunk of a prefill: such sequences go last.
-        is_decode = (q == 1) & (c > 0)
-        num_decode = int(np.count_nonzero(is_decode))
+        q = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
+        c = np.fromiter((s.num_cached_tokens for s in scheduled), np.int32, n)
+        num_tokens = int(q.sum())
+        decode_only = num_tokens == n  # every sequence adds one token
+        if decode_only:
+            is_decode = c > 0
+            num_decode = int(np.count_nonzero(is_decode))
+        else:
+            if n and q.min() < 1:
+                raise ValueError("every scheduled sequence needs at least one new token")
+            # One new token on top of cached context counts as decode for the kernels,
+            # even when it is the last chunk of a prefill: such sequences go last.
+            is_decode = (q == 1) & (c > 0)
+            num_decode = int(np.count_nonzero(is_decode))
         num_prefill = n - num_decode
         perm = None
         if num_decode and not is_decode[num_prefill:].all():
             perm = np.argsort(is_decode, kind="stable")
             scheduled = [scheduled[i] for i in perm]
-            q[:] = q[perm]
-            c[:] = c[perm]
-            is_decode = is_decode[perm]
-        slots[:] = np.fromiter((s.state_slot for s in scheduled), np.int32, n)
+            q, c, is_decode = q[perm], c[perm], is_decode[perm]
+        slots = np.fromiter((s.state_slot for s in scheduled), np.int32, n)
         final = np.fromiter((s.is_prefill_chunk_final for s in scheduled), np.bool_, n)
         tables = [s.page_ids for s in scheduled]
 
-        # -- vectorised: offsets, lengths, pages ---------------------------------
-        qsl = take("query_start_loc", np.int32, (n + 1,))
-        qsl[0] = 0
-        np.cumsum(q, out=qsl[1:])
-        num_tokens = int(qsl[n])
         padded = num_tokens if padded_num_tokens is None else int(padded_num_tokens)
         if padded < num_tokens:
             raise ValueError(f"padded_num_tokens={padded} < num_tokens={num_tokens}")
         if padded > self.max_num_tokens:
             raise ValueError(f"{padded} tokens exceed max_num_tokens={self.max_num_tokens}")
-        seq_lens = take("seq_lens", np.int32, (n,))
-        np.add(c, q, out=seq_lens)
-        pages_needed = (seq_lens + (ps - 1)) // ps
+        seq_lens_v = c + q
+        pages_needed = (seq_lens_v + (ps - 1)) // ps
         max_pages = int(pages_needed.max()) if n else 0
         if max_pages > self.max_pages_per_seq:
             raise ValueError(
-                f"a sequence needs {max_pages} pages, more than max_pages_per_seq={self.max_pages_per_seq}"
+                f"a sequence needs {max_pages} pages, more than "
+                f"max_pages_per_seq={self.max_pages_per_seq}"
             )
-        page_indptr = take("page_indptr", np.int32, (n + 1,))
+        width = max(max_pages, 1) if block_table_width is None else int(block_table_width)
+        if width < max_pages:
+            raise ValueError(f"block_table_width={width} < {max_pages} pages needed")
+        sample_rows = np.flatnonzero(final)
+        layout = self._layout(n, padded, len(sample_rows), width)
+        h = layout.host
+
+        # -- vectorised: offsets, lengths, pages ---------------------------------
+        h["query_lens"][:] = q
+        h["cached_lens"][:] = c
+        h["state_slots"][:] = slots
+        seq_lens = h["seq_lens"]
+        seq_lens[:] = seq_lens_v
+        qsl = h["query_start_loc"]
+        last_tok = h["last_token_indices"]
+        if decode_only:
+            qsl[:] = ar[: n + 1]
+            last_tok[:] = ar[:n]
+        else:
+            qsl[0] = 0
+            np.cumsum(q, out=qsl[1:])
+            np.subtract(qsl[1:], 1, out=last_tok)
+        page_indptr = h["page_indptr"]
         page_indptr[0] = 0
         np.cumsum(pages_needed, out=page_indptr[1:])
         total_pages = int(page_indptr[n])
+        pi_start = layout.page_indices_start
+        page_indices = self._host_typed[np.int32][pi_start : pi_start + total_pages]
 
         # one concatenation of every page table, then one gather of the needed prefixes
-        page_indices = take("page_indices", np.int32, (total_pages,))
         if n:
             have = np.fromiter(map(len, tables), np.int64, n)
             if (have < pages_needed).any():
@@ -281,44 +311,38 @@ class InputBatch:
             else:
                 src_start = np.cumsum(have) - have
                 shift = np.repeat(src_start - page_indptr[:n], pages_needed)
-                page_indices[:] = flat[self._arange[:total_pages] + shift]
-        width = max(max_pages, 1) if block_table_width is None else int(block_table_width)
-        if width < max_pages:
-            raise ValueError(f"block_table_width={width} < {max_pages} pages needed")
-        block_table = take("block_table", np.int32, (n, width))
+                page_indices[:] = flat[ar[:total_pages] + shift]
+        block_table = h["block_table"]
         block_table.fill(NULL_PAGE)
-        page_seq = np.repeat(self._arange[:n], pages_needed)
-        page_col = self._arange[:total_pages] - np.repeat(page_indptr[:n], pages_needed)
+        page_seq = np.repeat(ar[:n], pages_needed)
+        page_col = ar[:total_pages] - np.repeat(page_indptr[:n], pages_needed)
         block_table.reshape(-1)[page_seq * width + page_col] = page_indices
-        last_page_lens = take("last_page_lens", np.int32, (n,))
-        np.subtract(seq_lens, (pages_needed - 1) * ps, out=last_page_lens)
-        has_initial = take("has_initial_state", np.bool_, (n,))
-        np.greater(c, 0, out=has_initial)
+        np.subtract(seq_lens, (pages_needed - 1) * ps, out=h["last_page_lens"])
+        np.greater(c, 0, out=h["has_initial_state"])
 
         # -- per-token arrays (positions computed once) ---------------------------
-        positions = take("positions", np.int64, (padded,))
-        token_seq_ids = take("token_seq_ids", np.int32, (padded,))
-        slot_mapping = take("slot_mapping", np.int64, (padded,))
-        if num_tokens == n:  # every sequence adds one token (decode or 1-token prefill)
-            token_seq = self._arange[:n]
+        positions = h["positions"]
+        token_seq_ids = h["token_seq_ids"]
+        slot_mapping = h["slot_mapping"]
+        if decode_only:
+            token_seq = ar[:n]
             positions[:n] = c
         else:
-            token_seq = np.repeat(self._arange[:n], q)
-            np.add(self._arange[:num_tokens], (c - qsl[:n])[token_seq], out=positions[:num_tokens])
+            token_seq = np.repeat(ar[:n], q)
+            np.add(ar[:num_tokens], (c - qsl[:n])[token_seq], out=positions[:num_tokens])
         pos = positions[:num_tokens]
         token_seq_ids[:num_tokens] = token_seq
-        slot_mapping[:num_tokens] = block_table.reshape(-1)[token_seq * width + pos // ps]
-        slot_mapping[:num_tokens] *= ps
-        slot_mapping[:num_tokens] += pos % ps
-        positions[num_tokens:] = 0
-        token_seq_ids[num_tokens:] = -1
-        slot_mapping[num_tokens:] = -1
-        last_tok = take("last_token_indices", np.int64, (n,))
-        np.subtract(qsl[1:], 1, out=last_tok)
+        sm = slot_mapping[:num_tokens]
+        np.multiply(block_table.reshape(-1)[token_seq * width + pos // ps], ps, out=sm)
+        sm += pos % ps
+        if padded > num_tokens:
+            positions[num_tokens:] = 0
+            token_seq_ids[num_tokens:] = -1
+            slot_mapping[num_tokens:] = -1
 
-        # -- input ids: prompt/extend slices, then the last token of each decode ---
-        input_ids = take("input_ids", np.int64, (padded,))
-        num_prefill_tokens = int(qsl[num_prefill])
+        # -- input ids: prompt/extend slices, then the token of each decode -------
+        input_ids = h["input_ids"]
+        num_prefill_tokens = num_tokens - num_decode
         if num_prefill:
             chunks = [
                 s.request.token_buffer[s.num_cached_tokens : s.num_cached_tokens + s.num_new_tokens]
@@ -332,25 +356,25 @@ class InputBatch:
                 np.int64,
                 num_decode,
             )
-        input_ids[num_tokens:] = 0
-
-        sample_rows = np.flatnonzero(final)
-        logits_indices = take("logits_indices", np.int64, (len(sample_rows),))
-        logits_indices[:] = last_tok[sample_rows]
+        if padded > num_tokens:
+            input_ids[num_tokens:] = 0
+        h["logits_indices"][:] = sample_rows if decode_only else last_tok[sample_rows]
         sample_seqs = sample_rows if perm is None else perm[sample_rows]
 
-        dev = self._device_views()
+        self._copy(layout.page_indices_offset + total_pages * 4)
+        d = layout.dev
+        page_indices_dev = self._dev_typed[np.int32][pi_start : pi_start + total_pages]
         host = HostBatch(
             query_start_loc=qsl,
-            query_lens=q,
-            cached_lens=c,
+            query_lens=h["query_lens"],
+            cached_lens=h["cached_lens"],
             seq_lens=seq_lens,
             page_indptr=page_indptr,
             page_indices=page_indices,
-            last_page_lens=last_page_lens,
+            last_page_lens=h["last_page_lens"],
             block_table=block_table,
-            state_slots=slots,
-            has_initial_state=has_initial,
+            state_slots=h["state_slots"],
+            has_initial_state=h["has_initial_state"],
             positions=positions,
             slot_mapping=slot_mapping,
             token_seq_ids=token_seq_ids,
@@ -360,34 +384,63 @@ class InputBatch:
             num_prefill_seqs=num_prefill,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_seqs=num_decode,
-            num_decode_tokens=num_tokens - num_prefill_tokens,
+            num_decode_tokens=num_decode,
             padded_num_tokens=padded,
             page_size=ps,
             max_query_len=int(q.max()) if n else 0,
-            max_seq_len=int(seq_lens.max()) if n else 0,
+            max_seq_len=int(seq_lens_v.max()) if n else 0,
             host=host,
-            query_start_loc=dev["query_start_loc"],
-            query_lens=dev["query_lens"],
-            cached_lens=dev["cached_lens"],
-            seq_lens=dev["seq_lens"],
-            page_indptr=dev["page_indptr"],
-            page_indices=dev["page_indices"],
-            last_page_lens=dev["last_page_lens"],
-            block_table=dev["block_table"],
-            state_slots=dev["state_slots"],
-            has_initial_state=dev["has_initial_state"],
-            positions=dev["positions"],
-            slot_mapping=dev["slot_mapping"],
-            token_seq_ids=dev["token_seq_ids"],
-            last_token_indices=dev["last_token_indices"],
+            query_start_loc=d["query_start_loc"],
+            query_lens=d["query_lens"],
+            cached_lens=d["cached_lens"],
+            seq_lens=d["seq_lens"],
+            page_indptr=d["page_indptr"],
+            page_indices=page_indices_dev,
+            last_page_lens=d["last_page_lens"],
+            block_table=d["block_table"],
+            state_slots=d["state_slots"],
+            has_initial_state=d["has_initial_state"],
+            positions=d["positions"],
+            slot_mapping=d["slot_mapping"],
+            token_seq_ids=d["token_seq_ids"],
+            last_token_indices=d["last_token_indices"],
         )
         return BatchInputs(
             metadata=metadata,
-            input_ids=dev["input_ids"],
-            positions=dev["positions"],
-            logits_indices=dev["logits_indices"],
+            input_ids=d["input_ids"],
+            positions=d["positions"],
+            logits_indices=d["logits_indices"],
             sample_seqs=sample_seqs,
         )
 
+
+@dataclass
+class _Layout:
+    """Views of one packed layout; ``page_indices`` follows at ``page_indices_start``."""
+
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
+    page_indices_start: int  # in int32 elements
+    page_indices_offset: int  # in bytes
+
+
+#: The packed sections (name, dtype, length class), page_indices excluded (it goes last).
+_SECTIONS: tuple[tuple[str, type, str], ...] = (
+    ("positions", np.int64, "tok"),
+    ("slot_mapping", np.int64, "tok"),
+    ("input_ids", np.int64, "tok"),
+    ("last_token_indices", np.int64, "seq"),
+    ("logits_indices", np.int64, "sample"),
+    ("query_start_loc", np.int32, "seq1"),
+    ("query_lens", np.int32, "seq"),
+    ("cached_lens", np.int32, "seq"),
+    ("seq_lens", np.int32, "seq"),
+    ("page_indptr", np.int32, "seq1"),
+    ("last_page_lens", np.int32, "seq"),
+    ("state_slots", np.int32, "seq"),
+    ("token_seq_ids", np.int32, "tok"),
+    ("has_initial_state", np.bool_, "seq"),
+    ("block_table", np.int32, "table"),
+)
 
 _ITEMSIZE = {np.int32: 4, np.int64: 8, np.bool_: 1}

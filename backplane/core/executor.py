@@ -319,20 +319,34 @@ class Engine:
         scheduled = sched.scheduled
         sampled: dict[str, int] = {}
         if scheduled:
-            inputs = self.prepare_inputs(scheduled)
+            inputs = self.prepare_inputs(
+                scheduled, sched.num_scheduled_tokens, sched.num_prefill_seqs
+            )
             hidden = self.execute(inputs)
             sampled = self.sample(hidden, inputs, scheduled)
         self.scheduler.update(sched, sampled)
         return self._collect(sched, sampled)
 
-    def prepare_inputs(self, scheduled: Sequence[Any]) -> BatchInputs:
-        """Turn scheduled sequences into device inputs (padded as the runner asks)."""
-        num_tokens = 0
-        decode_only = True
-        for s in scheduled:  # O(1) per sequence; the runner needs the count up front
-            num_tokens += s.num_new_tokens
-        decode_only = num_tokens == len(scheduled)
-        padded = self.runner.padded_num_tokens(num_tokens, len(scheduled), decode_only)
+    def prepare_inputs(
+        self,
+        scheduled: Sequence[Any],
+        num_tokens: int | None = None,
+        num_prefill_seqs: int | None = None,
+    ) -> BatchInputs:
+        """Turn scheduled sequences into device inputs (padded as the runner asks).
+
+        :param scheduled: the scheduler's sequences.
+        :param num_tokens: their total new tokens (summed here when not given).
+        :param num_prefill_seqs: how many are prefill/extend (counted when not given).
+        """
+        if num_tokens is None:
+            num_tokens = sum(s.num_new_tokens for s in scheduled)
+        if num_prefill_seqs is None:
+            num_prefill_seqs = sum(
+                not (s.num_new_tokens == 1 and s.num_cached_tokens > 0) for s in scheduled
+            )
+        n = len(scheduled)
+        padded = self.runner.padded_num_tokens(num_tokens, n, n > 0 and num_prefill_seqs == 0)
         return self.input_batch.prepare(scheduled, padded_num_tokens=padded)
 
     def execute(self, inputs: BatchInputs) -> torch.Tensor:
