@@ -93,15 +93,16 @@ def _decode(
     sliding_window: int,
 ) -> None:
     """Attention for all decode sequences at once, through the dense block table."""
-    host = batch.host
     first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
     t0, t1 = batch.num_prefill_tokens, batch.num_tokens
     _, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(host.seq_lens[first : first + nd].max())
-    num_pages = -(-max_len // page_size)
-    table = batch.block_table[first : first + nd, :num_pages].to(torch.long)
+    # The whole dense table, not just the pages of the longest sequence: its width
+    # is fixed by the engine's persistent input buffers, so a decode step captured
+    # in a CUDA graph stays valid as sequences grow (masking does the rest).
+    table = batch.block_table[first : first + nd].to(torch.long)
+    num_pages = table.shape[1]
     keys = k_cache[table].reshape(nd, num_pages * page_size, num_kv_heads, head_dim).float()
     values = v_cache[table].reshape(nd, num_pages * page_size, num_kv_heads, head_dim).float()
     seq_lens = batch.seq_lens[first : first + nd].to(device=q.device, dtype=torch.long)

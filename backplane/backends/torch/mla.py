@@ -97,14 +97,15 @@ def _decode(
     scale: float,
 ) -> None:
     """Weight-absorbed attention for all decode sequences at once."""
-    host = batch.host
     first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
     t0, t1 = batch.num_prefill_tokens, batch.num_tokens
     page_size = latent_cache.shape[1]
     rank = w_uk.shape[2]
-    max_len = int(host.seq_lens[first : first + nd].max())
-    num_pages = -(-max_len // page_size)
-    table = batch.block_table[first : first + nd, :num_pages].to(torch.long)
+    # The whole dense table, not just the pages of the longest sequence: its width
+    # is fixed by the engine's persistent input buffers, so a decode step captured
+    # in a CUDA graph stays valid as sequences grow (masking does the rest).
+    table = batch.block_table[first : first + nd].to(torch.long)
+    num_pages = table.shape[1]
     rows = latent_cache[table].reshape(nd, num_pages * page_size, -1).float()
     latent, k_pe = rows[..., :rank], rows[..., rank:]
     q_latent = torch.einsum("nhd,hdl->nhl", q_nope[t0:t1].float(), w_uk)
