@@ -196,3 +196,26 @@ def test_bench_cpu_command_reports_every_size(capsys):
     rc = res["request_construction"]
     assert [r["prompt_tokens"] for r in rc] == [128, 1024]
     assert res["machine"]["cores"] >= 1
+
+
+def test_device_addresses_depend_only_on_the_step_shape():
+    """A CUDA graph captured for (num_seqs, padded tokens, table width) reads later steps' data."""
+    rng = np.random.default_rng(21)
+    ib = InputBatch(max_num_tokens=64, max_num_seqs=8, max_pages_per_seq=32, page_size=PAGE)
+
+    def addresses(seqs):
+        inputs = ib.prepare(seqs, padded_num_tokens=8, block_table_width=32)
+        md = inputs.metadata
+        ptrs = {f.name: getattr(md, f.name).data_ptr() for f in fields(HostBatch)}
+        ptrs["input_ids"] = inputs.input_ids.data_ptr()
+        ptrs["logits_indices"] = inputs.logits_indices.data_ptr()
+        return ptrs, inputs
+
+    first, _ = addresses(random_batch(rng, n_prefill=0, n_decode=6, extra_pages=False))
+    for _ in range(3):
+        seqs = random_batch(rng, n_prefill=0, n_decode=6, extra_pages=True)
+        for s in seqs[::2]:
+            s.is_prefill_chunk_final = False  # fewer sampled rows
+        ptrs, inputs = addresses(seqs)
+        assert ptrs == first
+        assert len(inputs.sample_seqs) == 3

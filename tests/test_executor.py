@@ -119,7 +119,7 @@ def test_runner_seam_with_padding_gives_same_tokens(model):
     ids = [ref.add_request(p, GREEDY) for p in prompts]
     want = run_all(ref)
     e = make_engine(model)
-    e.runner = PaddingRunner(e.model)
+    e.runner = PaddingRunner(e.model, e.input_batch)
     ids2 = [e.add_request(p, GREEDY) for p in prompts]
     got = run_all(e)
     assert PaddingRunner.calls > 0
@@ -151,3 +151,23 @@ def test_kv_memory_sizing():
     r = make_engine("tiny-nemotron-h", num_kv_pages=None, kv_memory="2MiB")
     assert r.num_slots == r.max_num_seqs + 1 and r.state_bytes > 0
     assert r.kv_bytes + r.state_bytes <= 2 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "model", ["tiny-llama", "tiny-nemotron-h", "tiny-deepseek-v3", "tiny-qwen3-next"]
+)
+@pytest.mark.parametrize("graphs", ["off", "full_and_piecewise"])
+def test_cuda_engine_matches_cpu(model, graphs):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = [list(range(3, 3 + n)) for n in (5, 23, 2, 14)]
+    results = []
+    for device in ("cpu", "cuda"):
+        e = make_engine(
+            model, device=device, dtype="float32", cuda_graphs=graphs if device == "cuda" else "off"
+        )
+        ids = [e.add_request(p, GREEDY) for p in prompts]
+        out = run_all(e)
+        results.append([out[i] for i in ids])
+    assert results[0] == results[1]

@@ -158,21 +158,24 @@ class InputBatch:
 
     # -- packing ---------------------------------------------------------------
 
-    def _layout(self, n: int, padded: int, num_sample: int, width: int) -> _Layout:
+    def _layout(self, n: int, padded: int, width: int) -> _Layout:
         """Return the packed layout (host and device views) for a step's shape.
 
         Sections are packed back to back in the order of :data:`_SECTIONS`
-        (``page_indices``, whose length changes most often, last). Layouts are
-        cached by shape, so a steady decode batch reuses the same views and a
-        step creates only the ``page_indices`` view.
+        (``page_indices``, whose length changes most often, last; the logits
+        indices get room for every sequence). So the device address of every
+        tensor depends only on ``(num_seqs, padded_num_tokens, block-table
+        width)``: a CUDA graph captured for that shape reads the current step's
+        values from the same addresses. Layouts are cached by shape, so a steady
+        decode step creates only the ``page_indices`` and ``logits_indices`` views.
         """
-        key = (n, padded, num_sample, width)
+        key = (n, padded, width)
         layout = self._layouts.get(key)
         if layout is not None:
             return layout
         if len(self._layouts) >= 256:
             self._layouts.clear()
-        counts = {"seq": n, "seq1": n + 1, "tok": padded, "sample": num_sample, "table": n * width}
+        counts = {"seq": n, "seq1": n + 1, "tok": padded, "table": n * width}
         host: dict[str, np.ndarray] = {}
         dev: dict[str, torch.Tensor] = {}
         off = 0
@@ -271,7 +274,7 @@ class InputBatch:
         if width < max_pages:
             raise ValueError(f"block_table_width={width} < {max_pages} pages needed")
         sample_rows = np.flatnonzero(final)
-        layout = self._layout(n, padded, len(sample_rows), width)
+        layout = self._layout(n, padded, width)
         h = layout.host
 
         # -- vectorised: offsets, lengths, pages ---------------------------------
@@ -358,7 +361,8 @@ class InputBatch:
             )
         if padded > num_tokens:
             input_ids[num_tokens:] = 0
-        h["logits_indices"][:] = sample_rows if decode_only else last_tok[sample_rows]
+        num_sample = len(sample_rows)
+        h["logits_indices"][:num_sample] = sample_rows if decode_only else last_tok[sample_rows]
         sample_seqs = sample_rows if perm is None else perm[sample_rows]
 
         self._copy(layout.page_indices_offset + total_pages * 4)
@@ -409,7 +413,7 @@ class InputBatch:
             metadata=metadata,
             input_ids=d["input_ids"],
             positions=d["positions"],
-            logits_indices=d["logits_indices"],
+            logits_indices=d["logits_indices"][:num_sample],
             sample_seqs=sample_seqs,
         )
 
@@ -430,7 +434,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("slot_mapping", np.int64, "tok"),
     ("input_ids", np.int64, "tok"),
     ("last_token_indices", np.int64, "seq"),
-    ("logits_indices", np.int64, "sample"),
+    ("logits_indices", np.int64, "seq"),  # room for all; the step uses a prefix
     ("query_start_loc", np.int32, "seq1"),
     ("query_lens", np.int32, "seq"),
     ("cached_lens", np.int32, "seq"),

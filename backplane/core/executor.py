@@ -30,18 +30,21 @@ __all__ = ["Engine", "EngineStepOutput", "ModelRunner"]
 
 
 class ModelRunner:
-    """Runs the model forward for one step (eagerly).
+    """Prepares a step's inputs and runs the model forward for it (eagerly).
 
-    The CUDA-graph runner subclasses or replaces this: it may pad the token
-    count to a captured bucket (:meth:`padded_num_tokens`) and replay a graph
-    in :meth:`run`. The forward context (batch metadata + backend plans) is
-    already set when :meth:`run` is called.
+    The CUDA-graph runner (:class:`backplane.core.graph.runner.GraphModelRunner`)
+    is a drop-in replacement: it pads a step to a captured bucket in
+    :meth:`prepare_inputs` and replays a graph in :meth:`run`. A runner that
+    only needs padding overrides :meth:`padded_num_tokens`. The forward context
+    (batch metadata + backend plans) is set when :meth:`run` is called.
 
     :param model: the loaded ``CausalLM``.
+    :param input_batch: the engine's persistent :class:`InputBatch`.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, input_batch: InputBatch) -> None:
         self.model = model
+        self.input_batch = input_batch
 
     def padded_num_tokens(self, num_tokens: int, num_seqs: int, is_decode_only: bool) -> int:
         """Return the token count to pad a step to (eager: no padding).
@@ -51,6 +54,22 @@ class ModelRunner:
         :param is_decode_only: whether every sequence decodes one token.
         """
         return num_tokens
+
+    def prepare_inputs(self, scheduled: Sequence[Any]) -> BatchInputs:
+        """Prepare the step's inputs, padded as :meth:`padded_num_tokens` says.
+
+        :param scheduled: the scheduler's sequences (prefill/extend first).
+        """
+        num_tokens = 0
+        num_decode = 0
+        for s in scheduled:  # O(1) per sequence
+            num_tokens += s.num_new_tokens
+            num_decode += s.num_new_tokens == 1 and s.num_cached_tokens > 0
+        n = len(scheduled)
+        padded = self.padded_num_tokens(num_tokens, n, n > 0 and num_decode == n)
+        if padded == num_tokens:
+            return self.input_batch.prepare(scheduled)
+        return self.input_batch.prepare(scheduled, padded_num_tokens=padded)
 
     @torch.inference_mode()
     def run(self, inputs: BatchInputs) -> torch.Tensor:
@@ -151,7 +170,7 @@ class Engine:
             page_size=self.page_size,
             device=self.device,
         )
-        self.runner: ModelRunner = ModelRunner(self.model)
+        self.runner: Any = self._build_runner()
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Any] = {}
@@ -238,6 +257,27 @@ class Engine:
             max_num_tokens=self.max_num_tokens,
         )
 
+    def _build_runner(self) -> Any:
+        """The eager runner, or the CUDA-graph runner (graphs captured now) when enabled."""
+        mode = self.config.cuda_graphs_resolved
+        if mode == "off" or self.device.type != "cuda":
+            return ModelRunner(self.model, self.input_batch)
+        from backplane.core.graph.runner import GraphModelRunner
+
+        runner = GraphModelRunner(
+            self.model,
+            self.backends,
+            self.input_batch,
+            mode=mode,
+            max_num_tokens=self.max_num_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            page_size=self.page_size,
+            token_bucket_sizes=self.config.cuda_graph_buckets,
+        )
+        runner.capture()
+        return runner
+
     # -- requests ----------------------------------------------------------------
 
     def add_request(
@@ -319,35 +359,11 @@ class Engine:
         scheduled = sched.scheduled
         sampled: dict[str, int] = {}
         if scheduled:
-            inputs = self.prepare_inputs(
-                scheduled, sched.num_scheduled_tokens, sched.num_prefill_seqs
-            )
+            inputs = self.runner.prepare_inputs(scheduled)
             hidden = self.execute(inputs)
             sampled = self.sample(hidden, inputs, scheduled)
         self.scheduler.update(sched, sampled)
         return self._collect(sched, sampled)
-
-    def prepare_inputs(
-        self,
-        scheduled: Sequence[Any],
-        num_tokens: int | None = None,
-        num_prefill_seqs: int | None = None,
-    ) -> BatchInputs:
-        """Turn scheduled sequences into device inputs (padded as the runner asks).
-
-        :param scheduled: the scheduler's sequences.
-        :param num_tokens: their total new tokens (summed here when not given).
-        :param num_prefill_seqs: how many are prefill/extend (counted when not given).
-        """
-        if num_tokens is None:
-            num_tokens = sum(s.num_new_tokens for s in scheduled)
-        if num_prefill_seqs is None:
-            num_prefill_seqs = sum(
-                not (s.num_new_tokens == 1 and s.num_cached_tokens > 0) for s in scheduled
-            )
-        n = len(scheduled)
-        padded = self.runner.padded_num_tokens(num_tokens, n, n > 0 and num_prefill_seqs == 0)
-        return self.input_batch.prepare(scheduled, padded_num_tokens=padded)
 
     def execute(self, inputs: BatchInputs) -> torch.Tensor:
         """Plan every backend once, then run the model under the forward context."""
