@@ -28,6 +28,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from backplane.core.families import (  # noqa: E402
+    AttentionLayerSpec,
+    DeltaLayerSpec,
+    MLALayerSpec,
+    SSMLayerSpec,
+)
 from backplane.core.forward_context import forward_context, plan_step  # noqa: E402
 from backplane.core.metadata import build_batch_metadata  # noqa: E402
 from backplane.core.registry import get_registry  # noqa: E402
@@ -279,25 +285,43 @@ def _perturb_(model: torch.nn.Module, gen: torch.Generator) -> None:
                 b.copy_(torch.rand(b.shape, generator=gen) * 0.05)
 
 
+#: Wider head dimensions for backends whose kernels only take production shapes
+#: (e.g. FlashInfer: attention head_dim 64/128/256, MLA 512 + 64, delta 128).
+WIDE: dict[str, dict[str, Any]] = {
+    "llama": {"head_dim": 64},
+    "qwen3": {"head_dim": 64},
+    "nemotron_h": {"head_dim": 64},
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
+    "qwen3_5": {"head_dim": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    "qwen3_next": {"head_dim": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128},
+}
+
+
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory) -> dict[str, tuple[Any, str]]:
-    """``{arch: (transformers model, saved directory)}``, built lazily per architecture."""
-    cache: dict[str, tuple[Any, str]] = {}
+def hf_models(tmp_path_factory) -> dict[tuple[str, str], tuple[Any, str]]:
+    """``{(arch, profile): (transformers model, saved directory)}``, built lazily.
+
+    ``profile`` is ``"tiny"`` or ``"wide"`` (:data:`WIDE` applied).
+    """
 
     class _Lazy(dict):
-        def __missing__(self, arch: str) -> tuple[Any, str]:
+        def __missing__(self, key: tuple[str, str]) -> tuple[Any, str]:
+            arch, profile = key
             cls_name, make_cfg, _, _ = ARCHS[arch]
             torch.manual_seed(1234)
             cfg = make_cfg()
             cfg.initializer_range = 0.15
+            if profile == "wide":
+                for k, v in WIDE[arch].items():
+                    setattr(cfg, k, v)
             model = getattr(transformers, cls_name)(cfg).eval()
             _perturb_(model, torch.Generator().manual_seed(99))
-            path = tmp_path_factory.mktemp(arch)
+            path = tmp_path_factory.mktemp(f"{arch}-{profile}")
             model.save_pretrained(path)
-            self[arch] = (model, str(path))
-            return self[arch]
+            self[key] = (model, str(path))
+            return self[key]
 
-    return _Lazy(cache)
+    return _Lazy()
 
 
 def hf_logits(arch: str, model: Any, tokens: list[int]) -> torch.Tensor:
@@ -365,33 +389,70 @@ class Engine:
         return out
 
 
+def _unsupported(lm: Any, backends: dict[str, Any], dtype: torch.dtype) -> str | None:
+    """The first layer a backend declares it cannot run (backends with ``supports``)."""
+    family_of = {
+        AttentionLayerSpec: "attention",
+        MLALayerSpec: "mla",
+        SSMLayerSpec: "ssm",
+        DeltaLayerSpec: "delta",
+    }
+    for name, mixer in lm.cached_layers():
+        for attr in ("spec", "ssm_spec", "delta_spec"):
+            spec = getattr(mixer, attr, None)
+            fam = family_of.get(type(spec))
+            supports = getattr(backends.get(fam), "supports", None)
+            if supports is None:
+                continue
+            ok, reason = supports(spec, dtype)
+            if not ok:
+                return f"{fam} backend on {name}: {reason}"
+    return None
+
+
 def _load(arch: str, hf_models, combo: dict[str, str] | None):
+    """Load the saved transformers model with the combination's backends.
+
+    Uses the tiny shapes when every backend takes them, else the wide ones.
+    """
     if combo is None:
         pytest.skip("a family this model needs has no registered backend")
     device, dtype = _device_dtype(combo)
     backends = resolve_backends(combo)
-    hf_model, path = hf_models[arch]
-    loaded = load_model(path, dtype=dtype, device=device, backends=backends, progress=False)
-    assert loaded.model.families == set(ARCHS[arch][2])
-    return hf_model, loaded.model, backends, device
+    reason = None
+    for profile in ("tiny", "wide"):
+        hf_model, path = hf_models[arch, profile]
+        loaded = load_model(path, dtype=dtype, device=device, backends=backends, progress=False)
+        reason = _unsupported(loaded.model, backends, dtype)
+        if reason is None:
+            assert loaded.model.families == set(ARCHS[arch][2])
+            return hf_model, loaded.model, backends, device
+    pytest.skip(f"{combo}: {reason}")
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, dtype: torch.dtype) -> None:
+def _assert_close(
+    got: torch.Tensor, want: torch.Tensor, what: str, dtype: torch.dtype, on_cuda: bool
+) -> None:
     """Every logit within tolerance of the float32 transformers reference.
 
-    float32: 2e-4 of the logit scale. bfloat16 (backends without float32):
-    8% of the scale at worst and 2% on average -- loose, but a wrong cache
-    read or a misrouted expert still exceeds it.
+    float32: 2e-4 of the logit scale on CPU; 1e-2 on CUDA, where Triton
+    kernels may multiply in TF32 (10-bit mantissa). bfloat16 (backends without
+    float32): at most 10% of positions off by more than 5% of the scale (a
+    near-tie between two experts can flip routing at this precision) and 2%
+    on average -- loose, but a wrong cache read spoils every later position.
     """
     scale = max(want.abs().max().item(), 1.0)
     diff = (got - want).abs()
     err = diff.max().item()
     if dtype == torch.float32:
-        assert err <= 2e-4 * scale, f"{what}: max |diff| {err:.3e} (logit scale {scale:.3e})"
+        tol = 2e-4 if not on_cuda else 1e-2
+        assert err <= tol * scale, f"{what}: max |diff| {err:.3e} (logit scale {scale:.3e})"
         return
     mean = diff.mean().item()
-    assert err <= 8e-2 * scale and mean <= 2e-2 * scale, (
-        f"{what} ({dtype}): max |diff| {err:.3e}, mean {mean:.3e} (logit scale {scale:.3e})"
+    bad = (diff.amax(dim=-1) > 5e-2 * scale).double().mean().item()
+    assert bad <= 0.1 and mean <= 2e-2 * scale, (
+        f"{what} ({dtype}): {bad:.0%} of positions off by > 5% of the logit scale "
+        f"{scale:.3e}; max |diff| {err:.3e}, mean {mean:.3e}"
     )
 
 
@@ -414,7 +475,13 @@ def test_prefill_ragged_batch_matches_transformers(arch, combo, hf_models):
     got = eng.step(dict(enumerate(prompts)))
     for i, p in enumerate(prompts):
         want = hf_logits(arch, hf_model, p)
-        _assert_close(got[i], want, f"{arch} prefill seq {i} (len {len(p)})", lm_dtype(lm))
+        _assert_close(
+            got[i],
+            want,
+            f"{arch} prefill seq {i} (len {len(p)})",
+            lm_dtype(lm),
+            device.type == "cuda",
+        )
 
 
 @pytest.mark.parametrize(("arch", "combo"), _backend_choices())
@@ -448,4 +515,4 @@ def test_chunked_prefill_then_decode_matches_transformers(arch, combo, hf_models
         mine = torch.cat(got[i])
         n = mine.shape[0]
         what = f"{arch} seq {i}: chunked prefill + {n} decoded positions"
-        _assert_close(mine, refs[i][:n], what, lm_dtype(lm))
+        _assert_close(mine, refs[i][:n], what, lm_dtype(lm), device.type == "cuda")
