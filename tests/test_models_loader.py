@@ -276,3 +276,28 @@ def test_legacy_rope_scaling_form_is_accepted():
         "rope_theta": 1000.0,
         "partial_rotary_factor": 0.5,
     }
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_run_a_mixed_step_with_the_torch_backends(name):
+    from backplane.core.forward_context import forward_context, plan_step
+    from backplane.core.metadata import build_batch_metadata
+    from backplane.core.registry import get_registry
+
+    registry = get_registry()
+    cfg = preset_config(name)
+    families = {"attention", "mla", "ssm", "delta"}
+    backends = {f: registry.select(f, "torch").resolve() for f in families}
+    loaded = load_model(name, dtype="float32", device="cpu", backends=backends)
+    lm = loaded.model
+    lm.allocate_caches(num_pages=8, page_size=4, num_slots=4, dtype=torch.float32, device="cpu")
+    prompts = [loaded.tokenizer.encode(t).ids for t in ("hello", "hi")]
+    batch = build_batch_metadata([len(p) for p in prompts], [0, 0], [[1, 2], [3, 4]], 4)
+    ids = torch.tensor([t for p in prompts for t in p])
+    with torch.no_grad(), forward_context(batch, plan_step(backends, batch)):
+        hidden = lm(ids, batch.positions)
+        logits = lm.compute_logits(hidden[torch.from_numpy(batch.host.last_token_indices)])
+    assert logits.shape == (2, cfg["vocab_size"])
+    assert torch.isfinite(logits).all()
+    # Different prompts give different next-token distributions.
+    assert not torch.allclose(logits[0], logits[1])
