@@ -88,9 +88,26 @@ class RequestOutput:
 
 
 class _Tracked:
-    """The API's view of one live request."""
+    """The API's view of one live request, with incremental detokenization state.
 
-    __slots__ = ("request", "prompt", "text", "token_ids", "emitted", "finished", "reason")
+    Text is produced from a sliding window of tokens, so each step decodes a
+    few tokens rather than the whole output: ``decode(ids[prefix:read])`` is
+    the text already emitted for that window, ``decode(ids[prefix:])`` the
+    window with the new tokens; the difference is new text, held back while it
+    ends in an incomplete character (U+FFFD).
+    """
+
+    __slots__ = (
+        "request",
+        "prompt",
+        "text",
+        "token_ids",
+        "emitted",
+        "finished",
+        "reason",
+        "prefix_offset",
+        "read_offset",
+    )
 
     def __init__(self, request: Any, prompt: list[int]) -> None:
         self.request = request
@@ -100,6 +117,8 @@ class _Tracked:
         self.emitted = 0
         self.finished = False
         self.reason: str | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
 
 
 class LLM:
@@ -207,22 +226,26 @@ class LLM:
     def _output(self, t: _Tracked, *, incremental: bool) -> RequestOutput:
         new_ids = t.token_ids[t.emitted :] if incremental else list(t.token_ids)
         t.emitted = len(t.token_ids)
-        if incremental and not t.finished:
-            text = self.decode(t.token_ids)
-            new_text = text[len(t.text) :] if text.startswith(t.text) else text
-        else:
-            text = self.decode(t.token_ids)
-            new_text = text[len(t.text) :] if incremental and text.startswith(t.text) else text
-        t.text = text
+        before = t.text
+        if t.finished:
+            t.text = self.decode(t.token_ids)  # the exact final text
+        elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
+            ids = t.token_ids
+            old = self.decode(ids[t.prefix_offset : t.read_offset])
+            new = self.decode(ids[t.prefix_offset :])
+            if len(new) > len(old) and not new.endswith("\ufffd"):
+                t.text += new[len(old) :]
+                t.prefix_offset = t.read_offset
+                t.read_offset = len(ids)
         return RequestOutput(
             request_id=t.request.request_id,
             prompt_token_ids=t.prompt,
             token_ids=list(t.token_ids),
-            text=text,
+            text=t.text,
             finished=t.finished,
             finish_reason=t.reason,
             new_token_ids=new_ids,
-            new_text=new_text,
+            new_text=t.text[len(before) :] if incremental else t.text,
             metrics=_metrics(t.request),
         )
 
