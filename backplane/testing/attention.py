@@ -195,6 +195,8 @@ class AttentionBackendTests(BackendTestsBase):
     sliding_windows: ClassVar[tuple[int, ...]] = (1, 3)
     #: Page size of every case, or ``None`` for the kit's mix of small pages.
     page_size: ClassVar[int | None] = None
+    #: dtype of the tests that run in one dtype only (opcheck, custom scale, out validation).
+    single_dtype: ClassVar[torch.dtype] = torch.float32
 
     # -- fixtures ------------------------------------------------------------------------------
     @pytest.fixture(params=_CASE_NAMES)
@@ -297,9 +299,12 @@ class AttentionBackendTests(BackendTestsBase):
         case = batch_cases(page_size=self.page_size)[0]
         layer = self.layer()
         batch = case.metadata(device)
-        inputs = make_attention_inputs(case, layer, torch.float32, device)
-        bad_shape = torch.empty(inputs.q.shape[0] + 1, *inputs.q.shape[1:], device=device)
-        bad_dtype = torch.empty(inputs.q.shape, dtype=torch.float64, device=device)
+        inputs = make_attention_inputs(case, layer, self.single_dtype, device)
+        bad_shape = torch.empty(
+            inputs.q.shape[0] + 1, *inputs.q.shape[1:], dtype=self.single_dtype, device=device
+        )
+        other = torch.float64 if self.single_dtype != torch.float64 else torch.float32
+        bad_dtype = torch.empty(inputs.q.shape, dtype=other, device=device)
         for bad in (bad_shape, bad_dtype):
             with pytest.raises((ValueError, RuntimeError)):
                 self.run_step(backend, batch, inputs, layer, out=bad)
@@ -342,14 +347,16 @@ class AttentionBackendTests(BackendTestsBase):
     def test_custom_scale(self, backend: Any, device: torch.device) -> None:
         """An explicit softmax scale is honoured (not replaced by head_dim ** -0.5)."""
         case = {c.name: c for c in batch_cases(page_size=self.page_size)}["mixed"]
-        self.check_against_reference(backend, case, self.layer(scale=0.7), torch.float32, device)
+        self.check_against_reference(
+            backend, case, self.layer(scale=0.7), self.single_dtype, device
+        )
 
     def test_opcheck(self, backend: Any, device: torch.device) -> None:
         """Every custom op forward calls passes torch.library.opcheck and is a dynamic op."""
         case = {c.name: c for c in batch_cases(page_size=self.page_size)}["mixed"]
         layer = self.layer()
         batch = case.metadata(device)
-        inputs = make_attention_inputs(case, layer, torch.float32, device)
+        inputs = make_attention_inputs(case, layer, self.single_dtype, device)
         out_buf = torch.empty_like(inputs.q)
         _, calls = record_custom_ops(
             lambda: self.run_step(backend, batch, inputs, layer, out=out_buf)

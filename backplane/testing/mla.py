@@ -185,6 +185,8 @@ class MLABackendTests(BackendTestsBase):
     v_head_dim: ClassVar[int] = 8
     #: Page size of every case, or ``None`` for the kit's mix of small pages.
     page_size: ClassVar[int | None] = None
+    #: dtype of the tests that run in one dtype only (opcheck, custom scale, out validation).
+    single_dtype: ClassVar[torch.dtype] = torch.float32
 
     @pytest.fixture(params=_CASE_NAMES)
     def case(self, request: pytest.FixtureRequest) -> BatchCase:
@@ -296,19 +298,41 @@ class MLABackendTests(BackendTestsBase):
             full[: case.num_tokens], reference_outputs(case, inputs, layer), dtype
         )
 
+    def test_out_buffer_validation(self, backend: Any, device: torch.device) -> None:
+        """An out buffer of the wrong shape or dtype is rejected, not silently used."""
+        case = self.get_case("mixed")
+        layer = self.layer()
+        batch = case.metadata(device)
+        inputs = make_mla_inputs(case, layer, self.single_dtype, device)
+        shape = (case.padded_num_tokens, layer.num_heads, layer.v_head_dim)
+        other = torch.float64 if self.single_dtype != torch.float64 else torch.float32
+        bad_shape = torch.empty(
+            shape[0], shape[1], shape[2] + 1, dtype=self.single_dtype, device=device
+        )
+        bad_dtype = torch.empty(shape, dtype=other, device=device)
+        for bad in (bad_shape, bad_dtype):
+            with pytest.raises((ValueError, RuntimeError)):
+                self.run_step(backend, batch, inputs, layer, out=bad)
+
     def test_custom_scale(self, backend: Any, device: torch.device) -> None:
         """The layer's softmax scale is honoured."""
         layer = self.layer(scale=0.3)
-        self.check_against_reference(backend, self.get_case("mixed"), layer, torch.float32, device)
+        self.check_against_reference(
+            backend, self.get_case("mixed"), layer, self.single_dtype, device
+        )
 
     def test_opcheck(self, backend: Any, device: torch.device) -> None:
         """Every custom op forward calls passes torch.library.opcheck and is a dynamic op."""
         case = self.get_case("mixed")
         layer = self.layer()
         batch = case.metadata(device)
-        inputs = make_mla_inputs(case, layer, torch.float32, device)
+        inputs = make_mla_inputs(case, layer, self.single_dtype, device)
         out_buf = torch.empty(
-            case.padded_num_tokens, layer.num_heads, layer.v_head_dim, device=device
+            case.padded_num_tokens,
+            layer.num_heads,
+            layer.v_head_dim,
+            dtype=self.single_dtype,
+            device=device,
         )
         _, calls = record_custom_ops(
             lambda: self.run_step(backend, batch, inputs, layer, out=out_buf)
