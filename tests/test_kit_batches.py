@@ -93,3 +93,15 @@ def test_make_case_allocates_enough_pages() -> None:
     case = make_case("x", [5, 1], [7, 30], page_size=4, shuffle_pages=True, padding=2)
     assert [len(t) for t in case.page_tables] == [3, 8]
     assert case.padded_num_tokens == 8
+
+
+def test_table_width_pads_with_the_null_page() -> None:
+    case = batch_cases("decode")[0]
+    narrow = case.metadata("cpu")
+    wide = case.metadata("cpu", table_width=narrow.host.block_table.shape[1] + 2)
+    assert wide.block_table.shape[1] == narrow.block_table.shape[1] + 2
+    assert (wide.host.block_table[:, -2:] == 0).all()
+    assert (wide.host.block_table[:, :-2] == narrow.host.block_table).all()
+    assert (wide.slot_mapping == narrow.slot_mapping).all()
+    with pytest.raises(ValueError, match="table_width"):
+        case.metadata("cpu", table_width=1)

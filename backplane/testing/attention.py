@@ -202,8 +202,11 @@ class AttentionBackendTests(BackendTestsBase):
     @pytest.fixture(params=_CASE_NAMES)
     def case(self, request: pytest.FixtureRequest) -> BatchCase:
         """One standard ragged batch."""
-        cases = {c.name: c for c in batch_cases(page_size=self.page_size)}
-        return cases[request.param]
+        return self.get_case(request.param)
+
+    def get_case(self, name: str) -> BatchCase:
+        """The standard case called ``name`` (with this class's page size)."""
+        return {c.name: c for c in batch_cases(page_size=self.page_size)}[name]
 
     def layer(
         self, num_heads: int | None = None, num_kv_heads: int | None = None, **kw: Any
@@ -235,10 +238,11 @@ class AttentionBackendTests(BackendTestsBase):
         layer: AttentionLayerSpec,
         dtype: torch.dtype,
         device: torch.device,
+        table_width: int | None = None,
     ) -> None:
         """Run ``case`` and compare the output and the cache with the reference."""
         self.check_cache_spec(backend, case, layer, dtype)
-        batch = case.metadata(device)
+        batch = case.metadata(device, table_width=table_width)
         inputs = make_attention_inputs(case, layer, dtype, device)
         out = self.run_step(backend, batch, inputs, layer)
         n = case.num_tokens
@@ -276,12 +280,21 @@ class AttentionBackendTests(BackendTestsBase):
         """Output rows match the float64 reference; the cache holds exactly the new K/V."""
         self.check_against_reference(backend, case, self.layer(), dtype, device)
 
+    @pytest.mark.parametrize("case_name", ["decode", "mixed"])
+    def test_wide_block_table(
+        self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """A block table wider than needed (page-0 padded, as in persistent buffers) is fine."""
+        case = self.get_case(case_name)
+        width = max(len(t) for t in case.page_tables) + 3
+        self.check_against_reference(backend, case, self.layer(), dtype, device, width)
+
     @pytest.mark.parametrize("case_name", ["mixed", "decode", "prefill"])
     def test_out_contract(
         self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
     ) -> None:
         """NaN-poisoned out: rows written, tail exactly zero, empty sentinel, same cache."""
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}[case_name]
+        case = self.get_case(case_name)
         layer = self.layer()
         batch = case.metadata(device)
         inputs = make_attention_inputs(case, layer, dtype, device, seed=1)
@@ -323,7 +336,7 @@ class AttentionBackendTests(BackendTestsBase):
         """Grouped-query / multi-query heads (query head h reads KV head h // group)."""
         require_feature(backend_capabilities, "gqa")
         heads, kv_heads = self.gqa_shapes[shape]
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}[case_name]
+        case = self.get_case(case_name)
         self.check_against_reference(backend, case, self.layer(heads, kv_heads), dtype, device)
 
     @pytest.mark.parametrize("window_index", [0, 1], ids=["w0", "w1"])
@@ -340,20 +353,20 @@ class AttentionBackendTests(BackendTestsBase):
         """Sliding-window attention: at most ``window`` most recent keys per query."""
         require_feature(backend_capabilities, "sliding_window")
         window = self.sliding_windows[window_index]
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}[case_name]
+        case = self.get_case(case_name)
         layer = self.layer(sliding_window=window)
         self.check_against_reference(backend, case, layer, dtype, device)
 
     def test_custom_scale(self, backend: Any, device: torch.device) -> None:
         """An explicit softmax scale is honoured (not replaced by head_dim ** -0.5)."""
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}["mixed"]
+        case = self.get_case("mixed")
         self.check_against_reference(
             backend, case, self.layer(scale=0.7), self.single_dtype, device
         )
 
     def test_opcheck(self, backend: Any, device: torch.device) -> None:
         """Every custom op forward calls passes torch.library.opcheck and is a dynamic op."""
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}["mixed"]
+        case = self.get_case("mixed")
         layer = self.layer()
         batch = case.metadata(device)
         inputs = make_attention_inputs(case, layer, self.single_dtype, device)
@@ -379,7 +392,7 @@ class AttentionBackendTests(BackendTestsBase):
         """The op never synchronises with the device (CUDA sync debug mode 'error')."""
         if device.type != "cuda":
             pytest.skip("host synchronisation is only observable on CUDA")
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}["mixed"]
+        case = self.get_case("mixed")
         layer = self.layer()
         batch = case.metadata(device)
         inputs = make_attention_inputs(case, layer, dtype, device)
