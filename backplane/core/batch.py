@@ -24,7 +24,7 @@ to finish (an event on CUDA), so callers need not synchronise.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -249,7 +249,7 @@ class InputBatch:
             num_decode = int(np.count_nonzero(is_decode))
         num_prefill = n - num_decode
         perm = None
-        if num_decode and not is_decode[num_prefill:].all():
+        if 0 < num_decode < n and not is_decode[num_prefill:].all():
             perm = np.argsort(is_decode, kind="stable")
             scheduled = [scheduled[i] for i in perm]
             q, c, is_decode = q[perm], c[perm], is_decode[perm]
@@ -367,7 +367,16 @@ class InputBatch:
 
         self._copy(layout.page_indices_offset + total_pages * 4)
         d = layout.dev
-        page_indices_dev = self._dev_typed[np.int32][pi_start : pi_start + total_pages]
+        if len(layout.views) > 4096:
+            layout.views.clear()
+        page_indices_dev = layout.views.get(total_pages)
+        if page_indices_dev is None:
+            page_indices_dev = self._dev_typed[np.int32][pi_start : pi_start + total_pages]
+            layout.views[total_pages] = page_indices_dev
+        logits_dev = layout.views.get(-1 - num_sample)
+        if logits_dev is None:
+            logits_dev = d["logits_indices"][:num_sample]
+            layout.views[-1 - num_sample] = logits_dev
         host = HostBatch(
             query_start_loc=qsl,
             query_lens=h["query_lens"],
@@ -391,7 +400,7 @@ class InputBatch:
             num_decode_tokens=num_decode,
             padded_num_tokens=padded,
             page_size=ps,
-            max_query_len=int(q.max()) if n else 0,
+            max_query_len=1 if decode_only and n else (int(q.max()) if n else 0),
             max_seq_len=int(seq_lens_v.max()) if n else 0,
             host=host,
             query_start_loc=d["query_start_loc"],
@@ -413,7 +422,7 @@ class InputBatch:
             metadata=metadata,
             input_ids=d["input_ids"],
             positions=d["positions"],
-            logits_indices=d["logits_indices"][:num_sample],
+            logits_indices=logits_dev,
             sample_seqs=sample_seqs,
         )
 
@@ -426,6 +435,8 @@ class _Layout:
     dev: dict[str, torch.Tensor]
     page_indices_start: int  # in int32 elements
     page_indices_offset: int  # in bytes
+    #: device views of variable length, by page count (>= 0) or -1 - sampled rows
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 #: The packed sections (name, dtype, length class), page_indices excluded (it goes last).
