@@ -516,3 +516,35 @@ def test_chunked_prefill_then_decode_matches_transformers(arch, combo, hf_models
         n = mine.shape[0]
         what = f"{arch} seq {i}: chunked prefill + {n} decoded positions"
         _assert_close(mine, refs[i][:n], what, lm_dtype(lm), device.type == "cuda")
+
+
+def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` checkpoint runs text like transformers does."""
+    torch.manual_seed(5)
+    text = _qwen3_5().to_dict()
+    text["initializer_range"] = 0.15
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "patch_size": 2,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    _perturb_(hf, torch.Generator().manual_seed(7))
+    hf.save_pretrained(tmp_path)
+    combo = {"attention": "torch", "ssm": "torch", "delta": "torch"}
+    backends = resolve_backends(combo)
+    lm = load_model(str(tmp_path), dtype="float32", device="cpu", backends=backends).model
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (6, 2, 9)]
+    eng = Engine(lm, backends, len(prompts), 9, torch.device("cpu"), seed=4)
+    got = eng.step(dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        with hf_torch_path("qwen3_5"), torch.no_grad():
+            want = hf(input_ids=torch.tensor([p]), use_cache=False).logits[0].double()
+        _assert_close(got[i], want, f"qwen3_5 multimodal checkpoint, seq {i}", torch.float32, False)

@@ -89,6 +89,14 @@ class CausalLM(nn.Module):
         self.eos_token_ids = _eos_ids(config.get("eos_token_id"))
 
     # -- construction helpers ------------------------------------------------
+    @classmethod
+    def normalize_config(cls, config: ModelConfig) -> ModelConfig:
+        """Return the config the implementation reads (e.g. a nested ``text_config`` lifted).
+
+        :param config: the ``config.json`` as read.
+        """
+        return config
+
     def backend(self, family: str) -> Any:
         """Return the backend of ``family``.
 

@@ -227,6 +227,7 @@ def load_model(
         )
     config = read_config(path)
     cls = model_class(config.get("architectures"))
+    config = cls.normalize_config(config)
     files = weight_files(path)
     torch_dtype = resolve_dtype(dtype, config, dev)
     logger.info(

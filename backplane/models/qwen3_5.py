@@ -5,6 +5,11 @@ The layer structure is Qwen3-Next's with separate ``in_proj_qkv`` /
 layers and a dense MLP in every layer. Qwen3.5's multimodal rotary embedding
 ("mrope") reduces to the ordinary (partial) rotary embedding for text, where
 the temporal, height and width positions are all the token position.
+
+Checkpoints of the multimodal ``Qwen3_5ForConditionalGeneration`` load as
+their language model: the nested ``text_config`` is used, weights under
+``model.language_model.`` map to ``model.`` and the vision tower
+(``model.visual.``) is skipped.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from backplane.models.base import ModelConfig
 from backplane.models.layers import MLP
 from backplane.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -22,6 +28,22 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     fused_qkvz: ClassVar[bool] = False
     ignored_checkpoint_patterns: ClassVar[tuple[str, ...]] = (r"^mtp\.", r"^model\.visual\.")
+    checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("model.language_model.", "model."),
+    )
+
+    @classmethod
+    def normalize_config(cls, config: ModelConfig) -> ModelConfig:
+        """Lift ``text_config`` of a multimodal config (top-level keys it lacks are kept)."""
+        text = config.get("text_config")
+        if not text:
+            return config
+        merged = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+        merged.update(text)
+        merged["architectures"] = config.get("architectures")
+        if "tie_word_embeddings" in config:
+            merged["tie_word_embeddings"] = config["tie_word_embeddings"]
+        return ModelConfig(merged)
 
     def build_mlp(self, layer_id: int) -> nn.Module:
         """Dense gated MLP."""

@@ -14,6 +14,8 @@ ARCHITECTURES: dict[str, str] = {
     "NemotronHForCausalLM": "backplane.models.nemotron_h:NemotronHForCausalLM",
     "DeepseekV3ForCausalLM": "backplane.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen3_5ForCausalLM": "backplane.models.qwen3_5:Qwen3_5ForCausalLM",
+    # The multimodal checkpoint's language model (the vision tower is not loaded).
+    "Qwen3_5ForConditionalGeneration": "backplane.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3NextForCausalLM": "backplane.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
