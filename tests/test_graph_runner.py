@@ -1,0 +1,220 @@
+"""The graph model runner on CPU stand-ins: padding, dispatch and replay == eager per bucket.
+
+Without CUDA the runner's "graphs" re-run the forward, but everything else is
+the real thing: bucket choice, padding with scratch sequences, the piecewise
+split and its out buffers, and the persistent input addresses replays rely on.
+The same checks run with real CUDA graphs in ``test_graph_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from backplane.core.executor import Engine
+from backplane.core.forward_context import forward_context, plan_step
+from backplane.core.graph.runner import GraphModelRunner
+
+PAGE = 4
+
+
+@dataclass
+class _Req:
+    token_buffer: np.ndarray
+
+
+@dataclass
+class _Seq:
+    request: _Req
+    num_new_tokens: int
+    num_cached_tokens: int
+    page_ids: np.ndarray
+    state_slot: int
+    is_prefill_chunk_final: bool = True
+
+
+def make_seqs(engine: Engine, rng: np.random.Generator, prefill: list[int], decode_ctx: list[int]):
+    """Prefill sequences (new tokens, no context) then decode sequences (context lengths)."""
+    lens = [(q, 0) for q in prefill] + [(1, c) for c in decode_ctx]
+    free = rng.permutation(np.arange(1, engine.num_pages))  # page 0 is scratch
+    seqs, used = [], 0
+    for i, (q, c) in enumerate(lens):
+        need = -(-(q + c) // engine.page_size)
+        pages = free[used : used + need].astype(np.int32)
+        used += need
+        tokens = rng.integers(0, engine.vocab_size, size=q + c + 1).astype(np.int32)
+        seqs.append(_Seq(_Req(tokens), q, c, pages, state_slot=i + 1))
+    return seqs
+
+
+def fill_caches_(engine: Engine, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in engine.caches.values():
+        for t in layer.values():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype) * 0.5)
+
+
+def snapshot(engine: Engine) -> dict:
+    return {(k, n): t.clone() for k, d in engine.caches.items() for n, t in d.items()}
+
+
+def restore_(engine: Engine, snap: dict) -> None:
+    for (k, n), t in snap.items():
+        engine.caches[k][n].copy_(t)
+
+
+def run_eager(engine: Engine, seqs) -> torch.Tensor:
+    inputs = engine.input_batch.prepare(seqs)
+    with forward_context(inputs.metadata, plan_step(engine.backends, inputs.metadata)):
+        return engine.model(inputs.input_ids, inputs.positions)[: inputs.num_tokens].clone()
+
+
+def run_runner(engine: Engine, runner: GraphModelRunner, seqs):
+    inputs = runner.prepare_inputs(seqs)
+    with forward_context(inputs.metadata, plan_step(engine.backends, inputs.metadata)):
+        hidden = runner.run(inputs)
+    return inputs, hidden[: sum(s.num_new_tokens for s in seqs)].clone()
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-nemotron-h", "tiny-qwen3-next"])
+def setup(request):
+    engine = Engine(
+        model=request.param,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_tokens=64,
+        max_model_len=64,
+        page_size=PAGE,
+        num_kv_pages=160,
+    )
+    runner = GraphModelRunner(
+        engine.model,
+        engine.backends,
+        engine.input_batch,
+        mode="full_and_piecewise",
+        max_num_tokens=64,
+        max_num_seqs=8,
+        max_model_len=engine.max_model_len,
+        page_size=engine.page_size,
+        token_bucket_sizes=[16, 32],
+        decode_bucket_sizes=[2, 4],
+        allow_cpu=True,
+    )
+    runner.capture()
+    return engine, runner
+
+
+def _compare(engine, runner, seqs, seed):
+    fill_caches_(engine, seed)
+    before = snapshot(engine)
+    inputs, got = run_runner(engine, runner, seqs)
+    after_runner = snapshot(engine)
+    restore_(engine, before)
+    want = run_eager(engine, seqs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for key, t in snapshot(engine).items():
+        # padding rows must not have touched live pages or slots (only page 0 / slot 0)
+        a, b = after_runner[key], t
+        torch.testing.assert_close(a[1:], b[1:], rtol=1e-5, atol=1e-5)
+    return inputs
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_decode_batches_pad_to_a_decode_bucket(setup, n):
+    engine, runner = setup
+    rng = np.random.default_rng(n)
+    seqs = make_seqs(engine, rng, [], list(rng.integers(1, 40, size=n)))
+    inputs = _compare(engine, runner, seqs, seed=n)
+    expected_bucket = min(b for b in runner.decode_buckets if b >= n)
+    assert inputs.metadata.num_seqs == expected_bucket
+    assert inputs.metadata.is_decode_only
+    assert inputs.metadata.block_table.shape[1] == runner.max_pages
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [([5], [3, 9]), ([12, 7], [2]), ([40], []), ([3], [])]
+)
+def test_mixed_and_prefill_batches_pad_to_a_token_bucket(setup, prefill, decode):
+    engine, runner = setup
+    rng = np.random.default_rng(len(prefill) * 10 + len(decode))
+    seqs = make_seqs(engine, rng, prefill, decode)
+    inputs = _compare(engine, runner, seqs, seed=7)
+    total = sum(prefill) + len(decode)
+    assert inputs.metadata.padded_num_tokens == min(b for b in runner.token_buckets if b >= total)
+    assert inputs.metadata.num_tokens == total
+
+
+def test_full_budget_prefill_has_a_bucket(setup):
+    engine, runner = setup
+    assert runner.token_buckets[-1] == 64
+    seqs = make_seqs(engine, np.random.default_rng(3), [64], [])
+    inputs = _compare(engine, runner, seqs, seed=3)
+    assert inputs.metadata.padded_num_tokens == 64
+
+
+def test_steps_without_a_captured_bucket_run_eagerly(setup):
+    engine, runner = setup
+    captured = set(runner.piecewise.captured)
+    runner.piecewise.captured.discard(32)
+    try:
+        seqs = make_seqs(engine, np.random.default_rng(4), [20], [5])
+        inputs = _compare(engine, runner, seqs, seed=4)
+        assert inputs.metadata.padded_num_tokens == inputs.metadata.num_tokens == 21
+    finally:
+        runner.piecewise.captured = captured
+
+
+def test_decode_inputs_keep_their_addresses_across_steps(setup):
+    # captured decode graphs read every metadata tensor at its capture-time address
+    engine, runner = setup
+    rng = np.random.default_rng(0)
+    a = runner.prepare_inputs(make_seqs(engine, rng, [], [3, 30, 17]))
+    ptrs_a = {k: getattr(a.metadata, k).data_ptr() for k in vars(a.metadata.host)}
+    ids_a, pos_a = a.input_ids.data_ptr(), a.positions.data_ptr()
+    b = runner.prepare_inputs(make_seqs(engine, rng, [], [50, 1, 2, 9]))
+    ptrs_b = {k: getattr(b.metadata, k).data_ptr() for k in vars(b.metadata.host)}
+    assert b.input_ids.data_ptr() == ids_a and b.positions.data_ptr() == pos_a
+    moved = {k for k in ptrs_a if ptrs_a[k] != ptrs_b[k] and k != "page_indices"}
+    assert not moved, f"decode metadata moved between steps: {sorted(moved)}"
+
+
+def test_piecewise_inputs_keep_their_addresses(setup):
+    engine, runner = setup
+    rng = np.random.default_rng(1)
+    a = runner.prepare_inputs(make_seqs(engine, rng, [10], [4]))
+    b = runner.prepare_inputs(make_seqs(engine, rng, [3, 4], [8, 2, 6]))
+    assert a.metadata.padded_num_tokens == b.metadata.padded_num_tokens == 16
+    assert a.input_ids.data_ptr() == b.input_ids.data_ptr()
+    assert a.positions.data_ptr() == b.positions.data_ptr()
+
+
+def test_off_mode_and_no_cuda_run_eagerly():
+    engine = Engine(
+        model="tiny-llama", device="cpu", max_num_seqs=4, max_num_tokens=32, num_kv_pages=40
+    )
+    runner = GraphModelRunner(
+        engine.model,
+        engine.backends,
+        engine.input_batch,
+        mode="full_and_piecewise",
+        max_num_tokens=32,
+        max_num_seqs=4,
+        max_model_len=engine.max_model_len,
+        page_size=engine.page_size,
+    )
+    assert runner.mode == "off" and runner.decode is None and runner.piecewise is None
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        GraphModelRunner(
+            engine.model,
+            engine.backends,
+            engine.input_batch,
+            mode="always",
+            max_num_tokens=32,
+            max_num_seqs=4,
+            max_model_len=64,
+            page_size=16,
+        )
