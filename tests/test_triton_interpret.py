@@ -273,6 +273,7 @@ def check_attention_out_contract():
     """With and without ``out``: same rows, cache written once each, zeroed padding."""
     import torch
 
+    import backplane.backends.triton.attention  # noqa: F401  (registers the op)
     from backplane.core.forward_context import forward_context
 
     batch = _batch([4, 1], [3, 6], 4, 8, padded=8)
@@ -281,7 +282,7 @@ def check_attention_out_contract():
     cache0 = torch.randn(8, 2, 4, 1, 16)
     c1, c2 = cache0.clone(), cache0.clone()
     with forward_context(batch):
-        fresh = torch.ops.backplane_triton.attention(q, k, v, c1, 0, 0.25)
+        fresh = torch.ops.backplane_triton.attention(q, k, v, c1, 0, 0.25, None)
         out = torch.full((T, 2, 16), float("nan"))
         sentinel = torch.ops.backplane_triton.attention(q, k, v, c2, 0, 0.25, out)
     assert fresh.shape == (T, 2, 16) and sentinel.numel() == 0

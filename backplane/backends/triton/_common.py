@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
+
+_F32_ENV = "TRITON_F32_DEFAULT"
 
 #: Largest number of key/value splits the split-KV decode uses per sequence.
 MAX_KV_SPLITS = 32
@@ -48,3 +52,30 @@ def device_parallelism(device: torch.device) -> int:
 def ieee_dot(dtype: torch.dtype) -> bool:
     """Whether ``tl.dot`` must use exact float32 products (no TF32) for inputs of ``dtype``."""
     return dtype == torch.float32
+
+
+@contextlib.contextmanager
+def exact_fp32_dots(dtype: torch.dtype) -> Iterator[None]:
+    """Make ``tl.dot`` on float32 operands exact (no TF32) for library kernels run inside.
+
+    mamba-ssm's and fla's kernels call ``tl.dot`` without an input precision, so
+    on a GPU their float32 products default to TF32 (about 1e-3 relative error),
+    far from float32 accuracy. Inside this context, for float32 activations,
+    ``TRITON_F32_DEFAULT=ieee`` is set while they compile. Kernels of a float32
+    model are separate specialisations (their pointer dtypes differ) from those
+    of a 16-bit model, so this never changes the 16-bit kernels.
+
+    :param dtype: the activation dtype; nothing is changed unless it is float32.
+    """
+    if dtype != torch.float32:
+        yield
+        return
+    previous = os.environ.get(_F32_ENV)
+    os.environ[_F32_ENV] = "ieee"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_F32_ENV, None)
+        else:
+            os.environ[_F32_ENV] = previous

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from backplane.backends.triton._common import (
     MAX_KV_SPLITS,
@@ -121,6 +122,7 @@ def _prefill_kernel(
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_PE: tl.constexpr,
+    V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Causal (optionally windowed) attention of one query block of one head over the pages."""
@@ -204,15 +206,18 @@ def _prefill_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr
-                + page[:, None] * stride_vp
-                + off[:, None] * stride_vo
-                + kvh * stride_vh
-                + dv[None, :],
-                mask=n_mask[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
+            if V_FROM_K:
+                v = k  # MLA: the value is the latent the key tile already holds
+            else:
+                v = tl.load(
+                    v_ptr
+                    + page[:, None] * stride_vp
+                    + off[:, None] * stride_vo
+                    + kvh * stride_vh
+                    + dv[None, :],
+                    mask=n_mask[:, None] & (dv[None, :] < DV),
+                    other=0.0,
+                )
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -270,6 +275,7 @@ def _decode_kernel(
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_PE: tl.constexpr,
+    V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
@@ -350,15 +356,18 @@ def _decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr
-            + page[:, None] * stride_vp
-            + off[:, None] * stride_vo
-            + kvh * stride_vh
-            + dv[None, :],
-            mask=n_mask[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
+        if V_FROM_K:
+            v = k  # MLA: the value is the latent the key tile already holds
+        else:
+            v = tl.load(
+                v_ptr
+                + page[:, None] * stride_vp
+                + off[:, None] * stride_vo
+                + kvh * stride_vh
+                + dv[None, :],
+                mask=n_mask[:, None] & (dv[None, :] < DV),
+                other=0.0,
+            )
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -417,6 +426,42 @@ def _decode_reduce_kernel(
 
 
 # -- launchers (shared with MLA) ------------------------------------------------
+
+#: Index of the first config that fitted the device, per launch key.
+_CONFIG_CHOICE: dict[tuple, int] = {}
+
+
+def _cfg(block_m: int | None, block_n: int, num_warps: int, num_stages: int) -> dict:
+    """One launch configuration (tile sizes, warps, pipeline stages)."""
+    cfg = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    if block_m is not None:
+        cfg["BLOCK_M"] = block_m
+    return cfg
+
+
+def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, meta: dict) -> None:
+    """Launch with the first config (fastest first) whose shared memory / registers fit.
+
+    A config that does not fit raises ``OutOfResources`` when it is compiled,
+    before anything is enqueued; the next one is tried and the choice is
+    remembered per ``key``, so the search happens once per shape class.
+    """
+    start = _CONFIG_CHOICE.get(key, 0)
+    for i in range(start, len(configs)):
+        cfg = configs[i]
+        try:
+            kernel[grid(cfg)](*args, **meta, **cfg)
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _CONFIG_CHOICE[key] = i
+        return
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two cache views start at the same element of the same storage."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
 def kv_append(
@@ -498,12 +543,16 @@ def paged_prefill(
     has_pe = q_pe is not None
     dpe = q_pe.shape[2] if has_pe else 0
     big = max(dk, dv) + dpe > 256
-    block_m = 16 if big else (32 if max_q <= 32 else 64)
-    block_n = 16 if big else 32
+    if big:
+        configs = [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)]
+    elif max_q > 64:
+        configs = [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
+    else:
+        configs = [_cfg(32 if max_q <= 32 else 64, 32, 4, 2)]
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
-    grid = (n, triton.cdiv(max_q, block_m), num_heads)
-    _prefill_kernel[grid](
+    v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    args = (
         q,
         qpe,
         k_plane,
@@ -530,15 +579,23 @@ def paged_prefill(
         dk,
         dpe,
         dv,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+    )
+    meta = dict(
         BLOCK_DK=dot_block(dk),
         BLOCK_DPE=dot_block(dpe) if has_pe else 16,
         BLOCK_DV=dot_block(dv),
         HAS_PE=has_pe,
+        V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
-        num_warps=8 if big else 4,
-        num_stages=1 if big else 2,
+    )
+    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, configs[0]["BLOCK_M"])
+    _launch_fitting(
+        _prefill_kernel,
+        lambda c: (n, triton.cdiv(max_q, c["BLOCK_M"]), num_heads),
+        key,
+        configs,
+        args,
+        meta,
     )
 
 
@@ -589,7 +646,10 @@ def paged_decode(
     big = max(dk, dv) + dpe > 256
     block_h = min(dot_block(group), 16 if big else 64)
     head_blocks = triton.cdiv(group, block_h)
-    block_n = 16 if big else (32 if dk > 128 else 64)
+    if big:
+        configs = [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)]
+    else:
+        configs = [_cfg(None, 32 if dk > 128 else 64, 4, 2)]
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
     block_dv = dot_block(dv)
@@ -601,7 +661,8 @@ def paged_decode(
     kpe = kpe_plane if has_pe else k_plane
     first_seq = batch.num_prefill_seqs
     first_tok = batch.num_prefill_tokens
-    _decode_kernel[(nd, num_kv_heads * head_blocks, num_splits)](
+    v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    args = (
         q,
         qpe,
         k_plane,
@@ -629,17 +690,26 @@ def paged_decode(
         dk,
         dpe,
         dv,
+    )
+    meta = dict(
         NUM_SPLITS=num_splits,
         HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
-        BLOCK_N=block_n,
         BLOCK_DK=dot_block(dk),
         BLOCK_DPE=dot_block(dpe) if has_pe else 16,
         BLOCK_DV=block_dv,
         HAS_PE=has_pe,
+        V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
-        num_warps=8 if big else 4,
-        num_stages=1 if big else 2,
+    )
+    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h)
+    _launch_fitting(
+        _decode_kernel,
+        lambda c: (nd, num_kv_heads * head_blocks, num_splits),
+        key,
+        [{k: v for k, v in c.items() if k != "BLOCK_M"} for c in configs],
+        args,
+        meta,
     )
     _decode_reduce_kernel[(nd, num_heads)](
         partial,

@@ -25,6 +25,7 @@ import types
 import numpy as np
 import torch
 
+from backplane.backends.triton._common import exact_fp32_dots
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -123,21 +124,22 @@ def gated_delta(
     if pre is not None:
         slots = pre["slots"]
         h0 = torch.where(pre["has_init"][:, None, None, None], state[slots], 0.0)
-        o, ht = fla.chunk(
-            q[:tp].unsqueeze(0).contiguous(),
-            k[:tp].unsqueeze(0).contiguous(),
-            v[:tp].unsqueeze(0).contiguous(),
-            g[:tp].unsqueeze(0).contiguous(),
-            beta[:tp].unsqueeze(0).contiguous(),
-            scale=scale,
-            initial_state=h0,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
-            cu_seqlens=pre["cu_seqlens"],
-            cu_seqlens_cpu=pre["cu_seqlens_cpu"],
-            chunk_indices=pre["chunk_indices"],
-            chunk_size=FLA_CHUNK,
-        )
+        with exact_fp32_dots(v.dtype):
+            o, ht = fla.chunk(
+                q[:tp].unsqueeze(0).contiguous(),
+                k[:tp].unsqueeze(0).contiguous(),
+                v[:tp].unsqueeze(0).contiguous(),
+                g[:tp].unsqueeze(0).contiguous(),
+                beta[:tp].unsqueeze(0).contiguous(),
+                scale=scale,
+                initial_state=h0,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
+                cu_seqlens=pre["cu_seqlens"],
+                cu_seqlens_cpu=pre["cu_seqlens_cpu"],
+                chunk_indices=pre["chunk_indices"],
+                chunk_size=FLA_CHUNK,
+            )
         buf[:tp].copy_(o[0])
         state.index_copy_(0, slots, ht.to(state.dtype))
     nd = batch.num_decode_seqs
@@ -146,17 +148,18 @@ def gated_delta(
         np_ = batch.num_prefill_seqs
         slots = batch.state_slots[np_ : np_ + nd].long()
         # A batch of nd sequences of length 1: [nd, 1, heads, dim].
-        o, ht = fla.recurrent(
-            q[a:b].unsqueeze(1).contiguous(),
-            k[a:b].unsqueeze(1).contiguous(),
-            v[a:b].unsqueeze(1).contiguous(),
-            g=g[a:b].unsqueeze(1).contiguous(),
-            beta=beta[a:b].unsqueeze(1).contiguous(),
-            scale=scale,
-            initial_state=state[slots],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
-        )
+        with exact_fp32_dots(v.dtype):
+            o, ht = fla.recurrent(
+                q[a:b].unsqueeze(1).contiguous(),
+                k[a:b].unsqueeze(1).contiguous(),
+                v[a:b].unsqueeze(1).contiguous(),
+                g=g[a:b].unsqueeze(1).contiguous(),
+                beta=beta[a:b].unsqueeze(1).contiguous(),
+                scale=scale,
+                initial_state=state[slots],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
+            )
         buf[a:b].copy_(o[:, 0])
         state.index_copy_(0, slots, ht.to(state.dtype))
     return finish_output(out, buf, batch.num_tokens)

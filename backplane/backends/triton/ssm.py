@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from backplane.backends.triton import _mamba_import
-from backplane.backends.triton._common import next_pow2
+from backplane.backends.triton._common import exact_fp32_dots, next_pow2
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -306,20 +306,21 @@ def ssm_scan(
             dt_eff = torch.nn.functional.softplus(dt_eff)
         slots = layout["slots"]
         init = torch.where(layout["has_init"][:, None, None, None], ssm_state[slots], 0.0).float()
-        y, _, _, _, _, final = mamba.mamba_chunk_scan_combined_fwd(
-            _pad_rows(x, layout, rows),
-            _pad_rows(dt_eff, layout, rows),
-            A.float(),
-            _pad_rows(B, layout, rows),
-            _pad_rows(C, layout, rows),
-            int(chunk_size),
-            D=D,
-            z=_pad_rows(z, layout, rows) if z is not None else None,
-            dt_bias=None,
-            initial_states=init,
-            dt_softplus=False,
-            dt_limit=(float("-inf"), float("inf")),
-        )
+        with exact_fp32_dots(x.dtype):
+            y, _, _, _, _, final = mamba.mamba_chunk_scan_combined_fwd(
+                _pad_rows(x, layout, rows),
+                _pad_rows(dt_eff, layout, rows),
+                A.float(),
+                _pad_rows(B, layout, rows),
+                _pad_rows(C, layout, rows),
+                int(chunk_size),
+                D=D,
+                z=_pad_rows(z, layout, rows) if z is not None else None,
+                dt_bias=None,
+                initial_states=init,
+                dt_softplus=False,
+                dt_limit=(float("-inf"), float("inf")),
+            )
         torch.index_select(y.reshape(-1, H, P), 0, layout["pad_index"], out=buf[:tp])
         ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
     nd = batch.num_decode_seqs
