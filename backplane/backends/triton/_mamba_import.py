@@ -8,9 +8,11 @@ under ``mamba_ssm.ops.triton`` need none of it. So this module registers
 ``mamba_ssm.utils`` (with their real ``__path__``) in ``sys.modules`` and then
 imports only the Triton submodules; their own absolute imports
 (``from mamba_ssm.ops.triton.ssd_bmm import ...``) resolve through those
-packages. Consequence: after loading, ``import mamba_ssm`` in the same process
-gives the empty package (its ``ops.triton`` modules still work). If
-``mamba_ssm`` was already imported (a full install), that package is used as is.
+packages. Afterwards every ``mamba_ssm`` entry this module added is removed
+from ``sys.modules`` again (the loaded functions keep their modules alive), so
+no other code in the process sees a half-initialised ``mamba_ssm``: a later
+``import mamba_ssm`` behaves as if this module had never run. If ``mamba_ssm``
+was already imported (a full install), that package is used as is.
 
 Under ``TRITON_INTERPRET=1`` on a CPU-only torch, the kernels' launchers wrap
 launches in ``torch.cuda.device(x.device.index)``, which fails for CPU tensors
@@ -110,7 +112,9 @@ def load() -> types.SimpleNamespace:
         ``mamba_chunk_scan_combined``, without its autograd wrapper).
     :raises ImportError: mamba-ssm (or einops, which its modules import) is missing.
     """
-    if "mamba_ssm" not in sys.modules:
+    stubbed = "mamba_ssm" not in sys.modules
+    before = set(sys.modules)
+    if stubbed:
         spec = importlib.util.find_spec("mamba_ssm")
         if spec is None or not spec.submodule_search_locations:
             raise ImportError("python package 'mamba_ssm' is not installed (pip install mamba-ssm)")
@@ -124,6 +128,10 @@ def load() -> types.SimpleNamespace:
 
     if interpreting and not torch.cuda.is_available():
         _adapt_for_interpreter(torch)
+    if stubbed:
+        for name in set(sys.modules) - before:
+            if name == "mamba_ssm" or name.startswith("mamba_ssm."):
+                del sys.modules[name]
     ssu, combined = modules
     return types.SimpleNamespace(
         selective_state_update=ssu.selective_state_update,
