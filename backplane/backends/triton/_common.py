@@ -12,7 +12,7 @@ import torch
 _F32_ENV = "TRITON_F32_DEFAULT"
 
 #: Largest number of key/value splits the split-KV decode uses per sequence.
-MAX_KV_SPLITS = 32
+MAX_KV_SPLITS = 64
 
 
 def next_pow2(n: int) -> int:

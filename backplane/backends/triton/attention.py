@@ -401,7 +401,11 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """Merge the splits of one (decode sequence, head) by their log2-sum-exp into ``out``."""
+    """Merge the splits of one (decode sequence, head) by their log2-sum-exp into ``out``.
+
+    The partial rows are added one split at a time, so registers hold one
+    ``[BLOCK_DV]`` row whatever the number of splits (MLA rows are 512 wide).
+    """
     j = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -410,14 +414,13 @@ def _decode_reduce_kernel(
     lse = tl.load(plse_ptr + row0 + ss, mask=ss < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    total = tl.sum(w, 0)
-    parts = tl.load(
-        po_ptr + (row0 + ss)[:, None] * BLOCK_DV + dv[None, :],
-        mask=(ss[:, None] < NUM_SPLITS) & (dv[None, :] < DV),
-        other=0.0,
-    )
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    total = tl.sum(tl.exp2(lse - m_safe), 0)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(plse_ptr + row0 + s) - m_safe)
+        part = tl.load(po_ptr + (row0 + s) * BLOCK_DV + dv, mask=dv < DV, other=0.0)
+        acc += part * w
+    o = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(
         o_ptr + (first_tok + j) * stride_ot + h * stride_oh + dv,
         o.to(o_ptr.dtype.element_ty),
