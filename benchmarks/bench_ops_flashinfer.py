@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="append one JSON object per measurement to this file")
     ap.add_argument("--md", help="write the markdown table to this file")
     ap.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds")
+    ap.add_argument(
+        "--label", default="", help="suffix for the flashinfer backend's name in the output"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ops_flashinfer needs a CUDA GPU", file=sys.stderr)
@@ -290,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         ref = results.get("flashinfer", {}).get("us")
         for name, r in results.items():
-            rec = {"device": device, "family": fam, "shape": label, "backend": name, **r}
+            shown = f"{name}{args.label}" if name == "flashinfer" else name
+            rec = {"device": device, "family": fam, "shape": label, "backend": shown, **r}
             if "us" in r:
                 rec["bw_pct"] = 100 * nbytes / (r["us"] * 1e-6) / peak
                 rec["tflops"] = flops / (r["us"] * 1e-6) / 1e12
@@ -327,12 +331,13 @@ def markdown(rows: list[dict[str, Any]], device: str, peak: float) -> str:
     out = [f"Measured on {device} (HBM peak {peak / 1e12:.2f} TB/s), bfloat16.\n"]
     fams = list(dict.fromkeys(r["family"] for r in rows))
     for fam in fams:
-        names = [b for b in BACKENDS if any(r["family"] == fam and r["backend"] == b for r in rows)]
+        names = list(dict.fromkeys(r["backend"] for r in rows if r["family"] == fam))
         out.append(f"\n### {fam}\n")
         head = "| shape | " + " | ".join(f"{n} us (HBM %)" for n in names)
-        head += " | " + " | ".join(f"{n}/flashinfer" for n in names if n != "flashinfer") + " |"
+        others = [n for n in names if n != names[0]]
+        head += " | " + " | ".join(f"{n}/{names[0]}" for n in others) + " |"
         out.append(head)
-        out.append("|" + "---|" * (1 + len(names) + len(names) - ("flashinfer" in names)))
+        out.append("|" + "---|" * (1 + len(names) + len(others)))
         for shape in dict.fromkeys(r["shape"] for r in rows if r["family"] == fam):
             cell = {r["backend"]: r for r in rows if r["family"] == fam and r["shape"] == shape}
             vals = []
@@ -350,11 +355,10 @@ def markdown(rows: list[dict[str, Any]], device: str, peak: float) -> str:
                 else:
                     vals.append("error")
             ratios = []
-            for n in names:
-                if n == "flashinfer":
-                    continue
+            first = cell.get(names[0], {}).get("us")
+            for n in others:
                 r = cell.get(n)
-                ratios.append(f"{r['vs_flashinfer']:.2f}" if r and r.get("vs_flashinfer") else "-")
+                ratios.append(f"{r['us'] / first:.2f}" if r and "us" in r and first else "-")
             out.append(f"| {shape} | " + " | ".join(vals) + " | " + " | ".join(ratios) + " |")
     return "\n".join(out) + "\n"
 

@@ -157,6 +157,18 @@ def test_delta_shape_limits() -> None:
     assert not ok and "multiple" in reason
 
 
+def test_ssm_shape_limits() -> None:
+    """Mamba2 decode needs head_dim % 64 == 0 and d_state % 32 == 0 (FlashInfer's sm90 tiles)."""
+    from backplane.backends.flashinfer.ssm import FlashInferSSMBackend
+
+    sup = FlashInferSSMBackend.supports
+    assert sup(SSMLayerSpec(0, 128, 64, 128, 8), torch.bfloat16) == (True, "")
+    ok, reason = sup(SSMLayerSpec(0, 8, 16, 16, 2), torch.bfloat16)
+    assert not ok and "head_dim" in reason and "d_state" in reason
+    ok, reason = sup(SSMLayerSpec(0, 8, 64, 16, 2), torch.bfloat16)
+    assert not ok and "16" in reason
+
+
 def test_unsupported_layer_error_is_raised_at_forward() -> None:
     """Forward on an unsupported shape raises a BackendUnavailableError (also a ValueError)."""
     from backplane.backends.flashinfer.attention import FlashInferAttentionBackend
@@ -304,23 +316,23 @@ def test_ssm_prefill_delegates_to_fallback() -> None:
     fallback = TorchSSMBackend()
     backend = FlashInferSSMBackend(fallback=TorchSSMBackend())
     assert backend.fallback_name == "torch"
-    layer = SSMLayerSpec(0, nheads=4, head_dim=8, d_state=8, n_groups=2, chunk_size=4)
+    layer = SSMLayerSpec(0, nheads=2, head_dim=64, d_state=32, n_groups=1, chunk_size=4)
     batch = build_batch_metadata(
         [5, 3], [0, 0], [[1, 2], [3]], 4, state_slots=[2, 1], padded_num_tokens=10
     )
     gen = torch.Generator().manual_seed(1)
     t = 10
     args = (
-        torch.randn(t, 4, 8, generator=gen),
-        torch.randn(t, 4, generator=gen),
-        -torch.rand(4, generator=gen) - 0.5,
-        torch.randn(t, 2, 8, generator=gen),
-        torch.randn(t, 2, 8, generator=gen),
-        torch.randn(4, generator=gen),
-        torch.randn(4, generator=gen),
-        torch.randn(t, 4, 8, generator=gen),
+        torch.randn(t, 2, 64, generator=gen),
+        torch.randn(t, 2, generator=gen),
+        -torch.rand(2, generator=gen) - 0.5,
+        torch.randn(t, 1, 32, generator=gen),
+        torch.randn(t, 1, 32, generator=gen),
+        torch.randn(2, generator=gen),
+        torch.randn(2, generator=gen),
+        torch.randn(t, 2, 64, generator=gen),
     )
-    state = torch.zeros(4, 4, 8, 8)
+    state = torch.zeros(4, 2, 64, 32)
     ref_state = state.clone()
     with forward_context(batch, {"ssm": fallback.plan(batch)}):
         ref = fallback.scan(*args, ref_state, layer)

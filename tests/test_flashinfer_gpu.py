@@ -218,7 +218,11 @@ def test_attention_opcheck() -> None:
         assert calls and all(op in set(backend.dynamic_ops()) for op, _, _ in calls)
         for op, args, kwargs in calls:
             run_opcheck(op, args, kwargs)
-            run_opcheck(op, args, {**kwargs, "out": None})
+            # The plain form (no out); forward passes out positionally, last.
+            if "out" in kwargs:
+                run_opcheck(op, args, {**kwargs, "out": None})
+            else:
+                run_opcheck(op, (*args[:-1], None), kwargs)
 
 
 def _decode_step_inputs(cached, layer, page_size, bucket, seed):

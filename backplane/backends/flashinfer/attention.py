@@ -38,6 +38,7 @@ once (see :func:`backplane.backends.flashinfer._common.workspace`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -60,6 +61,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 #: GQA group sizes the CUDA-core decode kernel dispatches; larger groups use the
 #: tensor-core (prefill-kernel) decode path, which is also faster for them.
 _CUDA_CORE_GROUPS = (1, 2, 3, 4)
+#: ``auto`` (tensor cores above group 4), ``always`` or ``never``: which decode kernel to use.
+TENSOR_CORES_ENV = "BACKPLANE_FLASHINFER_DECODE_TENSOR_CORES"
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,14 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _tensor_cores(key: _LayerKey) -> bool:
+        mode = os.environ.get(TENSOR_CORES_ENV, "auto").strip().lower()
+        if mode in ("1", "always", "true"):
+            return True
+        if mode in ("0", "never", "false"):
+            if key.num_heads // key.num_kv_heads not in _CUDA_CORE_GROUPS:
+                logger.warning("GQA group > 4 has no CUDA-core decode kernel; using tensor cores")
+                return True
+            return False
         return key.num_heads // key.num_kv_heads not in _CUDA_CORE_GROUPS
 
     def prepare_graph_bucket(

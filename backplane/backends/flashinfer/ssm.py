@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: Input dtypes FlashInfer's state-update kernel is instantiated for.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIM_MULTIPLE = 64
+D_STATE_MULTIPLE = 32
 
 
 @dataclass
@@ -71,6 +73,14 @@ class FlashInferSSMBackend(SSMBackend):
             return False, f"FlashInfer selective_state_update does not take {dtype}"
         if layer.nheads % layer.n_groups:
             return False, "nheads must be a multiple of n_groups"
+        # FlashInfer 0.6 instantiates its sm90 kernels for every (head_dim, d_state) it
+        # builds; they need whole 64-row tiles and at least one 32-lane load per row.
+        if layer.head_dim % HEAD_DIM_MULTIPLE or layer.d_state % D_STATE_MULTIPLE:
+            return False, (
+                f"FlashInfer selective_state_update needs head_dim a multiple of "
+                f"{HEAD_DIM_MULTIPLE} and d_state a multiple of {D_STATE_MULTIPLE} "
+                f"(got {layer.head_dim}, {layer.d_state})"
+            )
         return True, ""
 
     def plan(self, batch: BatchMetadata) -> SSMStepPlan:
