@@ -147,6 +147,7 @@ class InputBatch:
             np.bool_: self._dev.view(torch.bool),
         }
         self._copy_done: torch.cuda.Event | None = None
+        self._copy_event: torch.cuda.Event | None = None
         self._on_cuda = on_cuda
         self._arange = np.arange(max(t, s * p, s) + 1, dtype=np.int64)
         self._layouts: dict[tuple[int, int, int, int], _Layout] = {}
@@ -198,8 +199,10 @@ class InputBatch:
         if self._dev is not self._host_t:
             self._dev[:nbytes].copy_(self._host_t[:nbytes], non_blocking=True)
             if self._on_cuda:
-                self._copy_done = torch.cuda.Event()
-                self._copy_done.record()
+                if self._copy_event is None:
+                    self._copy_event = torch.cuda.Event()
+                self._copy_event.record()
+                self._copy_done = self._copy_event
 
     # -- the step ---------------------------------------------------------------
 
