@@ -157,7 +157,7 @@ def test_kv_memory_sizing():
 @pytest.mark.parametrize(
     "model", ["tiny-llama", "tiny-nemotron-h", "tiny-deepseek-v3", "tiny-qwen3-next"]
 )
-@pytest.mark.parametrize("graphs", ["off", "full_and_piecewise"])
+@pytest.mark.parametrize("graphs", ["off", "decode", "full_and_piecewise"])
 def test_cuda_engine_matches_cpu(model, graphs):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
