@@ -35,10 +35,10 @@ warm mla --mla 16 &
 warm ssm --ssm 8:64:128:2 --ssm 128:64:128:8 --ssm 4:64:128:2 &
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEs --durations=15"
 FILES="tests/test_flashinfer.py tests/test_flashinfer_gpu.py tests/test_flashinfer_kit.py"
-timeout -s INT $(( $(left) * 5 / 10 )) $PYTEST $FILES -k "not delta and not Delta and not qwen3" \
+timeout -s INT $(( $(left) * 6 / 10 )) $PYTEST $FILES -k "not delta and not Delta and not qwen3" \
     > "$OUT/pytest-a.log" 2>&1
 stamp "pytest (attention, mla, ssm) exit $?"
-timeout -s INT $(( $(left) - 100 )) $PYTEST $FILES -k "delta or Delta or qwen3" \
+timeout -s INT $(( $(left) - 120 )) $PYTEST $FILES -k "delta or Delta or qwen3" \
     > "$OUT/pytest-b.log" 2>&1
 stamp "pytest (delta) exit $?"
 wait
@@ -55,7 +55,7 @@ B=$(( $(left) - 15 ))
 if [ "${TC_COMPARE:-0}" = 1 ] && [ "$B" -gt 20 ]; then
     BACKPLANE_FLASHINFER_DECODE_TENSOR_CORES=always timeout -s INT $(( B + 10 )) \
         python3 benchmarks/bench_ops_flashinfer.py $QUICK --families attention --backends flashinfer \
-        --label -tc --time-budget "$B" --json "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+        --label=-tc --time-budget "$B" --json "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
     stamp "bench (tensor-core decode) exit $?"
 fi
 tail -n 5 "$OUT"/pytest-*.log; cat "$OUT/timeline.txt"
