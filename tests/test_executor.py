@@ -176,3 +176,39 @@ def test_cuda_engine_matches_cpu(model, graphs):
         out = run_all(e)
         results.append([out[i] for i in ids])
     assert results[0] == results[1]
+
+
+def test_auto_falls_back_from_a_backend_that_cannot_run_the_model(monkeypatch, caplog):
+    """``auto`` picks the best backend; one that rejects the model's layers is replaced."""
+    import backplane.core.registry as registry_mod
+    from backplane.backends.torch.attention import TorchAttentionBackend
+    from backplane.core.backend_spec import BackendSpec
+    from backplane.core.errors import BackendUnavailableError
+    from backplane.core.hookspecs import hookimpl
+
+    class Picky(TorchAttentionBackend):
+        name = "picky"
+
+        def cache_spec(self, layer, **kw):
+            raise BackendUnavailableError(
+                f"attention backend 'picky' cannot run layer {layer.layer_id}: head_dim too small"
+            )
+
+    class Plugin:
+        @hookimpl
+        def backplane_attention_backends(self):
+            return [BackendSpec(family="attention", name="picky", load=Picky, priority=100)]
+
+    reg = registry_mod.BackendRegistry()
+    reg.register(Plugin(), "picky-plugin")
+    monkeypatch.setattr(registry_mod, "get_registry", lambda refresh=False: reg)
+    assert reg.select("attention", "auto").name == "picky"
+    with caplog.at_level("WARNING"):
+        e = make_engine()
+    assert type(e.backends["attention"]).__name__ == "TorchAttentionBackend"
+    assert "auto falls back to 'torch'" in caplog.text
+    rid = e.add_request([1, 2, 3], GREEDY)
+    assert len(run_all(e)[rid]) == GREEDY.max_tokens
+    # a backend named explicitly is never replaced
+    with pytest.raises(BackendUnavailableError, match="picky"):
+        make_engine(backends={"attention": "picky"})

@@ -124,14 +124,7 @@ class Engine:
         self.dtype = config.torch_dtype
         torch.manual_seed(int(config.seed))
 
-        from backplane.models import load_model
-
-        # Backends first (selection errors surface before any weight is read),
-        # for every family; the model then says which it uses.
-        all_backends = config.resolve_backends(("attention", "ssm", "mla", "delta"))
-        loaded = load_model(
-            config.model, dtype=self.dtype, device=self.device, backends=all_backends
-        )
+        loaded, all_backends = self._load_model()
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -189,6 +182,69 @@ class Engine:
         )
 
     # -- startup -----------------------------------------------------------------
+
+    def _load_model(self) -> tuple[Any, dict[str, Any]]:
+        """Select backends for every family, then build the model with them.
+
+        Backends are selected first, so a misspelled or unavailable backend is
+        reported before any weight is read. A backend chosen by ``auto`` that
+        turns out unable to run one of the model's layers (it raises
+        ``BackendUnavailableError`` naming itself while the model is built or
+        its caches are described) is
+        replaced by the next available backend of that family, with a warning;
+        a backend named explicitly is never replaced.
+        """
+        from backplane.core.errors import BackendUnavailableError
+        from backplane.core.registry import get_registry
+        from backplane.models import load_model
+
+        cfg = self.config
+        families = ("attention", "ssm", "mla", "delta")
+        backends = cfg.resolve_backends(families)
+        tried = {f: {getattr(b, "name", "")} for f, b in backends.items()}
+        while True:
+            try:
+                loaded = load_model(
+                    cfg.model, dtype=self.dtype, device=self.device, backends=backends
+                )
+                # backends check the layers they are given when describing their caches
+                loaded.model.cache_specs(
+                    num_pages=2, page_size=int(cfg.page_size), num_slots=2, dtype=self.dtype
+                )
+                return loaded, backends
+            except BackendUnavailableError as exc:
+                family = next(
+                    (
+                        f
+                        for f, b in backends.items()
+                        if cfg.backends.get(f, "auto") == "auto"
+                        and f"{f} backend {getattr(b, 'name', '')!r}" in str(exc)
+                    ),
+                    None,
+                )
+                if family is None:
+                    raise
+                registry = get_registry()
+                replacement = None
+                for spec in registry.backends(family):
+                    if spec.name in tried[family]:
+                        continue
+                    tried[family].add(spec.name)
+                    try:
+                        replacement = registry.select(family, spec.name, device=cfg.device_type)
+                        break
+                    except BackendUnavailableError:
+                        continue
+                if replacement is None:
+                    raise
+                logger.warning(
+                    "%s backend %r cannot run this model (%s); auto falls back to %r",
+                    family,
+                    getattr(backends[family], "name", ""),
+                    exc,
+                    replacement.name,
+                )
+                backends[family] = replacement.resolve()
 
     def _size_kv_pages(self) -> int:
         """Pages (including the scratch page 0) that fit the configured KV memory.
