@@ -213,6 +213,39 @@ def test_graph_bucket_padding() -> None:
     bufs.fill(a) if torch.cuda.is_available() else None
 
 
+def test_graph_bucket_without_padding_sequences() -> None:
+    """A batch already padded with (scratch) sequences to the bucket needs no extra entries."""
+    from backplane.backends.flashinfer._common import GraphBucketBuffers
+
+    batch = build_batch_metadata([1, 1], [3, 6], [[4], [0, 0]], 4)
+    a = GraphBucketBuffers.allocate(2, 8, torch.device("cpu")).host_arrays(batch)
+    assert a["kv_indptr"].tolist() == [0, 1, 3]
+    assert a["kv_indices"].tolist() == [4, 0, 0]
+    assert a["pad_mask"].tolist() == [False, False]
+    assert a["positions"].tolist() == [3, 6]
+
+
+def test_automatic_graph_buckets() -> None:
+    """Graph-shaped decode batches get a bucket; eager-looking ones keep the eager wrappers."""
+    from backplane.backends.flashinfer._common import auto_graph_bucket, bucket_capacity
+
+    def decode(n, padded=None, pages=None):
+        tables = pages if pages is not None else [[i + 1] for i in range(n)]
+        return build_batch_metadata([1] * n, [2] * n, tables, 4, padded_num_tokens=padded)
+
+    assert auto_graph_bucket(decode(4), {}) == 4  # power of two, no padding tokens
+    assert auto_graph_bucket(decode(3), {}) is None  # arbitrary eager size
+    assert auto_graph_bucket(decode(3, pages=[[0]] * 3), {}) == 3  # capture batch: scratch only
+    assert auto_graph_bucket(decode(3, padded=4), {}) is None  # padding tokens, no bucket
+    assert auto_graph_bucket(decode(3, padded=4), {4: object()}) == 4  # prepared bucket
+    mixed = build_batch_metadata([2, 1], [0, 3], [[1], [2]], 4)
+    assert auto_graph_bucket(mixed, {2: object()}) is None
+    # one sequence of 3 pages: block table 3 wide, 6 pages in all -> 4 x 3 entries
+    wide = build_batch_metadata([1] * 4, [9, 2, 2, 2], [[1, 2, 3], [4], [5], [6]], 4)
+    assert bucket_capacity(wide, 4, None) == 12
+    assert bucket_capacity(wide, 4, 100) == 104
+
+
 def test_graph_bucket_rejects_wrong_batches() -> None:
     """Mixed batches and batches larger than the bucket or its page capacity are refused."""
     from backplane.backends.flashinfer._common import GraphBucketBuffers

@@ -184,6 +184,23 @@ def test_attention_two_layer_configs_one_plan() -> None:
         )
 
 
+def test_attention_graph_shaped_decode_uses_a_bucket() -> None:
+    """A decode batch without padding tokens (as the graph runner builds) plans onto an
+    automatically created CUDA-graph bucket and still matches the reference."""
+    from backplane.backends.flashinfer.attention import FlashInferAttentionBackend
+
+    layer = AttentionLayerSpec(0, 8, 2, 128)
+    backend = FlashInferAttentionBackend()
+    query, cached = [1, 1, 1, 1], [15, 1, 64, 31]
+    batch, _, q, k, v, cache, keys, vals = _attn_inputs(query, cached, layer, 16, BF16, padding=0)
+    plan = backend.plan(batch)
+    assert plan.graph is not None and plan.graph.bucket == 4
+    with forward_context(batch, {"attention": plan}):
+        out = backend.forward(q, k, v, cache, layer)
+    ref = _attn_reference(q, keys, vals, query, cached, layer)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_attention_no_host_sync() -> None:
     """After plan, the op never synchronises with the device."""
     from backplane.backends.flashinfer.attention import FlashInferAttentionBackend

@@ -6,9 +6,9 @@ precision, so this module runs the same suites with the class attributes set to
 shapes FlashInfer supports (attention head dim 128, MLA latent 512 + rope 64,
 Mamba2 head dim 64 / state 128, GDN head dim 128) and bfloat16.
 
-Kit tests that hard-code float32 inputs are re-run here in bfloat16 where the kit
-allows it, or skipped with the reason (their half-precision equivalents are in
-``test_flashinfer_gpu.py``).
+The one-dtype kit tests run in bfloat16 (``single_dtype``); the delta kit's float32
+opcheck is skipped with the reason (FlashInfer's GDN kernel takes half precision only)
+and its decode graph-replay check is re-run in bfloat16.
 """
 
 from __future__ import annotations
@@ -56,20 +56,11 @@ class TestFlashInferAttentionKit(_HalfPrecision, AttentionBackendTests):
     head_dim = 128
     num_heads = 4
     gqa_shapes = ((8, 2), (8, 1))
+    single_dtype = torch.bfloat16
 
     @pytest.fixture
     def backend(self) -> Any:
         return _backend("attention")
-
-    def test_custom_scale(self, backend: Any, device: torch.device) -> None:
-        """An explicit softmax scale is honoured (bfloat16)."""
-        from backplane.testing.batches import batch_cases
-
-        case = {c.name: c for c in batch_cases(page_size=self.page_size)}["mixed"]
-        self.check_against_reference(backend, case, self.layer(scale=0.05), torch.bfloat16, device)
-
-    def test_opcheck(self, backend: Any, device: torch.device) -> None:
-        pytest.skip(_FLOAT32_ONLY)
 
 
 try:
@@ -87,20 +78,11 @@ if MLABackendTests is not None:
         qk_nope_head_dim = 128
         qk_rope_head_dim = 64
         v_head_dim = 128
+        single_dtype = torch.bfloat16
 
         @pytest.fixture
         def backend(self) -> Any:
             return _backend("mla")
-
-        def test_custom_scale(self, backend: Any, device: torch.device) -> None:
-            """An explicit softmax scale is honoured (bfloat16)."""
-            layer = self.layer(scale=0.05)
-            self.check_against_reference(
-                backend, self.get_case("mixed"), layer, torch.bfloat16, device
-            )
-
-        def test_opcheck(self, backend: Any, device: torch.device) -> None:
-            pytest.skip(_FLOAT32_ONLY)
 
 
 try:
@@ -120,9 +102,6 @@ if SSMBackendTests is not None:
         @pytest.fixture
         def backend(self) -> Any:
             return _backend("ssm")
-
-        def test_opcheck(self, backend: Any, device: torch.device) -> None:
-            pytest.skip(_FLOAT32_ONLY)
 
 
 try:
@@ -168,4 +147,25 @@ if DeltaBackendTests is not None:
             pytest.skip(_FLOAT32_ONLY)
 
         def test_decode_cuda_graph_replay(self, backend: Any, backend_capabilities: Any) -> None:
-            pytest.skip(_FLOAT32_ONLY)
+            """The kit's decode graph-replay check, in bfloat16 (the kit's runs in float32)."""
+            from backplane.testing.batches import batch_cases
+            from backplane.testing.ssm import check_graph_replay
+
+            device = torch.device("cuda")
+            case = batch_cases("decode")[0]
+            batch = case.metadata(device)
+            layer = self.layer(self.NUM_K_HEADS, True)
+            inp = self.inputs(batch, case.num_slots, layer, torch.bfloat16, device, seed=13)
+            out = torch.empty_like(inp["v"])
+
+            def step() -> None:
+                backend.forward(*inp.values(), layer, out=out)
+
+            check_graph_replay(
+                batch,
+                {"delta": backend.plan(batch)},
+                step,
+                [inp["q"], inp["k"], inp["v"]],
+                [inp["state"]],
+                [out],
+            )

@@ -177,6 +177,65 @@ def slice_prefill(batch: BatchMetadata) -> BatchMetadata:
 
 # -- CUDA-graph decode buckets ----------------------------------------------------
 
+#: Largest decode batch that gets a CUDA-graph bucket automatically.
+AUTO_BUCKET_LIMIT = 1024
+
+
+def auto_graph_bucket(batch: BatchMetadata, prepared: dict[int, Any]) -> int | None:
+    """The CUDA-graph bucket ``plan`` should use for ``batch``, or ``None`` for eager wrappers.
+
+    A decode-only batch uses a prepared bucket of its padded size. Without one, a
+    bucket is created automatically when the batch is *graph-shaped*: as many
+    sequences as padded tokens (the graph runner pads decode steps with scratch
+    sequences) and either a power-of-two size or every sequence on the scratch
+    page 0 -- which only a capture batch can be, since page 0 is never handed to
+    a request. Other sizes stay on the eager wrappers, so eager decode steps of
+    arbitrary sizes do not each allocate a wrapper.
+
+    :param batch: the step's metadata.
+    :param prepared: the backend's prepared buckets.
+    :return: the bucket size, or ``None``.
+    """
+    if not batch.is_decode_only:
+        return None
+    b = batch.padded_num_tokens
+    if b in prepared:
+        return b
+    if batch.num_seqs != b or b > AUTO_BUCKET_LIMIT:
+        return None
+    h = batch.host
+    used = h.page_indices[: int(h.page_indptr[b])]
+    if b & (b - 1) == 0 or (used.size and not used.any()):
+        return b
+    return None
+
+
+def bucket_capacity(batch: BatchMetadata, bucket: int, pool_pages: int | None) -> int:
+    """Page-index capacity of a bucket first seen with ``batch``.
+
+    Covers the KV pool (plus one scratch page per padding sequence) and the
+    widest batch the graph runner builds (``bucket`` sequences of a full-width
+    block table, as in its capture batches).
+    """
+    h = batch.host
+    return max(
+        int(h.page_indptr[batch.num_seqs]),
+        bucket * int(h.block_table.shape[1]),
+        (pool_pages or 0) + bucket,
+    )
+
+
+def require_graph_plan_when_capturing(step_graph: Any, what: str) -> None:
+    """Refuse to be captured on eager wrappers, whose buffers move at every plan."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if step_graph is None and capturing:
+        raise RuntimeError(
+            f"FlashInfer {what}: this step was planned on the eager wrappers, whose index "
+            "buffers are reallocated by every plan, so a captured graph would replay stale "
+            "indices; call backend.prepare_graph_bucket(bucket) before capturing a decode "
+            "bucket (decode-only batches with padded_num_tokens == bucket then use it)"
+        )
+
 
 @dataclass
 class GraphBucketBuffers:

@@ -281,12 +281,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         :return: the step plan ops read from the forward context.
         """
         self._ensure_device(batch.device)
-        if (
-            graph_bucket is None
-            and batch.is_decode_only
-            and batch.padded_num_tokens in self._graph_buffers
-        ):
-            graph_bucket = batch.padded_num_tokens
+        if graph_bucket is None:
+            graph_bucket = _common.auto_graph_bucket(batch, self._graph_buffers)
+            if graph_bucket is not None and graph_bucket not in self._graph_buffers:
+                self._graph_buffers[graph_bucket] = _common.GraphBucketBuffers.allocate(
+                    graph_bucket,
+                    _common.bucket_capacity(batch, graph_bucket, self._num_pages),
+                    self._device,
+                )
         step = AttentionStepPlan(batch=batch)
         if graph_bucket is not None:
             if graph_bucket not in self._graph_buffers:
@@ -407,6 +409,8 @@ def _attention_shape(
     return tuple(q.shape), q.dtype
 
 
+# ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
+# trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::attention",
     mutates_args=("kv_cache", "out"),
@@ -423,7 +427,7 @@ def _attention_op(
     head_dim: int,
     window_left: int,
     scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """FlashInfer paged attention for the step in the forward context (out-buffer contract)."""
     import flashinfer
@@ -432,6 +436,7 @@ def _attention_op(
     backend: FlashInferAttentionBackend = _common.backend_for(handle)
     key = _LayerKey(num_heads, num_kv_heads, head_dim, window_left, scale, q.dtype)
     step = backend._step_plan(key)
+    _common.require_graph_plan_when_capturing(step.graph, "attention")
     batch = step.batch
     buf = output_buffer(out, q.shape, q.dtype, q.device)
     if not q.is_contiguous():

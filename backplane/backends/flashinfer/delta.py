@@ -187,6 +187,8 @@ def _delta_shape(q, k, v, *args, **kwargs):
     return (q.shape[0], v.shape[1], v.shape[2]), q.dtype
 
 
+# ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
+# trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op("backplane_flashinfer::delta", mutates_args=("state", "out"), output_shape=_delta_shape)
 def _delta_op(
     q: torch.Tensor,
@@ -199,7 +201,7 @@ def _delta_op(
     scale: float,
     use_qk_l2norm: bool,
     decode_impl: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """FlashInfer GDN prefill + fla/torch decode for the step in context (out-buffer contract)."""
     backend: FlashInferDeltaBackend = _common.backend_for(handle)

@@ -174,12 +174,14 @@ class FlashInferMLABackend(MLABackend):
             batch whose ``padded_num_tokens`` is a prepared bucket uses it).
         """
         self._ensure_device(batch.device)
-        if (
-            graph_bucket is None
-            and batch.is_decode_only
-            and batch.padded_num_tokens in self._graph_buffers
-        ):
-            graph_bucket = batch.padded_num_tokens
+        if graph_bucket is None:
+            graph_bucket = _common.auto_graph_bucket(batch, self._graph_buffers)
+            if graph_bucket is not None and graph_bucket not in self._graph_buffers:
+                self._graph_buffers[graph_bucket] = _common.GraphBucketBuffers.allocate(
+                    graph_bucket,
+                    _common.bucket_capacity(batch, graph_bucket, self._num_pages),
+                    self._device,
+                )
         step = MLAStepPlan(batch=batch)
         if graph_bucket is not None:
             if graph_bucket != batch.padded_num_tokens:
@@ -278,6 +280,8 @@ def _mla_shape(q_nope: torch.Tensor, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv,
     return (q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]), q_nope.dtype
 
 
+# ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
+# trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::mla",
     mutates_args=("latent_cache", "out"),
@@ -294,7 +298,7 @@ def _mla_op(
     handle: int,
     num_heads: int,
     scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """FlashInfer MLA for the step in the forward context (out-buffer contract)."""
     import flashinfer
@@ -303,6 +307,7 @@ def _mla_op(
     backend: FlashInferMLABackend = _common.backend_for(handle)
     key = _MLAKey(num_heads, scale, q_nope.dtype)
     step = backend._step_plan(key)
+    _common.require_graph_plan_when_capturing(step.graph, "MLA")
     batch = step.batch
     t = q_nope.shape[0]
     buf = output_buffer(out, (t, num_heads, w_uv.shape[1]), q_nope.dtype, q_nope.device)

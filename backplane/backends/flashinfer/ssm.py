@@ -178,6 +178,8 @@ def _conv_shape(x: torch.Tensor, *args: Any, **kwargs: Any):
     return tuple(x.shape), x.dtype
 
 
+# ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
+# trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::ssm_conv", mutates_args=("conv_state", "out"), output_shape=_conv_shape
 )
@@ -191,7 +193,7 @@ def _ssm_conv_op(
     conv_dim: int,
     kernel_size: int,
     activation: str,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """The causal conv on the fallback backend, under its own plan (out-buffer contract)."""
     backend: FlashInferSSMBackend = _common.backend_for(handle)
@@ -209,6 +211,8 @@ def _scan_shape(x: torch.Tensor, *args: Any, **kwargs: Any):
     return tuple(x.shape), x.dtype
 
 
+# ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
+# trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::ssm_scan",
     mutates_args=("ssm_state", "out"),
@@ -232,7 +236,7 @@ def _ssm_scan_op(
     n_groups: int,
     dt_softplus: bool,
     chunk_size: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Prefill rows through the fallback, decode rows through FlashInfer (out-buffer contract)."""
     backend: FlashInferSSMBackend = _common.backend_for(handle)
