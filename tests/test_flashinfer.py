@@ -181,6 +181,47 @@ def test_unsupported_layer_error_is_raised_at_forward() -> None:
     assert isinstance(info.value, ValueError)
 
 
+def test_cache_spec_refuses_unsupported_layers_naming_the_backend() -> None:
+    """Describing caches checks the layer, so an engine can fall back before loading weights.
+
+    The message names ``<family> backend 'flashinfer'`` (what the executor's ``auto``
+    fallback looks for) and the limit.
+    """
+    from backplane.backends.flashinfer.attention import FlashInferAttentionBackend
+    from backplane.backends.flashinfer.delta import FlashInferDeltaBackend
+    from backplane.backends.flashinfer.mla import FlashInferMLABackend
+    from backplane.backends.flashinfer.ssm import FlashInferSSMBackend
+    from backplane.backends.torch.ssm import TorchSSMBackend
+
+    bf16 = torch.bfloat16
+    cases = [
+        (
+            FlashInferAttentionBackend(),
+            AttentionLayerSpec(0, 4, 2, 16),
+            dict(num_pages=4, page_size=4),
+        ),
+        (
+            FlashInferMLABackend(),
+            MLALayerSpec(0, 4, 32, 16, 8, 16, 0.2),
+            dict(num_pages=4, page_size=4),
+        ),
+        (
+            FlashInferSSMBackend(fallback=TorchSSMBackend()),
+            SSMLayerSpec(0, 8, 16, 16, 2),
+            dict(num_slots=3),
+        ),
+        (FlashInferDeltaBackend(), DeltaLayerSpec(0, 2, 4, 16, 16), dict(num_slots=3)),
+    ]
+    for backend, layer, kw in cases:
+        with pytest.raises(BackendUnavailableError) as info:
+            backend.cache_spec(layer, dtype=bf16, **kw)
+        assert f"{backend.family} backend 'flashinfer'" in str(info.value)
+    good = FlashInferDeltaBackend().cache_spec(
+        DeltaLayerSpec(0, 2, 4, 128, 128), num_slots=3, dtype=bf16
+    )
+    assert good["delta_state"].shape == (3, 4, 128, 128)
+
+
 def test_cpu_batch_is_refused_clearly() -> None:
     """Planning a CPU batch says the backend needs CUDA."""
     from backplane.backends.flashinfer.attention import FlashInferAttentionBackend

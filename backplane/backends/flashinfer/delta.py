@@ -27,6 +27,7 @@ from backplane.backends.flashinfer import _common
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
 from backplane.core.forward_context import get_forward_context
+from backplane.core.layouts import TensorSpec
 from backplane.core.metadata import BatchMetadata
 
 HEAD_DIM = 128
@@ -84,6 +85,21 @@ class FlashInferDeltaBackend(DeltaBackend):
             return False, f"FlashInfer chunk_gated_delta_rule runs in float16/bfloat16, not {dtype}"
         return True, ""
 
+    def _check(self, layer: DeltaLayerSpec, dtype: torch.dtype) -> None:
+        ok, reason = self.supports(layer, dtype)
+        if not ok:
+            raise _common.UnsupportedLayerError(
+                f"delta backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
+                "select backends.delta: triton or torch"
+            )
+
+    def cache_spec(
+        self, layer: DeltaLayerSpec, *, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """The shared float32 delta-state layout, after checking FlashInfer can run ``layer``."""
+        self._check(layer, dtype)
+        return super().cache_spec(layer, num_slots=num_slots, dtype=dtype)
+
     def plan(self, batch: BatchMetadata) -> DeltaStepPlan:
         """Copy the prefill ``cu_seqlens`` (int64) to the device once for all layers."""
         step = DeltaStepPlan(batch=batch)
@@ -118,12 +134,7 @@ class FlashInferDeltaBackend(DeltaBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The gated delta rule per sequence (family contract)."""
-        ok, reason = self.supports(layer, q.dtype)
-        if not ok:
-            raise _common.UnsupportedLayerError(
-                f"delta backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
-                "select backends.delta: triton or torch"
-            )
+        self._check(layer, q.dtype)
         return torch.ops.backplane_flashinfer.delta(
             q,
             k,

@@ -29,6 +29,7 @@ from backplane.backends.flashinfer._fallback import fallback_backend
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import forward_context, get_forward_context
+from backplane.core.layouts import TensorSpec
 from backplane.core.metadata import BatchMetadata
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,21 @@ class FlashInferSSMBackend(SSMBackend):
                 f"(got {layer.head_dim}, {layer.d_state})"
             )
         return True, ""
+
+    def _check(self, layer: SSMLayerSpec, dtype: torch.dtype) -> None:
+        ok, reason = self.supports(layer, dtype)
+        if not ok:
+            raise _common.UnsupportedLayerError(
+                f"ssm backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
+                "select backends.ssm: triton or torch"
+            )
+
+    def cache_spec(
+        self, layer: SSMLayerSpec, *, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """The shared SSM-state layout, after checking FlashInfer can run ``layer``."""
+        self._check(layer, dtype)
+        return super().cache_spec(layer, num_slots=num_slots, dtype=dtype)
 
     def plan(self, batch: BatchMetadata) -> SSMStepPlan:
         """Plan the fallback for the full batch and for its prefill part (host only)."""
@@ -147,11 +163,7 @@ class FlashInferSSMBackend(SSMBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Selective scan: prefill on the fallback, decode on FlashInfer (family contract)."""
-        ok, reason = self.supports(layer, x.dtype)
-        if not ok:
-            raise _common.UnsupportedLayerError(
-                f"ssm backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}"
-            )
+        self._check(layer, x.dtype)
         return torch.ops.backplane_flashinfer.ssm_scan(
             x,
             dt,
