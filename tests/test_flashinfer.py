@@ -287,6 +287,27 @@ def test_automatic_graph_buckets() -> None:
     assert bucket_capacity(wide, 4, 100) == 104
 
 
+def test_graph_bucket_grows_until_captured() -> None:
+    """A bucket grows for a wider batch (dropping its wrappers) but never once captured."""
+    from backplane.backends.flashinfer._common import ensure_bucket
+
+    cpu = torch.device("cpu")
+    prepared: dict = {}
+    wrappers = {(2, "key"): object(), (4, "key"): object()}
+    small = build_batch_metadata([1, 1], [2, 3], [[1], [2]], 4)
+    buf = ensure_bucket(prepared, wrappers, small, 2, 3, cpu)
+    assert prepared[2] is buf and len(buf.kv_indices) >= 2
+    assert ensure_bucket(prepared, wrappers, small, 2, 3, cpu) is buf  # reused
+    big = build_batch_metadata([1, 1], [30, 30], [list(range(1, 9)), list(range(9, 17))], 4)
+    grown = ensure_bucket(prepared, wrappers, big, 2, 3, cpu)
+    assert grown is not buf and len(grown.kv_indices) >= 16
+    assert (2, "key") not in wrappers and (4, "key") in wrappers
+    grown.captured = True
+    huge = build_batch_metadata([1, 1], [60, 60], [list(range(1, 17)), list(range(17, 33))], 4)
+    with pytest.raises(ValueError, match="max_pages"):
+        ensure_bucket(prepared, wrappers, huge, 2, 3, cpu)
+
+
 def test_graph_bucket_rejects_wrong_batches() -> None:
     """Mixed batches and batches larger than the bucket or its page capacity are refused."""
     from backplane.backends.flashinfer._common import GraphBucketBuffers

@@ -225,6 +225,48 @@ def bucket_capacity(batch: BatchMetadata, bucket: int, pool_pages: int | None) -
     )
 
 
+def ensure_bucket(
+    prepared: dict[int, GraphBucketBuffers],
+    wrappers: dict[tuple[int, Any], Any],
+    batch: BatchMetadata,
+    bucket: int,
+    pool_pages: int | None,
+    device: torch.device,
+) -> GraphBucketBuffers:
+    """Return bucket ``bucket``'s buffers, large enough for ``batch``.
+
+    A bucket is created on first use, and grown (its wrappers dropped, to be rebuilt
+    on the new buffers) when a batch references more pages than it holds -- unless a
+    graph was already captured on it, which would keep reading the old buffers.
+    """
+    buf = prepared.get(bucket)
+    h = batch.host
+    n = batch.num_seqs
+    needed = int(h.page_indptr[n]) + max(bucket - n, 0)
+    if buf is not None and needed <= len(buf.kv_indices):
+        return buf
+    if buf is not None and buf.captured:
+        raise ValueError(
+            f"CUDA-graph bucket {bucket} holds {len(buf.kv_indices)} page entries but this "
+            f"step references {needed}; prepare the bucket with a larger max_pages before "
+            "capturing it"
+        )
+    buf = GraphBucketBuffers.allocate(
+        bucket, max(needed, bucket_capacity(batch, bucket, pool_pages)), device
+    )
+    prepared[bucket] = buf
+    for key in [k for k in wrappers if k[0] == bucket]:
+        del wrappers[key]
+    return buf
+
+
+def mark_captured(step_graph: GraphBucketBuffers | None) -> None:
+    """Record that a graph is being captured on ``step_graph``'s buffers."""
+    if step_graph is not None and torch.cuda.is_available():
+        if torch.cuda.is_current_stream_capturing():
+            step_graph.captured = True
+
+
 def require_graph_plan_when_capturing(step_graph: Any, what: str) -> None:
     """Refuse to be captured on eager wrappers, whose buffers move at every plan."""
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -261,6 +303,8 @@ class GraphBucketBuffers:
     seq_ids: torch.Tensor  # int32 [bucket] (0..bucket-1)
     positions: torch.Tensor  # int32 [bucket]
     pad_mask: torch.Tensor  # bool [bucket, 1, 1], True on padding rows
+    #: Set when an op was captured into a CUDA graph on these buffers; they may not move.
+    captured: bool = False
 
     @classmethod
     def allocate(cls, bucket: int, max_pages: int, device: torch.device) -> GraphBucketBuffers:

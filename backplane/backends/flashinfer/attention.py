@@ -283,12 +283,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._ensure_device(batch.device)
         if graph_bucket is None:
             graph_bucket = _common.auto_graph_bucket(batch, self._graph_buffers)
-            if graph_bucket is not None and graph_bucket not in self._graph_buffers:
-                self._graph_buffers[graph_bucket] = _common.GraphBucketBuffers.allocate(
-                    graph_bucket,
-                    _common.bucket_capacity(batch, graph_bucket, self._num_pages),
-                    self._device,
-                )
+        if graph_bucket is not None and batch.is_decode_only:
+            _common.ensure_bucket(
+                self._graph_buffers,
+                self._graph_wrappers,
+                batch,
+                graph_bucket,
+                self._num_pages,
+                self._device,
+            )
         step = AttentionStepPlan(batch=batch)
         if graph_bucket is not None:
             if graph_bucket not in self._graph_buffers:
@@ -437,6 +440,7 @@ def _attention_op(
     key = _LayerKey(num_heads, num_kv_heads, head_dim, window_left, scale, q.dtype)
     step = backend._step_plan(key)
     _common.require_graph_plan_when_capturing(step.graph, "attention")
+    _common.mark_captured(step.graph)
     batch = step.batch
     buf = output_buffer(out, q.shape, q.dtype, q.device)
     if not q.is_contiguous():

@@ -176,12 +176,15 @@ class FlashInferMLABackend(MLABackend):
         self._ensure_device(batch.device)
         if graph_bucket is None:
             graph_bucket = _common.auto_graph_bucket(batch, self._graph_buffers)
-            if graph_bucket is not None and graph_bucket not in self._graph_buffers:
-                self._graph_buffers[graph_bucket] = _common.GraphBucketBuffers.allocate(
-                    graph_bucket,
-                    _common.bucket_capacity(batch, graph_bucket, self._num_pages),
-                    self._device,
-                )
+        if graph_bucket is not None and batch.is_decode_only:
+            _common.ensure_bucket(
+                self._graph_buffers,
+                self._graph_wrappers,
+                batch,
+                graph_bucket,
+                self._num_pages,
+                self._device,
+            )
         step = MLAStepPlan(batch=batch)
         if graph_bucket is not None:
             if graph_bucket != batch.padded_num_tokens:
@@ -308,6 +311,7 @@ def _mla_op(
     key = _MLAKey(num_heads, scale, q_nope.dtype)
     step = backend._step_plan(key)
     _common.require_graph_plan_when_capturing(step.graph, "MLA")
+    _common.mark_captured(step.graph)
     batch = step.batch
     t = q_nope.shape[0]
     buf = output_buffer(out, (t, num_heads, w_uv.shape[1]), q_nope.dtype, q_nope.device)
