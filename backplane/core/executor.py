@@ -190,9 +190,8 @@ class Engine:
         reported before any weight is read. A backend chosen by ``auto`` that
         turns out unable to run one of the model's layers (it raises
         ``BackendUnavailableError`` naming itself while the model is built or
-        its caches are described) is
-        replaced by the next available backend of that family, with a warning;
-        a backend named explicitly is never replaced.
+        its caches are described) is replaced by the next available backend of
+        that family, with a warning; a backend named explicitly is never replaced.
         """
         from backplane.core.errors import BackendUnavailableError
         from backplane.core.registry import get_registry
