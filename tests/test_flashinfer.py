@@ -486,3 +486,24 @@ def test_numpy_host_arrays_are_int32() -> None:
 
     t = host_tensor(np.arange(5, dtype=np.int64))
     assert t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def test_warmup_command_with_explicit_shapes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``backplane warmup --attention/--ssm/--delta`` runs each shape once and reports it."""
+    from backplane.cli import main
+
+    args = ["warmup", "--attention", "4:2:16:3", "--ssm", "2:8:8:1", "--delta", "2:4:8:8"]
+    for family in FAMILIES:
+        args += ["--backend", f"{family}=torch"]
+    rc = main([*args, "--device", "cpu", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "sliding_window=3" in out and "conv_dim=32" in out and "num_v_heads=4" in out
+    assert "4 shape(s) warmed" in out
+
+
+def test_warmup_command_needs_something_to_warm() -> None:
+    """Without a model or a shape, warmup is a user error (exit code 2)."""
+    from backplane.cli import main
+
+    assert main(["warmup", "--backend", "attention=torch", "--device", "cpu"]) == 2
