@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens of each decode sequence")
     ap.add_argument("--prefill", type=int, default=256, help="prefill chunk of the mixed step")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument(
+        "--max-model-len", type=int, default=2048, help="decode graphs are sized for it"
+    )
     ap.add_argument("--backend", action="append", default=[], help="family=name (default auto)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype="bfloat16",
         max_num_seqs=max(batches),
         max_num_tokens=2048,
-        max_model_len=4096,
+        max_model_len=args.max_model_len,
         kv_memory="16GiB",
         cuda_graphs="full_and_piecewise",
         **({"backends": backends} if backends else {}),

@@ -268,3 +268,16 @@ def test_generation_with_graphs_equals_eager(model):
         del llm
         torch.cuda.empty_cache()
     assert results["full_and_piecewise"] == results["off"]
+
+
+def test_piecewise_graph_inputs_are_only_tensors_of_stable_storage(setup):
+    # Module constants (eps, scaling factors) must be specialised, not passed as
+    # fresh scalar tensors: those would move between capture and every replay.
+    engine, runner = setup
+    for split, _ in runner.piecewise.compiler.splits:
+        for node in split.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                assert value.dim() > 0, f"scalar tensor graph input {node.name}"

@@ -37,6 +37,8 @@ class GraphContext:
     bucket: int | None = None
     pool: Any = None
     pool_bytes: dict[int, int] = field(default_factory=dict)
+    #: data pointers of tensors produced by segments during the current capture pass
+    produced: set[int] = field(default_factory=set)
 
     def enter(self, phase: GraphPhase, bucket: int | None) -> None:
         """Switch phase and bucket."""

@@ -26,15 +26,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from backplane.core.graph.capture import allocate_in, new_pool, pool_id, weak_refs
+from backplane.core.graph.capture import allocate_in, new_pool, pool_id, weak_ref, weak_refs
 from backplane.core.graph.context import GraphContext, GraphPhase
 from backplane.core.graph.split import Segment, split_at_dynamic_ops
 
 logger = logging.getLogger(__name__)
-
-
-def _tensor_ptrs(args: Iterable[Any]) -> list[int]:
-    return [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
 
 
 class StaticSegment(torch.nn.Module):
@@ -52,7 +48,8 @@ class StaticSegment(torch.nn.Module):
         self.ctx = ctx
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
-        self.input_ptrs: dict[int, list[int]] = {}
+        self.static_inputs: dict[int, list[torch.Tensor | None]] = {}
+        self.copy_inputs: dict[int, list[int]] = {}
         self.checked: set[int] = set()
 
     def forward(self, *args: Any) -> Any:
@@ -68,20 +65,52 @@ class StaticSegment(torch.nn.Module):
                 out = self.module(*args)
             self.graphs[bucket] = graph
             self.outputs[bucket] = weak_refs(out)
-            self.input_ptrs[bucket] = _tensor_ptrs(args)
+            # Inputs made by earlier segments of this capture are held without
+            # ownership (the pool reuses them once the bucket is done); anything
+            # else (weights, caches, persistent input buffers) is held strongly,
+            # so a moved input can always be copied back to where the graph reads it.
+            self.static_inputs[bucket] = [
+                (weak_ref(a) if a.data_ptr() in ctx.produced else a)
+                if isinstance(a, torch.Tensor)
+                else None
+                for a in args
+            ]
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    ctx.produced.add(t.data_ptr())
             return out
         graph = self.graphs.get(bucket)
         if graph is None:  # no CUDA (or capture skipped): same code, eagerly
             return self.module(*args)
         if bucket not in self.checked:
-            if _tensor_ptrs(args) != self.input_ptrs[bucket]:
-                raise RuntimeError(
-                    f"piecewise segment {self.name}, bucket {bucket}: an input moved since capture; "
-                    "inputs must live in persistent buffers"
-                )
-            self.checked.add(bucket)
+            self._check_inputs(bucket, args)
+        for i in self.copy_inputs.get(bucket, ()):
+            self.static_inputs[bucket][i].copy_(args[i])
         graph.replay()
         return self.outputs[bucket]
+
+    def _check_inputs(self, bucket: int, args: tuple[Any, ...]) -> None:
+        """At the first replay of a bucket, find inputs that are not where capture saw them.
+
+        Inputs should live in persistent buffers; one that does not is copied
+        into its capture-time address before every replay (correct, but a copy
+        per step), and reported once.
+        """
+        moved = []
+        for i, (a, s) in enumerate(zip(args, self.static_inputs[bucket], strict=True)):
+            if isinstance(a, torch.Tensor) and s is not None and a.data_ptr() != s.data_ptr():
+                moved.append(i)
+                logger.warning(
+                    "piecewise segment %s, bucket %d: input %d (%s %s) is not at its capture "
+                    "address; it is copied before each replay",
+                    self.name,
+                    bucket,
+                    i,
+                    tuple(a.shape),
+                    a.dtype,
+                )
+        self.copy_inputs[bucket] = moved
+        self.checked.add(bucket)
 
 
 class DynamicOpSegment(torch.nn.Module):
@@ -130,6 +159,8 @@ class DynamicOpSegment(torch.nn.Module):
                 del out
             buf = self._allocate(bucket)
         self.with_out(*args, buf)
+        if phase is GraphPhase.CAPTURE:
+            self.ctx.produced.add(buf.data_ptr())
         return buf
 
     def _allocate(self, bucket: int) -> torch.Tensor:
@@ -241,7 +272,10 @@ class PiecewiseGraphs:
         )
         self.buckets = sorted(buckets)
         self.compiler = PiecewiseCompiler(dynamic_ops, self.ctx)
-        self.compiled = torch.compile(forward, backend=self.compiler, dynamic=True, fullgraph=True)
+        # Only the token dimension of the inputs is symbolic (marked at the first
+        # capture); everything else, module constants included, is specialised, so
+        # no per-call scalar tensors become graph inputs.
+        self.compiled = torch.compile(forward, backend=self.compiler, dynamic=None, fullgraph=True)
         self.captured: set[int] = set()
         self.failed: dict[int, str] = {}
         self._marked = False
@@ -279,10 +313,12 @@ class PiecewiseGraphs:
                     if postprocess_fn is not None:
                         postprocess_fn(*args)
                     self.ctx.enter(GraphPhase.CAPTURE, bucket)
+                    self.ctx.produced.clear()
                     out = self.compiled(*args)
                     if postprocess_fn is not None:
                         postprocess_fn(*args)
                     del out  # drop strong refs: the pool is reused by the next bucket
+                    self.ctx.produced.clear()
                 self.captured.add(bucket)
             except Exception as exc:  # a failed bucket runs eagerly; the others still replay
                 self.failed[bucket] = f"{type(exc).__name__}: {exc}"
