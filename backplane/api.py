@@ -189,7 +189,6 @@ class LLM:
         rid = self.engine.add_request(ids, sampling_params, request_id)
         req = self.engine.get_request(rid)
         self._tracked[rid] = _Tracked(req, req.prompt_token_ids.tolist())
-        self._ready[rid] = deque()
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -260,7 +259,9 @@ class LLM:
         try:
             for i, (p, sp) in enumerate(zip(plist, params, strict=True)):
                 try:
-                    added.append(self.add_request(p, sp, None if ids is None else ids[i]))
+                    rid = self.add_request(p, sp, None if ids is None else ids[i])
+                    self._ready[rid] = deque()  # this call consumes the request's outputs
+                    added.append(rid)
                 except RequestError as exc:
                     raise RequestError(f"prompt {i}: {exc}") from None
         except BaseException:

@@ -150,3 +150,18 @@ def test_stream_text_with_multibyte_characters(llm, monkeypatch):
         pieces.append(new)
     assert "".join(pieces) == text
     assert len([p for p in pieces if p]) > 5  # text arrives as it forms, not only at the end
+
+
+def test_manual_stepping(llm):
+    a = llm.add_request("manual", greedy(3), request_id="m1")
+    b = llm.add_request([5, 6, 7], greedy(2))
+    got: dict[str, list[int]] = {}
+    done = {}
+    while llm.num_unfinished_requests:
+        for out in llm.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = out
+    assert a == "m1" and set(done) == {a, b}
+    assert done[a].token_ids == got[a] and len(got[a]) == 3 and len(got[b]) == 2
+    assert not llm._ready and not llm._tracked  # nothing is kept once finished
