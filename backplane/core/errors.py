@@ -19,6 +19,23 @@ class BackendUnavailableError(BackplaneError):
     """The configured backend is installed but cannot run here."""
 
 
+class UnsupportedLayerError(BackendUnavailableError, ValueError):
+    """A backend is installed and available but cannot run one layer's shape or dtype.
+
+    Under ``auto`` selection the engine then falls back to the next backend of
+    the family; with a backend named in the configuration it is an error.
+
+    :param message: what the layer needs and what to select instead.
+    :param family: the op family.
+    :param backend: the backend's name.
+    """
+
+    def __init__(self, message: str, *, family: str | None = None, backend: str | None = None):
+        super().__init__(message)
+        self.family = family
+        self.backend = backend
+
+
 class ConfigError(BackplaneError):
     """The configuration (file, flags or keyword arguments) is invalid."""
 

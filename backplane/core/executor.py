@@ -189,7 +189,8 @@ class Engine:
         Backends are selected first, so a misspelled or unavailable backend is
         reported before any weight is read. A backend chosen by ``auto`` that
         turns out unable to run one of the model's layers (it raises
-        ``BackendUnavailableError`` naming itself while the model is built or
+        :class:`~backplane.core.errors.UnsupportedLayerError`, or a
+        ``BackendUnavailableError`` naming itself, while the model is built or
         its caches are described) is replaced by the next available backend of
         that family, with a warning; a backend named explicitly is never replaced.
         """
@@ -212,16 +213,15 @@ class Engine:
                 )
                 return loaded, backends
             except BackendUnavailableError as exc:
-                family = next(
+                family = getattr(exc, "family", None) or next(
                     (
                         f
                         for f, b in backends.items()
-                        if cfg.backends.get(f, "auto") == "auto"
-                        and f"{f} backend {getattr(b, 'name', '')!r}" in str(exc)
+                        if f"{f} backend {getattr(b, 'name', '')!r}" in str(exc)
                     ),
                     None,
                 )
-                if family is None:
+                if family is None or cfg.backends.get(family, "auto") != "auto":
                     raise
                 registry = get_registry()
                 replacement = None

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from backplane.core.backend_spec import BackendSpec
+from backplane.core.errors import UnsupportedLayerError
 
 OPTION = "--backplane-backend"
 _MARKER = "backplane_backend"
@@ -73,6 +74,20 @@ def _selected(family: str, name: str, anywhere: set[str], per_family: dict[str, 
     if anywhere:
         return name in anywhere
     return not per_family
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """Report a backend that cannot run a test's layer shape or dtype as a skip.
+
+    The shared cases use small shapes; a backend with shape limits raises
+    :class:`~backplane.core.errors.UnsupportedLayerError` for them, and its own
+    kit subclass runs the tests at shapes it supports.
+    """
+    try:
+        return (yield)
+    except UnsupportedLayerError as exc:
+        pytest.skip(f"backend cannot run this layer: {exc}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backplane.core import errors
 from backplane.core.errors import BackendUnavailableError
 from backplane.core.metadata import BatchMetadata, HostBatch
 
@@ -56,8 +57,8 @@ def workspace(device: torch.device) -> torch.Tensor:
         return buf
 
 
-class UnsupportedLayerError(BackendUnavailableError, ValueError):
-    """A FlashInfer kernel cannot run this layer shape or dtype (the message says why)."""
+# re-exported: the backends raise it with family="<family>", backend="flashinfer"
+UnsupportedLayerError = errors.UnsupportedLayerError
 
 
 def require_cuda(t: torch.Tensor, what: str) -> None:

@@ -149,7 +149,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         if not ok:
             raise _common.UnsupportedLayerError(
                 f"attention backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
-                "select backends.attention: triton or torch"
+                "select backends.attention: triton or torch",
+                family="attention",
+                backend="flashinfer",
             )
 
     def register_layer(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> None:

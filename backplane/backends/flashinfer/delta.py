@@ -90,7 +90,9 @@ class FlashInferDeltaBackend(DeltaBackend):
         if not ok:
             raise _common.UnsupportedLayerError(
                 f"delta backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
-                "select backends.delta: triton or torch"
+                "select backends.delta: triton or torch",
+                family="delta",
+                backend="flashinfer",
             )
 
     def cache_spec(

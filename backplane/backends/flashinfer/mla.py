@@ -90,7 +90,9 @@ class FlashInferMLABackend(MLABackend):
         if not ok:
             raise _common.UnsupportedLayerError(
                 f"mla backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
-                "select backends.mla: triton or torch"
+                "select backends.mla: triton or torch",
+                family="mla",
+                backend="flashinfer",
             )
 
     def register_layer(self, layer: MLALayerSpec, dtype: torch.dtype) -> None:

@@ -89,7 +89,9 @@ class FlashInferSSMBackend(SSMBackend):
         if not ok:
             raise _common.UnsupportedLayerError(
                 f"ssm backend 'flashinfer' cannot run layer {layer.layer_id}: {reason}; "
-                "select backends.ssm: triton or torch"
+                "select backends.ssm: triton or torch",
+                family="ssm",
+                backend="flashinfer",
             )
 
     def cache_spec(

@@ -1,0 +1,41 @@
+"""A backend that cannot run a kit case's layer is reported as skipped, with the reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def test_unsupported_layer_error_becomes_a_skip(tmp_path):
+    (tmp_path / "test_case.py").write_text(
+        textwrap.dedent(
+            """
+            from backplane.core.errors import UnsupportedLayerError
+
+            def test_small_head_dim():
+                raise UnsupportedLayerError("head_dim 8 is too small", family="attention")
+
+            def test_other_errors_still_fail():
+                raise ValueError("a real bug")
+            """
+        )
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "backplane.testing.plugin",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    out = proc.stdout
+    assert "1 failed, 1 skipped" in out, out
+    assert "head_dim 8 is too small" in out
