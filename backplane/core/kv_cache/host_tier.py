@@ -233,7 +233,10 @@ class HostTier:
         host_side = dst if to_host else src
         runs = _runs(np.arange(len(host_side)), host_side)  # (batch pos, host page, n)
         with torch.cuda.stream(stream):
-            idx = torch.from_numpy(src if to_host else dst).to(self.device, non_blocking=True)
+            # A pageable upload would wait for every copy already queued on this
+            # stream (and block the host meanwhile); a pinned one stays asynchronous.
+            idx = torch.from_numpy(src if to_host else dst).pin_memory()
+            idx = idx.to(self.device, non_blocking=True)
             for s_t, d_t in zip(srcs, dsts, strict=True):
                 if to_host:
                     g = s_t.index_select(0, idx)
