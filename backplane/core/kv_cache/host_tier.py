@@ -230,6 +230,12 @@ class HostTier:
         # The compute stream's queued work (the forward that wrote these pages, or
         # earlier users of the destination pages) must finish before the copy.
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Sort by host page: the device side is indexed anyway, and host pages
+        # that are consecutive in any order then become one transfer each run
+        # (a sequence's pages are evicted tail first, i.e. in descending order).
+        order = np.argsort(dst if to_host else src, kind="stable")
+        src = src[order]
+        dst = dst[order]
         host_side = dst if to_host else src
         runs = _runs(np.arange(len(host_side)), host_side)  # (batch pos, host page, n)
         with torch.cuda.stream(stream):
