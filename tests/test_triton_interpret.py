@@ -35,6 +35,7 @@ CHECKS = (
     "attention_decode_split_kv",
     "attention_out_contract",
     "mla_mixed",
+    "mla_wide_latent",
     "conv_mixed",
     "ssm_decode",
     "ssm_mixed",
@@ -300,18 +301,26 @@ def check_attention_out_contract():
 
 def check_mla_mixed():
     """MLA (weight-absorbed, both prefill/extend and decode) against the expanded float64 form."""
+    _mla_case(4, 32, 16, [5, 3, 1, 1], [0, 6, 9, 30], splits=0)
+
+
+def check_mla_wide_latent():
+    """MLA with a wide latent (the large-tile path) and 20 heads (two head blocks, one partial)."""
+    _mla_case(20, 256, 16, [3, 1, 1], [4, 40, 7], splits=3)
+
+
+def _mla_case(H, L, R, query_lens, cached_lens, *, splits, dn=16, dv=16, ps=4):
     import torch
 
+    from backplane.backends.triton import attention as tri
     from backplane.backends.triton.mla import TritonMLABackend
     from backplane.core.families import MLALayerSpec
     from backplane.core.forward_context import forward_context
 
     torch.manual_seed(1)
-    H, L, R, dn, dv, ps = 4, 32, 16, 16, 16, 4
     layer = MLALayerSpec(0, H, L, dn, R, dv, scale=(dn + R) ** -0.5)
-    query_lens, cached_lens = [5, 3, 1, 1], [0, 6, 9, 30]
     pages = sum(-(-(q + c) // ps) for q, c in zip(query_lens, cached_lens, strict=False)) + 2
-    batch = _batch(query_lens, cached_lens, ps, pages, padded=13)
+    batch = _batch(query_lens, cached_lens, ps, pages, padded=sum(query_lens) + 3)
     T = batch.padded_num_tokens
     q_nope, q_pe = torch.randn(T, H, dn), torch.randn(T, H, R)
     kv_c, k_pe = torch.randn(T, L), torch.randn(T, R)
@@ -319,8 +328,12 @@ def check_mla_mixed():
     cache = torch.randn(pages, ps, L + R)
     out = torch.full((T, H, dv), float("nan"))
     backend = TritonMLABackend()
-    with forward_context(batch, {"mla": backend.plan(batch)}):
-        sentinel = backend.forward(q_nope, q_pe, kv_c, k_pe, cache, w_uk, w_uv, layer, out)
+    tri._FORCED_SPLITS["value"] = splits
+    try:
+        with forward_context(batch, {"mla": backend.plan(batch)}):
+            sentinel = backend.forward(q_nope, q_pe, kv_c, k_pe, cache, w_uk, w_uv, layer, out)
+    finally:
+        tri._FORCED_SPLITS["value"] = 0
     assert sentinel.numel() == 0
     h = batch.host
     for t in range(batch.num_tokens):
