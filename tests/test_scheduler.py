@@ -149,6 +149,7 @@ CONFIGS = {
     "tight-host": dict(num_pages=14, max_num_tokens=16, host_pages=16),
     "no-prefix": dict(num_pages=20, prefix=False),
     "recurrent": dict(num_pages=20, num_state_slots=5, max_num_seqs=4),
+    "tight-recurrent": dict(num_pages=12, max_num_tokens=16, num_state_slots=5, max_num_seqs=4),
     "tiny-budget": dict(num_pages=40, max_num_tokens=3, max_num_seqs=3),
 }
 
@@ -167,7 +168,7 @@ def test_generation_matches_each_request_alone(name):
         assert e.sched.stats.preemptions > 0, "the tight configs are meant to preempt"
     if name == "tight-host":
         assert kvs.onboarded_pages > 0
-    if name in ("no-prefix", "recurrent"):
+    if name in ("no-prefix", "recurrent", "tight-recurrent"):
         assert kvs.device_hit_pages == 0
 
 
