@@ -57,9 +57,11 @@ class Engine:
         host_pages: int = 0,
         num_state_slots: int = 0,
         prefix: bool = True,
+        device: str = "cpu",
     ) -> None:
         self.ps = page_size
-        self.cache = torch.full((num_pages, page_size), -1, dtype=torch.int32)
+        self.dev = torch.device(device)
+        self.cache = torch.full((num_pages, page_size), -1, dtype=torch.int32, device=self.dev)
         host = HostTier([self.cache], host_pages) if host_pages else None
         self.kv = KVCacheManager(
             num_pages,
@@ -101,19 +103,19 @@ class Engine:
             assert s.is_prefill_chunk_final == (c + n == r.num_tokens)
             assert len(s.page_ids) == -(-(c + n) // ps) and 0 not in s.page_ids.tolist()
             pos = np.arange(c)
-            got = self.cache[
-                torch.from_numpy(s.page_ids[pos // ps]).long(), torch.from_numpy(pos % ps)
-            ]
-            np.testing.assert_array_equal(got.numpy(), toks[:c], err_msg=f"stale KV for {r}")
+            pg = torch.from_numpy(s.page_ids[pos // ps]).long().to(self.dev)
+            got = self.cache[pg, torch.from_numpy(pos % ps).to(self.dev)]
+            np.testing.assert_array_equal(got.cpu().numpy(), toks[:c], err_msg=f"stale KV for {r}")
             if self.kv.needs_state_slot:
                 assert s.state_slot != 0
                 seen = self.state[s.state_slot] if c > 0 else 0
                 assert seen == c, f"state slot of {r} holds {seen} tokens, context is {c}"
                 self.state[s.state_slot] = c + n
             pos = np.arange(c, c + n)
-            self.cache[
-                torch.from_numpy(s.page_ids[pos // ps]).long(), torch.from_numpy(pos % ps)
-            ] = torch.from_numpy(toks[c : c + n].copy())
+            pg = torch.from_numpy(s.page_ids[pos // ps]).long().to(self.dev)
+            self.cache[pg, torch.from_numpy(pos % ps).to(self.dev)] = torch.from_numpy(
+                toks[c : c + n].copy()
+            ).to(self.dev)
             if s.is_prefill_chunk_final:
                 sampled[r.request_id] = next_token(toks[: c + n])
         self.sched.update(out, sampled)
@@ -170,6 +172,19 @@ def test_generation_matches_each_request_alone(name):
         assert kvs.onboarded_pages > 0
     if name in ("no-prefix", "recurrent", "tight-recurrent"):
         assert kvs.device_hit_pages == 0
+
+
+@pytest.mark.gpu
+def test_generation_with_async_host_tier_on_cuda():
+    """Offloads and onboarding run on a side stream; the content checks run on the
+    compute stream after ``schedule()`` ordered it behind the copies."""
+    e = Engine(num_pages=14, max_num_tokens=16, host_pages=16, device="cuda")
+    work = workload(3, 16)
+    reqs = [e.add(f"r{i}", p, m) for i, (p, m) in enumerate(work)]
+    e.run()
+    for r, (p, m) in zip(reqs, work, strict=True):
+        assert r.output_token_ids.tolist() == reference(p, m), r
+    assert e.kv.stats.onboarded_pages > 0 and e.kv.stats.offloaded_pages > 0
 
 
 @settings(max_examples=25, deadline=None)
