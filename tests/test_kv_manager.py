@@ -217,6 +217,7 @@ class KVMachine(RuleBasedStateMachine):
         self.sim: Sim | None = None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.history: list[list[int]] = []
         self.n = 0
 
     @precondition(lambda self: self.sim is None)
@@ -236,6 +237,29 @@ class KVMachine(RuleBasedStateMachine):
             return
         self.n += 1
         self.waiting.append(req(f"r{self.n}", toks, max_tokens))
+        self.history.append(toks)
+
+    @precondition(lambda self: self.sim is not None and self.history and len(self.waiting) < 6)
+    @rule(i=st.integers(0, 100), extra=st.integers(0, 3))
+    def repeat(self, i: int, extra: int) -> None:
+        """Re-send an earlier prompt (plus a token or so): hits on device or host pages."""
+        toks = self.history[i % len(self.history)] + [extra] * (extra % 2)
+        if -(-(len(toks) + 1) // 4) > self.sim.kv.pool.num_usable:
+            return
+        self.n += 1
+        self.waiting.append(req(f"r{self.n}", toks, 1))
+
+    @precondition(lambda self: self.sim is not None)
+    @rule(pages=st.integers(1, 8))
+    def flush(self, pages: int) -> None:
+        """Run a request of unique tokens through whatever is free: evicts idle cached pages."""
+        pages = min(pages, self.sim.kv.num_available_pages)
+        if pages < 1:
+            return
+        self.n += 1
+        r = req(f"f{self.n}", [100 + self.n] * (4 * pages), 1)
+        if self.sim.admit([r]) == [r]:
+            self.sim.kv.free(r)
 
     @precondition(lambda self: self.sim is not None and self.waiting)
     @rule(k=st.integers(1, 4), chunk=st.sampled_from([None, 1, 3, 8]))
