@@ -175,7 +175,9 @@ class Request:
         # One buffer for prompt + outputs: the prompt is copied in once.
         buf = np.empty(n + max_tokens, dtype=np.int32)
         _fill_prompt(request_id, buf, prompt_token_ids, n)
-        if n:
+        # One reduction checks both bounds: negative ids are huge as uint32.
+        limit_u = vocab_size if vocab_size is not None else 2**31
+        if int(buf[:n].view(np.uint32).max()) >= limit_u:
             lo = int(buf[:n].min())
             hi = int(buf[:n].max())
             if lo < 0 or (vocab_size is not None and hi >= vocab_size):
