@@ -19,6 +19,10 @@ class TestDeltaBackend(DeltaBackendTests):
         return load_backend(request.param)
 
 
+def _torch_path(fn):
+    return getattr(fn, "__wrapped__", fn)
+
+
 @pytest.mark.parametrize("cached", [0, 4], ids=["prefill", "extend"])
 def test_reference_matches_transformers(cached: int) -> None:
     """The kit's float64 reference agrees with Qwen3-Next's torch paths.
@@ -51,7 +55,8 @@ def test_reference_matches_transformers(cached: int) -> None:
     o, after = reference_gated_delta_rule(
         prompt, q[:L], k[:L], v[:L], g[:L], beta[:L], state, scale, True
     )
-    hf_o, hf_state = hf.torch_chunk_gated_delta_rule(
+    # the torch originals: with fla installed transformers binds its GPU kernels
+    hf_o, hf_state = _torch_path(hf.torch_chunk_gated_delta_rule)(
         q[None, :L],
         k[None, :L],
         v[None, :L],
@@ -69,7 +74,7 @@ def test_reference_matches_transformers(cached: int) -> None:
     o1, after1 = reference_gated_delta_rule(
         decode, q[L:], k[L:], v[L:], g[L:], beta[L:], after, scale, True
     )
-    hf_o1, hf_state1 = hf.torch_recurrent_gated_delta_rule(
+    hf_o1, hf_state1 = _torch_path(hf.torch_recurrent_gated_delta_rule)(
         q[None, L:],
         k[None, L:],
         v[None, L:],

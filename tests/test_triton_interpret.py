@@ -9,8 +9,9 @@ Run a single check by hand with::
     TRITON_INTERPRET=1 python tests/test_triton_interpret.py attention_prefill_extend
 
 The SSM and delta checks use mamba-ssm's and fla's kernels: they run when those
-packages (and einops) can be imported, or when the wheels under ``.gpu/wheels``
-can be unpacked next to an importable einops; otherwise they are skipped with
+packages (and einops) can be imported, or when their wheel / source archive
+under ``.wheels`` (see README.md) or ``.gpu/wheels`` can be unpacked next to an
+importable einops; otherwise they are skipped with
 the reason. Shapes are small and float32 so the interpreter finishes quickly.
 """
 
@@ -89,10 +90,12 @@ def _extra_paths() -> str | None:
 
     if importlib.util.find_spec("einops") is None:
         return "einops is not installed (mamba-ssm and fla import it)"
-    wheels = ROOT / ".gpu" / "wheels"
+    # .wheels: where README.md's test set-up downloads mamba-ssm's sources
+    # (it does not install on a machine without CUDA); .gpu/wheels: GPU runs
+    dirs = [ROOT / ".wheels", ROOT / ".gpu" / "wheels"]
     target = Path(tempfile.gettempdir()) / "backplane-triton-test-site"
     if importlib.util.find_spec("fla") is None:
-        whl = sorted(wheels.glob("fla_core-*.whl"))
+        whl = sorted(p for d in dirs for p in d.glob("fla_core-*.whl"))
         if whl:
             dest = target / "fla"
             if not (dest / "fla").exists():
@@ -100,7 +103,7 @@ def _extra_paths() -> str | None:
                     zf.extractall(dest)
             sys.path.insert(0, str(dest))
     if importlib.util.find_spec("mamba_ssm") is None:
-        sdist = sorted(wheels.glob("mamba_ssm-*.tar.gz"))
+        sdist = sorted(p for d in dirs for p in d.glob("mamba_ssm-*.tar.gz"))
         if sdist:
             dest = target / "mamba"
             if not dest.exists():
