@@ -237,7 +237,9 @@ class DeltaBackendTests(BackendTestsBase):
         assert_close_to_reference(
             inp["state"],
             expected_state,
-            torch.float32,
+            # stored in float32, but chunked kernels may feed the tensor cores
+            # operands in the activation dtype, so the state is only as exact as that
+            dtype,
             scale=RECURRENCE_TOL_SCALE,
             msg="delta state",
         )
@@ -281,7 +283,7 @@ class DeltaBackendTests(BackendTestsBase):
             torch.cat(parts), o_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta output"
         )
         assert_close_to_reference(
-            state_parts, state_whole, torch.float32, scale=RECURRENCE_TOL_SCALE, msg="delta state"
+            state_parts, state_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta state"
         )
 
     def test_opcheck(self, backend: Any, device: torch.device) -> None:

@@ -538,7 +538,9 @@ class SSMBackendTests(BackendTestsBase):
         assert_close_to_reference(
             inp["ssm_state"],
             expected_state,
-            torch.float32,
+            # stored in float32, but chunked kernels may feed the tensor cores
+            # operands in the activation dtype, so the state is only as exact as that
+            dtype,
             scale=RECURRENCE_TOL_SCALE,
             msg="ssm state",
         )
@@ -598,7 +600,7 @@ class SSMBackendTests(BackendTestsBase):
             torch.cat(scan_parts), scan_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="scan output"
         )
         assert_close_to_reference(
-            ssm_state1, ssm_state0, torch.float32, scale=RECURRENCE_TOL_SCALE, msg="ssm state"
+            ssm_state1, ssm_state0, dtype, scale=RECURRENCE_TOL_SCALE, msg="ssm state"
         )
 
     def test_opcheck(self, backend: Any, device: torch.device) -> None:
