@@ -281,3 +281,21 @@ def test_piecewise_graph_inputs_are_only_tensors_of_stable_storage(setup):
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor):
                 assert value.dim() > 0, f"scalar tensor graph input {node.name}"
+
+
+def test_every_cached_op_of_the_model_is_split_out(setup):
+    # a cached op left inside a captured segment would freeze one step's metadata
+    from backplane.core.graph.split import node_overload, normalize_ops
+
+    engine, runner = setup
+    ops = normalize_ops(op for b in engine.backends.values() for op in b.dynamic_ops())
+    seen = set()
+    for split, segments in runner.piecewise.compiler.splits:
+        for seg in segments:
+            if seg.dynamic:
+                seen.add(seg.op)
+                continue
+            for node in getattr(split, seg.name).module.graph.nodes:
+                if node.op == "call_function":
+                    assert node_overload(node) not in ops, f"{node.target} captured in {seg.name}"
+    assert seen and seen <= ops  # a model may use only some of a backend's ops

@@ -28,7 +28,7 @@ import torch.fx
 
 from backplane.core.graph.capture import allocate_in, new_pool, pool_id, weak_ref, weak_refs
 from backplane.core.graph.context import GraphContext, GraphPhase
-from backplane.core.graph.split import Segment, split_at_dynamic_ops
+from backplane.core.graph.split import Segment, node_overload, split_at_dynamic_ops
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def _rewrite_with_out(module: torch.fx.GraphModule, op: Any) -> torch.fx.GraphMo
             graph.output(out_ph)
             continue
         new = graph.node_copy(n, lambda x: env[x])
-        if n.op == "call_function" and n.target is op:
+        if n.op == "call_function" and node_overload(n) is op:
             names = [a.name for a in op._schema.arguments]
             out_pos = names.index("out")
             if len(new.args) > out_pos:

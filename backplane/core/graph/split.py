@@ -43,9 +43,21 @@ def normalize_ops(ops: Iterable[object]) -> set[object]:
     return result
 
 
+def node_overload(node: torch.fx.Node) -> object:
+    """The op overload a ``call_function`` node runs.
+
+    A call through the packet (``torch.ops.ns.op(...)``) runs its default
+    overload, so it resolves to that overload object.
+    """
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.default
+    return target
+
+
 def is_dynamic_node(node: torch.fx.Node, dynamic_ops: set[object]) -> bool:
-    """True when ``node`` calls one of ``dynamic_ops`` (by identity)."""
-    return node.op == "call_function" and node.target in dynamic_ops
+    """True when ``node`` calls one of ``dynamic_ops`` (by identity of the overload)."""
+    return node.op == "call_function" and node_overload(node) in dynamic_ops
 
 
 def split_at_dynamic_ops(
@@ -81,7 +93,7 @@ def split_at_dynamic_ops(
         if dyn:
             if len(calls) != 1:
                 raise RuntimeError(f"segment {node.target} mixes a dynamic op with other calls")
-            segments.append(Segment(node.target, True, dyn[0].target))
+            segments.append(Segment(node.target, True, node_overload(dyn[0])))
         else:
             segments.append(Segment(node.target, False))
     return split, segments
