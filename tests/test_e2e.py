@@ -16,9 +16,6 @@ is accepted only at a step where the reference's top-2 margin is below
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,131 +24,23 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+
+import hf_tiny  # noqa: E402
+from hf_tiny import VOCAB, hf_torch_path  # noqa: E402
+
 from backplane import LLM, SamplingParams  # noqa: E402
 
-VOCAB = 96
 PAGE = 4
 TIE_MARGIN = 1e-4
 
 
-def _llama() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-
-
-def _nemotron_h() -> Any:
-    return transformers.NemotronHConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        hybrid_override_pattern="M*-ME",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        mamba_num_heads=4,
-        mamba_head_dim=8,
-        ssm_state_size=8,
-        n_groups=2,
-        conv_kernel=4,
-        chunk_size=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        moe_shared_expert_intermediate_size=24,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=1.5,
-        max_position_embeddings=64,
-    )
-
-
-def _deepseek_v3() -> Any:
-    return transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=64,
-    )
-
-
-def _qwen3_next() -> Any:
-    return transformers.Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        decoder_sparse_step=1,
-        mlp_only_layers=[2],
-        max_position_embeddings=64,
-    )
-
-
 #: arch -> (transformers class, config factory, transformers modeling module, recurrent)
 ARCHS = {
-    "llama": ("LlamaForCausalLM", _llama, "llama", False),
-    "nemotron_h": ("NemotronHForCausalLM", _nemotron_h, "nemotron_h", True),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", _deepseek_v3, "deepseek_v3", False),
-    "qwen3_next": ("Qwen3NextForCausalLM", _qwen3_next, "qwen3_next", True),
+    "llama": ("LlamaForCausalLM", hf_tiny.llama, "llama", False),
+    "nemotron_h": ("NemotronHForCausalLM", hf_tiny.nemotron_h, "nemotron_h", True),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", hf_tiny.deepseek_v3, "deepseek_v3", False),
+    "qwen3_next": ("Qwen3NextForCausalLM", hf_tiny.qwen3_next, "qwen3_next", True),
 }
-
-
-@contextlib.contextmanager
-def hf_torch_path(module_name: str) -> Iterator[None]:
-    """Make a transformers modeling module use its torch code (not GPU-only kernels
-    bound at import time when fla / mamba-ssm are installed)."""
-    mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    saved = {}
-    for attr, value in vars(mod).items():
-        wrapped = getattr(value, "__wrapped__", None)
-        if (
-            callable(value)
-            and wrapped is not None
-            and getattr(value, "__module__", "") == mod.__name__
-        ):
-            saved[attr] = value
-    try:
-        for attr, value in saved.items():
-            setattr(mod, attr, value.__wrapped__)
-        yield
-    finally:
-        for attr, value in saved.items():
-            setattr(mod, attr, value)
 
 
 @pytest.fixture(scope="module", autouse=True)

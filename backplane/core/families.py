@@ -152,7 +152,11 @@ class AttentionBackend(Backend):
         self, layer: AttentionLayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
         """Return ``{"kv_cache": spec}`` for one layer (default: shared paged-KV layout)."""
-        return {"kv_cache": layouts.paged_kv(num_pages, page_size, layer.num_kv_heads, layer.head_dim, dtype)}
+        return {
+            "kv_cache": layouts.paged_kv(
+                num_pages, page_size, layer.num_kv_heads, layer.head_dim, dtype
+            )
+        }
 
     @abstractmethod
     def forward(
@@ -231,13 +235,17 @@ class SSMBackend(Backend):
         self, layer: SSMLayerSpec, *, num_slots: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
         """Return ``{"ssm_state": spec}`` for one scan layer."""
-        return {"ssm_state": layouts.ssm_state(num_slots, layer.nheads, layer.head_dim, layer.d_state)}
+        return {
+            "ssm_state": layouts.ssm_state(num_slots, layer.nheads, layer.head_dim, layer.d_state)
+        }
 
     def conv_cache_spec(
         self, layer: ConvLayerSpec, *, num_slots: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
         """Return ``{"conv_state": spec}`` for one convolution."""
-        return {"conv_state": layouts.conv_state(num_slots, layer.conv_dim, layer.kernel_size, dtype)}
+        return {
+            "conv_state": layouts.conv_state(num_slots, layer.conv_dim, layer.kernel_size, dtype)
+        }
 
     @abstractmethod
     def conv(

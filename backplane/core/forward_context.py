@@ -56,7 +56,9 @@ def has_forward_context() -> bool:
 
 
 @contextlib.contextmanager
-def forward_context(batch: BatchMetadata, plans: dict[str, Any] | None = None) -> Iterator[ForwardContext]:
+def forward_context(
+    batch: BatchMetadata, plans: dict[str, Any] | None = None
+) -> Iterator[ForwardContext]:
     """Make ``batch`` (and the backends' plans) visible to cached ops.
 
     :param batch: the step's metadata.

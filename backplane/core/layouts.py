@@ -44,12 +44,16 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def paged_kv(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> TensorSpec:
+def paged_kv(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> TensorSpec:
     """Paged KV: ``[num_pages, 2, page_size, num_kv_heads, head_dim]``."""
     return TensorSpec((num_pages, 2, page_size, num_kv_heads, head_dim), dtype)
 
 
-def mla_latent(num_pages: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> TensorSpec:
+def mla_latent(
+    num_pages: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype
+) -> TensorSpec:
     """MLA latent cache: ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]``."""
     return TensorSpec((num_pages, page_size, kv_lora_rank + qk_rope_head_dim), dtype)
 
