@@ -104,6 +104,8 @@ class GraphModelRunner:
         self.decode_buckets = decode_buckets(max_num_seqs, decode_bucket_sizes)
         self.decode: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        # read-only padding sequences for decode replays, made once
+        self._decode_padding = self._scratch(self.decode_buckets[-1], 1, 1)
         if mode in ("decode", "full_and_piecewise"):
             self.decode = DecodeGraphs(
                 self._forward, self.decode_buckets, self.pool, cuda=self.cuda
@@ -178,7 +180,7 @@ class GraphModelRunner:
         if self.decode is not None and decode_only:
             bucket = pick_bucket(n, self.decode_buckets)
             if bucket is not None and self.decode.has(bucket):
-                seqs = list(scheduled) + self._scratch(bucket - n, 1, 1)
+                seqs = list(scheduled) + self._decode_padding[: bucket - n]
                 return self.input_batch.prepare(seqs, block_table_width=self.max_pages)
         if self.piecewise is not None:
             bucket = pick_bucket(num_tokens, self.token_buckets)
