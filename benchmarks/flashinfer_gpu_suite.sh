@@ -55,7 +55,7 @@ B=$(( $(left) - 15 ))
 if [ "${TC_COMPARE:-0}" = 1 ] && [ "$B" -gt 20 ]; then
     BACKPLANE_FLASHINFER_DECODE_TENSOR_CORES=always timeout -s INT $(( B + 10 )) \
         python3 benchmarks/bench_ops_flashinfer.py $QUICK --families attention --backends flashinfer \
-        --label=tc --time-budget "$B" --json "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+        --label=-tc --time-budget "$B" --json "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
     stamp "bench (tensor-core decode) exit $?"
 fi
 tail -n 5 "$OUT"/pytest-*.log; cat "$OUT/timeline.txt"
