@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
+import backplane
 from backplane.core.config import EngineConfig
 from backplane.core.registry import BackendRegistry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "backplane-example-plugin"
+#: Where the backplane under test is imported from: subprocesses that run from another
+#: directory must see the same tree, whether or not it is installed.
+BACKPLANE_ROOT = Path(backplane.__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,8 @@ def example_site(tmp_path_factory) -> Path:
 def _env(site: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("BACKPLANE_DISABLE_PLUGINS", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    paths = (str(site), str(BACKPLANE_ROOT), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.update(extra)
     return env
 
