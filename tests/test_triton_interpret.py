@@ -260,11 +260,16 @@ def check_attention_prefill_extend():
     """Pure prefill, chunked-prefill extend from cache across pages, and decodes, GQA, padded."""
     _attention_case([7, 5, 19, 1, 1], [0, 9, 3, 13, 4], padded=40, splits=2)
     _attention_case([33], [0], hq=4, hkv=1, d=16, page_size=8)
+    # Long enough for whole key tiles below the causal diagonal (the unmasked path)
+    # next to masked ones, with several query blocks per sequence.
+    _attention_case([70, 40], [0, 75], hq=2, hkv=1, d=16, page_size=8, seed=1)
 
 
 def check_attention_sliding_window():
     """Sliding window in prefill, extend and decode."""
     _attention_case([6, 9, 1, 1], [0, 11, 20, 3], window=5, splits=3)
+    # A window wider than a key tile: masked tiles at both ends of an unmasked middle.
+    _attention_case([80, 1], [300, 120], hq=2, hkv=1, d=16, page_size=8, window=200, splits=2)
 
 
 def check_attention_decode_split_kv():

@@ -83,6 +83,128 @@ def _kv_append_kernel(
 
 
 @triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    qpe,
+    start,
+    hi,
+    q_pos,
+    window,
+    bt_row,
+    k_ptr,
+    kpe_ptr,
+    v_ptr,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_ep,
+    stride_eo,
+    stride_eh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    kvh,
+    qk_scale,
+    DK,
+    DPE,
+    DV,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Fold the ``BLOCK_N`` keys from ``start`` into one online-softmax state.
+
+    Shared by the prefill and decode kernels. ``MASK`` says what is hidden:
+    ``0`` nothing (the tile lies below every row's causal limit and inside its
+    window, so no compare is spent), ``1`` the keys at or past ``hi``, ``2``
+    those and, per row, keys past ``q_pos`` or ``window`` or more behind it.
+
+    :return: the updated ``(acc, m_i, l_i)``.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    if MASK == 0:
+        n_mask = offs_n >= 0
+        page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
+    else:
+        n_mask = offs_n < hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    off = offs_n % PAGE_SIZE
+    k = tl.load(
+        k_ptr
+        + page[:, None] * stride_kp
+        + off[:, None] * stride_ko
+        + kvh * stride_kh
+        + dk[None, :],
+        mask=n_mask[:, None] & (dk[None, :] < DK),
+        other=0.0,
+    )
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if HAS_PE:
+        de = tl.arange(0, BLOCK_DPE)
+        kpe = tl.load(
+            kpe_ptr
+            + page[:, None] * stride_ep
+            + off[:, None] * stride_eo
+            + kvh * stride_eh
+            + de[None, :],
+            mask=n_mask[:, None] & (de[None, :] < DPE),
+            other=0.0,
+        )
+        if IEEE:
+            s += tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
+        else:
+            s += tl.dot(qpe, tl.trans(kpe))
+    s = s * qk_scale
+    if MASK == 1:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    if MASK == 2:
+        keep = (
+            n_mask[None, :]
+            & (offs_n[None, :] <= q_pos[:, None])
+            & (offs_n[None, :] > q_pos[:, None] - window)
+        )
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing visible yet keep m = -inf; shift by 0 to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_FROM_K:
+        v = k  # MLA: the value is the latent the key tile already holds
+    else:
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vp
+            + off[:, None] * stride_vo
+            + kvh * stride_vh
+            + dv[None, :],
+            mask=n_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     qpe_ptr,
@@ -110,12 +232,12 @@ def _prefill_kernel(
     stride_oh,
     stride_bt,
     qk_scale,
-    page_size,
     group,
     window,
     DK,
     DPE,
     DV,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -125,10 +247,15 @@ def _prefill_kernel(
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Causal (optionally windowed) attention of one query block of one head over the pages."""
-    seq = tl.program_id(0)
-    mblk = tl.program_id(1)
-    h = tl.program_id(2)
+    """Causal (optionally windowed) attention of one query block of one head over the pages.
+
+    The grid is ``(head, query block, sequence)``: the heads of a GQA group are
+    neighbours, so they find their key tiles in L2, and the last (longest)
+    query blocks start first, which balances the causal triangle.
+    """
+    h = tl.program_id(0)
+    mblk = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if mblk * BLOCK_M < q_len:
@@ -152,78 +279,47 @@ def _prefill_kernel(
                 mask=m_mask[:, None] & (de[None, :] < DPE),
                 other=0.0,
             ).to(kpe_ptr.dtype.element_ty)
+        else:
+            qpe = q
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-        hi = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len)
-        lo = tl.maximum(cached + mblk * BLOCK_M - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        first = cached + mblk * BLOCK_M  # position of the block's first query
+        last = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
+        hi = last + 1
+        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        # Keys in [full_lo, full_hi) are visible to every row of the block: at or
+        # before the first query and inside the last query's window.
+        full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_hi = ((first + 1) // BLOCK_N) * BLOCK_N
+        split = tl.minimum(full_lo, hi)
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hi
-            page = tl.load(bt_row + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-            off = offs_n % page_size
-            k = tl.load(
-                k_ptr
-                + page[:, None] * stride_kp
-                + off[:, None] * stride_ko
-                + kvh * stride_kh
-                + dk[None, :],
-                mask=n_mask[:, None] & (dk[None, :] < DK),
-                other=0.0,
-            )
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            if HAS_PE:
-                kpe = tl.load(
-                    kpe_ptr
-                    + page[:, None] * stride_ep
-                    + off[:, None] * stride_eo
-                    + kvh * stride_eh
-                    + de[None, :],
-                    mask=n_mask[:, None] & (de[None, :] < DPE),
-                    other=0.0,
-                )
-                if IEEE:
-                    s += tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
-                else:
-                    s += tl.dot(qpe, tl.trans(kpe))
-            s = s * qk_scale
-            keep = (
-                n_mask[None, :]
-                & (offs_n[None, :] <= q_pos[:, None])
-                & (offs_n[None, :] > q_pos[:, None] - window)
-            )
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows with nothing visible yet keep m = -inf; shift by 0 to avoid inf - inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_FROM_K:
-                v = k  # MLA: the value is the latent the key tile already holds
-            else:
-                v = tl.load(
-                    v_ptr
-                    + page[:, None] * stride_vp
-                    + off[:, None] * stride_vo
-                    + kvh * stride_vh
-                    + dv[None, :],
-                    mask=n_mask[:, None] & (dv[None, :] < DV),
-                    other=0.0,
-                )
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        for start in range(lo, split, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                k_ptr, kpe_ptr, v_ptr,
+                stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+            )  # fmt: skip
+        for start in range(full_lo, full_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                k_ptr, kpe_ptr, v_ptr,
+                stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+            )  # fmt: skip
+        for start in range(tl.maximum(full_hi, split), hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                k_ptr, kpe_ptr, v_ptr,
+                stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+            )  # fmt: skip
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
@@ -260,13 +356,13 @@ def _decode_kernel(
     stride_vh,
     stride_bt,
     qk_scale,
-    page_size,
     num_heads,
     group,
     window,
     DK,
     DPE,
     DV,
+    PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -313,67 +409,31 @@ def _decode_kernel(
             mask=h_mask[:, None] & (de[None, :] < DPE),
             other=0.0,
         ).to(kpe_ptr.dtype.element_ty)
+    else:
+        qpe = q
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(bt_row + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-        off = offs_n % page_size
-        k = tl.load(
-            k_ptr
-            + page[:, None] * stride_kp
-            + off[:, None] * stride_ko
-            + kvh * stride_kh
-            + dk[None, :],
-            mask=n_mask[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if HAS_PE:
-            kpe = tl.load(
-                kpe_ptr
-                + page[:, None] * stride_ep
-                + off[:, None] * stride_eo
-                + kvh * stride_eh
-                + de[None, :],
-                mask=n_mask[:, None] & (de[None, :] < DPE),
-                other=0.0,
-            )
-            if IEEE:
-                s += tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
-            else:
-                s += tl.dot(qpe, tl.trans(kpe))
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_FROM_K:
-            v = k  # MLA: the value is the latent the key tile already holds
-        else:
-            v = tl.load(
-                v_ptr
-                + page[:, None] * stride_vp
-                + off[:, None] * stride_vo
-                + kvh * stride_vh
-                + dv[None, :],
-                mask=n_mask[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Whole tiles need no bounds check; only the split's last, partial tile does.
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
+            k_ptr, kpe_ptr, v_ptr,
+            stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+            stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+        )  # fmt: skip
+    for start in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
+            k_ptr, kpe_ptr, v_ptr,
+            stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+            stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 1,
+        )  # fmt: skip
 
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -440,6 +500,26 @@ def _cfg(block_m: int | None, block_n: int, num_warps: int, num_stages: int) -> 
     if block_m is not None:
         cfg["BLOCK_M"] = block_m
     return cfg
+
+
+def _cfg_key(cfg: dict) -> tuple:
+    return tuple(sorted(cfg.items()))
+
+
+def _prefill_configs(big: bool, max_q: int) -> list[dict]:
+    """Prefill launch configurations for a shape class, fastest first."""
+    if big:
+        return [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)]
+    if max_q > 64:
+        return [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
+    return [_cfg(32 if max_q <= 32 else 64, 32, 4, 2)]
+
+
+def _decode_configs(big: bool, dk: int) -> list[dict]:
+    """Decode launch configurations for a shape class, fastest first."""
+    if big:
+        return [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)]
+    return [_cfg(None, 32 if dk > 128 else 64, 4, 2)]
 
 
 def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, meta: dict) -> None:
@@ -523,6 +603,7 @@ def paged_prefill(
     sliding_window: int = 0,
     q_pe: torch.Tensor | None = None,
     kpe_plane: torch.Tensor | None = None,
+    configs: list[dict] | None = None,
 ) -> None:
     """Attend the prefill/extend queries of ``batch`` over their pages, writing ``out`` rows.
 
@@ -536,6 +617,8 @@ def paged_prefill(
     :param sliding_window: ``0`` = full causal attention.
     :param q_pe: optional second query part (MLA rotary part), ``[T, Hq, DPE]``.
     :param kpe_plane: the matching key part.
+    :param configs: launch configurations to try in order (tuning scripts);
+        ``None`` = the defaults for the shape.
     """
     n = batch.num_prefill_seqs
     if n == 0:
@@ -546,12 +629,8 @@ def paged_prefill(
     has_pe = q_pe is not None
     dpe = q_pe.shape[2] if has_pe else 0
     big = max(dk, dv) + dpe > 256
-    if big:
-        configs = [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)]
-    elif max_q > 64:
-        configs = [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
-    else:
-        configs = [_cfg(32 if max_q <= 32 else 64, 32, 4, 2)]
+    if configs is None:
+        configs = _prefill_configs(big, max_q)
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
@@ -576,7 +655,6 @@ def paged_prefill(
         out.stride(1),
         batch.block_table.stride(0),
         scale * _LOG2E,
-        batch.page_size,
         group,
         sliding_window if sliding_window > 0 else _NO_WINDOW,
         dk,
@@ -584,6 +662,7 @@ def paged_prefill(
         dv,
     )
     meta = dict(
+        PAGE_SIZE=batch.page_size,
         BLOCK_DK=dot_block(dk),
         BLOCK_DPE=dot_block(dpe) if has_pe else 16,
         BLOCK_DV=dot_block(dv),
@@ -591,10 +670,10 @@ def paged_prefill(
         V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
     )
-    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, configs[0]["BLOCK_M"])
+    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, tuple(map(_cfg_key, configs)))
     _launch_fitting(
         _prefill_kernel,
-        lambda c: (n, triton.cdiv(max_q, c["BLOCK_M"]), num_heads),
+        lambda c: (num_heads, triton.cdiv(max_q, c["BLOCK_M"]), n),
         key,
         configs,
         args,
@@ -632,6 +711,7 @@ def paged_decode(
     q_pe: torch.Tensor | None = None,
     kpe_plane: torch.Tensor | None = None,
     num_splits: int | None = None,
+    configs: list[dict] | None = None,
 ) -> None:
     """Split-KV decode for the decode sequences of ``batch``, writing their ``out`` rows.
 
@@ -649,10 +729,8 @@ def paged_decode(
     big = max(dk, dv) + dpe > 256
     block_h = min(dot_block(group), 16 if big else 64)
     head_blocks = triton.cdiv(group, block_h)
-    if big:
-        configs = [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)]
-    else:
-        configs = [_cfg(None, 32 if dk > 128 else 64, 4, 2)]
+    if configs is None:
+        configs = _decode_configs(big, dk)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
     block_dv = dot_block(dv)
@@ -686,7 +764,6 @@ def paged_decode(
         *_plane_strides(v_plane),
         batch.block_table.stride(0),
         scale * _LOG2E,
-        batch.page_size,
         num_heads,
         group,
         sliding_window if sliding_window > 0 else _NO_WINDOW,
@@ -695,6 +772,7 @@ def paged_decode(
         dv,
     )
     meta = dict(
+        PAGE_SIZE=batch.page_size,
         NUM_SPLITS=num_splits,
         HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
@@ -705,7 +783,7 @@ def paged_decode(
         V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
     )
-    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h)
+    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, tuple(map(_cfg_key, configs)))
     _launch_fitting(
         _decode_kernel,
         lambda c: (nd, num_kv_heads * head_blocks, num_splits),
