@@ -136,3 +136,22 @@ def test_capture_postprocess_hook_restores_mutated_inputs():
     bad_offset = torch.full((4,), 5.0)
     g = capture(forward, None, (x, bad_offset), num_warmup=2)
     assert not torch.equal(g.replay(), torch.full((4,), 6.0))
+
+
+def test_many_runners_in_one_process_each_trace_their_own_model():
+    """More runners than dynamo's recompile limit, each over a model class of its own."""
+    limit = int(getattr(torch._dynamo.config, "recompile_limit", 8))
+    for i in range(limit + 2):
+        cls = type(f"Toy{i}", (Toy,), {})
+        model = cls()
+        pw = PiecewiseGraphs(model.forward, [rowmix], [2, 4])
+        xs, ps = torch.randn(4, 8), torch.arange(4, dtype=torch.float32)
+
+        @contextlib.contextmanager
+        def make_inputs(bucket, xs=xs, ps=ps):
+            yield (xs[:bucket], ps[:bucket])
+
+        pw.capture(make_inputs)
+        assert pw.failed == {}, (i, pw.failed)
+        with make_inputs(4) as args:
+            torch.testing.assert_close(pw.run(4, *args), model(*args), rtol=0, atol=0)

@@ -506,20 +506,34 @@ def _cfg_key(cfg: dict) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
-def _prefill_configs(big: bool, max_q: int) -> list[dict]:
+# The defaults below come from benchmarks/tune_triton_attention.py on an H200
+# (Llama-3-8B layer, bfloat16); see docs/benchmarks/triton.md.
+
+
+def _prefill_configs(big: bool, max_q: int, dk: int) -> list[dict]:
     """Prefill launch configurations for a shape class, fastest first."""
     if big:
         return [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)]
+    if max_q >= 2048 and dk <= 128:
+        return [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
     if max_q > 64:
         return [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
     return [_cfg(32 if max_q <= 32 else 64, 32, 4, 2)]
 
 
-def _decode_configs(big: bool, dk: int) -> list[dict]:
-    """Decode launch configurations for a shape class, fastest first."""
+def _decode_configs(big: bool, dk: int, num_splits: int) -> list[dict]:
+    """Decode launch configurations for a shape class, fastest first.
+
+    Split sequences (few of them, long contexts) stream long key ranges per
+    program and prefer wide tiles; unsplit ones (many sequences) narrow tiles.
+    """
     if big:
         return [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)]
-    return [_cfg(None, 32 if dk > 128 else 64, 4, 2)]
+    if dk > 128:
+        return [_cfg(None, 32, 4, 2)]
+    if num_splits > 1:
+        return [_cfg(None, 128, 4, 2), _cfg(None, 64, 4, 2)]
+    return [_cfg(None, 64, 4, 2)]
 
 
 def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, meta: dict) -> None:
@@ -630,7 +644,7 @@ def paged_prefill(
     dpe = q_pe.shape[2] if has_pe else 0
     big = max(dk, dv) + dpe > 256
     if configs is None:
-        configs = _prefill_configs(big, max_q)
+        configs = _prefill_configs(big, max_q, dk)
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
@@ -729,10 +743,10 @@ def paged_decode(
     big = max(dk, dv) + dpe > 256
     block_h = min(dot_block(group), 16 if big else 64)
     head_blocks = triton.cdiv(group, block_h)
-    if configs is None:
-        configs = _decode_configs(big, dk)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
+    if configs is None:
+        configs = _decode_configs(big, dk, num_splits)
     block_dv = dot_block(dv)
     partial = torch.empty(
         (nd, num_heads, num_splits, block_dv), dtype=torch.float32, device=q.device

@@ -18,7 +18,9 @@ the largest bucket's buffer for the same op, so each op owns one allocation.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import types
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -215,6 +217,26 @@ def _rewrite_with_out(module: torch.fx.GraphModule, op: Any) -> torch.fx.GraphMo
     return gm
 
 
+_RUNNER_IDS = itertools.count()
+
+
+def _own_code(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``forward`` in a function with a code object of its own.
+
+    Dynamo keeps its compiled entries, and its recompile limit, per code
+    object. Every runner traces ``model(...)`` through the same method, so
+    without this the engines of one process (several models, or tests) would
+    share one cache, guard on each other's modules and, past the limit, fail to
+    trace at all.
+    """
+
+    def traced(*args: Any) -> Any:
+        return forward(*args)
+
+    code = traced.__code__.replace(co_name=f"piecewise_forward_{next(_RUNNER_IDS)}")
+    return types.FunctionType(code, traced.__globals__, code.co_name, None, traced.__closure__)
+
+
 class PiecewiseCompiler:
     """A ``torch.compile`` backend that splits at dynamic ops and installs segment runners.
 
@@ -275,7 +297,9 @@ class PiecewiseGraphs:
         # Only the token dimension of the inputs is symbolic (marked at the first
         # capture); everything else, module constants included, is specialised, so
         # no per-call scalar tensors become graph inputs.
-        self.compiled = torch.compile(forward, backend=self.compiler, dynamic=None, fullgraph=True)
+        self.compiled = torch.compile(
+            _own_code(forward), backend=self.compiler, dynamic=None, fullgraph=True
+        )
         self.captured: set[int] = set()
         self.failed: dict[int, str] = {}
         self._marked = False
