@@ -51,14 +51,18 @@ def test_reference_matches_transformers(cached: int) -> None:
         state[slot] = rnd(hv, dk, dv) * 0.3
     scale = dk**-0.5  # transformers always scales q by k_head_dim ** -0.5
 
+    # Older transformers releases expect q/k already repeated to the value heads (the
+    # model does it before the call); repeated heads are what grouping means.
+    qh, kh = (t.repeat_interleave(hv // hk, dim=1) for t in (q, k))
+
     prompt = single_sequence_batch(L, cached, slot, torch.device("cpu"), padding=0)
     o, after = reference_gated_delta_rule(
         prompt, q[:L], k[:L], v[:L], g[:L], beta[:L], state, scale, True
     )
     # the torch originals: with fla installed transformers binds its GPU kernels
     hf_o, hf_state = _torch_path(hf.torch_chunk_gated_delta_rule)(
-        q[None, :L],
-        k[None, :L],
+        qh[None, :L],
+        kh[None, :L],
         v[None, :L],
         g[None, :L],
         beta[None, :L],
@@ -75,8 +79,8 @@ def test_reference_matches_transformers(cached: int) -> None:
         decode, q[L:], k[L:], v[L:], g[L:], beta[L:], after, scale, True
     )
     hf_o1, hf_state1 = _torch_path(hf.torch_recurrent_gated_delta_rule)(
-        q[None, L:],
-        k[None, L:],
+        qh[None, L:],
+        kh[None, L:],
         v[None, L:],
         g[None, L:],
         beta[None, L:],
