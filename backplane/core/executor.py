@@ -420,8 +420,13 @@ class Engine:
         self.scheduler.update(sched, sampled)
         return self._collect(sched, sampled)
 
+    @torch.inference_mode()
     def execute(self, inputs: BatchInputs) -> torch.Tensor:
-        """Plan every backend once, then run the model under the forward context."""
+        """Plan every backend once, then run the model under the forward context.
+
+        Planning runs under inference mode too, like graph capture, so buffers a
+        backend makes while planning are the same kind of tensor in every step.
+        """
         plans = plan_step(self.backends, inputs.metadata)
         with forward_context(inputs.metadata, plans):
             return self.runner.run(inputs)

@@ -6,11 +6,13 @@ on a machine without it fails only when a kernel is actually used.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,27 @@ _workspaces: dict[torch.device, torch.Tensor] = {}
 _workspace_lock = threading.Lock()
 
 
+def outside_inference_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with inference mode off, whatever mode its caller is in.
+
+    FlashInfer wrappers keep the buffers they make while planning and update them
+    in place at every later ``plan``. Made under inference mode (graph capture runs
+    there), they would be inference tensors, which a later plan outside inference
+    mode may not update; made as normal tensors, either mode may update them.
+
+    :param fn: a method that creates or plans FlashInfer wrappers.
+    :return: the wrapped function.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@outside_inference_mode
 def workspace(device: torch.device) -> torch.Tensor:
     """Return the float workspace every FlashInfer wrapper on ``device`` shares.
 

@@ -217,6 +217,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             return False
         return key.num_heads // key.num_kv_heads not in _CUDA_CORE_GROUPS
 
+    @_common.outside_inference_mode
     def prepare_graph_bucket(
         self, bucket: int, *, max_pages: int | None = None, device: torch.device | str | None = None
     ) -> None:
@@ -273,6 +274,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return w
 
     # -- planning ----------------------------------------------------------------
+    @_common.outside_inference_mode
     def plan(self, batch: BatchMetadata, graph_bucket: int | None = None) -> AttentionStepPlan:
         """Plan every known layer configuration for ``batch`` (host arrays only).
 
@@ -314,6 +316,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_key(step, key)
         return step
 
+    @_common.outside_inference_mode
     def _plan_key(self, step: AttentionStepPlan, key: _LayerKey) -> None:
         batch = step.batch
         common = dict(

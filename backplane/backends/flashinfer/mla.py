@@ -121,6 +121,7 @@ class FlashInferMLABackend(MLABackend):
             self._device = device
             _common.workspace(device)
 
+    @_common.outside_inference_mode
     def prepare_graph_bucket(
         self, bucket: int, *, max_pages: int | None = None, device: torch.device | str | None = None
     ) -> None:
@@ -168,6 +169,7 @@ class FlashInferMLABackend(MLABackend):
             self._graph_wrappers[(bucket, key)] = w
         return w
 
+    @_common.outside_inference_mode
     def plan(self, batch: BatchMetadata, graph_bucket: int | None = None) -> MLAStepPlan:
         """Plan every known MLA configuration for ``batch`` from its host arrays.
 
@@ -205,6 +207,7 @@ class FlashInferMLABackend(MLABackend):
             self._plan_key(step, key)
         return step
 
+    @_common.outside_inference_mode
     def _plan_key(self, step: MLAStepPlan, key: _MLAKey) -> None:
         batch = step.batch
         if step.graph is not None:
