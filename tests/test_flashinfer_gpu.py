@@ -746,9 +746,8 @@ def test_engine_generation_with_graphs_equals_eager(name: str, monkeypatch) -> N
     The same sequences reach the same FlashInfer kernels in both modes (graph padding
     only adds rows outside every sequence), so the comparison is exact.
     """
-    import numpy as np
+    from graph_helpers import generate_eager_and_graphed
 
-    from backplane import LLM, SamplingParams
     from backplane.models import presets
 
     config, fams = _model_configs()[name]
@@ -756,25 +755,7 @@ def test_engine_generation_with_graphs_equals_eager(name: str, monkeypatch) -> N
     monkeypatch.setitem(presets.PRESETS, preset, config)
     backends = {f: "torch" for f in ("attention", "ssm", "mla", "delta")}
     backends.update({f: "flashinfer" for f in fams})
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (3, 17, 40, 9)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    results = {}
-    for mode in ("off", "full_and_piecewise"):
-        llm = LLM(
-            preset,
-            device="cuda",
-            dtype="bfloat16",
-            max_num_seqs=4,
-            max_num_tokens=64,
-            max_model_len=128,
-            cuda_graphs=mode,
-            backends=backends,
-        )
-        if mode != "off":
-            runner = llm.engine.runner
-            assert runner.piecewise.failed == {} and runner.decode.failed == {}
-        results[mode] = [o.token_ids for o in llm.generate(prompts, params)]
-        del llm
-        torch.cuda.empty_cache()
+    results = generate_eager_and_graphed(
+        preset, backends, dtype="bfloat16", prompt_lens=(3, 17, 40, 9), max_tokens=6
+    )
     assert results["full_and_piecewise"] == results["off"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from graph_helpers import generate_eager_and_graphed
 
 from backplane.core.executor import Engine
 from backplane.core.forward_context import forward_context, plan_step
@@ -244,29 +245,9 @@ def test_off_mode_and_no_cuda_run_eagerly():
 def test_generation_with_graphs_equals_eager(model):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
-    from backplane import LLM, SamplingParams
-
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (3, 17, 40, 9, 28, 5)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    results = {}
-    for mode in ("off", "full_and_piecewise"):
-        llm = LLM(
-            model,
-            device="cuda",
-            dtype="float32",
-            max_num_seqs=4,
-            max_num_tokens=64,
-            max_model_len=128,
-            cuda_graphs=mode,
-            backends=TORCH_BACKENDS,
-        )
-        if mode != "off":
-            runner = llm.engine.runner
-            assert runner.piecewise.failed == {} and runner.decode.failed == {}
-        results[mode] = [o.token_ids for o in llm.generate(prompts, params)]
-        del llm
-        torch.cuda.empty_cache()
+    results = generate_eager_and_graphed(
+        model, TORCH_BACKENDS, dtype="float32", prompt_lens=(3, 17, 40, 9, 28, 5), max_tokens=12
+    )
     assert results["full_and_piecewise"] == results["off"]
 
 

@@ -1,0 +1,51 @@
+"""Shared by the GPU tests that compare an engine with and without CUDA graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def generate_eager_and_graphed(
+    model: str,
+    backends: dict[str, str],
+    *,
+    dtype: str,
+    prompt_lens: tuple[int, ...],
+    max_tokens: int,
+) -> dict[str, list[list[int]]]:
+    """Greedy tokens of the same prompts with ``cuda_graphs`` off and ``full_and_piecewise``.
+
+    Asserts that no bucket's capture failed (a failed bucket would quietly run eagerly).
+
+    :param model: a preset name or model directory.
+    :param backends: family -> backend name.
+    :param dtype: the model dtype.
+    :param prompt_lens: one random prompt of each length.
+    :param max_tokens: tokens generated per prompt.
+    :return: ``{"off": ..., "full_and_piecewise": ...}``, the token ids per prompt.
+    """
+    from backplane import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in prompt_lens]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    results = {}
+    for mode in ("off", "full_and_piecewise"):
+        llm = LLM(
+            model,
+            device="cuda",
+            dtype=dtype,
+            max_num_seqs=4,
+            max_num_tokens=64,
+            max_model_len=128,
+            cuda_graphs=mode,
+            backends=backends,
+        )
+        if mode != "off":
+            runner = llm.engine.runner
+            assert runner.piecewise.failed == {} and runner.decode.failed == {}
+        results[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    return results
