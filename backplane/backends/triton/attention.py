@@ -25,6 +25,8 @@ offsets and page tables are read on the device, so nothing synchronises.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -502,38 +504,49 @@ def _cfg(block_m: int | None, block_n: int, num_warps: int, num_stages: int) -> 
     return cfg
 
 
-def _cfg_key(cfg: dict) -> tuple:
-    return tuple(sorted(cfg.items()))
+def _configs_key(configs: list[dict]) -> tuple:
+    """A hashable identity of a caller-given configuration list (tuning scripts only)."""
+    return tuple(tuple(sorted(c.items())) for c in configs)
 
 
 # The defaults below come from benchmarks/tune_triton_attention.py on an H200
-# (Llama-3-8B layer, bfloat16); see docs/benchmarks/triton.md.
+# (Llama-3-8B layer, bfloat16); see docs/benchmarks/triton.md. They are built once:
+# the launchers run per layer per step, and the name doubles as the launch key.
+_PREFILL_CONFIGS: dict[str, list[dict]] = {
+    "big": [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)],
+    "long": [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
+    "medium": [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
+    "short": [_cfg(64, 32, 4, 2)],
+    "tiny": [_cfg(32, 32, 4, 2)],
+}
+# Split sequences (few of them, long contexts) stream long key ranges per program
+# and prefer wide tiles; unsplit ones (many sequences) narrow tiles.
+_DECODE_CONFIGS: dict[str, list[dict]] = {
+    "big": [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)],
+    "wide_head": [_cfg(None, 32, 4, 2)],
+    "split": [_cfg(None, 128, 4, 2), _cfg(None, 64, 4, 2)],
+    "unsplit": [_cfg(None, 64, 4, 2)],
+}
 
 
-def _prefill_configs(big: bool, max_q: int, dk: int) -> list[dict]:
-    """Prefill launch configurations for a shape class, fastest first."""
+def _prefill_class(big: bool, max_q: int, dk: int) -> str:
+    """The shape class that picks the default prefill configurations."""
     if big:
-        return [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)]
+        return "big"
     if max_q >= 2048 and dk <= 128:
-        return [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
+        return "long"
     if max_q > 64:
-        return [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)]
-    return [_cfg(32 if max_q <= 32 else 64, 32, 4, 2)]
+        return "medium"
+    return "tiny" if max_q <= 32 else "short"
 
 
-def _decode_configs(big: bool, dk: int, num_splits: int) -> list[dict]:
-    """Decode launch configurations for a shape class, fastest first.
-
-    Split sequences (few of them, long contexts) stream long key ranges per
-    program and prefer wide tiles; unsplit ones (many sequences) narrow tiles.
-    """
+def _decode_class(big: bool, dk: int, num_splits: int) -> str:
+    """The shape class that picks the default decode configurations."""
     if big:
-        return [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)]
+        return "big"
     if dk > 128:
-        return [_cfg(None, 32, 4, 2)]
-    if num_splits > 1:
-        return [_cfg(None, 128, 4, 2), _cfg(None, 64, 4, 2)]
-    return [_cfg(None, 64, 4, 2)]
+        return "wide_head"
+    return "split" if num_splits > 1 else "unsplit"
 
 
 def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, meta: dict) -> None:
@@ -644,7 +657,10 @@ def paged_prefill(
     dpe = q_pe.shape[2] if has_pe else 0
     big = max(dk, dv) + dpe > 256
     if configs is None:
-        configs = _prefill_configs(big, max_q, dk)
+        cfg_id: Any = _prefill_class(big, max_q, dk)
+        configs = _PREFILL_CONFIGS[cfg_id]
+    else:
+        cfg_id = _configs_key(configs)
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
@@ -684,7 +700,7 @@ def paged_prefill(
         V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
     )
-    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, tuple(map(_cfg_key, configs)))
+    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, cfg_id)
     _launch_fitting(
         _prefill_kernel,
         lambda c: (num_heads, triton.cdiv(max_q, c["BLOCK_M"]), n),
@@ -746,7 +762,10 @@ def paged_decode(
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
     if configs is None:
-        configs = _decode_configs(big, dk, num_splits)
+        cfg_id: Any = _decode_class(big, dk, num_splits)
+        configs = _DECODE_CONFIGS[cfg_id]
+    else:
+        cfg_id = _configs_key(configs)
     block_dv = dot_block(dv)
     partial = torch.empty(
         (nd, num_heads, num_splits, block_dv), dtype=torch.float32, device=q.device
@@ -797,12 +816,12 @@ def paged_decode(
         V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
     )
-    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, tuple(map(_cfg_key, configs)))
+    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, cfg_id)
     _launch_fitting(
         _decode_kernel,
         lambda c: (nd, num_kv_heads * head_blocks, num_splits),
         key,
-        [{k: v for k, v in c.items() if k != "BLOCK_M"} for c in configs],
+        configs,
         args,
         meta,
     )
