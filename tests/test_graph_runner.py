@@ -251,6 +251,27 @@ def test_generation_with_graphs_equals_eager(model):
     assert results["full_and_piecewise"] == results["off"]
 
 
+TRITON_BACKENDS = {"attention": "triton", "ssm": "triton", "mla": "triton", "delta": "triton"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", GPU_MODELS)
+def test_generation_with_triton_graphs_equals_eager(model, monkeypatch):
+    # The Triton decode merges its key splits through arrival counters that must
+    # read zero at every launch, in replays as in eager steps; three splits force
+    # that path at these short contexts.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
+    pytest.importorskip("triton", reason="triton is not installed")
+    from backplane.backends.triton import attention as tri
+
+    monkeypatch.setitem(tri._FORCED_SPLITS, "value", 3)
+    results = generate_eager_and_graphed(
+        model, TRITON_BACKENDS, dtype="bfloat16", prompt_lens=(3, 17, 40, 9, 28, 5), max_tokens=12
+    )
+    assert results["full_and_piecewise"] == results["off"]
+
+
 def test_piecewise_graph_inputs_are_only_tensors_of_stable_storage(setup):
     # Module constants (eps, scaling factors) must be specialised, not passed as
     # fresh scalar tensors: those would move between capture and every replay.

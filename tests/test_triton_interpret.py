@@ -34,6 +34,8 @@ CHECKS = (
     "attention_prefill_extend",
     "attention_sliding_window",
     "attention_decode_split_kv",
+    "attention_long_chunks",
+    "attention_pages_only_prefill",
     "attention_out_contract",
     "mla_mixed",
     "mla_wide_latent",
@@ -234,6 +236,9 @@ def _attention_case(
         _close(f"sequence {i}", out[a:b], ref)
     if T > batch.num_tokens and not (out[batch.num_tokens :] == 0).all():
         raise AssertionError("padding rows of out are not zero")
+    for counters in tri._ARRIVALS.values():
+        if counters.any():
+            raise AssertionError("split-KV arrival counters were not reset to zero")
     return batch
 
 
@@ -276,6 +281,45 @@ def check_attention_decode_split_kv():
     """Decode only, long-ish contexts over many splits (some empty), GQA group of 4."""
     _attention_case([1, 1, 1], [150, 37, 2], hq=8, hkv=2, d=32, page_size=16, splits=5, padded=4)
     _attention_case([1, 1], [90, 7], hq=2, hkv=2, d=64, page_size=8, splits=1)
+
+
+def check_attention_long_chunks():
+    """Chunks longer than a query block: whole chunk tiles read from this step's rows unmasked.
+
+    The default tiles here are 128 queries x 64 keys, so the second and third
+    query blocks attend whole tiles of their own chunk below the diagonal (and,
+    with a window, masked tiles at its far edge) after the paged prefix.
+    """
+    _attention_case([300, 150, 1], [0, 45, 70], hq=2, hkv=1, d=16, page_size=8, splits=2, seed=2)
+    _attention_case([290, 1], [37, 300], hq=2, hkv=1, d=16, page_size=8, window=100, seed=3)
+
+
+def check_attention_pages_only_prefill():
+    """Without this step's rows the prefill kernel reads every key from the pages: same result."""
+    import torch
+
+    from backplane.backends.triton import attention as tri
+
+    batch = _batch([150, 9], [20, 33], 8, 40, seed=4)
+    T = batch.padded_num_tokens
+    q, k, v = torch.randn(T, 4, 16), torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+    cache = torch.randn(40, 2, 8, 2, 16)
+    tri.kv_append(k, cache[:, 0], batch.slot_mapping, T, v, cache[:, 1])
+    outs = []
+    for rows in (True, False):
+        out = torch.full((T, 4, 16), float("nan"))
+        extra = dict(k_new=k, v_new=v) if rows else {}
+        tri.paged_prefill(batch, q, cache[:, 0], cache[:, 1], out, scale=0.25, group=2, **extra)
+        outs.append(out)
+    h = batch.host
+    for i in range(batch.num_seqs):
+        a, b = int(h.query_start_loc[i]), int(h.query_start_loc[i + 1])
+        n = int(h.seq_lens[i])
+        ks = _gather_seq(cache[:, 0], h.block_table[i], n, 8)
+        vs = _gather_seq(cache[:, 1], h.block_table[i], n, 8)
+        ref = _ref_attention(q[a:b], ks, vs, int(h.cached_lens[i]), 0.25, 0)
+        _close(f"rows-and-pages sequence {i}", outs[0][a:b], ref)
+        _close(f"pages-only sequence {i}", outs[1][a:b], ref)
 
 
 def check_attention_out_contract():

@@ -1,18 +1,21 @@
 """Paged attention in Triton: KV append, ragged prefill/extend and split-KV decode.
 
-One cached op, ``backplane_triton::attention``, runs three kernels (or four):
+One cached op, ``backplane_triton::attention``, runs at most three kernels:
 
 1. ``_kv_append_kernel`` writes this step's keys and values into the paged
-   cache at ``slot_mapping`` (``-1`` = padding, skipped);
+   cache at ``slot_mapping`` (``-1`` = padding, skipped), both in one launch;
 2. ``_prefill_kernel`` attends every prefill/extend query to its sequence's
-   keys, read from the pages (the cached prefix and the chunk just appended),
-   with causal and optional sliding-window masks; one program per
-   ``(sequence, query block, query head)``;
+   keys, with causal and optional sliding-window masks; one program per
+   ``(sequence, query block, query head)``. The cached prefix is read from
+   the pages, the sequence's own chunk from this step's contiguous key/value
+   rows (through tensor descriptors on sm90+ for long prompts): a prompt's
+   keys need no page gather;
 3. ``_decode_kernel`` attends the one query of each decode sequence, split
    along the keys into ``num_splits`` parts so that long contexts fill the
    device; one program per ``(sequence, kv head x head block, split)`` serving
-   every query head of its GQA group, so each key/value page is read once;
-4. ``_decode_reduce_kernel`` merges the splits by their log-sum-exp.
+   every query head of its GQA group, so each key/value page is read once.
+   The last split of a sequence to finish merges the splits by their
+   log-sum-exp, in the same launch.
 
 The kernels are written generally enough to serve MLA too (see
 :mod:`backplane.backends.triton.mla`): the key may come in two parts (a main
@@ -25,6 +28,7 @@ offsets and page tables are read on the device, so nothing synchronises.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ from backplane.backends.triton._common import (
     device_parallelism,
     dot_block,
     ieee_dot,
+    interpreting,
     next_pow2,
 )
 from backplane.core.contract import cached_op, finish_output, output_buffer
@@ -54,21 +59,30 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _kv_append_kernel(
-    src_ptr,
-    cache_ptr,
+    k_src_ptr,
+    v_src_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     slot_ptr,
-    stride_st,
-    stride_sh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cp,
     stride_co,
     stride_ch,
-    page_size,
-    H,
-    D,
+    PAGE_SIZE: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
-    """Copy token ``pid``'s ``[H, D]`` row of ``src`` into the cache slot ``slot_mapping[pid]``."""
+    """Copy token ``pid``'s ``[H, D]`` key row (and value row) into cache slot ``slot_mapping[pid]``.
+
+    Keys and values go in one launch: the op runs per layer per step, and on
+    small batches the launch costs more than the copy.
+    """
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     hs = tl.arange(0, BLOCK_H)
@@ -77,15 +91,55 @@ def _kv_append_kernel(
     valid = (hs[:, None] * 0 + slot) >= 0
     mask = (hs[:, None] < H) & (ds[None, :] < D) & valid
     slot = tl.maximum(slot, 0)
-    page = slot // page_size
-    off = slot % page_size
-    x = tl.load(src_ptr + t * stride_st + hs[:, None] * stride_sh + ds[None, :], mask=mask)
-    dst = cache_ptr + page * stride_cp + off * stride_co + hs[:, None] * stride_ch + ds[None, :]
-    tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+    dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co
+    dst += hs[:, None] * stride_ch + ds[None, :]
+    x = tl.load(k_src_ptr + t * stride_kt + hs[:, None] * stride_kh + ds[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, x.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_V:
+        y = tl.load(v_src_ptr + t * stride_vt + hs[:, None] * stride_vh + ds[None, :], mask=mask)
+        tl.store(v_cache_ptr + dst, y.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _attend_tile(
+def _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """Fold one tile of raw scores ``s`` ``[M, N]`` and values ``v`` ``[N, DV]`` into the softmax state.
+
+    ``MASKED`` tiles hide the scores where ``keep`` is false; rows with
+    nothing visible yet keep ``m = -inf`` and are shifted by 0 (no ``inf -
+    inf``). Unmasked tiles have a finite maximum in every row, so they fold
+    the scale into one multiply-add and skip the guards.
+
+    :return: the updated ``(acc, m_i, l_i)``.
+    """
+    if MASKED:
+        s = tl.where(keep, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dot_t(a, b, IEEE: tl.constexpr):
+    """``a @ b^T`` with exact float32 products when ``IEEE``."""
+    if IEEE:
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _paged_tile(
     acc,
     m_i,
     l_i,
@@ -110,9 +164,9 @@ def _attend_tile(
     stride_vh,
     kvh,
     qk_scale,
-    DK,
-    DPE,
-    DV,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -123,7 +177,7 @@ def _attend_tile(
     IEEE: tl.constexpr,
     MASK: tl.constexpr,
 ):
-    """Fold the ``BLOCK_N`` keys from ``start`` into one online-softmax state.
+    """Fold the ``BLOCK_N`` keys from position ``start``, read through the page table, into the state.
 
     Shared by the prefill and decode kernels. ``MASK`` says what is hidden:
     ``0`` nothing (the tile lies below every row's causal limit and inside its
@@ -151,10 +205,7 @@ def _attend_tile(
         mask=n_mask[:, None] & (dk[None, :] < DK),
         other=0.0,
     )
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = _dot_t(q, k, IEEE)
     if HAS_PE:
         de = tl.arange(0, BLOCK_DPE)
         kpe = tl.load(
@@ -166,26 +217,7 @@ def _attend_tile(
             mask=n_mask[:, None] & (de[None, :] < DPE),
             other=0.0,
         )
-        if IEEE:
-            s += tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
-        else:
-            s += tl.dot(qpe, tl.trans(kpe))
-    s = s * qk_scale
-    if MASK == 1:
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-    if MASK == 2:
-        keep = (
-            n_mask[None, :]
-            & (offs_n[None, :] <= q_pos[:, None])
-            & (offs_n[None, :] > q_pos[:, None] - window)
-        )
-        s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # Rows with nothing visible yet keep m = -inf; shift by 0 to avoid inf - inf.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+        s += _dot_t(qpe, kpe, IEEE)
     if V_FROM_K:
         v = k  # MLA: the value is the latent the key tile already holds
     else:
@@ -198,12 +230,97 @@ def _attend_tile(
             mask=n_mask[:, None] & (dv[None, :] < DV),
             other=0.0,
         )
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    if MASK == 2:
+        keep = (
+            n_mask[None, :]
+            & (offs_n[None, :] <= q_pos[:, None])
+            & (offs_n[None, :] > q_pos[:, None] - window)
+        )
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
+        keep = n_mask[None, :]
+    return _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASK != 0, IEEE)
+
+
+@triton.jit
+def _chunk_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    offs_m,
+    q_len,
+    window,
+    row0,
+    kn_ptr,
+    vn_ptr,
+    k_desc,
+    v_desc,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    kvh,
+    qk_scale,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Fold ``BLOCK_N`` keys of the sequence's own chunk, read from this step's contiguous k/v rows.
+
+    Positions are relative to the chunk (query ``i`` sees chunk keys
+    ``i - window < j <= i``). ``MASK`` ``0`` tiles lie below every row's
+    diagonal and inside every window: they load without bounds (through the
+    tensor-memory accelerator when ``USE_TMA``); ``MASK`` ``2`` tiles apply
+    the causal and window limits per row.
+
+    :return: the updated ``(acc, m_i, l_i)``.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    rows = (row0 + offs_n).to(tl.int64)
+    if MASK == 0:
+        if USE_TMA:
+            k = k_desc.load([row0 + start, kvh * DK])
+            v = v_desc.load([row0 + start, kvh * DV])
+        else:
+            k = tl.load(
+                kn_ptr + rows[:, None] * stride_knt + kvh * stride_knh + dk[None, :],
+                mask=dk[None, :] < DK,
+                other=0.0,
+            )
+            v = tl.load(
+                vn_ptr + rows[:, None] * stride_vnt + kvh * stride_vnh + dv[None, :],
+                mask=dv[None, :] < DV,
+                other=0.0,
+            )
+        keep = offs_n[None, :] >= 0
+    else:
+        # Rows past the chunk (the next sequence's, or padding) are never read.
+        n_mask = offs_n < q_len
+        k = tl.load(
+            kn_ptr + rows[:, None] * stride_knt + kvh * stride_knh + dk[None, :],
+            mask=n_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        v = tl.load(
+            vn_ptr + rows[:, None] * stride_vnt + kvh * stride_vnh + dv[None, :],
+            mask=n_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        keep = (
+            n_mask[None, :]
+            & (offs_n[None, :] <= offs_m[:, None])
+            & (offs_n[None, :] > offs_m[:, None] - window)
+        )
+    s = _dot_t(q, k, IEEE)
+    return _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASK != 0, IEEE)
 
 
 @triton.jit
@@ -213,10 +330,13 @@ def _prefill_kernel(
     k_ptr,
     kpe_ptr,
     v_ptr,
+    kn_ptr,
+    vn_ptr,
     o_ptr,
     qsl_ptr,
     cached_ptr,
     bt_ptr,
+    num_rows,
     stride_qt,
     stride_qh,
     stride_pt,
@@ -230,15 +350,20 @@ def _prefill_kernel(
     stride_vp,
     stride_vo,
     stride_vh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     stride_ot,
     stride_oh,
     stride_bt,
     qk_scale,
     group,
     window,
-    DK,
-    DPE,
-    DV,
+    num_kv_heads,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -248,8 +373,16 @@ def _prefill_kernel(
     HAS_PE: tl.constexpr,
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
+    CHUNK_FROM_INPUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """Causal (optionally windowed) attention of one query block of one head over the pages.
+    """Causal (optionally windowed) attention of one query block of one head.
+
+    The cached prefix is read through the page table. With
+    ``CHUNK_FROM_INPUT`` the sequence's own chunk is read from this step's
+    contiguous ``kn``/``vn`` rows (the same values the append wrote to the
+    pages), which spares the page gather where most prefill work lies;
+    otherwise every key comes from the pages.
 
     The grid is ``(head, query block, sequence)``: the heads of a GQA group are
     neighbours, so they find their key tiles in L2, and the last (longest)
@@ -288,18 +421,22 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
+        # Paged keys, absolute positions: the prefix only, or everything.
         first = cached + mblk * BLOCK_M  # position of the block's first query
         last = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
-        hi = last + 1
+        if CHUNK_FROM_INPUT:
+            hi = cached
+        else:
+            hi = last + 1
         lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
         # Keys in [full_lo, full_hi) are visible to every row of the block: at or
-        # before the first query and inside the last query's window.
+        # before the first query, inside the last query's window, below hi.
         full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
-        full_hi = ((first + 1) // BLOCK_N) * BLOCK_N
+        full_hi = tl.minimum((first + 1) // BLOCK_N, hi // BLOCK_N) * BLOCK_N
         split = tl.minimum(full_lo, hi)
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         for start in range(lo, split, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i = _paged_tile(
                 acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
                 k_ptr, kpe_ptr, v_ptr,
                 stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
@@ -307,7 +444,7 @@ def _prefill_kernel(
                 PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
             )  # fmt: skip
         for start in range(full_lo, full_hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i = _paged_tile(
                 acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
                 k_ptr, kpe_ptr, v_ptr,
                 stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
@@ -315,13 +452,57 @@ def _prefill_kernel(
                 PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
             )  # fmt: skip
         for start in range(tl.maximum(full_hi, split), hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i = _paged_tile(
                 acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
                 k_ptr, kpe_ptr, v_ptr,
                 stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
                 stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
                 PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
             )  # fmt: skip
+
+        if CHUNK_FROM_INPUT:
+            # The chunk's own keys, positions relative to the chunk.
+            if USE_TMA:
+                k_desc = tl.make_tensor_descriptor(
+                    kn_ptr,
+                    shape=[num_rows, num_kv_heads * DK],
+                    strides=[stride_knt, 1],
+                    block_shape=[BLOCK_N, DK],
+                )
+                v_desc = tl.make_tensor_descriptor(
+                    vn_ptr,
+                    shape=[num_rows, num_kv_heads * DV],
+                    strides=[stride_vnt, 1],
+                    block_shape=[BLOCK_N, DV],
+                )
+            else:
+                k_desc = kn_ptr
+                v_desc = vn_ptr
+            first_c = mblk * BLOCK_M
+            last_c = tl.minimum(first_c + BLOCK_M, q_len) - 1
+            lo_c = (tl.maximum(first_c - window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_lo_c = tl.cdiv(tl.maximum(last_c - window + 1, 0), BLOCK_N) * BLOCK_N
+            full_hi_c = ((first_c + 1) // BLOCK_N) * BLOCK_N
+            split_c = tl.minimum(full_lo_c, last_c + 1)
+            for start in range(lo_c, split_c, BLOCK_N):
+                acc, m_i, l_i = _chunk_tile(
+                    acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                    kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                    kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 2,
+                )  # fmt: skip
+            for start in range(full_lo_c, full_hi_c, BLOCK_N):
+                acc, m_i, l_i = _chunk_tile(
+                    acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                    kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                    kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 0,
+                )  # fmt: skip
+            for start in range(tl.maximum(full_hi_c, split_c), last_c + 1, BLOCK_N):
+                acc, m_i, l_i = _chunk_tile(
+                    acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                    kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                    kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 2,
+                )  # fmt: skip
+
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
@@ -337,8 +518,10 @@ def _decode_kernel(
     k_ptr,
     kpe_ptr,
     v_ptr,
+    o_ptr,
     po_ptr,
     plse_ptr,
+    arrivals_ptr,
     seq_lens_ptr,
     bt_ptr,
     first_seq,
@@ -356,19 +539,22 @@ def _decode_kernel(
     stride_vp,
     stride_vo,
     stride_vh,
+    stride_ot,
+    stride_oh,
     stride_bt,
     qk_scale,
     num_heads,
     group,
     window,
-    DK,
-    DPE,
-    DV,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -378,9 +564,14 @@ def _decode_kernel(
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
 
-    Writes the split's normalised partial output and its log2-sum-exp to the
-    partial buffers ``po[seq, head, split, :]`` and ``plse[seq, head, split]``
-    (``-inf`` for an empty split).
+    With one split the program writes its rows of ``out``. With several it
+    writes its normalised partial output and log2-sum-exp to
+    ``po[seq, head, split, :]`` and ``plse[seq, head, split]`` (``-inf`` for
+    an empty split) and counts itself in at ``arrivals[seq, head block]``;
+    the program that arrives last merges the splits into ``out`` and resets
+    the counter to zero for the next launch. Merging in the same launch saves
+    a kernel launch per layer, which is most of an eager decode's cost at
+    small batches.
     """
     j = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
@@ -421,7 +612,7 @@ def _decode_kernel(
     # Whole tiles need no bounds check; only the split's last, partial tile does.
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = _paged_tile(
             acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
             k_ptr, kpe_ptr, v_ptr,
             stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
@@ -429,7 +620,7 @@ def _decode_kernel(
             PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
         )  # fmt: skip
     for start in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = _paged_tile(
             acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
             k_ptr, kpe_ptr, v_ptr,
             stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
@@ -439,55 +630,48 @@ def _decode_kernel(
 
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    row = (j.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-    tl.store(
-        po_ptr + row[:, None] * BLOCK_DV + dv[None, :],
-        acc,
-        mask=h_mask[:, None] & (dv[None, :] < DV),
-    )
-    tl.store(plse_ptr + row, lse, mask=h_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    po_ptr,
-    plse_ptr,
-    o_ptr,
-    first_tok,
-    stride_ot,
-    stride_oh,
-    num_heads,
-    DV,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """Merge the splits of one (decode sequence, head) by their log2-sum-exp into ``out``.
-
-    The partial rows are added one split at a time, so registers hold one
-    ``[BLOCK_DV]`` row whatever the number of splits (MLA rows are 512 wide).
-    """
-    j = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    ss = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
-    row0 = (j * num_heads + h) * NUM_SPLITS
-    lse = tl.load(plse_ptr + row0 + ss, mask=ss < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m_safe), 0)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(plse_ptr + row0 + s) - m_safe)
-        part = tl.load(po_ptr + (row0 + s) * BLOCK_DV + dv, mask=dv < DV, other=0.0)
-        acc += part * w
-    o = acc / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        o_ptr + (first_tok + j) * stride_ot + h * stride_oh + dv,
-        o.to(o_ptr.dtype.element_ty),
-        mask=dv < DV,
-    )
+    out_rows = o_ptr + tok * stride_ot + heads[:, None] * stride_oh + dv[None, :]
+    out_mask = h_mask[:, None] & (dv[None, :] < DV)
+    if NUM_SPLITS == 1:
+        tl.store(out_rows, acc.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        row0 = (j.to(tl.int64) * num_heads + heads) * NUM_SPLITS
+        tl.store(po_ptr + (row0 + split)[:, None] * BLOCK_DV + dv[None, :], acc, mask=out_mask)
+        tl.store(plse_ptr + row0 + split, lse, mask=h_mask)
+        # Every thread's partial stores come before the (releasing) arrival.
+        tl.debug_barrier()
+        counter = arrivals_ptr + j * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            ss = tl.arange(0, BLOCK_S)
+            # Loads bypass L1 (".cg"): the other splits were written by other SMs.
+            lses = tl.load(
+                plse_ptr + row0[:, None] + ss[None, :],
+                mask=h_mask[:, None] & (ss[None, :] < NUM_SPLITS),
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            m = tl.max(lses, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.sum(tl.exp2(lses - m_safe[:, None]), 1)
+            merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+            # One split at a time keeps registers at one [BLOCK_H, BLOCK_DV] tile
+            # whatever the number of splits (MLA rows are 512 wide).
+            for s in range(NUM_SPLITS):
+                w = tl.exp2(
+                    tl.load(plse_ptr + row0 + s, mask=h_mask, other=0.0, cache_modifier=".cg")
+                    - m_safe
+                )
+                part = tl.load(
+                    po_ptr + (row0 + s)[:, None] * BLOCK_DV + dv[None, :],
+                    mask=out_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                merged += part * w[:, None]
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(out_rows, merged.to(o_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)
 
 
 # -- launchers (shared with MLA) ------------------------------------------------
@@ -574,8 +758,20 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """A ``[T, H, D]`` view (``[T, D]`` gains a head axis) with a contiguous last dimension."""
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def kv_append(
-    src: torch.Tensor, cache_plane: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
+    src: torch.Tensor,
+    cache_plane: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+    v_src: torch.Tensor | None = None,
+    v_plane: torch.Tensor | None = None,
 ) -> None:
     """Write ``src[:num_tokens]`` into a cache plane at ``slot_mapping`` (``-1`` skipped).
 
@@ -584,30 +780,45 @@ def kv_append(
         page_size, D]``) view of the cache, last dimension contiguous.
     :param slot_mapping: ``[>= num_tokens]`` int64 device tensor.
     :param num_tokens: how many rows to write (host value).
+    :param v_src: optional values, shaped like ``src``, written in the same launch...
+    :param v_plane: ...into this plane, strided like ``cache_plane``.
     """
     if num_tokens == 0:
         return
-    if src.dim() == 2:
-        src = src.unsqueeze(1)
+    src = _as_rows(src)
     if cache_plane.dim() == 3:
         cache_plane = cache_plane.unsqueeze(2)
-    if src.stride(-1) != 1:
-        src = src.contiguous()
+    has_v = v_src is not None and v_plane is not None
+    if has_v:
+        v_src = _as_rows(v_src)
+        if v_plane.dim() == 3:
+            v_plane = v_plane.unsqueeze(2)
+        if v_plane.stride() != cache_plane.stride() or v_src.shape != src.shape:
+            kv_append(src, cache_plane, slot_mapping, num_tokens)
+            kv_append(v_src, v_plane, slot_mapping, num_tokens)
+            return
+    else:
+        v_src, v_plane = src, cache_plane
     _, page_size, H, D = cache_plane.shape
     _kv_append_kernel[(num_tokens,)](
         src,
+        v_src,
         cache_plane,
+        v_plane,
         slot_mapping,
         src.stride(0),
         src.stride(1),
+        v_src.stride(0),
+        v_src.stride(1),
         cache_plane.stride(0),
         cache_plane.stride(1),
         cache_plane.stride(2),
-        page_size,
-        H,
-        D,
+        PAGE_SIZE=page_size,
+        H=H,
+        D=D,
         BLOCK_H=next_pow2(H),
         BLOCK_D=next_pow2(D),
+        HAS_V=has_v,
     )
 
 
@@ -616,6 +827,38 @@ def _plane_strides(plane: torch.Tensor) -> tuple[int, int, int]:
     if plane.dim() == 3:
         return plane.stride(0), plane.stride(1), 0
     return plane.stride(0), plane.stride(1), plane.stride(2)
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Device memory for the tensor descriptors a kernel builds (Triton's allocator hook)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@functools.cache
+def _tma_supported(device_index: int) -> bool:
+    """Whether kernels on this device can load through tensor descriptors (sm90+, not interpreted).
+
+    The first ``True`` installs a scratch allocator for in-kernel descriptors
+    (any allocator handing out device memory serves; fla installs an
+    equivalent one).
+    """
+    if interpreting() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    triton.set_allocator(_tma_scratch)
+    return True
+
+
+def _tma_rows_ok(x: torch.Tensor, width: int) -> bool:
+    """Whether ``x`` ``[T, H, D]`` can be a ``[T, H * D]`` tensor descriptor of ``width``-wide blocks."""
+    size = x.element_size()
+    return (
+        x.stride(2) == 1
+        and x.stride(1) == x.shape[2] == width
+        and (x.data_ptr() % 16) == 0
+        and (x.stride(0) * size) % 16 == 0
+    )
 
 
 def paged_prefill(
@@ -630,9 +873,11 @@ def paged_prefill(
     sliding_window: int = 0,
     q_pe: torch.Tensor | None = None,
     kpe_plane: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     configs: list[dict] | None = None,
 ) -> None:
-    """Attend the prefill/extend queries of ``batch`` over their pages, writing ``out`` rows.
+    """Attend the prefill/extend queries of ``batch`` over their keys, writing ``out`` rows.
 
     :param batch: the step's metadata; its prefill sequences come first.
     :param q: ``[T, Hq, DK]``.
@@ -644,6 +889,10 @@ def paged_prefill(
     :param sliding_window: ``0`` = full causal attention.
     :param q_pe: optional second query part (MLA rotary part), ``[T, Hq, DPE]``.
     :param kpe_plane: the matching key part.
+    :param k_new: optional ``[T, Hkv, DK]`` keys of this step, the rows already
+        appended to ``k_plane``: each sequence's own chunk is then read from
+        them (contiguous rows) and only the cached prefix from the pages.
+    :param v_new: the values matching ``k_new``.
     :param configs: launch configurations to try in order (tuning scripts);
         ``None`` = the defaults for the shape.
     """
@@ -664,16 +913,43 @@ def paged_prefill(
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    from_input = (
+        k_new is not None
+        and v_new is not None
+        and not has_pe
+        and k_new.dtype == k_plane.dtype
+        and v_new.dtype == v_plane.dtype
+        and k_new.stride(-1) == 1
+        and v_new.stride(-1) == 1
+    )
+    if from_input:
+        block_dk, block_dv = dot_block(dk), dot_block(dv)
+        use_tma = (
+            cfg_id == "long"
+            and q.is_cuda
+            and block_dk == dk
+            and block_dv == dv
+            and _tma_rows_ok(k_new, dk)
+            and _tma_rows_ok(v_new, dv)
+            and _tma_supported(q.device.index if q.device.index is not None else 0)
+        )
+        kn, vn = k_new, v_new
+    else:
+        use_tma = False
+        kn, vn = k_plane, v_plane  # unused: any tensors serve as placeholders
     args = (
         q,
         qpe,
         k_plane,
         kpe,
         v_plane,
+        kn,
+        vn,
         out,
         batch.query_start_loc,
         batch.cached_lens,
         batch.block_table,
+        kn.shape[0],
         q.stride(0),
         q.stride(1),
         qpe.stride(0),
@@ -681,17 +957,22 @@ def paged_prefill(
         *_plane_strides(k_plane),
         *_plane_strides(kpe),
         *_plane_strides(v_plane),
+        kn.stride(0),
+        kn.stride(1) if from_input else 0,
+        vn.stride(0),
+        vn.stride(1) if from_input else 0,
         out.stride(0),
         out.stride(1),
         batch.block_table.stride(0),
         scale * _LOG2E,
         group,
         sliding_window if sliding_window > 0 else _NO_WINDOW,
-        dk,
-        dpe,
-        dv,
+        num_heads // group,
     )
     meta = dict(
+        DK=dk,
+        DPE=dpe,
+        DV=dv,
         PAGE_SIZE=batch.page_size,
         BLOCK_DK=dot_block(dk),
         BLOCK_DPE=dot_block(dpe) if has_pe else 16,
@@ -699,8 +980,10 @@ def paged_prefill(
         HAS_PE=has_pe,
         V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
+        CHUNK_FROM_INPUT=from_input,
+        USE_TMA=use_tma,
     )
-    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, cfg_id)
+    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, from_input, use_tma, cfg_id)
     _launch_fitting(
         _prefill_kernel,
         lambda c: (num_heads, triton.cdiv(max_q, c["BLOCK_M"]), n),
@@ -728,6 +1011,24 @@ def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: tor
     return int(max(1, min(want, by_len, MAX_KV_SPLITS)))
 
 
+#: Per device: arrival counters of the split-KV decode, all zero between launches.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters on ``device``, kept across launches.
+
+    The decode kernel leaves every counter it used at zero again, so one
+    buffer serves every layer and step (and CUDA-graph replays, as the buffer
+    never moves once it is large enough). It grows to the next power of two.
+    """
+    buf = _ARRIVALS.get(device)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(next_pow2(max(count, 1024)), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = buf
+    return buf
+
+
 def paged_decode(
     batch: BatchMetadata,
     q: torch.Tensor,
@@ -745,8 +1046,10 @@ def paged_decode(
 ) -> None:
     """Split-KV decode for the decode sequences of ``batch``, writing their ``out`` rows.
 
-    Arguments as for :func:`paged_prefill`; ``num_splits`` overrides
-    :func:`choose_num_splits` (tests use it to force several splits).
+    One launch: the last split of each (sequence, head block) to finish merges
+    the splits (see ``_decode_kernel``). Arguments as for
+    :func:`paged_prefill`; ``num_splits`` overrides :func:`choose_num_splits`
+    (tests use it to force several splits).
     """
     nd = batch.num_decode_seqs
     if nd == 0:
@@ -767,14 +1070,16 @@ def paged_decode(
     else:
         cfg_id = _configs_key(configs)
     block_dv = dot_block(dv)
-    partial = torch.empty(
-        (nd, num_heads, num_splits, block_dv), dtype=torch.float32, device=q.device
-    )
-    lse = torch.empty((nd, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        rows = nd * num_heads * num_splits
+        # One allocation: the partial outputs, then their log2-sum-exps.
+        scratch = torch.empty(rows * (block_dv + 1), dtype=torch.float32, device=q.device)
+        partial, lse = scratch[: rows * block_dv], scratch[rows * block_dv :]
+        arrivals = _arrivals(q.device, nd * num_kv_heads * head_blocks)
+    else:
+        partial = lse = arrivals = out  # unused placeholders
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
-    first_seq = batch.num_prefill_seqs
-    first_tok = batch.num_prefill_tokens
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
     args = (
         q,
@@ -782,12 +1087,14 @@ def paged_decode(
         k_plane,
         kpe,
         v_plane,
+        out,
         partial,
         lse,
+        arrivals,
         batch.seq_lens,
         batch.block_table,
-        first_seq,
-        first_tok,
+        batch.num_prefill_seqs,
+        batch.num_prefill_tokens,
         q.stride(0),
         q.stride(1),
         qpe.stride(0),
@@ -795,20 +1102,23 @@ def paged_decode(
         *_plane_strides(k_plane),
         *_plane_strides(kpe),
         *_plane_strides(v_plane),
+        out.stride(0),
+        out.stride(1),
         batch.block_table.stride(0),
         scale * _LOG2E,
         num_heads,
         group,
         sliding_window if sliding_window > 0 else _NO_WINDOW,
-        dk,
-        dpe,
-        dv,
     )
     meta = dict(
+        DK=dk,
+        DPE=dpe,
+        DV=dv,
         PAGE_SIZE=batch.page_size,
         NUM_SPLITS=num_splits,
         HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
+        BLOCK_S=next_pow2(num_splits),
         BLOCK_DK=dot_block(dk),
         BLOCK_DPE=dot_block(dpe) if has_pe else 16,
         BLOCK_DV=block_dv,
@@ -824,19 +1134,6 @@ def paged_decode(
         configs,
         args,
         meta,
-    )
-    _decode_reduce_kernel[(nd, num_heads)](
-        partial,
-        lse,
-        out,
-        first_tok,
-        out.stride(0),
-        out.stride(1),
-        num_heads,
-        dv,
-        NUM_SPLITS=num_splits,
-        BLOCK_S=next_pow2(num_splits),
-        BLOCK_DV=block_dv,
     )
 
 
@@ -881,24 +1178,26 @@ def paged_attention(
     num_tokens = batch.num_tokens
     if q.stride(-1) != 1:
         q = q.contiguous()
-    kv_append(k, kv_cache[:, 0], batch.slot_mapping, num_tokens)
-    kv_append(v, kv_cache[:, 1], batch.slot_mapping, num_tokens)
+    k_plane, v_plane = kv_cache.unbind(1)
+    kv_append(k, k_plane, batch.slot_mapping, num_tokens, v, v_plane)
     group = q.shape[1] // k.shape[1]
     paged_prefill(
         batch,
         q,
-        kv_cache[:, 0],
-        kv_cache[:, 1],
+        k_plane,
+        v_plane,
         buf,
         scale=scale,
         group=group,
         sliding_window=sliding_window,
+        k_new=k,
+        v_new=v,
     )
     paged_decode(
         batch,
         q,
-        kv_cache[:, 0],
-        kv_cache[:, 1],
+        k_plane,
+        v_plane,
         buf,
         scale=scale,
         group=group,

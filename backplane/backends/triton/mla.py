@@ -12,7 +12,7 @@ is a view of the key's storage exist for this module):
 
 * ``_kv_append_kernel`` writes ``kv_c`` and ``k_pe`` into the latent cache;
 * ``_prefill_kernel`` per (sequence, query block, head), causal over the pages;
-* ``_decode_kernel`` + ``_decode_reduce_kernel``, split-KV, one program per
+* ``_decode_kernel``, split-KV (the splits merged in the same launch), one program per
   (sequence, block of 16 heads, split) so that each latent page is read once per
   head block rather than once per head.
 
