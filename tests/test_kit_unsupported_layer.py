@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+#: The tree under test: the child pytest imports it from here, wherever an
+#: installed copy points.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_unsupported_layer_error_becomes_a_skip(tmp_path):
@@ -35,6 +41,10 @@ def test_unsupported_layer_error_becomes_a_skip(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        ),
     )
     out = proc.stdout
     assert "1 failed, 1 skipped" in out, out
