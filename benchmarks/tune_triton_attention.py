@@ -38,8 +38,9 @@ def _case(query: list[int], cached: list[int]):
     t, L = batch.padded_num_tokens, ATTN
     cache = _rnd(pages, 2, 16, L.num_kv_heads, L.head_dim)
     q = _rnd(t, L.num_heads, L.head_dim)
+    kv = _rnd(t, 2, L.num_kv_heads, L.head_dim)  # this step's rows, appended by the kernels
     out = torch.empty(t, L.num_heads, L.head_dim, dtype=DT, device="cuda")
-    return batch, q, cache, out
+    return batch, q, kv, cache, out
 
 
 def _flops(n: int) -> float:
@@ -51,8 +52,13 @@ def sweep_prefill(sizes: list[int], iters: int, rows: list[dict]) -> None:
     """Time every prefill configuration at each prompt length."""
     space = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
     for n in sizes:
-        batch, q, cache, out = _case([n], [0])
-        kw = dict(scale=ATTN.head_dim**-0.5, group=ATTN.num_heads // ATTN.num_kv_heads)
+        batch, q, kv, cache, out = _case([n], [0])
+        kw = dict(
+            scale=ATTN.head_dim**-0.5,
+            group=ATTN.num_heads // ATTN.num_kv_heads,
+            k_new=kv[:, 0],
+            v_new=kv[:, 1],
+        )
         best = None
         for bm, bn, w, st in space:
             cfg = _cfg(bm, bn, w, st)
@@ -78,13 +84,13 @@ def sweep_decode(shapes: list[tuple[int, int]], iters: int, rows: list[dict]) ->
     space = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
     group = ATTN.num_heads // ATTN.num_kv_heads
     for b, ctx in shapes:
-        batch, q, cache, out = _case([1] * b, [ctx - 1] * b)
+        batch, q, kv, cache, out = _case([1] * b, [ctx - 1] * b)
         auto = tri.choose_num_splits(batch, ATTN.num_kv_heads, q.device)
         kv_bytes = 2 * b * ctx * ATTN.num_kv_heads * ATTN.head_dim * 2
 
         call = functools.partial(
             tri.paged_decode, batch, q, cache[:, 0], cache[:, 1], out,
-            scale=ATTN.head_dim**-0.5, group=group,
+            scale=ATTN.head_dim**-0.5, group=group, k_new=kv[:, 0], v_new=kv[:, 1],
         )  # fmt: skip
 
         def run(cfg, splits, call=call):

@@ -292,6 +292,9 @@ def check_attention_long_chunks():
     """
     _attention_case([300, 150, 1], [0, 45, 70], hq=2, hkv=1, d=16, page_size=8, splits=2, seed=2)
     _attention_case([290, 1], [37, 300], hq=2, hkv=1, d=16, page_size=8, window=100, seed=3)
+    # No cached prefix anywhere: the kernel variant without the paged loops.
+    _attention_case([260, 70], [0, 0], hq=2, hkv=1, d=16, page_size=8, window=90, seed=4)
+    _attention_case([200], [0], hq=4, hkv=2, d=16, page_size=8, seed=5)
 
 
 def check_attention_pages_only_prefill():

@@ -1,21 +1,26 @@
-"""Paged attention in Triton: KV append, ragged prefill/extend and split-KV decode.
+"""Paged attention in Triton: ragged prefill/extend and split-KV decode, with the KV append.
 
-One cached op, ``backplane_triton::attention``, runs at most three kernels:
+One cached op, ``backplane_triton::attention``, runs at most two kernels, and
+each appends its own tokens' keys and values to the paged cache at
+``slot_mapping`` (``-1`` = padding, skipped), so no launch is spent on the
+append alone (the op runs per layer per step; at small batches launches cost
+more than the work):
 
-1. ``_kv_append_kernel`` writes this step's keys and values into the paged
-   cache at ``slot_mapping`` (``-1`` = padding, skipped), both in one launch;
-2. ``_prefill_kernel`` attends every prefill/extend query to its sequence's
+1. ``_prefill_kernel`` attends every prefill/extend query to its sequence's
    keys, with causal and optional sliding-window masks; one program per
    ``(sequence, query block, query head)``. The cached prefix is read from
    the pages, the sequence's own chunk from this step's contiguous key/value
    rows (through tensor descriptors on sm90+ for long prompts): a prompt's
    keys need no page gather;
-3. ``_decode_kernel`` attends the one query of each decode sequence, split
+2. ``_decode_kernel`` attends the one query of each decode sequence, split
    along the keys into ``num_splits`` parts so that long contexts fill the
    device; one program per ``(sequence, kv head x head block, split)`` serving
    every query head of its GQA group, so each key/value page is read once.
    The last split of a sequence to finish merges the splits by their
    log-sum-exp, in the same launch.
+
+``_kv_append_kernel`` alone serves MLA's latent cache and layouts the prefill
+kernel cannot read from the step's rows.
 
 The kernels are written generally enough to serve MLA too (see
 :mod:`backplane.backends.triton.mla`): the key may come in two parts (a main
@@ -336,6 +341,7 @@ def _prefill_kernel(
     qsl_ptr,
     cached_ptr,
     bt_ptr,
+    slot_ptr,
     num_rows,
     stride_qt,
     stride_qh,
@@ -375,6 +381,9 @@ def _prefill_kernel(
     IEEE: tl.constexpr,
     CHUNK_FROM_INPUT: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PAGED_KEYS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    APPEND: tl.constexpr,
 ):
     """Causal (optionally windowed) attention of one query block of one head.
 
@@ -382,7 +391,13 @@ def _prefill_kernel(
     ``CHUNK_FROM_INPUT`` the sequence's own chunk is read from this step's
     contiguous ``kn``/``vn`` rows (the same values the append wrote to the
     pages), which spares the page gather where most prefill work lies;
-    otherwise every key comes from the pages.
+    otherwise every key comes from the pages. ``PAGED_KEYS`` (false when no
+    sequence has a cached prefix and the chunk comes from the input) and
+    ``WINDOWED`` leave out the loops a batch cannot need. With ``APPEND``
+    (which needs ``CHUNK_FROM_INPUT``) the programs of each GQA group's first
+    head also write their query block's key/value rows to the pages at
+    ``slot_mapping``: no append launch, and nothing in this launch reads
+    those slots (prefixes lie before every chunk).
 
     The grid is ``(head, query block, sequence)``: the heads of a GQA group are
     neighbours, so they find their key tiles in L2, and the last (longest)
@@ -417,48 +432,84 @@ def _prefill_kernel(
         else:
             qpe = q
 
+        if APPEND:
+            if h % group == 0:
+                slots = tl.load(slot_ptr + rows, mask=m_mask, other=-1)
+                w_mask = m_mask & (slots >= 0)
+                slots = tl.maximum(slots, 0).to(tl.int64)
+                dst = (slots // PAGE_SIZE)[:, None] * stride_kp + (slots % PAGE_SIZE)[
+                    :, None
+                ] * stride_ko
+                kr = tl.load(
+                    kn_ptr + rows[:, None] * stride_knt + kvh * stride_knh + dk[None, :],
+                    mask=w_mask[:, None] & (dk[None, :] < DK),
+                )
+                tl.store(
+                    k_ptr + dst + kvh * stride_kh + dk[None, :],
+                    kr.to(k_ptr.dtype.element_ty),
+                    mask=w_mask[:, None] & (dk[None, :] < DK),
+                )
+                dst = (slots // PAGE_SIZE)[:, None] * stride_vp + (slots % PAGE_SIZE)[
+                    :, None
+                ] * stride_vo
+                vr = tl.load(
+                    vn_ptr + rows[:, None] * stride_vnt + kvh * stride_vnh + dv[None, :],
+                    mask=w_mask[:, None] & (dv[None, :] < DV),
+                )
+                tl.store(
+                    v_ptr + dst + kvh * stride_vh + dv[None, :],
+                    vr.to(v_ptr.dtype.element_ty),
+                    mask=w_mask[:, None] & (dv[None, :] < DV),
+                )
+
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-        # Paged keys, absolute positions: the prefix only, or everything.
-        first = cached + mblk * BLOCK_M  # position of the block's first query
-        last = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
-        if CHUNK_FROM_INPUT:
-            hi = cached
-        else:
-            hi = last + 1
-        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
-        # Keys in [full_lo, full_hi) are visible to every row of the block: at or
-        # before the first query, inside the last query's window, below hi.
-        full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
-        full_hi = tl.minimum((first + 1) // BLOCK_N, hi // BLOCK_N) * BLOCK_N
-        split = tl.minimum(full_lo, hi)
-        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(lo, split, BLOCK_N):
-            acc, m_i, l_i = _paged_tile(
-                acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
-                k_ptr, kpe_ptr, v_ptr,
-                stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
-                stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-                PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
-            )  # fmt: skip
-        for start in range(full_lo, full_hi, BLOCK_N):
-            acc, m_i, l_i = _paged_tile(
-                acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
-                k_ptr, kpe_ptr, v_ptr,
-                stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
-                stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-                PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
-            )  # fmt: skip
-        for start in range(tl.maximum(full_hi, split), hi, BLOCK_N):
-            acc, m_i, l_i = _paged_tile(
-                acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
-                k_ptr, kpe_ptr, v_ptr,
-                stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
-                stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-                PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
-            )  # fmt: skip
+        if PAGED_KEYS:
+            # Paged keys, absolute positions: the prefix only, or everything.
+            first = cached + mblk * BLOCK_M  # position of the block's first query
+            last = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
+            if CHUNK_FROM_INPUT:
+                hi = cached
+            else:
+                hi = last + 1
+            # Keys in [full_lo, full_hi) are visible to every row of the block: at or
+            # before the first query, inside the last query's window, below hi.
+            if WINDOWED:
+                lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
+                full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+            else:
+                lo = 0
+                full_lo = 0
+            full_hi = tl.minimum((first + 1) // BLOCK_N, hi // BLOCK_N) * BLOCK_N
+            split = tl.minimum(full_lo, hi)
+            bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+            if WINDOWED:
+                for start in range(lo, split, BLOCK_N):
+                    acc, m_i, l_i = _paged_tile(
+                        acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                        k_ptr, kpe_ptr, v_ptr,
+                        stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                        stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                        PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+                    )  # fmt: skip
+            for start in range(full_lo, full_hi, BLOCK_N):
+                acc, m_i, l_i = _paged_tile(
+                    acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                    k_ptr, kpe_ptr, v_ptr,
+                    stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                    stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+                )  # fmt: skip
+            for start in range(tl.maximum(full_hi, split), hi, BLOCK_N):
+                acc, m_i, l_i = _paged_tile(
+                    acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                    k_ptr, kpe_ptr, v_ptr,
+                    stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                    stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+                )  # fmt: skip
 
         if CHUNK_FROM_INPUT:
             # The chunk's own keys, positions relative to the chunk.
@@ -480,16 +531,21 @@ def _prefill_kernel(
                 v_desc = vn_ptr
             first_c = mblk * BLOCK_M
             last_c = tl.minimum(first_c + BLOCK_M, q_len) - 1
-            lo_c = (tl.maximum(first_c - window + 1, 0) // BLOCK_N) * BLOCK_N
-            full_lo_c = tl.cdiv(tl.maximum(last_c - window + 1, 0), BLOCK_N) * BLOCK_N
+            if WINDOWED:
+                lo_c = (tl.maximum(first_c - window + 1, 0) // BLOCK_N) * BLOCK_N
+                full_lo_c = tl.cdiv(tl.maximum(last_c - window + 1, 0), BLOCK_N) * BLOCK_N
+            else:
+                lo_c = 0
+                full_lo_c = 0
             full_hi_c = ((first_c + 1) // BLOCK_N) * BLOCK_N
             split_c = tl.minimum(full_lo_c, last_c + 1)
-            for start in range(lo_c, split_c, BLOCK_N):
-                acc, m_i, l_i = _chunk_tile(
-                    acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
-                    kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                    kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 2,
-                )  # fmt: skip
+            if WINDOWED:
+                for start in range(lo_c, split_c, BLOCK_N):
+                    acc, m_i, l_i = _chunk_tile(
+                        acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                        kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                        kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 2,
+                    )  # fmt: skip
             for start in range(full_lo_c, full_hi_c, BLOCK_N):
                 acc, m_i, l_i = _chunk_tile(
                     acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
@@ -522,10 +578,17 @@ def _decode_kernel(
     po_ptr,
     plse_ptr,
     arrivals_ptr,
+    kn_ptr,
+    vn_ptr,
+    slot_ptr,
     seq_lens_ptr,
     bt_ptr,
     first_seq,
     first_tok,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     stride_qt,
     stride_qh,
     stride_pt,
@@ -561,8 +624,14 @@ def _decode_kernel(
     HAS_PE: tl.constexpr,
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
+    APPEND: tl.constexpr,
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
+
+    With ``APPEND`` the program whose split holds the sequence's last position
+    first writes this step's key/value row (``kn``/``vn`` at the token's slot)
+    to the pages, then reads it back with the rest: the decode tokens need no
+    append launch of their own.
 
     With one split the program writes its rows of ``out``. With several it
     writes its normalised partial output and log2-sum-exp to
@@ -604,6 +673,27 @@ def _decode_kernel(
         ).to(kpe_ptr.dtype.element_ty)
     else:
         qpe = q
+
+    if APPEND:
+        slot = tl.load(slot_ptr + tok)
+        if (slot >= 0) & (seq_len - 1 >= lo) & (seq_len - 1 < hi):
+            slot = slot.to(tl.int64)
+            page = slot // PAGE_SIZE
+            off = slot % PAGE_SIZE
+            kr = tl.load(kn_ptr + tok * stride_knt + kvh * stride_knh + dk, mask=dk < DK)
+            tl.store(
+                k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh + dk,
+                kr.to(k_ptr.dtype.element_ty),
+                mask=dk < DK,
+            )
+            vr = tl.load(vn_ptr + tok * stride_vnt + kvh * stride_vnh + dv, mask=dv < DV)
+            tl.store(
+                v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh + dv,
+                vr.to(v_ptr.dtype.element_ty),
+                mask=dv < DV,
+            )
+            # The row is read back by other threads of this program below.
+            tl.debug_barrier()
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -698,7 +788,7 @@ def _configs_key(configs: list[dict]) -> tuple:
 # the launchers run per layer per step, and the name doubles as the launch key.
 _PREFILL_CONFIGS: dict[str, list[dict]] = {
     "big": [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)],
-    "long": [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
+    "long": [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
     "medium": [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
     "short": [_cfg(64, 32, 4, 2)],
     "tiny": [_cfg(32, 32, 4, 2)],
@@ -889,10 +979,12 @@ def paged_prefill(
     :param sliding_window: ``0`` = full causal attention.
     :param q_pe: optional second query part (MLA rotary part), ``[T, Hq, DPE]``.
     :param kpe_plane: the matching key part.
-    :param k_new: optional ``[T, Hkv, DK]`` keys of this step, the rows already
-        appended to ``k_plane``: each sequence's own chunk is then read from
-        them (contiguous rows) and only the cached prefix from the pages.
-    :param v_new: the values matching ``k_new``.
+    :param k_new: optional ``[T, Hkv, DK]`` keys of this step: when given, this
+        call appends the prefill tokens' rows to ``k_plane`` (at
+        ``slot_mapping``) and reads each sequence's own chunk from them
+        (contiguous rows), only the cached prefix from the pages; without it
+        every key, the chunk's included, must already be in the pages.
+    :param v_new: the values matching ``k_new``, appended to ``v_plane``.
     :param configs: launch configurations to try in order (tuning scripts);
         ``None`` = the defaults for the shape.
     """
@@ -913,9 +1005,9 @@ def paged_prefill(
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    appending = k_new is not None and v_new is not None
     from_input = (
-        k_new is not None
-        and v_new is not None
+        appending
         and not has_pe
         and k_new.dtype == k_plane.dtype
         and v_new.dtype == v_plane.dtype
@@ -924,8 +1016,10 @@ def paged_prefill(
     )
     if from_input:
         block_dk, block_dv = dot_block(dk), dot_block(dv)
+        # In-kernel descriptors cost a scratch allocation per launch: worth it
+        # for long prompts only (at 4k tokens loads are as fast without).
         use_tma = (
-            cfg_id == "long"
+            max_q >= 4096
             and q.is_cuda
             and block_dk == dk
             and block_dv == dv
@@ -935,8 +1029,11 @@ def paged_prefill(
         )
         kn, vn = k_new, v_new
     else:
+        if appending:
+            kv_append(k_new, k_plane, batch.slot_mapping, batch.num_prefill_tokens, v_new, v_plane)
         use_tma = False
         kn, vn = k_plane, v_plane  # unused: any tensors serve as placeholders
+    paged_keys = not from_input or bool(batch.host.cached_lens[:n].any())
     args = (
         q,
         qpe,
@@ -949,6 +1046,7 @@ def paged_prefill(
         batch.query_start_loc,
         batch.cached_lens,
         batch.block_table,
+        batch.slot_mapping,
         kn.shape[0],
         q.stride(0),
         q.stride(1),
@@ -982,8 +1080,23 @@ def paged_prefill(
         IEEE=ieee_dot(k_plane.dtype),
         CHUNK_FROM_INPUT=from_input,
         USE_TMA=use_tma,
+        PAGED_KEYS=paged_keys,
+        WINDOWED=sliding_window > 0,
+        APPEND=from_input,
     )
-    key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, from_input, use_tma, cfg_id)
+    key = (
+        "prefill",
+        dk,
+        dpe,
+        dv,
+        k_plane.dtype,
+        q.dtype,
+        from_input,
+        use_tma,
+        paged_keys,
+        sliding_window > 0,
+        cfg_id,
+    )
     _launch_fitting(
         _prefill_kernel,
         lambda c: (num_heads, triton.cdiv(max_q, c["BLOCK_M"]), n),
@@ -1041,6 +1154,8 @@ def paged_decode(
     sliding_window: int = 0,
     q_pe: torch.Tensor | None = None,
     kpe_plane: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     num_splits: int | None = None,
     configs: list[dict] | None = None,
 ) -> None:
@@ -1048,8 +1163,11 @@ def paged_decode(
 
     One launch: the last split of each (sequence, head block) to finish merges
     the splits (see ``_decode_kernel``). Arguments as for
-    :func:`paged_prefill`; ``num_splits`` overrides :func:`choose_num_splits`
-    (tests use it to force several splits).
+    :func:`paged_prefill`, except that ``k_new``/``v_new`` (this step's
+    ``[T, Hkv, D]`` rows), when given, are appended to the pages by the kernel
+    for the decode tokens, which must then not be appended before;
+    ``num_splits`` overrides :func:`choose_num_splits` (tests use it to force
+    several splits).
     """
     nd = batch.num_decode_seqs
     if nd == 0:
@@ -1081,6 +1199,11 @@ def paged_decode(
     qpe = q_pe if has_pe else q
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    append = k_new is not None and v_new is not None
+    if append:
+        kn, vn = _as_rows(k_new), _as_rows(v_new)
+    else:
+        kn, vn = q, q  # unused placeholders
     args = (
         q,
         qpe,
@@ -1091,10 +1214,17 @@ def paged_decode(
         partial,
         lse,
         arrivals,
+        kn,
+        vn,
+        batch.slot_mapping,
         batch.seq_lens,
         batch.block_table,
         batch.num_prefill_seqs,
         batch.num_prefill_tokens,
+        kn.stride(0),
+        kn.stride(1),
+        vn.stride(0),
+        vn.stride(1),
         q.stride(0),
         q.stride(1),
         qpe.stride(0),
@@ -1125,6 +1255,7 @@ def paged_decode(
         HAS_PE=has_pe,
         V_FROM_K=v_from_k,
         IEEE=ieee_dot(k_plane.dtype),
+        APPEND=append,
     )
     key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, cfg_id)
     _launch_fitting(
@@ -1179,7 +1310,7 @@ def paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_plane, v_plane = kv_cache.unbind(1)
-    kv_append(k, k_plane, batch.slot_mapping, num_tokens, v, v_plane)
+    # Both kernels append their own tokens' keys and values (no append launch).
     group = q.shape[1] // k.shape[1]
     paged_prefill(
         batch,
@@ -1202,6 +1333,8 @@ def paged_attention(
         scale=scale,
         group=group,
         sliding_window=sliding_window,
+        k_new=k,
+        v_new=v,
         num_splits=_FORCED_SPLITS["value"] or None,
     )
     return finish_output(out, buf, num_tokens)
