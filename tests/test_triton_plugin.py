@@ -120,3 +120,23 @@ def test_capabilities_under_the_interpreter(environment, family):
 def test_attention_declares_gqa_and_sliding_window():
     """The attention kernels support GQA and sliding windows (the kit gates tests on these)."""
     assert {"gqa", "sliding_window"} <= _spec("attention").capabilities
+
+
+def test_decode_arrival_counters_outlive_growth():
+    # A decode graph captured with the small buffer replays into it after the
+    # buffer has grown: it must stay allocated (not be handed to other tensors).
+    import torch
+
+    tri = pytest.importorskip("backplane.backends.triton.attention")
+    dev = torch.device("cpu")
+    saved = tri._ARRIVALS.pop(dev, None)
+    try:
+        small = tri._arrivals(dev, 10)
+        assert tri._arrivals(dev, 1000) is small
+        big = tri._arrivals(dev, 5000)
+        assert big.numel() >= 5000 and not big.any()
+        assert any(b is small for b in tri._ARRIVALS[dev])
+    finally:
+        tri._ARRIVALS.pop(dev, None)
+        if saved is not None:
+            tri._ARRIVALS[dev] = saved

@@ -1124,22 +1124,24 @@ def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: tor
     return int(max(1, min(want, by_len, MAX_KV_SPLITS)))
 
 
-#: Per device: arrival counters of the split-KV decode, all zero between launches.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+#: Per device: every arrival-counter buffer of the split-KV decode handed out
+#: (the last is the current one), all zero between launches.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _arrivals(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters on ``device``, kept across launches.
 
     The decode kernel leaves every counter it used at zero again, so one
-    buffer serves every layer and step (and CUDA-graph replays, as the buffer
-    never moves once it is large enough). It grows to the next power of two.
+    buffer serves every layer and step. It grows to the next power of two;
+    outgrown buffers are kept, never freed: a CUDA graph captured with one
+    replays into it (a graph holds no reference to its buffers, and freed
+    memory would be handed to other tensors).
     """
-    buf = _ARRIVALS.get(device)
-    if buf is None or buf.numel() < count:
-        buf = torch.zeros(next_pow2(max(count, 1024)), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = buf
-    return buf
+    bufs = _ARRIVALS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < count:
+        bufs.append(torch.zeros(next_pow2(max(count, 1024)), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def paged_decode(
