@@ -85,8 +85,8 @@ def _kv_append_kernel(
 ):
     """Copy token ``pid``'s ``[H, D]`` key row (and value row) into cache slot ``slot_mapping[pid]``.
 
-    Keys and values go in one launch: the op runs per layer per step, and on
-    small batches the launch costs more than the copy.
+    Keys and values go in one launch: on small batches a launch costs more
+    host time than the copy.
     """
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -1006,13 +1006,10 @@ def paged_prefill(
     kpe = kpe_plane if has_pe else k_plane
     v_from_k = _same_storage(v_plane, k_plane) and dv == dk
     appending = k_new is not None and v_new is not None
+    if appending:
+        k_new, v_new = _as_rows(k_new), _as_rows(v_new)
     from_input = (
-        appending
-        and not has_pe
-        and k_new.dtype == k_plane.dtype
-        and v_new.dtype == v_plane.dtype
-        and k_new.stride(-1) == 1
-        and v_new.stride(-1) == 1
+        appending and not has_pe and k_new.dtype == k_plane.dtype and v_new.dtype == v_plane.dtype
     )
     if from_input:
         block_dk, block_dv = dot_block(dk), dot_block(dv)
