@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from backplane.core.sampling import SamplingParams
+        from backplane.engine.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'backplane' has no attribute {name!r}")

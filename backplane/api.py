@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from backplane.core.errors import RequestError
-from backplane.core.sampling import SamplingParams, as_params_list
+from backplane.engine.sampling import SamplingParams, as_params_list
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config: Any = None, **overrides: Any) -> None:
-        from backplane.core.config import EngineConfig
-        from backplane.core.executor import Engine
+        from backplane.engine.config import EngineConfig
+        from backplane.engine.executor import Engine
 
         if model is not None:
             overrides["model"] = model

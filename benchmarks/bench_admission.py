@@ -32,9 +32,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from backplane.core.kv_cache import HostTier, KVCacheManager
-from backplane.core.request import Request
-from backplane.core.scheduler import Scheduler
+from backplane.engine.kv_cache import HostTier, KVCacheManager
+from backplane.engine.request import Request
+from backplane.engine.scheduler import Scheduler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

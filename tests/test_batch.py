@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from backplane.core.batch import InputBatch
 from backplane.core.metadata import HostBatch, build_batch_metadata
+from backplane.engine.inputs import InputBatch
 
 
 @dataclass

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from backplane import BackendSpec, hookimpl
-from backplane.core.config import EngineConfig, format_size, parse_size
 from backplane.core.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -19,6 +18,7 @@ from backplane.core.errors import (
 )
 from backplane.core.families import AttentionBackend
 from backplane.core.registry import BackendRegistry
+from backplane.engine.config import EngineConfig, format_size, parse_size
 
 KEYS = (
     "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, page_size, kv_memory, "
@@ -323,7 +323,7 @@ def test_explicit_values_win_and_graphs_are_off_on_cpu(monkeypatch, caplog):
     cfg = EngineConfig(device="cpu", dtype="float16", cuda_graphs="piecewise")
     assert cfg.torch_device == torch.device("cpu")
     assert cfg.torch_dtype == torch.float16
-    with caplog.at_level(logging.WARNING, logger="backplane.core.config"):
+    with caplog.at_level(logging.WARNING, logger="backplane.engine.config"):
         assert cfg.cuda_graphs_resolved == "off"
     assert caplog.messages == [
         "cuda_graphs=piecewise ignored: device cpu is not CUDA; running eagerly"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import backplane
-from backplane.core.config import EngineConfig
 from backplane.core.registry import BackendRegistry
+from backplane.engine.config import EngineConfig
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "backplane-example-plugin"
 #: Where the backplane under test is imported from: subprocesses that run from another

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from backplane.core.errors import OutOfKVMemoryError, RequestError
-from backplane.core.executor import Engine, ModelRunner
-from backplane.core.sampling import SamplingParams
+from backplane.engine.executor import Engine, ModelRunner
+from backplane.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

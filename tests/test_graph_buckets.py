@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backplane.core.graph.buckets import (
+from backplane.engine.graph.buckets import (
     decode_buckets,
     pick_bucket,
     powers_of_two_up_to,

@@ -15,9 +15,9 @@ import pytest
 import torch
 from graph_helpers import generate_eager_and_graphed
 
-from backplane.core.executor import Engine
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.graph.runner import GraphModelRunner
+from backplane.engine.executor import Engine
+from backplane.engine.graph.runner import GraphModelRunner
 
 PAGE = 4
 
@@ -287,7 +287,7 @@ def test_piecewise_graph_inputs_are_only_tensors_of_stable_storage(setup):
 
 def test_every_cached_op_of_the_model_is_split_out(setup):
     # a cached op left inside a captured segment would freeze one step's metadata
-    from backplane.core.graph.split import node_overload, normalize_ops
+    from backplane.engine.graph.split import node_overload, normalize_ops
 
     engine, runner = setup
     ops = normalize_ops(op for b in engine.backends.values() for op in b.dynamic_ops())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backplane.core.kv_cache import HostTier
-from backplane.core.kv_cache.host_tier import _runs
+from backplane.engine.kv_cache import HostTier
+from backplane.engine.kv_cache.host_tier import _runs
 
 
 def _caches(device: str, num_pages: int = 10) -> list[torch.Tensor]:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from backplane.core.errors import OutOfKVMemoryError
-from backplane.core.kv_cache import HostTier, KVCacheManager
-from backplane.core.request import Request
+from backplane.engine.kv_cache import HostTier, KVCacheManager
+from backplane.engine.request import Request
 
 
 def params(max_tokens: int = 4) -> SimpleNamespace:

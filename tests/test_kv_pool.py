@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backplane.core.kv_cache import BlockPool, PrefixCache, StateSlotPool, hash_pages
+from backplane.engine.kv_cache import BlockPool, PrefixCache, StateSlotPool, hash_pages
 
 
 def test_pool_never_hands_out_scratch_page_and_recycles():

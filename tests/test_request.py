@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from backplane.core.errors import RequestError
-from backplane.core.request import FinishReason, Request, RequestStatus
+from backplane.engine.request import FinishReason, Request, RequestStatus
 
 
 def params(max_tokens: int = 4, stop=(), ignore_eos: bool = False) -> SimpleNamespace:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backplane.core.errors import RequestError
-from backplane.core.sampling import Sampler, SamplingParams, apply_filters, as_params_list
+from backplane.engine.sampling import Sampler, SamplingParams, apply_filters, as_params_list
 
 
 def naive_allowed(row: np.ndarray, p: SamplingParams) -> set[int]:

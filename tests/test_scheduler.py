@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backplane.core.errors import ConfigError, OutOfKVMemoryError, RequestError
-from backplane.core.kv_cache import HostTier, KVCacheManager
-from backplane.core.request import FinishReason, Request, RequestStatus
-from backplane.core.scheduler import Scheduler, SchedulerOutput
+from backplane.engine.kv_cache import HostTier, KVCacheManager
+from backplane.engine.request import FinishReason, Request, RequestStatus
+from backplane.engine.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 64
 

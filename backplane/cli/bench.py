@@ -70,8 +70,8 @@ def _time(fn: Callable[[], Any], *, repeat: int, number: int) -> float:
 
 def bench_request_construction(lens=PROMPT_LENS, repeat: int = 7) -> list[dict[str, Any]]:
     """Time ``Request(...)`` from a list and from an int32 array per prompt length."""
-    from backplane.core.request import Request
-    from backplane.core.sampling import SamplingParams
+    from backplane.engine.request import Request
+    from backplane.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=16)
     rng = np.random.default_rng(0)
@@ -105,11 +105,11 @@ class _Seqs:
     """Scheduler + KV manager + input buffers for a synthetic decode workload."""
 
     def __init__(self, batch: int, *, prompt_len: int, page_size: int, device: str) -> None:
-        from backplane.core.batch import InputBatch
-        from backplane.core.kv_cache.manager import KVCacheManager
-        from backplane.core.request import Request
-        from backplane.core.sampling import SamplingParams
-        from backplane.core.scheduler import Scheduler
+        from backplane.engine.inputs import InputBatch
+        from backplane.engine.kv_cache.manager import KVCacheManager
+        from backplane.engine.request import Request
+        from backplane.engine.sampling import SamplingParams
+        from backplane.engine.scheduler import Scheduler
 
         max_tokens = 4096  # far more than the steps timed: nobody finishes
         max_len = prompt_len + max_tokens

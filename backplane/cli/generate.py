@@ -11,7 +11,7 @@ from backplane.core.errors import ConfigError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` sub-command."""
-    from backplane.core.config import EngineConfig
+    from backplane.engine.config import EngineConfig
 
     parser = subparsers.add_parser(
         "generate",
@@ -76,8 +76,8 @@ def _parse_token_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Generate for every prompt and print the results; return 0."""
     from backplane.api import LLM
-    from backplane.core.config import EngineConfig
-    from backplane.core.sampling import SamplingParams
+    from backplane.engine.config import EngineConfig
+    from backplane.engine.sampling import SamplingParams
 
     prompts: list[object] = list(args.prompt) + [_parse_token_ids(t) for t in args.prompt_token_ids]
     if not prompts:

@@ -7,7 +7,7 @@ freeing pushes back, so both are O(1) per page and vectorised for many pages.
 
 The pool only knows *uncached* free pages. Pages that hold reusable prefix
 content and have no users live in the prefix cache's LRU instead (see
-:mod:`backplane.core.kv_cache.prefix_cache`); the manager evicts from there
+:mod:`backplane.engine.kv_cache.prefix_cache`); the manager evicts from there
 when the stack runs dry.
 """
 

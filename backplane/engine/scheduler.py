@@ -9,7 +9,7 @@ sequence budget (``max_num_seqs``):
 2. **Running prefills next.** Requests in the middle of a chunked prefill get
    the next chunk, ``min(tokens left, budget left)``.
 3. **Admission.** Waiting requests are admitted first-come-first-served with
-   two-phase admission (:mod:`backplane.core.kv_cache.manager`): each one's
+   two-phase admission (:mod:`backplane.engine.kv_cache.manager`): each one's
    cached prefix is claimed, its chunk is sized with the *claimed* reuse, its
    pages reserved; then the whole batch is onboarded and allocated at once.
    Admission stops at the first request that does not fit (no overtaking) and
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backplane.core.errors import ConfigError, RequestError
-from backplane.core.kv_cache.manager import Claim, KVCacheManager, RequestKV
-from backplane.core.request import FinishReason, Request, RequestStatus
+from backplane.engine.kv_cache.manager import Claim, KVCacheManager, RequestKV
+from backplane.engine.request import FinishReason, Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 

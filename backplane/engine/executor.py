@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from backplane.core.batch import BatchInputs, InputBatch
 from backplane.core.errors import ConfigError, OutOfKVMemoryError, RequestError
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.sampling import Sampler, SamplingParams
+from backplane.engine.inputs import BatchInputs, InputBatch
+from backplane.engine.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ __all__ = ["Engine", "EngineStepOutput", "ModelRunner"]
 class ModelRunner:
     """Prepares a step's inputs and runs the model forward for it (eagerly).
 
-    The CUDA-graph runner (:class:`backplane.core.graph.runner.GraphModelRunner`)
+    The CUDA-graph runner (:class:`backplane.engine.graph.runner.GraphModelRunner`)
     is a drop-in replacement: it pads a step to a captured bucket in
     :meth:`prepare_inputs` and replays a graph in :meth:`run`. A runner that
     only needs padding overrides :meth:`padded_num_tokens`. The forward context
@@ -109,7 +109,7 @@ class Engine:
     """
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
-        from backplane.core.config import EngineConfig
+        from backplane.engine.config import EngineConfig
 
         if config is None:
             config = EngineConfig.from_dict(overrides)
@@ -287,9 +287,9 @@ class Engine:
         return 1 << 30
 
     def _build_scheduler(self, paged_caches: list[torch.Tensor]) -> Any:
-        from backplane.core.kv_cache.host_tier import HostTier
-        from backplane.core.kv_cache.manager import KVCacheManager
-        from backplane.core.scheduler import Scheduler
+        from backplane.engine.kv_cache.host_tier import HostTier
+        from backplane.engine.kv_cache.manager import KVCacheManager
+        from backplane.engine.scheduler import Scheduler
 
         cfg = self.config
         host = None
@@ -317,7 +317,7 @@ class Engine:
         mode = self.config.cuda_graphs_resolved
         if mode == "off" or self.device.type != "cuda":
             return ModelRunner(self.model, self.input_batch)
-        from backplane.core.graph.runner import GraphModelRunner
+        from backplane.engine.graph.runner import GraphModelRunner
 
         runner = GraphModelRunner(
             self.model,
@@ -349,7 +349,7 @@ class Engine:
         :return: the request id.
         :raises RequestError: the request is invalid (it is not queued; others are unaffected).
         """
-        from backplane.core.request import Request
+        from backplane.engine.request import Request
 
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):

@@ -37,7 +37,7 @@ __all__ = [
 class SamplingLike(Protocol):
     """What the scheduler reads from a sampling-parameters object (duck-typed).
 
-    :class:`backplane.core.sampling.SamplingParams` satisfies it.
+    :class:`backplane.engine.sampling.SamplingParams` satisfies it.
     """
 
     max_tokens: int
@@ -112,7 +112,7 @@ class Request:
         memcpy), another integer ndarray (converted with one vectorised cast) or
         a sequence of ints (converted once).
     :param sampling_params: object with ``max_tokens``, ``stop_token_ids`` and
-        ``ignore_eos`` (e.g. :class:`backplane.core.sampling.SamplingParams`);
+        ``ignore_eos`` (e.g. :class:`backplane.engine.sampling.SamplingParams`);
         kept by reference for the sampler.
     :param vocab_size: token ids must be in ``[0, vocab_size)``; ``None`` skips the check.
     :param max_model_len: ``prompt + max_tokens`` must not exceed it; ``None`` skips the check.

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from backplane.core.graph.capture import CapturedGraph, capture, new_pool, pool_bytes
+from backplane.engine.graph.capture import CapturedGraph, capture, new_pool, pool_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class DecodeGraphs:
             batch in the persistent buffers (and sets its forward context) and
             yields the forward's arguments.
         :param postprocess_fn: restores inputs the forward mutates (see
-            :func:`backplane.core.graph.capture.capture`).
+            :func:`backplane.engine.graph.capture.capture`).
         :param progress: an optional tqdm-like bar, advanced once per bucket.
         """
         for bucket in sorted(self.buckets, reverse=True):

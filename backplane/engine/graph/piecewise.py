@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from backplane.core.graph.capture import allocate_in, new_pool, pool_id, weak_ref, weak_refs
-from backplane.core.graph.context import GraphContext, GraphPhase
-from backplane.core.graph.split import Segment, node_overload, split_at_dynamic_ops
+from backplane.engine.graph.capture import allocate_in, new_pool, pool_id, weak_ref, weak_refs
+from backplane.engine.graph.context import GraphContext, GraphPhase
+from backplane.engine.graph.split import Segment, node_overload, split_at_dynamic_ops
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class PiecewiseGraphs:
             the forward's arguments after the warmup run and after capture.
         :param progress: an optional tqdm-like bar, advanced once per bucket.
         """
-        from backplane.core.graph.capture import pool_bytes
+        from backplane.engine.graph.capture import pool_bytes
 
         for bucket in sorted(self.buckets, reverse=True):
             before = pool_bytes(self.ctx.pool)

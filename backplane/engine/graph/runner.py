@@ -25,11 +25,11 @@ import torch
 from tqdm.auto import tqdm
 
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.graph.buckets import decode_buckets, pick_bucket, token_buckets
-from backplane.core.graph.capture import new_pool, pool_bytes
-from backplane.core.graph.decode import DecodeGraphs
-from backplane.core.graph.piecewise import PiecewiseGraphs
 from backplane.core.metadata import NULL_PAGE, NULL_SLOT
+from backplane.engine.graph.buckets import decode_buckets, pick_bucket, token_buckets
+from backplane.engine.graph.capture import new_pool, pool_bytes
+from backplane.engine.graph.decode import DecodeGraphs
+from backplane.engine.graph.piecewise import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class GraphModelRunner:
 
     :param model: the loaded ``CausalLM``.
     :param backends: ``{family: backend}`` selected for the model.
-    :param input_batch: the engine's persistent :class:`~backplane.core.batch.InputBatch`.
+    :param input_batch: the engine's persistent :class:`~backplane.engine.inputs.InputBatch`.
     :param mode: one of :data:`MODES`.
     :param max_num_tokens: token budget per step (the largest piecewise bucket).
     :param max_num_seqs: most sequences per step (the largest decode bucket).
@@ -172,7 +172,7 @@ class GraphModelRunner:
         """Pad the step to the bucket it will run at and prepare its inputs.
 
         :param scheduled: the scheduler's sequences (prefill first, decode last).
-        :return: the :class:`~backplane.core.batch.BatchInputs` of the padded step.
+        :return: the :class:`~backplane.engine.inputs.BatchInputs` of the padded step.
         """
         n = len(scheduled)
         num_tokens = sum(s.num_new_tokens for s in scheduled)

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backplane.core.errors import OutOfKVMemoryError
-from backplane.core.kv_cache.block_pool import BlockPool
-from backplane.core.kv_cache.host_tier import HostTier
-from backplane.core.kv_cache.prefix_cache import PrefixCache, hash_pages
-from backplane.core.kv_cache.state_slots import StateSlotPool
 from backplane.core.metadata import NULL_PAGE, NULL_SLOT
-from backplane.core.request import Request
+from backplane.engine.kv_cache.block_pool import BlockPool
+from backplane.engine.kv_cache.host_tier import HostTier
+from backplane.engine.kv_cache.prefix_cache import PrefixCache, hash_pages
+from backplane.engine.kv_cache.state_slots import StateSlotPool
+from backplane.engine.request import Request
 
 __all__ = ["Claim", "KVCacheManager", "KVCacheStats", "RequestKV"]
 
