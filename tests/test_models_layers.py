@@ -8,12 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backplane.models.layers import (
-    GatedRMSNorm,
-    RotaryEmbedding,
-    group_limited_topk,
-    moe_experts,
-)
+from backplane.models.moe import group_limited_topk, moe_experts
+from backplane.models.norm import GatedRMSNorm
+from backplane.models.rotary import RotaryEmbedding
 
 
 def _naive_experts(x, ids, weights, w_gate, w_up, w_down, act):

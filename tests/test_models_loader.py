@@ -19,8 +19,8 @@ from backplane.models import (
     supported_architectures,
 )
 from backplane.models.base import ModelConfig
-from backplane.models.layers import rope_inv_freq
 from backplane.models.presets import byte_tokenizer, preset_config
+from backplane.models.rotary import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -261,7 +261,7 @@ def test_rope_scalings_match_transformers():
 
 
 def test_legacy_rope_scaling_form_is_accepted():
-    from backplane.models.layers import rope_parameters
+    from backplane.models.rotary import rope_parameters
 
     cfg = ModelConfig(
         {

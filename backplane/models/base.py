@@ -24,7 +24,10 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
-from backplane.models.layers import CachedMixer, MoE, RMSNorm, RotaryEmbedding
+from backplane.models.mixers import CachedMixer
+from backplane.models.moe import MoE
+from backplane.models.norm import RMSNorm
+from backplane.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 

@@ -11,14 +11,10 @@ from __future__ import annotations
 from torch import nn
 
 from backplane.models.base import DecoderLayer, DecoderOnlyLM
-from backplane.models.layers import (
-    MLP,
-    MLAMixer,
-    MoE,
-    RotaryEmbedding,
-    _yarn_mscale,
-    rope_parameters,
-)
+from backplane.models.mixers import MLAMixer
+from backplane.models.mlp import MLP
+from backplane.models.moe import MoE
+from backplane.models.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 
 
 class DeepseekV3ForCausalLM(DecoderOnlyLM):
@@ -39,7 +35,7 @@ class DeepseekV3ForCausalLM(DecoderOnlyLM):
             )
         scale = (nope + rope_dim) ** -0.5
         if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
-            m = _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+            m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
             scale = scale * m * m
         attn = MLAMixer(
             layer_id,

@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from backplane.models.base import DecoderLayer, DecoderOnlyLM
-from backplane.models.layers import MLP, AttentionMixer, RotaryEmbedding, rope_parameters
+from backplane.models.mixers import AttentionMixer
+from backplane.models.mlp import MLP
+from backplane.models.rotary import RotaryEmbedding, rope_parameters
 
 
 def attention_head_dim(config) -> int:

@@ -19,7 +19,10 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.models.base import CausalLM, ModelConfig
-from backplane.models.layers import MLP, AttentionMixer, Mamba2Mixer, MoE, RMSNorm
+from backplane.models.mixers import AttentionMixer, Mamba2Mixer
+from backplane.models.mlp import MLP
+from backplane.models.moe import MoE
+from backplane.models.norm import RMSNorm
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _BLOCK_ALIASES = {

@@ -19,7 +19,7 @@ from typing import ClassVar
 from torch import nn
 
 from backplane.models.base import ModelConfig
-from backplane.models.layers import MLP
+from backplane.models.mlp import MLP
 from backplane.models.qwen3_next import Qwen3NextForCausalLM
 
 

@@ -14,15 +14,11 @@ from typing import ClassVar
 from torch import nn
 
 from backplane.models.base import DecoderLayer, DecoderOnlyLM
-from backplane.models.layers import (
-    MLP,
-    AttentionMixer,
-    GatedDeltaNetMixer,
-    MoE,
-    RotaryEmbedding,
-    rope_parameters,
-)
 from backplane.models.llama import attention_head_dim
+from backplane.models.mixers import AttentionMixer, GatedDeltaNetMixer
+from backplane.models.mlp import MLP
+from backplane.models.moe import MoE
+from backplane.models.rotary import RotaryEmbedding, rope_parameters
 
 
 def layer_types(cfg) -> list[str]:

@@ -1,0 +1,98 @@
+""":class:`AttentionMixer`: multi-head attention over the ``attention`` op family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from backplane.core.families import AttentionLayerSpec
+from backplane.models.mixers.base import CachedMixer
+from backplane.models.norm import RMSNorm
+from backplane.models.rotary import RotaryEmbedding
+
+
+class AttentionMixer(CachedMixer):
+    """Multi-head attention with GQA, optional q/k norm, RoPE and output gate.
+
+    :param layer_id: index of the layer (passed to the backend).
+    :param backend: the ``attention`` backend.
+    :param qk_norm: ``None``, ``"rms"`` (Qwen3) or ``"rms_zero_centered"`` (Qwen3-Next).
+    :param rotary: the rotary embedding, or ``None`` (Nemotron-H has none).
+    :param output_gate: ``q_proj`` also produces a per-channel gate and the
+        output is multiplied by ``sigmoid(gate)`` (Qwen3-Next, Qwen3.5).
+    """
+
+    families = ("attention",)
+
+    def __init__(
+        self,
+        layer_id: int,
+        backend: Any,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        o_bias: bool | None = None,
+        qk_norm: str | None = None,
+        norm_eps: float = 1e-6,
+        rotary: RotaryEmbedding | None = None,
+        output_gate: bool = False,
+        sliding_window: int = 0,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.output_gate = output_gate
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            sliding_window=sliding_window or 0,
+        )
+        q_out = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(
+            num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias
+        )
+        self.qk_norm = qk_norm
+        if qk_norm:
+            zc = qk_norm == "rms_zero_centered"
+            self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=zc)
+            self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zc)
+        # Not a registered submodule: several layers share one rotary embedding.
+        self.__dict__["rotary"] = rotary
+
+    def cache_specs(self, *, num_pages, page_size, num_slots, dtype):
+        """The backend's paged KV cache for this layer."""
+        return self.backend.cache_spec(
+            self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``."""
+        t = x.shape[0]
+        q = self.q_proj(x)
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, self.num_heads * self.head_dim)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), self.cache("kv_cache"), self.spec
+        )
+        o = o.reshape(t, self.num_heads * self.head_dim)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)

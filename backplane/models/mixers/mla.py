@@ -1,0 +1,119 @@
+""":class:`MLAMixer`: DeepSeek multi-head latent attention over the ``mla`` op family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from backplane.core.families import MLALayerSpec
+from backplane.models.mixers.base import CachedMixer
+from backplane.models.norm import RMSNorm
+from backplane.models.rotary import RotaryEmbedding
+
+
+class MLAMixer(CachedMixer):
+    """DeepSeek multi-head latent attention.
+
+    The query comes from ``q_proj`` or the low-rank ``q_a_proj -> q_a_layernorm
+    -> q_b_proj``; ``kv_a_proj_with_mqa`` produces the latent and the shared
+    rotary key; ``kv_b_proj`` holds the per-head up-projections the backend
+    applies (``w_uk``, ``w_uv``), prepared once after loading by
+    :meth:`finalize_weights`.
+    """
+
+    families = ("mla",)
+
+    def __init__(
+        self,
+        layer_id: int,
+        backend: Any,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        rotary: RotaryEmbedding,
+        bias: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads = num_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_b_proj = nn.Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.spec = MLALayerSpec(
+            layer_id=layer_id,
+            num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            scale=scale,
+        )
+        self.register_buffer(
+            "w_uk", torch.empty(num_heads, qk_nope_head_dim, kv_lora_rank), persistent=False
+        )
+        self.register_buffer(
+            "w_uv", torch.empty(num_heads, v_head_dim, kv_lora_rank), persistent=False
+        )
+        self.__dict__["rotary"] = rotary
+
+    def finalize_weights(self) -> None:
+        """Split ``kv_b_proj`` into the contiguous per-head ``w_uk`` / ``w_uv`` the backend takes."""
+        w = self.kv_b_proj.weight.detach().view(
+            self.num_heads, self.nope + self.v_dim, self.kv_lora_rank
+        )
+        with torch.no_grad():
+            self.w_uk.copy_(w[:, : self.nope])
+            self.w_uv.copy_(w[:, self.nope :])
+
+    def cache_specs(self, *, num_pages, page_size, num_slots, dtype):
+        """The backend's latent cache for this layer."""
+        return self.backend.cache_spec(
+            self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``."""
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
+        o = self.backend.forward(
+            q_nope.contiguous(),
+            q_pe.contiguous(),
+            kv_c.contiguous(),
+            k_pe.reshape(t, self.rope_dim).contiguous(),
+            self.cache("latent_cache"),
+            self.w_uk,
+            self.w_uv,
+            self.spec,
+        )
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

@@ -1,0 +1,73 @@
+"""Activations by their HF config names (:data:`ACTIVATIONS`, :func:`activation`) and
+the dense feed-forward block :class:`MLP`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backplane.core.errors import ConfigError
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "relu2": _relu2,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return the activation function called ``name`` in HF configs.
+
+    :raises ConfigError: for an unknown name, listing the supported ones.
+    """
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unsupported activation {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}"
+        ) from None
+
+
+class MLP(nn.Module):
+    """Feed-forward block: ``down(act(gate(x)) * up(x))``, or ``down(act(up(x)))`` when not gated.
+
+    :param hidden_size: model width.
+    :param intermediate_size: inner width.
+    :param act: activation name (``silu``, ``relu2``, ...).
+    :param gated: has a ``gate_proj`` (Llama style); ``False`` for Nemotron-H.
+    :param bias: the projections have biases.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "silu",
+        gated: bool = True,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gated = gated
+        self.act = activation(act)
+        if gated:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` ``[T, hidden]``."""
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))

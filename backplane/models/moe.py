@@ -1,0 +1,233 @@
+"""Mixture of experts.
+
+* :func:`moe_experts` — the routed experts as one custom op,
+  ``backplane_models::moe_experts``;
+* :func:`group_limited_topk` — DeepSeek-V3 expert selection;
+* :class:`MoE` — the block: router, stacked ``[num_experts, ...]`` expert
+  weights, optional shared experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backplane.core.errors import ConfigError
+from backplane.models.mlp import MLP, activation
+
+
+@torch.library.custom_op("backplane_models::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+) -> torch.Tensor:
+    """Run the routed experts of a mixture-of-experts block.
+
+    Token-expert pairs are sorted by expert so that each expert runs one
+    matmul over all its tokens; results are scaled by the routing weights and
+    summed back per token with ``index_add_``. The per-expert loop needs the
+    per-expert counts on the host; while a CUDA graph is being captured (where
+    that sync is illegal) every expert runs densely over all tokens instead,
+    weighted by a routing weight of zero for tokens not routed to it.
+
+    :param x: ``[T, H]``.
+    :param topk_ids: ``[T, k]`` expert ids.
+    :param topk_weights: ``[T, k]`` routing weights (float32).
+    :param w_gate: ``[E, I, H]`` or ``None`` for non-gated experts.
+    :param w_up: ``[E, I, H]``.
+    :param w_down: ``[E, H, I]``.
+    :param act: activation name.
+    :return: ``[T, H]`` in ``x.dtype``.
+    """
+    fn = activation(act)
+    num_experts = w_up.shape[0]
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out.to(x.dtype)
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = F.linear(xs, w_up[e])
+        h = fn(F.linear(xs, w_gate[e])) * h if w_gate is not None else fn(h)
+        return F.linear(h, w_down[e])
+
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        dense = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_add_(1, topk_ids.long(), topk_weights.float())
+        for e in range(num_experts):
+            out += expert(e, x).float() * dense[:, e : e + 1]
+        return out.to(x.dtype)
+
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    weights = topk_weights.reshape(-1)[order].float()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    xs_sorted = x[token_of]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        y = expert(e, xs_sorted[sl]).float() * weights[sl, None]
+        out.index_add_(0, token_of[sl], y)
+        start += n
+    return out.to(x.dtype)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
+    return torch.empty_like(x)
+
+
+def group_limited_topk(
+    scores: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+) -> torch.Tensor:
+    """DeepSeek-V3 expert selection: pick ``topk_group`` groups, then ``top_k`` experts in them.
+
+    Groups are ranked by the sum of their two best bias-corrected scores.
+
+    :param scores: ``[T, E]`` sigmoid scores (float32).
+    :param correction_bias: ``[E]`` added for selection only, or ``None``.
+    :return: ``[T, top_k]`` expert ids.
+    """
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    num_tokens, num_experts = choice.shape
+    if n_group > 1:
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(mask == 0, float("-inf"))
+    return torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts block with optional shared experts.
+
+    Routing, per ``router``:
+
+    * ``"sigmoid_grouped"`` (DeepSeek-V3, Nemotron-H): sigmoid scores,
+      group-limited top-k selected with ``e_score_correction_bias``, weights
+      are the uncorrected scores, optionally renormalised, times
+      ``routed_scaling_factor``;
+    * ``"softmax"`` (Qwen3-Next): softmax scores, plain top-k, optionally
+      renormalised.
+
+    Shared experts are added unweighted, or weighted by
+    ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` is set (Qwen3-Next).
+
+    Expert weights are stacked ``[E, out, in]`` parameters ``experts_gate`` /
+    ``experts_up`` / ``experts_down``; checkpoints store them per expert,
+    which :meth:`backplane.models.base.CausalLM.weight_targets` maps to slices.
+
+    :param shared_name: attribute name of the shared MLP (HF naming differs:
+        ``shared_experts`` or ``shared_expert``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        *,
+        act: str = "silu",
+        gated: bool = True,
+        router: str = "sigmoid_grouped",
+        norm_topk_prob: bool = True,
+        routed_scaling_factor: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
+        shared_intermediate_size: int = 0,
+        shared_name: str = "shared_experts",
+        shared_gate: bool = False,
+        latent_size: int | None = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.act_name = act
+        self.router = router
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.shared_name = shared_name if shared_intermediate_size else None
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if router == "sigmoid_grouped":
+            # Kept in float32 whatever the model dtype: it decides expert selection.
+            self.gate.register_buffer(
+                "e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32)
+            )
+        elif router != "softmax":
+            raise ConfigError(f"unknown MoE router {router!r}")
+        inner_dim = latent_size or hidden_size
+        self.latent = latent_size is not None
+        if self.latent:
+            self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=bias)
+            self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=bias)
+        self.experts_gate = (
+            nn.Parameter(torch.empty(num_experts, moe_intermediate_size, inner_dim))
+            if gated
+            else None
+        )
+        self.experts_up = nn.Parameter(torch.empty(num_experts, moe_intermediate_size, inner_dim))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, inner_dim, moe_intermediate_size))
+        if self.shared_name:
+            setattr(
+                self,
+                self.shared_name,
+                MLP(hidden_size, shared_intermediate_size, act=act, gated=gated, bias=bias),
+            )
+        self.shared_gate = shared_gate and bool(self.shared_name)
+        if self.shared_gate:
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(topk_ids [T, k], topk_weights [T, k] float32)`` for ``x`` ``[T, H]``."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        if self.router == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return ids, weights
+        scores = logits.sigmoid()
+        ids = group_limited_topk(
+            scores, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group
+        )
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` ``[T, hidden]``."""
+        ids, weights = self.route(x)
+        h = self.fc1_latent_proj(x) if self.latent else x
+        routed = moe_experts(
+            h, ids, weights, self.experts_gate, self.experts_up, self.experts_down, self.act_name
+        )
+        if self.latent:
+            routed = self.fc2_latent_proj(routed)
+        if self.shared_name is None:
+            return routed
+        shared = getattr(self, self.shared_name)(x)
+        if self.shared_gate:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared

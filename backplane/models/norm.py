@@ -1,0 +1,85 @@
+"""RMS normalisation layers: :class:`RMSNorm` and the gated, optionally grouped
+:class:`GatedRMSNorm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation over the last dimension, computed in float32.
+
+    :param dim: the normalised size.
+    :param eps: added to the mean square.
+    :param zero_centered: the weight is stored as ``w - 1`` (Qwen3-Next/Qwen3.5):
+        the output is scaled by ``1 + w``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` (any leading shape)."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+    def reset_parameters_(self, generator: torch.Generator | None = None) -> None:
+        """Set the weight to the identity scale."""
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered else 1.0)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS normalisation gated by ``silu(gate)``, optionally in groups.
+
+    :param dim: the normalised size (the last dimension of the input).
+    :param eps: added to the mean square.
+    :param group_size: normalise groups of this many channels separately
+        (default: the whole dimension).
+    :param norm_before_gate: ``True`` computes ``norm(x) * silu(gate)``
+        (Qwen3-Next, Qwen3.5); ``False`` computes ``norm(x * silu(gate))``
+        (Mamba2 / Nemotron-H).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        group_size: int | None = None,
+        norm_before_gate: bool = True,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size or dim
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` and gate it with ``gate`` (same shape)."""
+        dtype = x.dtype
+        xf = x.float()
+        if not self.norm_before_gate:
+            xf = xf * F.silu(gate.float())
+        shape = xf.shape
+        g = xf.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = g.reshape(shape)
+        if self.norm_before_gate:
+            out = self.weight * xf.to(dtype)
+            return (out.float() * F.silu(gate.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+    def reset_parameters_(self, generator: torch.Generator | None = None) -> None:
+        """Set the weight to ones."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
