@@ -5,7 +5,7 @@ num_warps, num_stages)`` is timed eagerly; for each decode shape (batch x
 context) every ``(BLOCK_N, num_warps, num_stages)`` is timed as a CUDA-graph
 replay at the default number of key splits, then the best configuration is
 timed again at other split counts. The defaults of
-:mod:`backplane.backends.triton.attention` are chosen from these tables.
+:mod:`backplane.backends.triton.attention_configs` are chosen from these tables.
 
 Layer: Llama-3-8B (32 query heads, 8 KV heads, head dim 128), bfloat16, page 16::
 
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import ATTN, DT, _batch, _rnd, _time, graph_time  # noqa: E402
 
-from backplane.backends.triton import attention as tri  # noqa: E402
-from backplane.backends.triton.attention import _cfg  # noqa: E402
+from backplane.backends.triton import attention_launch as tri  # noqa: E402
+from backplane.backends.triton.attention_configs import _cfg, choose_num_splits  # noqa: E402
 
 logger = logging.getLogger("tune_triton_attention")
 
@@ -85,7 +85,7 @@ def sweep_decode(shapes: list[tuple[int, int]], iters: int, rows: list[dict]) ->
     group = ATTN.num_heads // ATTN.num_kv_heads
     for b, ctx in shapes:
         batch, q, kv, cache, out = _case([1] * b, [ctx - 1] * b)
-        auto = tri.choose_num_splits(batch, ATTN.num_kv_heads, q.device)
+        auto = choose_num_splits(batch, ATTN.num_kv_heads, q.device)
         kv_bytes = 2 * b * ctx * ATTN.num_kv_heads * ATTN.head_dim * 2
 
         call = functools.partial(

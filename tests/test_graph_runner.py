@@ -263,7 +263,7 @@ def test_generation_with_triton_graphs_equals_eager(model, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
     pytest.importorskip("triton", reason="triton is not installed")
-    from backplane.backends.triton import attention as tri
+    from backplane.backends.triton import attention_launch as tri
 
     monkeypatch.setitem(tri._FORCED_SPLITS, "value", 3)
     results = generate_eager_and_graphed(

@@ -193,7 +193,8 @@ def _attention_case(
     """Run the attention op on a random batch and compare every row and the cache."""
     import torch
 
-    from backplane.backends.triton import attention as tri
+    import backplane.backends.triton.attention  # noqa: F401  (registers the op)
+    from backplane.backends.triton import attention_launch as tri
     from backplane.core.forward_context import forward_context
 
     torch.manual_seed(seed)
@@ -246,7 +247,7 @@ def check_kv_append():
     """Append only: every real token lands at its slot, padding (-1) writes nothing."""
     import torch
 
-    from backplane.backends.triton.attention import kv_append
+    from backplane.backends.triton.attention_launch import kv_append
 
     batch = _batch([3, 5, 1], [0, 2, 6], 4, 12, padded=11)
     k = torch.randn(batch.padded_num_tokens, 2, 8)
@@ -301,7 +302,7 @@ def check_attention_pages_only_prefill():
     """Without this step's rows the prefill kernel reads every key from the pages: same result."""
     import torch
 
-    from backplane.backends.triton import attention as tri
+    from backplane.backends.triton import attention_launch as tri
 
     batch = _batch([150, 9], [20, 33], 8, 40, seed=4)
     T = batch.padded_num_tokens
@@ -367,7 +368,7 @@ def check_mla_wide_latent():
 def _mla_case(H, L, R, query_lens, cached_lens, *, splits, dn=16, dv=16, ps=4):
     import torch
 
-    from backplane.backends.triton import attention as tri
+    from backplane.backends.triton import attention_launch as tri
     from backplane.backends.triton.mla import TritonMLABackend
     from backplane.core.families import MLALayerSpec
     from backplane.core.forward_context import forward_context

@@ -127,7 +127,7 @@ def test_decode_arrival_counters_outlive_growth():
     # buffer has grown: it must stay allocated (not be handed to other tensors).
     import torch
 
-    tri = pytest.importorskip("backplane.backends.triton.attention")
+    tri = pytest.importorskip("backplane.backends.triton.attention_launch")
     dev = torch.device("cpu")
     saved = tri._ARRIVALS.pop(dev, None)
     try:

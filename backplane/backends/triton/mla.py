@@ -7,7 +7,7 @@ absorbing ``w_uv`` into the output (``out = (p @ c) @ w_uv[h]^T``) leaves one
 shared "kv head" of width ``kv_lora_rank`` (+ the rotary part): attention reads
 the latent cache directly, never an expanded K/V. Both prefill/extend and
 decode use this form, with the paged kernels of
-:mod:`backplane.backends.triton.attention` (their two-part key and a value that
+:mod:`backplane.backends.triton.attention_kernels` (their two-part key and a value that
 is a view of the key's storage exist for this module):
 
 * ``_kv_append_kernel`` writes ``kv_c`` and ``k_pe`` into the latent cache;
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.backends.triton import attention as paged
+from backplane.backends.triton import attention_launch as paged
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import MLABackend, MLALayerSpec
 from backplane.core.forward_context import get_forward_context

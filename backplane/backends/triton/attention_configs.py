@@ -1,0 +1,109 @@
+"""Launch configurations of the Triton attention kernels and how one is chosen.
+
+The default tables were measured with ``benchmarks/tune_triton_attention.py``;
+a shape class names the table a launch draws from, and the first configuration
+that fits the device (shared memory, registers) is used and remembered. The
+number of key splits of the decode is chosen here too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from backplane.backends.triton._common import MAX_KV_SPLITS, device_parallelism
+from backplane.core.metadata import BatchMetadata
+
+#: Index of the first config that fitted the device, per launch key.
+_CONFIG_CHOICE: dict[tuple, int] = {}
+
+
+def _cfg(block_m: int | None, block_n: int, num_warps: int, num_stages: int) -> dict:
+    """One launch configuration (tile sizes, warps, pipeline stages)."""
+    cfg = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    if block_m is not None:
+        cfg["BLOCK_M"] = block_m
+    return cfg
+
+
+def _configs_key(configs: list[dict]) -> tuple:
+    """A hashable identity of a caller-given configuration list (tuning scripts only)."""
+    return tuple(tuple(sorted(c.items())) for c in configs)
+
+
+# The defaults below come from benchmarks/tune_triton_attention.py on an H200
+# (Llama-3-8B layer, bfloat16); see docs/benchmarks/triton.md. They are built once:
+# the launchers run per layer per step, and the name doubles as the launch key.
+_PREFILL_CONFIGS: dict[str, list[dict]] = {
+    "big": [_cfg(32, 32, 8, 2), _cfg(16, 16, 8, 1)],
+    "long": [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
+    "medium": [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 2)],
+    "short": [_cfg(64, 32, 4, 2)],
+    "tiny": [_cfg(32, 32, 4, 2)],
+}
+# Split sequences (few of them, long contexts) stream long key ranges per program
+# and prefer wide tiles; unsplit ones (many sequences) narrow tiles.
+_DECODE_CONFIGS: dict[str, list[dict]] = {
+    "big": [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)],
+    "wide_head": [_cfg(None, 32, 4, 2)],
+    "split": [_cfg(None, 128, 4, 2), _cfg(None, 64, 4, 2)],
+    "unsplit": [_cfg(None, 64, 4, 2)],
+}
+
+
+def _prefill_class(big: bool, max_q: int, dk: int) -> str:
+    """The shape class that picks the default prefill configurations."""
+    if big:
+        return "big"
+    if max_q >= 2048 and dk <= 128:
+        return "long"
+    if max_q > 64:
+        return "medium"
+    return "tiny" if max_q <= 32 else "short"
+
+
+def _decode_class(big: bool, dk: int, num_splits: int) -> str:
+    """The shape class that picks the default decode configurations."""
+    if big:
+        return "big"
+    if dk > 128:
+        return "wide_head"
+    return "split" if num_splits > 1 else "unsplit"
+
+
+def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, meta: dict) -> None:
+    """Launch with the first config (fastest first) whose shared memory / registers fit.
+
+    A config that does not fit raises ``OutOfResources`` when it is compiled,
+    before anything is enqueued; the next one is tried and the choice is
+    remembered per ``key``, so the search happens once per shape class.
+    """
+    start = _CONFIG_CHOICE.get(key, 0)
+    for i in range(start, len(configs)):
+        cfg = configs[i]
+        try:
+            kernel[grid(cfg)](*args, **meta, **cfg)
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _CONFIG_CHOICE[key] = i
+        return
+
+
+def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: torch.device) -> int:
+    """Pick how many key splits each decode sequence gets.
+
+    Enough splits to fill the device (about two programs per SM), but no more
+    than one split per 128 keys of the longest context (host value), and at
+    most :data:`MAX_KV_SPLITS`. The kernel derives each split's range from the
+    sequence length on the device, so any value is correct for any lengths
+    (a decode graph captured with one value replays correctly for others).
+    """
+    n = batch.num_decode_seqs
+    if n == 0:
+        return 1
+    want = triton.cdiv(device_parallelism(device), max(n * programs_per_split, 1))
+    by_len = triton.cdiv(max(batch.max_seq_len, 1), 128)
+    return int(max(1, min(want, by_len, MAX_KV_SPLITS)))

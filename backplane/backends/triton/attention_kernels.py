@@ -1,0 +1,723 @@
+"""The Triton kernels of paged attention: the KV append, ragged prefill/extend and split-KV decode.
+
+* ``_kv_append_kernel`` writes rows into a paged cache at ``slot_mapping``
+  (``-1`` = padding, skipped); it serves MLA's latent cache and layouts the
+  prefill kernel cannot read from the step's rows;
+* ``_prefill_kernel`` attends every prefill/extend query to its sequence's
+  keys (causal, optional sliding window), the cached prefix from the pages and
+  the sequence's own chunk from this step's rows, appending those rows;
+* ``_decode_kernel`` attends the one query of each decode sequence, split along
+  the keys, the last split to finish merging the splits by their log-sum-exp.
+
+The key may come in two parts (a main part and a rotary part, each with its
+own query part) and the value may be a view of the key's storage, so MLA (see
+:mod:`backplane.backends.triton.mla`) runs on the same kernels. The host side
+is in :mod:`backplane.backends.triton.attention_launch`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_append_kernel(
+    k_src_ptr,
+    v_src_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cp,
+    stride_co,
+    stride_ch,
+    PAGE_SIZE: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_V: tl.constexpr,
+):
+    """Copy token ``pid``'s ``[H, D]`` key row (and value row) into cache slot ``slot_mapping[pid]``.
+
+    Keys and values go in one launch: on small batches a launch costs more
+    host time than the copy.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    # The scalar is broadcast to a block first: the interpreter rejects scalar-by-block masks.
+    valid = (hs[:, None] * 0 + slot) >= 0
+    mask = (hs[:, None] < H) & (ds[None, :] < D) & valid
+    slot = tl.maximum(slot, 0)
+    dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co
+    dst += hs[:, None] * stride_ch + ds[None, :]
+    x = tl.load(k_src_ptr + t * stride_kt + hs[:, None] * stride_kh + ds[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, x.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_V:
+        y = tl.load(v_src_ptr + t * stride_vt + hs[:, None] * stride_vh + ds[None, :], mask=mask)
+        tl.store(v_cache_ptr + dst, y.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """Fold one tile of raw scores ``s`` ``[M, N]`` and values ``v`` ``[N, DV]`` into the softmax state.
+
+    ``MASKED`` tiles hide the scores where ``keep`` is false; rows with
+    nothing visible yet keep ``m = -inf`` and are shifted by 0 (no ``inf -
+    inf``). Unmasked tiles have a finite maximum in every row, so they fold
+    the scale into one multiply-add and skip the guards.
+
+    :return: the updated ``(acc, m_i, l_i)``.
+    """
+    if MASKED:
+        s = tl.where(keep, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dot_t(a, b, IEEE: tl.constexpr):
+    """``a @ b^T`` with exact float32 products when ``IEEE``."""
+    if IEEE:
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _paged_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    qpe,
+    start,
+    hi,
+    q_pos,
+    window,
+    bt_row,
+    k_ptr,
+    kpe_ptr,
+    v_ptr,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_ep,
+    stride_eo,
+    stride_eh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    kvh,
+    qk_scale,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Fold the ``BLOCK_N`` keys from position ``start``, read through the page table, into the state.
+
+    Shared by the prefill and decode kernels. ``MASK`` says what is hidden:
+    ``0`` nothing (the tile lies below every row's causal limit and inside its
+    window, so no compare is spent), ``1`` the keys at or past ``hi``, ``2``
+    those and, per row, keys past ``q_pos`` or ``window`` or more behind it.
+
+    :return: the updated ``(acc, m_i, l_i)``.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    if MASK == 0:
+        n_mask = offs_n >= 0
+        page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
+    else:
+        n_mask = offs_n < hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    off = offs_n % PAGE_SIZE
+    k = tl.load(
+        k_ptr
+        + page[:, None] * stride_kp
+        + off[:, None] * stride_ko
+        + kvh * stride_kh
+        + dk[None, :],
+        mask=n_mask[:, None] & (dk[None, :] < DK),
+        other=0.0,
+    )
+    s = _dot_t(q, k, IEEE)
+    if HAS_PE:
+        de = tl.arange(0, BLOCK_DPE)
+        kpe = tl.load(
+            kpe_ptr
+            + page[:, None] * stride_ep
+            + off[:, None] * stride_eo
+            + kvh * stride_eh
+            + de[None, :],
+            mask=n_mask[:, None] & (de[None, :] < DPE),
+            other=0.0,
+        )
+        s += _dot_t(qpe, kpe, IEEE)
+    if V_FROM_K:
+        v = k  # MLA: the value is the latent the key tile already holds
+    else:
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vp
+            + off[:, None] * stride_vo
+            + kvh * stride_vh
+            + dv[None, :],
+            mask=n_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+    if MASK == 2:
+        keep = (
+            n_mask[None, :]
+            & (offs_n[None, :] <= q_pos[:, None])
+            & (offs_n[None, :] > q_pos[:, None] - window)
+        )
+    else:
+        keep = n_mask[None, :]
+    return _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASK != 0, IEEE)
+
+
+@triton.jit
+def _chunk_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    offs_m,
+    q_len,
+    window,
+    row0,
+    kn_ptr,
+    vn_ptr,
+    k_desc,
+    v_desc,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    kvh,
+    qk_scale,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Fold ``BLOCK_N`` keys of the sequence's own chunk, read from this step's contiguous k/v rows.
+
+    Positions are relative to the chunk (query ``i`` sees chunk keys
+    ``i - window < j <= i``). ``MASK`` ``0`` tiles lie below every row's
+    diagonal and inside every window: they load without bounds (through the
+    tensor-memory accelerator when ``USE_TMA``); ``MASK`` ``2`` tiles apply
+    the causal and window limits per row.
+
+    :return: the updated ``(acc, m_i, l_i)``.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    rows = (row0 + offs_n).to(tl.int64)
+    if MASK == 0:
+        if USE_TMA:
+            k = k_desc.load([row0 + start, kvh * DK])
+            v = v_desc.load([row0 + start, kvh * DV])
+        else:
+            k = tl.load(
+                kn_ptr + rows[:, None] * stride_knt + kvh * stride_knh + dk[None, :],
+                mask=dk[None, :] < DK,
+                other=0.0,
+            )
+            v = tl.load(
+                vn_ptr + rows[:, None] * stride_vnt + kvh * stride_vnh + dv[None, :],
+                mask=dv[None, :] < DV,
+                other=0.0,
+            )
+        keep = offs_n[None, :] >= 0
+    else:
+        # Rows past the chunk (the next sequence's, or padding) are never read.
+        n_mask = offs_n < q_len
+        k = tl.load(
+            kn_ptr + rows[:, None] * stride_knt + kvh * stride_knh + dk[None, :],
+            mask=n_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        v = tl.load(
+            vn_ptr + rows[:, None] * stride_vnt + kvh * stride_vnh + dv[None, :],
+            mask=n_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        keep = (
+            n_mask[None, :]
+            & (offs_n[None, :] <= offs_m[:, None])
+            & (offs_n[None, :] > offs_m[:, None] - window)
+        )
+    s = _dot_t(q, k, IEEE)
+    return _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASK != 0, IEEE)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    qpe_ptr,
+    k_ptr,
+    kpe_ptr,
+    v_ptr,
+    kn_ptr,
+    vn_ptr,
+    o_ptr,
+    qsl_ptr,
+    cached_ptr,
+    bt_ptr,
+    slot_ptr,
+    num_rows,
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_ph,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_ep,
+    stride_eo,
+    stride_eh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    qk_scale,
+    group,
+    window,
+    num_kv_heads,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    CHUNK_FROM_INPUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PAGED_KEYS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    APPEND: tl.constexpr,
+):
+    """Causal (optionally windowed) attention of one query block of one head.
+
+    The cached prefix is read through the page table. With
+    ``CHUNK_FROM_INPUT`` the sequence's own chunk is read from this step's
+    contiguous ``kn``/``vn`` rows (the same values the append wrote to the
+    pages), which spares the page gather where most prefill work lies;
+    otherwise every key comes from the pages. ``PAGED_KEYS`` (false when no
+    sequence has a cached prefix and the chunk comes from the input) and
+    ``WINDOWED`` leave out the loops a batch cannot need. With ``APPEND``
+    (which needs ``CHUNK_FROM_INPUT``) the programs of each GQA group's first
+    head also write their query block's key/value rows to the pages at
+    ``slot_mapping``: no append launch, and nothing in this launch reads
+    those slots (prefixes lie before every chunk).
+
+    The grid is ``(head, query block, sequence)``: the heads of a GQA group are
+    neighbours, so they find their key tiles in L2, and the last (longest)
+    query blocks start first, which balances the causal triangle.
+    """
+    h = tl.program_id(0)
+    mblk = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if mblk * BLOCK_M < q_len:
+        cached = tl.load(cached_ptr + seq)
+        kvh = h // group
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        q_pos = cached + offs_m
+        rows = (q_start + offs_m).to(tl.int64)
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + dk[None, :],
+            mask=m_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        ).to(k_ptr.dtype.element_ty)
+        if HAS_PE:
+            de = tl.arange(0, BLOCK_DPE)
+            qpe = tl.load(
+                qpe_ptr + rows[:, None] * stride_pt + h * stride_ph + de[None, :],
+                mask=m_mask[:, None] & (de[None, :] < DPE),
+                other=0.0,
+            ).to(kpe_ptr.dtype.element_ty)
+        else:
+            qpe = q
+
+        if APPEND:
+            if h % group == 0:
+                slots = tl.load(slot_ptr + rows, mask=m_mask, other=-1)
+                w_mask = m_mask & (slots >= 0)
+                slots = tl.maximum(slots, 0).to(tl.int64)
+                dst = (slots // PAGE_SIZE)[:, None] * stride_kp + (slots % PAGE_SIZE)[
+                    :, None
+                ] * stride_ko
+                kr = tl.load(
+                    kn_ptr + rows[:, None] * stride_knt + kvh * stride_knh + dk[None, :],
+                    mask=w_mask[:, None] & (dk[None, :] < DK),
+                )
+                tl.store(
+                    k_ptr + dst + kvh * stride_kh + dk[None, :],
+                    kr.to(k_ptr.dtype.element_ty),
+                    mask=w_mask[:, None] & (dk[None, :] < DK),
+                )
+                dst = (slots // PAGE_SIZE)[:, None] * stride_vp + (slots % PAGE_SIZE)[
+                    :, None
+                ] * stride_vo
+                vr = tl.load(
+                    vn_ptr + rows[:, None] * stride_vnt + kvh * stride_vnh + dv[None, :],
+                    mask=w_mask[:, None] & (dv[None, :] < DV),
+                )
+                tl.store(
+                    v_ptr + dst + kvh * stride_vh + dv[None, :],
+                    vr.to(v_ptr.dtype.element_ty),
+                    mask=w_mask[:, None] & (dv[None, :] < DV),
+                )
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        if PAGED_KEYS:
+            # Paged keys, absolute positions: the prefix only, or everything.
+            first = cached + mblk * BLOCK_M  # position of the block's first query
+            last = cached + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
+            if CHUNK_FROM_INPUT:
+                hi = cached
+            else:
+                hi = last + 1
+            # Keys in [full_lo, full_hi) are visible to every row of the block: at or
+            # before the first query, inside the last query's window, below hi.
+            if WINDOWED:
+                lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
+                full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+            else:
+                lo = 0
+                full_lo = 0
+            full_hi = tl.minimum((first + 1) // BLOCK_N, hi // BLOCK_N) * BLOCK_N
+            split = tl.minimum(full_lo, hi)
+            bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+            if WINDOWED:
+                for start in range(lo, split, BLOCK_N):
+                    acc, m_i, l_i = _paged_tile(
+                        acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                        k_ptr, kpe_ptr, v_ptr,
+                        stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                        stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                        PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+                    )  # fmt: skip
+            for start in range(full_lo, full_hi, BLOCK_N):
+                acc, m_i, l_i = _paged_tile(
+                    acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                    k_ptr, kpe_ptr, v_ptr,
+                    stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                    stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+                )  # fmt: skip
+            for start in range(tl.maximum(full_hi, split), hi, BLOCK_N):
+                acc, m_i, l_i = _paged_tile(
+                    acc, m_i, l_i, q, qpe, start, hi, q_pos, window, bt_row,
+                    k_ptr, kpe_ptr, v_ptr,
+                    stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+                    stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+                )  # fmt: skip
+
+        if CHUNK_FROM_INPUT:
+            # The chunk's own keys, positions relative to the chunk.
+            if USE_TMA:
+                k_desc = tl.make_tensor_descriptor(
+                    kn_ptr,
+                    shape=[num_rows, num_kv_heads * DK],
+                    strides=[stride_knt, 1],
+                    block_shape=[BLOCK_N, DK],
+                )
+                v_desc = tl.make_tensor_descriptor(
+                    vn_ptr,
+                    shape=[num_rows, num_kv_heads * DV],
+                    strides=[stride_vnt, 1],
+                    block_shape=[BLOCK_N, DV],
+                )
+            else:
+                k_desc = kn_ptr
+                v_desc = vn_ptr
+            first_c = mblk * BLOCK_M
+            last_c = tl.minimum(first_c + BLOCK_M, q_len) - 1
+            if WINDOWED:
+                lo_c = (tl.maximum(first_c - window + 1, 0) // BLOCK_N) * BLOCK_N
+                full_lo_c = tl.cdiv(tl.maximum(last_c - window + 1, 0), BLOCK_N) * BLOCK_N
+            else:
+                lo_c = 0
+                full_lo_c = 0
+            full_hi_c = ((first_c + 1) // BLOCK_N) * BLOCK_N
+            split_c = tl.minimum(full_lo_c, last_c + 1)
+            if WINDOWED:
+                for start in range(lo_c, split_c, BLOCK_N):
+                    acc, m_i, l_i = _chunk_tile(
+                        acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                        kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                        kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 2,
+                    )  # fmt: skip
+            for start in range(full_lo_c, full_hi_c, BLOCK_N):
+                acc, m_i, l_i = _chunk_tile(
+                    acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                    kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                    kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 0,
+                )  # fmt: skip
+            for start in range(tl.maximum(full_hi_c, split_c), last_c + 1, BLOCK_N):
+                acc, m_i, l_i = _chunk_tile(
+                    acc, m_i, l_i, q, start, offs_m, q_len, window, q_start,
+                    kn_ptr, vn_ptr, k_desc, v_desc, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                    kvh, qk_scale, DK, DV, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, USE_TMA, 2,
+                )  # fmt: skip
+
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & (dv[None, :] < DV),
+        )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    qpe_ptr,
+    k_ptr,
+    kpe_ptr,
+    v_ptr,
+    o_ptr,
+    po_ptr,
+    plse_ptr,
+    arrivals_ptr,
+    kn_ptr,
+    vn_ptr,
+    slot_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    first_seq,
+    first_tok,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_ph,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_ep,
+    stride_eo,
+    stride_eh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    qk_scale,
+    num_heads,
+    group,
+    window,
+    DK: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    APPEND: tl.constexpr,
+):
+    """One split of the keys of one decode sequence, for one block of a GQA group's heads.
+
+    With ``APPEND`` the program whose split holds the sequence's last position
+    first writes this step's key/value row (``kn``/``vn`` at the token's slot)
+    to the pages, then reads it back with the rest: the decode tokens need no
+    append launch of their own.
+
+    With one split the program writes its rows of ``out``. With several it
+    writes its normalised partial output and log2-sum-exp to
+    ``po[seq, head, split, :]`` and ``plse[seq, head, split]`` (``-inf`` for
+    an empty split) and counts itself in at ``arrivals[seq, head block]``;
+    the program that arrives last merges the splits into ``out`` and resets
+    the counter to zero for the next launch. Merging in the same launch saves
+    a kernel launch per layer, which is most of an eager decode's cost at
+    small batches.
+    """
+    j = tl.program_id(0)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hb = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    seq = first_seq + j
+    tok = (first_tok + j).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo0 = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo0, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = lo0 + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    in_group = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = in_group < group
+    heads = kvh * group + in_group
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + dk[None, :],
+        mask=h_mask[:, None] & (dk[None, :] < DK),
+        other=0.0,
+    ).to(k_ptr.dtype.element_ty)
+    if HAS_PE:
+        de = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(
+            qpe_ptr + tok * stride_pt + heads[:, None] * stride_ph + de[None, :],
+            mask=h_mask[:, None] & (de[None, :] < DPE),
+            other=0.0,
+        ).to(kpe_ptr.dtype.element_ty)
+    else:
+        qpe = q
+
+    if APPEND:
+        slot = tl.load(slot_ptr + tok)
+        if (slot >= 0) & (seq_len - 1 >= lo) & (seq_len - 1 < hi):
+            slot = slot.to(tl.int64)
+            page = slot // PAGE_SIZE
+            off = slot % PAGE_SIZE
+            kr = tl.load(kn_ptr + tok * stride_knt + kvh * stride_knh + dk, mask=dk < DK)
+            tl.store(
+                k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh + dk,
+                kr.to(k_ptr.dtype.element_ty),
+                mask=dk < DK,
+            )
+            vr = tl.load(vn_ptr + tok * stride_vnt + kvh * stride_vnh + dv, mask=dv < DV)
+            tl.store(
+                v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh + dv,
+                vr.to(v_ptr.dtype.element_ty),
+                mask=dv < DV,
+            )
+            # The row is read back by other threads of this program below.
+            tl.debug_barrier()
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    # Whole tiles need no bounds check; only the split's last, partial tile does.
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _paged_tile(
+            acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
+            k_ptr, kpe_ptr, v_ptr,
+            stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+            stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+        )  # fmt: skip
+    for start in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _paged_tile(
+            acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
+            k_ptr, kpe_ptr, v_ptr,
+            stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
+            stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
+            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 1,
+        )  # fmt: skip
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out_rows = o_ptr + tok * stride_ot + heads[:, None] * stride_oh + dv[None, :]
+    out_mask = h_mask[:, None] & (dv[None, :] < DV)
+    if NUM_SPLITS == 1:
+        tl.store(out_rows, acc.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        row0 = (j.to(tl.int64) * num_heads + heads) * NUM_SPLITS
+        tl.store(po_ptr + (row0 + split)[:, None] * BLOCK_DV + dv[None, :], acc, mask=out_mask)
+        tl.store(plse_ptr + row0 + split, lse, mask=h_mask)
+        # Every thread's partial stores come before the (releasing) arrival.
+        tl.debug_barrier()
+        counter = arrivals_ptr + j * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            ss = tl.arange(0, BLOCK_S)
+            # Loads bypass L1 (".cg"): the other splits were written by other SMs.
+            lses = tl.load(
+                plse_ptr + row0[:, None] + ss[None, :],
+                mask=h_mask[:, None] & (ss[None, :] < NUM_SPLITS),
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            m = tl.max(lses, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.sum(tl.exp2(lses - m_safe[:, None]), 1)
+            merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+            # One split at a time keeps registers at one [BLOCK_H, BLOCK_DV] tile
+            # whatever the number of splits (MLA rows are 512 wide).
+            for s in range(NUM_SPLITS):
+                w = tl.exp2(
+                    tl.load(plse_ptr + row0 + s, mask=h_mask, other=0.0, cache_modifier=".cg")
+                    - m_safe
+                )
+                part = tl.load(
+                    po_ptr + (row0 + s)[:, None] * BLOCK_DV + dv[None, :],
+                    mask=out_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                merged += part * w[:, None]
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(out_rows, merged.to(o_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)

@@ -1,0 +1,449 @@
+"""Host launchers of the Triton attention kernels (shared by attention and MLA).
+
+:func:`kv_append` writes rows into a paged cache; :func:`paged_prefill` and
+:func:`paged_decode` attend a step's prefill/extend and decode sequences,
+optionally appending this step's keys and values in the same launch. Grid
+sizes come from the host side of the batch (``batch.host`` and the counts);
+offsets and page tables are read on the device, so nothing synchronises.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from backplane.backends.triton._common import dot_block, ieee_dot, interpreting, next_pow2
+from backplane.backends.triton.attention_configs import (
+    _DECODE_CONFIGS,
+    _PREFILL_CONFIGS,
+    _configs_key,
+    _decode_class,
+    _launch_fitting,
+    _prefill_class,
+    choose_num_splits,
+)
+from backplane.backends.triton.attention_kernels import (
+    _decode_kernel,
+    _kv_append_kernel,
+    _prefill_kernel,
+)
+from backplane.core.metadata import BatchMetadata
+
+#: Stands in for "no sliding window": larger than any position.
+_NO_WINDOW = 1 << 30
+_LOG2E = 1.4426950408889634
+
+#: Forces the number of decode splits the attention and MLA ops ask for, when set
+#: (tests); ``0`` = choose automatically.
+_FORCED_SPLITS = {"value": 0}
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two cache views start at the same element of the same storage."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """A ``[T, H, D]`` view (``[T, D]`` gains a head axis) with a contiguous last dimension."""
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def kv_append(
+    src: torch.Tensor,
+    cache_plane: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+    v_src: torch.Tensor | None = None,
+    v_plane: torch.Tensor | None = None,
+) -> None:
+    """Write ``src[:num_tokens]`` into a cache plane at ``slot_mapping`` (``-1`` skipped).
+
+    :param src: ``[T, H, D]`` (or ``[T, D]``), last dimension contiguous.
+    :param cache_plane: a ``[num_pages, page_size, H, D]`` (or ``[num_pages,
+        page_size, D]``) view of the cache, last dimension contiguous.
+    :param slot_mapping: ``[>= num_tokens]`` int64 device tensor.
+    :param num_tokens: how many rows to write (host value).
+    :param v_src: optional values, shaped like ``src``, written in the same launch...
+    :param v_plane: ...into this plane, strided like ``cache_plane``.
+    """
+    if num_tokens == 0:
+        return
+    src = _as_rows(src)
+    if cache_plane.dim() == 3:
+        cache_plane = cache_plane.unsqueeze(2)
+    has_v = v_src is not None and v_plane is not None
+    if has_v:
+        v_src = _as_rows(v_src)
+        if v_plane.dim() == 3:
+            v_plane = v_plane.unsqueeze(2)
+        if v_plane.stride() != cache_plane.stride() or v_src.shape != src.shape:
+            kv_append(src, cache_plane, slot_mapping, num_tokens)
+            kv_append(v_src, v_plane, slot_mapping, num_tokens)
+            return
+    else:
+        v_src, v_plane = src, cache_plane
+    _, page_size, H, D = cache_plane.shape
+    _kv_append_kernel[(num_tokens,)](
+        src,
+        v_src,
+        cache_plane,
+        v_plane,
+        slot_mapping,
+        src.stride(0),
+        src.stride(1),
+        v_src.stride(0),
+        v_src.stride(1),
+        cache_plane.stride(0),
+        cache_plane.stride(1),
+        cache_plane.stride(2),
+        PAGE_SIZE=page_size,
+        H=H,
+        D=D,
+        BLOCK_H=next_pow2(H),
+        BLOCK_D=next_pow2(D),
+        HAS_V=has_v,
+    )
+
+
+def _plane_strides(plane: torch.Tensor) -> tuple[int, int, int]:
+    """(page, offset, head) strides of a ``[P, page, H, D]`` or ``[P, page, D]`` cache view."""
+    if plane.dim() == 3:
+        return plane.stride(0), plane.stride(1), 0
+    return plane.stride(0), plane.stride(1), plane.stride(2)
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Device memory for the tensor descriptors a kernel builds (Triton's allocator hook)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@functools.cache
+def _tma_supported(device_index: int) -> bool:
+    """Whether kernels on this device can load through tensor descriptors (sm90+, not interpreted).
+
+    The first ``True`` installs a scratch allocator for in-kernel descriptors
+    (any allocator handing out device memory serves; fla installs an
+    equivalent one).
+    """
+    if interpreting() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    triton.set_allocator(_tma_scratch)
+    return True
+
+
+def _tma_rows_ok(x: torch.Tensor, width: int) -> bool:
+    """Whether ``x`` ``[T, H, D]`` can be a ``[T, H * D]`` tensor descriptor of ``width``-wide blocks."""
+    size = x.element_size()
+    return (
+        x.stride(2) == 1
+        and x.stride(1) == x.shape[2] == width
+        and (x.data_ptr() % 16) == 0
+        and (x.stride(0) * size) % 16 == 0
+    )
+
+
+def paged_prefill(
+    batch: BatchMetadata,
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    group: int,
+    sliding_window: int = 0,
+    q_pe: torch.Tensor | None = None,
+    kpe_plane: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    configs: list[dict] | None = None,
+) -> None:
+    """Attend the prefill/extend queries of ``batch`` over their keys, writing ``out`` rows.
+
+    :param batch: the step's metadata; its prefill sequences come first.
+    :param q: ``[T, Hq, DK]``.
+    :param k_plane: keys, ``[P, page, Hkv, DK]`` (or ``[P, page, DK]`` for one shared head).
+    :param v_plane: values, like ``k_plane`` with ``DV``.
+    :param out: ``[T, Hq, DV]``; rows ``[0, num_prefill_tokens)`` are written.
+    :param scale: softmax scale.
+    :param group: query heads per kv head.
+    :param sliding_window: ``0`` = full causal attention.
+    :param q_pe: optional second query part (MLA rotary part), ``[T, Hq, DPE]``.
+    :param kpe_plane: the matching key part.
+    :param k_new: optional ``[T, Hkv, DK]`` keys of this step: when given, this
+        call appends the prefill tokens' rows to ``k_plane`` (at
+        ``slot_mapping``) and reads each sequence's own chunk from them
+        (contiguous rows), only the cached prefix from the pages; without it
+        every key, the chunk's included, must already be in the pages.
+    :param v_new: the values matching ``k_new``, appended to ``v_plane``.
+    :param configs: launch configurations to try in order (tuning scripts);
+        ``None`` = the defaults for the shape.
+    """
+    n = batch.num_prefill_seqs
+    if n == 0:
+        return
+    max_q = int(batch.host.query_lens[:n].max())
+    num_heads, dk = q.shape[1], q.shape[2]
+    dv = out.shape[2]
+    has_pe = q_pe is not None
+    dpe = q_pe.shape[2] if has_pe else 0
+    big = max(dk, dv) + dpe > 256
+    if configs is None:
+        cfg_id: Any = _prefill_class(big, max_q, dk)
+        configs = _PREFILL_CONFIGS[cfg_id]
+    else:
+        cfg_id = _configs_key(configs)
+    qpe = q_pe if has_pe else q
+    kpe = kpe_plane if has_pe else k_plane
+    v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    appending = k_new is not None and v_new is not None
+    if appending:
+        k_new, v_new = _as_rows(k_new), _as_rows(v_new)
+    from_input = (
+        appending and not has_pe and k_new.dtype == k_plane.dtype and v_new.dtype == v_plane.dtype
+    )
+    if from_input:
+        block_dk, block_dv = dot_block(dk), dot_block(dv)
+        # In-kernel descriptors cost a scratch allocation per launch: worth it
+        # for long prompts only (at 4k tokens loads are as fast without).
+        use_tma = (
+            max_q >= 4096
+            and q.is_cuda
+            and block_dk == dk
+            and block_dv == dv
+            and _tma_rows_ok(k_new, dk)
+            and _tma_rows_ok(v_new, dv)
+            and _tma_supported(q.device.index if q.device.index is not None else 0)
+        )
+        kn, vn = k_new, v_new
+    else:
+        if appending:
+            kv_append(k_new, k_plane, batch.slot_mapping, batch.num_prefill_tokens, v_new, v_plane)
+        use_tma = False
+        kn, vn = k_plane, v_plane  # unused: any tensors serve as placeholders
+    paged_keys = not from_input or bool(batch.host.cached_lens[:n].any())
+    args = (
+        q,
+        qpe,
+        k_plane,
+        kpe,
+        v_plane,
+        kn,
+        vn,
+        out,
+        batch.query_start_loc,
+        batch.cached_lens,
+        batch.block_table,
+        batch.slot_mapping,
+        kn.shape[0],
+        q.stride(0),
+        q.stride(1),
+        qpe.stride(0),
+        qpe.stride(1),
+        *_plane_strides(k_plane),
+        *_plane_strides(kpe),
+        *_plane_strides(v_plane),
+        kn.stride(0),
+        kn.stride(1) if from_input else 0,
+        vn.stride(0),
+        vn.stride(1) if from_input else 0,
+        out.stride(0),
+        out.stride(1),
+        batch.block_table.stride(0),
+        scale * _LOG2E,
+        group,
+        sliding_window if sliding_window > 0 else _NO_WINDOW,
+        num_heads // group,
+    )
+    meta = dict(
+        DK=dk,
+        DPE=dpe,
+        DV=dv,
+        PAGE_SIZE=batch.page_size,
+        BLOCK_DK=dot_block(dk),
+        BLOCK_DPE=dot_block(dpe) if has_pe else 16,
+        BLOCK_DV=dot_block(dv),
+        HAS_PE=has_pe,
+        V_FROM_K=v_from_k,
+        IEEE=ieee_dot(k_plane.dtype),
+        CHUNK_FROM_INPUT=from_input,
+        USE_TMA=use_tma,
+        PAGED_KEYS=paged_keys,
+        WINDOWED=sliding_window > 0,
+        APPEND=from_input,
+    )
+    key = (
+        "prefill",
+        dk,
+        dpe,
+        dv,
+        k_plane.dtype,
+        q.dtype,
+        from_input,
+        use_tma,
+        paged_keys,
+        sliding_window > 0,
+        cfg_id,
+    )
+    _launch_fitting(
+        _prefill_kernel,
+        lambda c: (num_heads, triton.cdiv(max_q, c["BLOCK_M"]), n),
+        key,
+        configs,
+        args,
+        meta,
+    )
+
+
+#: Per device: every arrival-counter buffer of the split-KV decode handed out
+#: (the last is the current one), all zero between launches.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters on ``device``, kept across launches.
+
+    The decode kernel leaves every counter it used at zero again, so one
+    buffer serves every layer and step. It grows to the next power of two;
+    outgrown buffers are kept, never freed: a CUDA graph captured with one
+    replays into it (a graph holds no reference to its buffers, and freed
+    memory would be handed to other tensors).
+    """
+    bufs = _ARRIVALS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < count:
+        bufs.append(torch.zeros(next_pow2(max(count, 1024)), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+def paged_decode(
+    batch: BatchMetadata,
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    group: int,
+    sliding_window: int = 0,
+    q_pe: torch.Tensor | None = None,
+    kpe_plane: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    configs: list[dict] | None = None,
+) -> None:
+    """Split-KV decode for the decode sequences of ``batch``, writing their ``out`` rows.
+
+    One launch: the last split of each (sequence, head block) to finish merges
+    the splits (see ``_decode_kernel``). Arguments as for
+    :func:`paged_prefill`, except that ``k_new``/``v_new`` (this step's
+    ``[T, Hkv, D]`` rows), when given, are appended to the pages by the kernel
+    for the decode tokens, which must then not be appended before;
+    ``num_splits`` overrides :func:`choose_num_splits` (tests use it to force
+    several splits).
+    """
+    nd = batch.num_decode_seqs
+    if nd == 0:
+        return
+    num_heads, dk = q.shape[1], q.shape[2]
+    dv = out.shape[2]
+    num_kv_heads = num_heads // group
+    has_pe = q_pe is not None
+    dpe = q_pe.shape[2] if has_pe else 0
+    big = max(dk, dv) + dpe > 256
+    block_h = min(dot_block(group), 16 if big else 64)
+    head_blocks = triton.cdiv(group, block_h)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
+    if configs is None:
+        cfg_id: Any = _decode_class(big, dk, num_splits)
+        configs = _DECODE_CONFIGS[cfg_id]
+    else:
+        cfg_id = _configs_key(configs)
+    block_dv = dot_block(dv)
+    if num_splits > 1:
+        rows = nd * num_heads * num_splits
+        # One allocation: the partial outputs, then their log2-sum-exps.
+        scratch = torch.empty(rows * (block_dv + 1), dtype=torch.float32, device=q.device)
+        partial, lse = scratch[: rows * block_dv], scratch[rows * block_dv :]
+        arrivals = _arrivals(q.device, nd * num_kv_heads * head_blocks)
+    else:
+        partial = lse = arrivals = out  # unused placeholders
+    qpe = q_pe if has_pe else q
+    kpe = kpe_plane if has_pe else k_plane
+    v_from_k = _same_storage(v_plane, k_plane) and dv == dk
+    append = k_new is not None and v_new is not None
+    if append:
+        kn, vn = _as_rows(k_new), _as_rows(v_new)
+    else:
+        kn, vn = q, q  # unused placeholders
+    args = (
+        q,
+        qpe,
+        k_plane,
+        kpe,
+        v_plane,
+        out,
+        partial,
+        lse,
+        arrivals,
+        kn,
+        vn,
+        batch.slot_mapping,
+        batch.seq_lens,
+        batch.block_table,
+        batch.num_prefill_seqs,
+        batch.num_prefill_tokens,
+        kn.stride(0),
+        kn.stride(1),
+        vn.stride(0),
+        vn.stride(1),
+        q.stride(0),
+        q.stride(1),
+        qpe.stride(0),
+        qpe.stride(1),
+        *_plane_strides(k_plane),
+        *_plane_strides(kpe),
+        *_plane_strides(v_plane),
+        out.stride(0),
+        out.stride(1),
+        batch.block_table.stride(0),
+        scale * _LOG2E,
+        num_heads,
+        group,
+        sliding_window if sliding_window > 0 else _NO_WINDOW,
+    )
+    meta = dict(
+        DK=dk,
+        DPE=dpe,
+        DV=dv,
+        PAGE_SIZE=batch.page_size,
+        NUM_SPLITS=num_splits,
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
+        BLOCK_S=next_pow2(num_splits),
+        BLOCK_DK=dot_block(dk),
+        BLOCK_DPE=dot_block(dpe) if has_pe else 16,
+        BLOCK_DV=block_dv,
+        HAS_PE=has_pe,
+        V_FROM_K=v_from_k,
+        IEEE=ieee_dot(k_plane.dtype),
+        APPEND=append,
+    )
+    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, cfg_id)
+    _launch_fitting(
+        _decode_kernel,
+        lambda c: (nd, num_kv_heads * head_blocks, num_splits),
+        key,
+        configs,
+        args,
+        meta,
+    )
