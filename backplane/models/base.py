@@ -68,7 +68,7 @@ class CausalLM(nn.Module):
     Subclasses build ``self.embed_tokens``, ``self.lm_head`` (or tie it), the
     layers and ``self.final_norm``, set :attr:`families`, and implement
     :meth:`forward`. Checkpoint names are the module paths, except where
-    :meth:`checkpoint_name_map` rewrites prefixes and :class:`MoE` stacks
+    :attr:`checkpoint_prefixes` rewrites prefixes and :class:`MoE` stacks
     per-expert tensors.
 
     :param config: the HF config.

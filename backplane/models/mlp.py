@@ -1,5 +1,7 @@
-"""Activations by their HF config names (:data:`ACTIVATIONS`, :func:`activation`) and
-the dense feed-forward block :class:`MLP`.
+"""Dense feed-forward: the :class:`MLP` block and its activations.
+
+Activations are looked up by their HF config names (:data:`ACTIVATIONS`,
+:func:`activation`); the MoE experts use the same table.
 """
 
 from __future__ import annotations

@@ -158,7 +158,6 @@ class MoE(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        self.num_experts = num_experts
         self.top_k = top_k
         self.act_name = act
         self.router = router

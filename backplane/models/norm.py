@@ -1,6 +1,4 @@
-"""RMS normalisation layers: :class:`RMSNorm` and the gated, optionally grouped
-:class:`GatedRMSNorm`.
-"""
+"""RMS normalisation: :class:`RMSNorm` and :class:`GatedRMSNorm` (gated, optionally grouped)."""
 
 from __future__ import annotations
 
@@ -32,11 +30,6 @@ class RMSNorm(nn.Module):
         if self.zero_centered:
             return (xf * (1.0 + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
-
-    def reset_parameters_(self, generator: torch.Generator | None = None) -> None:
-        """Set the weight to the identity scale."""
-        with torch.no_grad():
-            self.weight.fill_(0.0 if self.zero_centered else 1.0)
 
 
 class GatedRMSNorm(nn.Module):
@@ -78,8 +71,3 @@ class GatedRMSNorm(nn.Module):
             out = self.weight * xf.to(dtype)
             return (out.float() * F.silu(gate.float())).to(dtype)
         return self.weight * xf.to(dtype)
-
-    def reset_parameters_(self, generator: torch.Generator | None = None) -> None:
-        """Set the weight to ones."""
-        with torch.no_grad():
-            self.weight.fill_(1.0)

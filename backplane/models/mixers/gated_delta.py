@@ -1,6 +1,4 @@
-""":class:`GatedDeltaNetMixer`: Gated DeltaNet linear attention over the ``ssm``
-(``conv``) and ``delta`` op families.
-"""
+""":class:`GatedDeltaNetMixer`: Gated DeltaNet over the ``ssm`` (conv) and ``delta`` families."""
 
 from __future__ import annotations
 
