@@ -164,9 +164,14 @@ def build_batch_metadata(
     *,
     state_slots: Sequence[int] | np.ndarray | None = None,
     padded_num_tokens: int | None = None,
+    block_table_width: int | None = None,
     device: torch.device | str = "cpu",
 ) -> BatchMetadata:
-    """Build batch metadata from per-sequence facts, vectorised with numpy.
+    """Build batch metadata from per-sequence facts with the engine's packer.
+
+    The arrays are packed by :func:`backplane.core.packing.pack_batch`, the same
+    code that prepares the engine's steps, so tests and tools see the engine's
+    exact layout.
 
     :param query_lens: new tokens per sequence this step; prefill/extend
         sequences first, then decode sequences (``query_len == 1`` with cached
@@ -177,85 +182,45 @@ def build_batch_metadata(
     :param page_size: tokens per page.
     :param state_slots: recurrent-state slot per sequence (default ``1..n``).
     :param padded_num_tokens: flat token count including padding (default: no padding).
+    :param block_table_width: columns of the dense block table, padded with page 0
+        (default: the most pages any sequence needs).
     :param device: where the device tensors go.
-    :return: the metadata; raises ``ValueError`` on inconsistent input.
+    :return: the metadata.
+    :raises ValueError: on inconsistent input.
     """
-    q = np.asarray(query_lens, dtype=np.int32)
-    c = np.asarray(cached_lens, dtype=np.int32)
-    n = len(q)
-    if len(c) != n or len(page_tables) != n:
-        raise ValueError("query_lens, cached_lens and page_tables must have one entry per sequence")
-    if n and q.min() < 1:
-        raise ValueError("every sequence needs at least one new token")
-    is_decode = (q == 1) & (c > 0)
-    num_prefill = int((~is_decode).sum())
-    if is_decode[:num_prefill].any():
-        raise ValueError("prefill/extend sequences must come before decode sequences")
-    seq_lens = c + q
-    qsl = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(q, out=qsl[1:])
-    num_tokens = int(qsl[-1])
-    padded = num_tokens if padded_num_tokens is None else int(padded_num_tokens)
-    if padded < num_tokens:
-        raise ValueError(f"padded_num_tokens={padded} < num_tokens={num_tokens}")
+    # packing builds on this module's types, so it is imported when first used
+    from backplane.core.packing import allocate_host, measure_batch, pack_batch
 
-    pages_needed = -(-seq_lens // page_size)
-    tables = [np.asarray(t, dtype=np.int32) for t in page_tables]
-    have = np.array([len(t) for t in tables], dtype=np.int32)
-    if (have < pages_needed).any():
-        bad = int(np.argmax(have < pages_needed))
+    n = len(query_lens)
+    if len(cached_lens) != n or len(page_tables) != n:
         raise ValueError(
-            f"sequence {bad} needs {pages_needed[bad]} pages for {seq_lens[bad]} tokens, got {have[bad]}"
+            f"query_lens, cached_lens and page_tables must have one entry per sequence "
+            f"(got {n}, {len(cached_lens)} and {len(page_tables)})"
         )
-    page_indptr = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(pages_needed, out=page_indptr[1:])
-    page_indices = (
-        np.concatenate([t[:k] for t, k in zip(tables, pages_needed, strict=True)]).astype(np.int32)
-        if n
-        else np.zeros(0, np.int32)
+    shape = measure_batch(
+        query_lens,
+        cached_lens,
+        page_size,
+        padded_num_tokens=padded_num_tokens,
+        block_table_width=block_table_width,
     )
-    max_pages = int(pages_needed.max()) if n else 0
-    block_table = np.full((n, max(max_pages, 1)), NULL_PAGE, dtype=np.int32)
-    col = np.arange(max_pages)
-    mask = col[None, :] < pages_needed[:, None]
-    block_table[:, :max_pages][mask] = page_indices
-    last_page_lens = (seq_lens - (pages_needed - 1) * page_size).astype(np.int32)
-
-    token_seq = np.repeat(np.arange(n, dtype=np.int32), q)
-    offs = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1], q)
-    positions = np.zeros(padded, dtype=np.int64)
-    positions[:num_tokens] = np.repeat(c, q) + offs
-    slot_mapping = np.full(padded, -1, dtype=np.int64)
-    if num_tokens:
-        page_of_tok = block_table[token_seq, positions[:num_tokens] // page_size].astype(np.int64)
-        slot_mapping[:num_tokens] = page_of_tok * page_size + positions[:num_tokens] % page_size
-    token_seq_ids = np.full(padded, -1, dtype=np.int32)
-    token_seq_ids[:num_tokens] = token_seq
+    if shape.order is not None:
+        raise ValueError(
+            "prefill/extend sequences must come before decode sequences (one new token "
+            "on cached context)"
+        )
     slots = (
         np.arange(1, n + 1, dtype=np.int32)
         if state_slots is None
         else np.asarray(state_slots, dtype=np.int32)
     )
-    host = HostBatch(
-        query_start_loc=qsl,
-        query_lens=q,
-        cached_lens=c,
-        seq_lens=seq_lens.astype(np.int32),
-        page_indptr=page_indptr,
-        page_indices=page_indices,
-        last_page_lens=last_page_lens,
-        block_table=block_table,
-        state_slots=slots,
-        has_initial_state=c > 0,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        token_seq_ids=token_seq_ids,
-        last_token_indices=(qsl[1:] - 1).astype(np.int64),
-    )
+    tables = [np.asarray(t, dtype=np.int32) for t in page_tables]
+    host = allocate_host(shape)
+    pack_batch(shape, tables, slots, host)
     return BatchMetadata.from_host(
         host,
-        num_prefill_seqs=num_prefill,
+        num_prefill_seqs=shape.num_prefill_seqs,
         page_size=page_size,
-        padded_num_tokens=padded,
+        padded_num_tokens=shape.padded_num_tokens,
         device=device,
     )

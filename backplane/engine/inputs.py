@@ -6,14 +6,13 @@ sized at startup for the engine's limits (``max_num_tokens``,
 
 1. reads the few per-sequence facts it needs from the scheduled sequences
    (O(1) Python work per sequence: a handful of attribute reads);
-2. computes everything else with vectorised numpy, straight into typed views
-   of the host buffer, packed back to back (query offsets and positions once,
-   page counts by ceil-division, page tables with one concatenation and one
-   scatter, slot mapping, last-token gather indices);
+2. packs every field of the step's layout straight into typed views of the host
+   buffer, back to back, with :func:`backplane.core.packing.pack_batch` -- the
+   packer :func:`~backplane.core.metadata.build_batch_metadata` uses too, so the
+   conformance kit tests the layout the engine runs;
 3. issues ONE host-to-device copy of the packed prefix of the buffer;
 4. returns :class:`BatchInputs`: the step's
-   :class:`~backplane.core.metadata.BatchMetadata` (same meaning as
-   :func:`~backplane.core.metadata.build_batch_metadata`), ``input_ids``,
+   :class:`~backplane.core.metadata.BatchMetadata`, ``input_ids``,
    ``positions`` and the indices of the hidden rows to turn into logits.
 
 The views handed out are valid until the next :meth:`InputBatch.prepare`.
@@ -30,7 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from backplane.core.metadata import NULL_PAGE, BatchMetadata, HostBatch
+from backplane.core.metadata import BatchMetadata, HostBatch
+from backplane.core.packing import measure_batch, pack_batch
 
 _ALIGN = 8  # every section starts 8-byte aligned so typed device views are legal
 
@@ -149,7 +149,6 @@ class InputBatch:
         self._copy_done: torch.cuda.Event | None = None
         self._copy_event: torch.cuda.Event | None = None
         self._on_cuda = on_cuda
-        self._arange = np.arange(max(t, s * p, s) + 1, dtype=np.int64)
         self._layouts: dict[tuple[int, int, int, int], _Layout] = {}
 
     @property
@@ -231,143 +230,88 @@ class InputBatch:
             self._copy_done = None
         n = len(scheduled)
         if n > self.max_num_seqs:
-            raise ValueError(f"{n} sequences exceed max_num_seqs={self.max_num_seqs}")
-        ps = self.page_size
-        ar = self._arange
+            raise ValueError(
+                f"{n} sequences exceed max_num_seqs={self.max_num_seqs}; schedule fewer per step"
+            )
 
         # -- O(1) Python per sequence: read the scheduler's facts ---------------
         q = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
         c = np.fromiter((s.num_cached_tokens for s in scheduled), np.int32, n)
-        num_tokens = int(q.sum())
-        decode_only = num_tokens == n  # every sequence adds one token
-        if decode_only:
-            is_decode = c > 0
-            num_decode = int(np.count_nonzero(is_decode))
-        else:
-            if n and q.min() < 1:
-                raise ValueError("every scheduled sequence needs at least one new token")
-            # One new token on top of cached context counts as decode for the kernels,
-            # even when it is the last chunk of a prefill: such sequences go last.
-            is_decode = (q == 1) & (c > 0)
-            num_decode = int(np.count_nonzero(is_decode))
-        num_prefill = n - num_decode
-        perm = None
-        if 0 < num_decode < n and not is_decode[num_prefill:].all():
-            perm = np.argsort(is_decode, kind="stable")
+        shape = measure_batch(
+            q,
+            c,
+            self.page_size,
+            padded_num_tokens=padded_num_tokens,
+            block_table_width=block_table_width,
+        )
+        perm = shape.order
+        if perm is not None:
             scheduled = [scheduled[i] for i in perm]
-            q, c, is_decode = q[perm], c[perm], is_decode[perm]
+        padded = shape.padded_num_tokens
+        if padded > self.max_num_tokens:
+            raise ValueError(
+                f"{padded} tokens exceed max_num_tokens={self.max_num_tokens}; "
+                "schedule fewer tokens per step"
+            )
+        if shape.max_pages > self.max_pages_per_seq:
+            raise ValueError(
+                f"a sequence needs {shape.max_pages} pages, more than "
+                f"max_pages_per_seq={self.max_pages_per_seq}"
+            )
         slots = np.fromiter((s.state_slot for s in scheduled), np.int32, n)
         final = np.fromiter((s.is_prefill_chunk_final for s in scheduled), np.bool_, n)
         tables = [s.page_ids for s in scheduled]
-
-        padded = num_tokens if padded_num_tokens is None else int(padded_num_tokens)
-        if padded < num_tokens:
-            raise ValueError(f"padded_num_tokens={padded} < num_tokens={num_tokens}")
-        if padded > self.max_num_tokens:
-            raise ValueError(f"{padded} tokens exceed max_num_tokens={self.max_num_tokens}")
-        seq_lens_v = c + q
-        pages_needed = (seq_lens_v + (ps - 1)) // ps
-        max_pages = int(pages_needed.max()) if n else 0
-        if max_pages > self.max_pages_per_seq:
-            raise ValueError(
-                f"a sequence needs {max_pages} pages, more than "
-                f"max_pages_per_seq={self.max_pages_per_seq}"
+        num_prefill = shape.num_prefill_seqs
+        # prompt/extend slices, then the one token of each decode (at position num_cached_tokens)
+        token_ids = [
+            s.request.token_buffer[s.num_cached_tokens : s.num_cached_tokens + s.num_new_tokens]
+            for s in scheduled[:num_prefill]
+        ]
+        if num_prefill < n:
+            token_ids.append(
+                np.fromiter(
+                    (s.request.token_buffer[s.num_cached_tokens] for s in scheduled[num_prefill:]),
+                    np.int64,
+                    n - num_prefill,
+                )
             )
-        width = max(max_pages, 1) if block_table_width is None else int(block_table_width)
-        if width < max_pages:
-            raise ValueError(f"block_table_width={width} < {max_pages} pages needed")
-        sample_rows = np.flatnonzero(final)
-        layout = self._layout(n, padded, width)
-        h = layout.host
 
-        # -- vectorised: offsets, lengths, pages ---------------------------------
-        h["query_lens"][:] = q
-        h["cached_lens"][:] = c
-        h["state_slots"][:] = slots
-        seq_lens = h["seq_lens"]
-        seq_lens[:] = seq_lens_v
-        qsl = h["query_start_loc"]
-        last_tok = h["last_token_indices"]
-        if decode_only:
-            qsl[:] = ar[: n + 1]
-            last_tok[:] = ar[:n]
-        else:
-            qsl[0] = 0
-            np.cumsum(q, out=qsl[1:])
-            np.subtract(qsl[1:], 1, out=last_tok)
-        page_indptr = h["page_indptr"]
-        page_indptr[0] = 0
-        np.cumsum(pages_needed, out=page_indptr[1:])
-        total_pages = int(page_indptr[n])
+        # -- vectorised: every field, straight into the pinned buffer -------------
+        layout = self._layout(n, padded, shape.block_table_width)
+        h = layout.host
+        total_pages = shape.total_pages
         pi_start = layout.page_indices_start
         page_indices = self._host_typed[np.int32][pi_start : pi_start + total_pages]
-
-        # one concatenation of every page table, then one gather of the needed prefixes
-        if n:
-            have = np.fromiter(map(len, tables), np.int64, n)
-            if (have < pages_needed).any():
-                bad = int(np.argmax(have < pages_needed))
-                raise ValueError(
-                    f"sequence {bad} needs {pages_needed[bad]} pages for {seq_lens[bad]} tokens, "
-                    f"its page table has {have[bad]}"
-                )
-            flat = np.concatenate(tables)
-            if len(flat) == total_pages:
-                page_indices[:] = flat
-            else:
-                src_start = np.cumsum(have) - have
-                shift = np.repeat(src_start - page_indptr[:n], pages_needed)
-                page_indices[:] = flat[ar[:total_pages] + shift]
-        block_table = h["block_table"]
-        block_table.fill(NULL_PAGE)
-        page_seq = np.repeat(ar[:n], pages_needed)
-        page_col = ar[:total_pages] - np.repeat(page_indptr[:n], pages_needed)
-        block_table.reshape(-1)[page_seq * width + page_col] = page_indices
-        np.subtract(seq_lens, (pages_needed - 1) * ps, out=h["last_page_lens"])
-        np.greater(c, 0, out=h["has_initial_state"])
-
-        # -- per-token arrays (positions computed once) ---------------------------
-        positions = h["positions"]
-        token_seq_ids = h["token_seq_ids"]
-        slot_mapping = h["slot_mapping"]
-        if decode_only:
-            token_seq = ar[:n]
-            positions[:n] = c
-        else:
-            token_seq = np.repeat(ar[:n], q)
-            np.add(ar[:num_tokens], (c - qsl[:n])[token_seq], out=positions[:num_tokens])
-        pos = positions[:num_tokens]
-        token_seq_ids[:num_tokens] = token_seq
-        sm = slot_mapping[:num_tokens]
-        np.multiply(block_table.reshape(-1)[token_seq * width + pos // ps], ps, out=sm)
-        sm += pos % ps
-        if padded > num_tokens:
-            positions[num_tokens:] = 0
-            token_seq_ids[num_tokens:] = -1
-            slot_mapping[num_tokens:] = -1
-
-        # -- input ids: prompt/extend slices, then the token of each decode -------
-        input_ids = h["input_ids"]
-        num_prefill_tokens = num_tokens - num_decode
-        if num_prefill:
-            chunks = [
-                s.request.token_buffer[s.num_cached_tokens : s.num_cached_tokens + s.num_new_tokens]
-                for s in scheduled[:num_prefill]
-            ]
-            input_ids[:num_prefill_tokens] = np.concatenate(chunks)
-        if num_decode:
-            # the one token at position num_cached_tokens (the newest one while decoding)
-            input_ids[num_prefill_tokens:num_tokens] = np.fromiter(
-                (s.request.token_buffer[s.num_cached_tokens] for s in scheduled[num_prefill:]),
-                np.int64,
-                num_decode,
-            )
-        if padded > num_tokens:
-            input_ids[num_tokens:] = 0
+        host = HostBatch(
+            query_start_loc=h["query_start_loc"],
+            query_lens=h["query_lens"],
+            cached_lens=h["cached_lens"],
+            seq_lens=h["seq_lens"],
+            page_indptr=h["page_indptr"],
+            page_indices=page_indices,
+            last_page_lens=h["last_page_lens"],
+            block_table=h["block_table"],
+            state_slots=h["state_slots"],
+            has_initial_state=h["has_initial_state"],
+            positions=h["positions"],
+            slot_mapping=h["slot_mapping"],
+            token_seq_ids=h["token_seq_ids"],
+            last_token_indices=h["last_token_indices"],
+        )
+        sample_rows = pack_batch(
+            shape,
+            tables,
+            slots,
+            host,
+            token_ids=token_ids,
+            input_ids=h["input_ids"],
+            sample=final,
+            logits_indices=h["logits_indices"],
+        )
         num_sample = len(sample_rows)
-        h["logits_indices"][:num_sample] = sample_rows if decode_only else last_tok[sample_rows]
         sample_seqs = sample_rows if perm is None else perm[sample_rows]
 
+        # -- one host-to-device copy; device views cached by shape ----------------
         self._copy(layout.page_indices_offset + total_pages * 4)
         d = layout.dev
         if len(layout.views) > 4096:
@@ -380,31 +324,16 @@ class InputBatch:
         if logits_dev is None:
             logits_dev = d["logits_indices"][:num_sample]
             layout.views[-1 - num_sample] = logits_dev
-        host = HostBatch(
-            query_start_loc=qsl,
-            query_lens=h["query_lens"],
-            cached_lens=h["cached_lens"],
-            seq_lens=seq_lens,
-            page_indptr=page_indptr,
-            page_indices=page_indices,
-            last_page_lens=h["last_page_lens"],
-            block_table=block_table,
-            state_slots=h["state_slots"],
-            has_initial_state=h["has_initial_state"],
-            positions=positions,
-            slot_mapping=slot_mapping,
-            token_seq_ids=token_seq_ids,
-            last_token_indices=last_tok,
-        )
+        num_decode = n - num_prefill
         metadata = BatchMetadata(
             num_prefill_seqs=num_prefill,
-            num_prefill_tokens=num_prefill_tokens,
+            num_prefill_tokens=shape.num_tokens - num_decode,
             num_decode_seqs=num_decode,
             num_decode_tokens=num_decode,
             padded_num_tokens=padded,
-            page_size=ps,
-            max_query_len=1 if decode_only and n else (int(q.max()) if n else 0),
-            max_seq_len=int(seq_lens_v.max()) if n else 0,
+            page_size=self.page_size,
+            max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len,
             host=host,
             query_start_loc=d["query_start_loc"],
             query_lens=d["query_lens"],

@@ -18,13 +18,13 @@ a CPU; page 0 and state slot 0 are never handed out, as in the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from backplane.core.metadata import NULL_PAGE, BatchMetadata, build_batch_metadata
+from backplane.core.metadata import BatchMetadata, build_batch_metadata
 
 #: Kinds accepted by :func:`batch_cases`.
 KINDS = ("all", "prefill", "decode", "mixed")
@@ -92,27 +92,14 @@ class BatchCase:
             just wide enough for the longest sequence).
         :return: the :class:`~backplane.core.metadata.BatchMetadata`.
         """
-        meta = build_batch_metadata(
+        return build_batch_metadata(
             list(self.query_lens),
             list(self.cached_lens),
             [list(t) for t in self.page_tables],
             self.page_size,
             state_slots=list(self.state_slots),
             padded_num_tokens=self.padded_num_tokens,
-            device="cpu" if table_width is not None else device,
-        )
-        if table_width is None:
-            return meta
-        table = meta.host.block_table
-        if table_width < table.shape[1]:
-            raise ValueError(f"table_width={table_width} < the {table.shape[1]} columns needed")
-        wide = np.full((table.shape[0], table_width), NULL_PAGE, dtype=table.dtype)
-        wide[:, : table.shape[1]] = table
-        return BatchMetadata.from_host(
-            replace(meta.host, block_table=wide),
-            num_prefill_seqs=meta.num_prefill_seqs,
-            page_size=self.page_size,
-            padded_num_tokens=self.padded_num_tokens,
+            block_table_width=table_width,
             device=device,
         )
 
