@@ -20,7 +20,9 @@ def test_unsupported_layer_error_becomes_a_skip(tmp_path):
             from backplane.core.errors import UnsupportedLayerError
 
             def test_small_head_dim():
-                raise UnsupportedLayerError("head_dim 8 is too small", family="attention")
+                raise UnsupportedLayerError(
+                    "head_dim 8 is too small", family="attention", backend="example"
+                )
 
             def test_other_errors_still_fail():
                 raise ValueError("a real bug")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class BackplaneError(Exception):
     """Base class of every error backplane raises on purpose."""
@@ -16,24 +18,51 @@ class UnknownBackendError(BackplaneError):
 
 
 class BackendUnavailableError(BackplaneError):
-    """The configured backend is installed but cannot run here."""
+    """The configured backend is installed but cannot run here.
 
-
-class UnsupportedLayerError(BackendUnavailableError, ValueError):
-    """A backend is installed and available but cannot run one layer's shape or dtype.
-
-    Under ``auto`` selection the engine then falls back to the next backend of
-    the family; with a backend named in the configuration it is an error.
-
-    :param message: what the layer needs and what to select instead.
-    :param family: the op family.
-    :param backend: the backend's name.
+    :param message: why, and what to select instead.
+    :param family: the op family of the backend, when the error is about one
+        backend (selection replaces an ``auto`` choice only then).
+    :param backend: that backend's name.
     """
 
     def __init__(self, message: str, *, family: str | None = None, backend: str | None = None):
         super().__init__(message)
         self.family = family
         self.backend = backend
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword arguments are not in ``args``: rebuild with them (pickle, copy).
+        return (_rebuild, (type(self), self.args, self.family, self.backend))
+
+
+class UnsupportedLayerError(BackendUnavailableError, ValueError):
+    """A backend is installed and available but cannot run one layer's shape or dtype.
+
+    Under ``auto`` selection the engine then falls back to the next backend of
+    the family (:mod:`backplane.engine.selection`); with a backend named in the
+    configuration it is an error.
+
+    :param message: what the layer needs and what to select instead.
+    :param family: the op family (required: selection finds the backend to
+        replace by it, never by the message).
+    :param backend: the backend's name.
+    """
+
+    family: str
+    backend: str
+
+    def __init__(self, message: str, *, family: str, backend: str):
+        super().__init__(message, family=family, backend=backend)
+
+
+def _rebuild(
+    cls: type[BackendUnavailableError],
+    args: tuple[Any, ...],
+    family: str | None,
+    backend: str | None,
+) -> BackendUnavailableError:
+    return cls(*args, family=family, backend=backend)
 
 
 class ConfigError(BackplaneError):

@@ -11,7 +11,15 @@ below. Each provides:
 * the cached op(s), each ending in ``out=None`` and honouring the out-buffer
   contract of :mod:`backplane.core.contract`;
 * ``dynamic_ops()``: the custom-op overloads the piecewise CUDA-graph runner
-  must leave out of captured segments (matched by identity).
+  must leave out of captured segments (matched by identity);
+* the output shape of each cached op (``output_shape`` and, for SSM,
+  ``conv_output_shape`` / ``scan_output_shape``): static functions of the op's
+  arguments that every backend passes to
+  :func:`~backplane.core.contract.cached_op` as its fake implementation.
+
+A backend that runs part of its work on another backend of its family sets
+``needs_fallback`` and receives that backend through ``set_fallback`` when it is
+selected.
 
 Tensor shapes below use ``T`` for the padded token count of the batch; the real
 token count and everything else per step come from the forward context.
@@ -21,12 +29,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from backplane.core import layouts
+from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec
 from backplane.core.metadata import BatchMetadata
 
@@ -118,12 +128,38 @@ class DeltaLayerSpec:
 # -- backend base classes -----------------------------------------------------
 
 
+#: ``(shape, dtype)`` of a cached op's full (padded) result.
+OutputShape = tuple[tuple[int, ...], torch.dtype]
+
+
+def _rows_like(t: torch.Tensor) -> OutputShape:
+    return tuple(t.shape), t.dtype
+
+
 class Backend(ABC):
     """Common base of all family backends."""
 
     family: ClassVar[str]
     #: The backend's name; set by the implementation (matches its BackendSpec).
     name: ClassVar[str] = ""
+    #: Whether the backend runs part of its work on another backend of its family;
+    #: selection then hands it one through :meth:`set_fallback` when it loads it.
+    needs_fallback: ClassVar[bool] = False
+
+    def set_fallback(self, backend: Backend) -> None:
+        """Receive the backend that runs what this one does not.
+
+        Called once by selection, right after loading, on a backend whose
+        :attr:`needs_fallback` is true. The fallback is chosen like ``auto``
+        among the other available backends of the family.
+
+        :param backend: a loaded backend of the same family.
+        :raises TypeError: the backend takes no fallback.
+        """
+        raise TypeError(
+            f"{self.family} backend {self.name!r} runs all of its work itself and takes no "
+            "fallback backend"
+        )
 
     def plan(self, batch: BatchMetadata) -> Any:
         """Prepare host-side state for one step, for all layers.
@@ -147,6 +183,14 @@ class AttentionBackend(Backend):
     """Causal attention over a paged KV cache for a ragged batch."""
 
     family: ClassVar[str] = "attention"
+
+    @staticmethod
+    def output_shape(q: torch.Tensor, *args: Any, **kwargs: Any) -> OutputShape:
+        """Return the ``(shape, dtype)`` of :meth:`forward`'s op: that of ``q``.
+
+        :param q: ``[T, num_heads, head_dim]``; the op's other arguments are ignored.
+        """
+        return _rows_like(q)
 
     def cache_spec(
         self, layer: AttentionLayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
@@ -184,6 +228,26 @@ class MLABackend(Backend):
     """DeepSeek multi-head latent attention over a paged latent cache."""
 
     family: ClassVar[str] = "mla"
+
+    @staticmethod
+    def output_shape(
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> OutputShape:
+        """Return the ``(shape, dtype)`` of :meth:`forward`'s op: ``[T, H, v_head_dim]``.
+
+        :param q_nope: ``[T, H, qk_nope_head_dim]``, whose dtype the result has.
+        :param w_uv: ``[H, v_head_dim, kv_lora_rank]``.
+        :return: the shape and dtype; the op's other arguments are ignored.
+        """
+        return (q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]), q_nope.dtype
 
     def cache_spec(
         self, layer: MLALayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
@@ -230,6 +294,22 @@ class SSMBackend(Backend):
     """Mamba2: causal depthwise convolution with state, and the selective scan."""
 
     family: ClassVar[str] = "ssm"
+
+    @staticmethod
+    def conv_output_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> OutputShape:
+        """Return the ``(shape, dtype)`` of :meth:`conv`'s op: that of ``x``.
+
+        :param x: ``[T, conv_dim]``; the op's other arguments are ignored.
+        """
+        return _rows_like(x)
+
+    @staticmethod
+    def scan_output_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> OutputShape:
+        """Return the ``(shape, dtype)`` of :meth:`scan`'s op: that of ``x``.
+
+        :param x: ``[T, nheads, head_dim]``; the op's other arguments are ignored.
+        """
+        return _rows_like(x)
 
     def cache_spec(
         self, layer: SSMLayerSpec, *, num_slots: int, dtype: torch.dtype
@@ -308,6 +388,17 @@ class DeltaBackend(Backend):
 
     family: ClassVar[str] = "delta"
 
+    @staticmethod
+    def output_shape(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> OutputShape:
+        """Return the ``(shape, dtype)`` of :meth:`forward`'s op: that of ``v``.
+
+        :param v: ``[T, num_v_heads, v_head_dim]``; ``q``, ``k`` and the op's other
+            arguments are ignored.
+        """
+        return _rows_like(v)
+
     def cache_spec(
         self, layer: DeltaLayerSpec, *, num_slots: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
@@ -347,9 +438,15 @@ class DeltaBackend(Backend):
         """
 
 
-FAMILY_BASES: dict[str, type[Backend]] = {
-    "attention": AttentionBackend,
-    "ssm": SSMBackend,
-    "mla": MLABackend,
-    "delta": DeltaBackend,
-}
+def _bases_by_family(bases: Sequence[type[Backend]]) -> dict[str, type[Backend]]:
+    by_family = {base.family: base for base in bases}
+    missing = [family for family in FAMILIES if family not in by_family]
+    if missing:  # a family added to hookspecs.FAMILIES needs its base class here
+        raise ImportError(f"no backend base class for op families {', '.join(missing)}")
+    return {family: by_family[family] for family in FAMILIES}
+
+
+FAMILY_BASES: dict[str, type[Backend]] = _bases_by_family(
+    (AttentionBackend, SSMBackend, MLABackend, DeltaBackend)
+)
+"""The base class every backend of each family derives from, in :data:`FAMILIES` order."""

@@ -76,12 +76,13 @@ def backplane_delta_backends() -> list[BackendSpec]:
     """
 
 
-#: Hook name for each op family, in the order families are listed to users.
-FAMILY_HOOKS: dict[str, str] = {
-    "attention": "backplane_attention_backends",
-    "ssm": "backplane_ssm_backends",
-    "mla": "backplane_mla_backends",
-    "delta": "backplane_delta_backends",
-}
+FAMILIES: tuple[str, ...] = ("attention", "ssm", "mla", "delta")
+"""The op families, in the order they are listed to users: the one list every
+part of backplane (registry, configuration, selection, command line, kit) uses."""
 
-FAMILIES: tuple[str, ...] = tuple(FAMILY_HOOKS)
+#: Hook name for each op family: ``backplane_<family>_backends``.
+FAMILY_HOOKS: dict[str, str] = {family: f"{PROJECT_NAME}_{family}_backends" for family in FAMILIES}
+
+_missing = [hook for hook in FAMILY_HOOKS.values() if hook not in globals()]
+if _missing:  # a family added to FAMILIES needs its hook spec above
+    raise ImportError(f"hook specs missing for {', '.join(_missing)}")
