@@ -411,18 +411,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
 
 
-def _attention_shape(
-    q: torch.Tensor, *args: Any, **kwargs: Any
-) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(q.shape), q.dtype
-
-
 # ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
 # trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::attention",
     mutates_args=("kv_cache", "out"),
-    output_shape=_attention_shape,
+    output_shape=AttentionBackend.output_shape,
 )
 def _attention_op(
     q: torch.Tensor,

@@ -196,13 +196,13 @@ def _decode_fla(q, k, v, g, beta, state, slots, scale, l2norm, out) -> None:
     state.index_copy_(0, slots, ht.to(state.dtype))
 
 
-def _delta_shape(q, k, v, *args, **kwargs):
-    return (q.shape[0], v.shape[1], v.shape[2]), q.dtype
-
-
 # ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
 # trailing optional mutable argument that the dispatcher dropped as a default.
-@cached_op("backplane_flashinfer::delta", mutates_args=("state", "out"), output_shape=_delta_shape)
+@cached_op(
+    "backplane_flashinfer::delta",
+    mutates_args=("state", "out"),
+    output_shape=DeltaBackend.output_shape,
+)
 def _delta_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -220,8 +220,8 @@ def _delta_op(
     backend: FlashInferDeltaBackend = _common.backend_for(handle)
     step = backend._step_plan()
     batch = step.batch
-    t = q.shape[0]
-    buf = output_buffer(out, (t, v.shape[1], v.shape[2]), q.dtype, q.device)
+    shape, dtype = DeltaBackend.output_shape(q, k, v)
+    buf = output_buffer(out, shape, dtype, q.device)
     npt = batch.num_prefill_tokens
     n = batch.num_tokens
     np_ = batch.num_prefill_seqs

@@ -284,16 +284,12 @@ class FlashInferMLABackend(MLABackend):
         )
 
 
-def _mla_shape(q_nope: torch.Tensor, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv, *args, **kwargs):
-    return (q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]), q_nope.dtype
-
-
 # ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
 # trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::mla",
     mutates_args=("latent_cache", "out"),
-    output_shape=_mla_shape,
+    output_shape=MLABackend.output_shape,
 )
 def _mla_op(
     q_nope: torch.Tensor,

@@ -32,12 +32,6 @@ from backplane.core.forward_context import get_forward_context
 from backplane.core.metadata import BatchMetadata
 
 
-def _attention_output_shape(
-    q: torch.Tensor, *args: Any, **kwargs: Any
-) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(q.shape), q.dtype
-
-
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
     """Causal (and windowed) mask: ``[..., queries, keys]`` from broadcastable positions."""
     allowed = k_pos <= q_pos
@@ -120,7 +114,7 @@ def _decode(
 @cached_op(
     "backplane_torch::attention",
     mutates_args=("kv_cache", "out"),
-    output_shape=_attention_output_shape,
+    output_shape=AttentionBackend.output_shape,
 )
 def paged_attention(
     q: torch.Tensor,

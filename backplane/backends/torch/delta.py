@@ -38,12 +38,6 @@ CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
 
 
-def _output_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
-) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(v.shape), v.dtype
-
-
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
 
@@ -126,7 +120,7 @@ def _chunked_delta(
 @cached_op(
     "backplane_torch::gated_delta_rule",
     mutates_args=("state", "out"),
-    output_shape=_output_shape,
+    output_shape=DeltaBackend.output_shape,
 )
 def gated_delta_rule(
     q: torch.Tensor,

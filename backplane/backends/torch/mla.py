@@ -35,20 +35,6 @@ from backplane.core.forward_context import get_forward_context
 from backplane.core.metadata import BatchMetadata
 
 
-def _mla_output_shape(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    latent_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[tuple[int, ...], torch.dtype]:
-    return (q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]), q_nope.dtype
-
-
 def _prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -123,7 +109,7 @@ def _decode(
 @cached_op(
     "backplane_torch::mla",
     mutates_args=("latent_cache", "out"),
-    output_shape=_mla_output_shape,
+    output_shape=MLABackend.output_shape,
 )
 def mla_attention(
     q_nope: torch.Tensor,
@@ -151,7 +137,7 @@ def mla_attention(
     """
     batch = get_forward_context().batch
     n = batch.num_tokens
-    (shape, dtype) = _mla_output_shape(q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv)
+    (shape, dtype) = MLABackend.output_shape(q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv)
     buf = output_buffer(out, shape, dtype, q_nope.device)
     rank = kv_c.shape[1]
     page_size = latent_cache.shape[1]

@@ -42,12 +42,6 @@ from backplane.core.metadata import BatchMetadata
 # -- causal conv1d ------------------------------------------------------------------------------
 
 
-def _conv_output_shape(
-    x: torch.Tensor, *args: Any, **kwargs: Any
-) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(x.shape), x.dtype
-
-
 def _token_layout(batch: BatchMetadata, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per-token sequence index, offset inside this step's chunk, slot and has-state flag.
 
@@ -65,7 +59,7 @@ def _token_layout(batch: BatchMetadata, device: torch.device) -> tuple[torch.Ten
 @cached_op(
     "backplane_torch::causal_conv1d",
     mutates_args=("conv_state", "out"),
-    output_shape=_conv_output_shape,
+    output_shape=SSMBackend.conv_output_shape,
 )
 def causal_conv1d(
     x: torch.Tensor,
@@ -133,12 +127,6 @@ def causal_conv1d(
 
 
 # -- selective scan -----------------------------------------------------------------------------
-
-
-def _scan_output_shape(
-    x: torch.Tensor, *args: Any, **kwargs: Any
-) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(x.shape), x.dtype
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
@@ -211,7 +199,7 @@ def _chunked_scan(
 @cached_op(
     "backplane_torch::ssm_scan",
     mutates_args=("ssm_state", "out"),
-    output_shape=_scan_output_shape,
+    output_shape=SSMBackend.scan_output_shape,
 )
 def ssm_scan(
     x: torch.Tensor,

@@ -43,14 +43,10 @@ from backplane.core.families import AttentionBackend, AttentionLayerSpec
 from backplane.core.forward_context import get_forward_context
 
 
-def _attention_shape(q, k, v, kv_cache, sliding_window, scale, out=None):
-    return tuple(q.shape), q.dtype
-
-
 @cached_op(
     "backplane_triton::attention",
     mutates_args=("kv_cache", "out"),
-    output_shape=_attention_shape,
+    output_shape=AttentionBackend.output_shape,
 )
 def paged_attention(
     q: torch.Tensor,

@@ -79,14 +79,10 @@ def _plan(batch: BatchMetadata) -> dict:
     return plan
 
 
-def _delta_shape(q, k, v, g, beta, state, scale, use_qk_l2norm, out=None):
-    return tuple(v.shape), v.dtype
-
-
 @cached_op(
     "backplane_triton::gated_delta",
     mutates_args=("state", "out"),
-    output_shape=_delta_shape,
+    output_shape=DeltaBackend.output_shape,
 )
 def gated_delta(
     q: torch.Tensor,

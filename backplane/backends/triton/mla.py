@@ -29,11 +29,11 @@ from backplane.core.families import MLABackend, MLALayerSpec
 from backplane.core.forward_context import get_forward_context
 
 
-def _mla_shape(q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv, scale, out=None):
-    return (q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]), q_nope.dtype
-
-
-@cached_op("backplane_triton::mla", mutates_args=("latent_cache", "out"), output_shape=_mla_shape)
+@cached_op(
+    "backplane_triton::mla",
+    mutates_args=("latent_cache", "out"),
+    output_shape=MLABackend.output_shape,
+)
 def latent_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

@@ -161,14 +161,10 @@ def _conv_state_kernel(
     tl.store(base + offs_k[None, :] * stride_sk, new, mask=c_mask[:, None] & k_mask[None, :])
 
 
-def _conv_shape(x, weight, bias, conv_state, silu, out=None):
-    return tuple(x.shape), x.dtype
-
-
 @cached_op(
     "backplane_triton::causal_conv",
     mutates_args=("conv_state", "out"),
-    output_shape=_conv_shape,
+    output_shape=SSMBackend.conv_output_shape,
 )
 def causal_conv(
     x: torch.Tensor,
@@ -251,14 +247,10 @@ def _pad_rows(t: torch.Tensor, layout: dict, rows_shape: tuple[int, int]) -> tor
     return padded.view(n, max_len, *t.shape[1:])
 
 
-def _scan_shape(x, dt, A, B, C, D, dt_bias, z, ssm_state, dt_softplus, chunk_size, out=None):
-    return tuple(x.shape), x.dtype
-
-
 @cached_op(
     "backplane_triton::ssm_scan",
     mutates_args=("ssm_state", "out"),
-    output_shape=_scan_shape,
+    output_shape=SSMBackend.scan_output_shape,
 )
 def ssm_scan(
     x: torch.Tensor,
