@@ -1,24 +1,17 @@
-"""EngineConfig: sources, validation messages, sizes, auto resolution, backend selection."""
+"""EngineConfig: sources (file, flags, keywords), validation messages, sizes, auto resolution."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import types
 
 import pytest
 import torch
 
-from backplane import BackendSpec, hookimpl
-from backplane.core.errors import (
-    BackendUnavailableError,
-    ConfigError,
-    PluginError,
-    UnknownBackendError,
-)
-from backplane.core.families import AttentionBackend
-from backplane.core.registry import BackendRegistry
-from backplane.engine.config import EngineConfig, format_size, parse_size
+from backplane.cli.options import add_engine_arguments, config_from_args
+from backplane.core.errors import ConfigError
+from backplane.engine.config import EngineConfig
+from backplane.engine.sizes import format_size, parse_size
 
 KEYS = (
     "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, page_size, kv_memory, "
@@ -35,7 +28,7 @@ def _write(tmp_path, text: str, name: str = "engine.yaml") -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    EngineConfig.add_cli_arguments(parser)
+    add_engine_arguments(parser)
     return parser
 
 
@@ -107,7 +100,7 @@ def test_cli_flags_override_the_config_file(tmp_path):
             "--debug",
         ]
     )
-    cfg = EngineConfig.from_cli(args)
+    cfg = config_from_args(args)
     assert cfg.page_size == 32 and cfg.seed == 3
     assert cfg.kv_memory == 64 * 2**20
     assert cfg.backends["attention"] == "torch" and cfg.backends["ssm"] == "torch"
@@ -116,7 +109,7 @@ def test_cli_flags_override_the_config_file(tmp_path):
 
 
 def test_cli_without_flags_is_the_default():
-    assert EngineConfig.from_cli(_parser().parse_args([])) == EngineConfig()
+    assert config_from_args(_parser().parse_args([])) == EngineConfig()
 
 
 # -- errors name the source and the key -------------------------------------------------------
@@ -223,15 +216,15 @@ def test_bad_size_lists_the_units(tmp_path):
 
 def test_bad_flag_names_the_option():
     with pytest.raises(ConfigError) as err:
-        EngineConfig.from_cli(_parser().parse_args(["--max-num-seqs", "many"]))
+        config_from_args(_parser().parse_args(["--max-num-seqs", "many"]))
     assert str(err.value) == "option --max-num-seqs: expected an integer >= 1, got 'many'"
     with pytest.raises(ConfigError) as err:
-        EngineConfig.from_cli(_parser().parse_args(["--backend", "attention:torch"]))
+        config_from_args(_parser().parse_args(["--backend", "attention:torch"]))
     assert str(err.value) == (
         "option --backend: expected FAMILY=NAME (e.g. attention=torch), got 'attention:torch'"
     )
     with pytest.raises(ConfigError) as err:
-        EngineConfig.from_cli(_parser().parse_args(["--backend", "conv=torch"]))
+        config_from_args(_parser().parse_args(["--backend", "conv=torch"]))
     assert str(err.value) == (
         "option --backend conv=...: unknown op family; the families are: attention, ssm, mla, delta"
     )
@@ -337,156 +330,3 @@ def test_to_dict_round_trips(tmp_path):
     cfg = EngineConfig(kv_memory="1GiB", cuda_graph_buckets=[2, 1], backends={"mla": "torch"})
     path = _write(tmp_path, yaml.safe_dump(cfg.to_dict()))
     assert EngineConfig.from_yaml(path) == cfg
-
-
-# -- backends ---------------------------------------------------------------------------------
-
-
-class _Attn(AttentionBackend):
-    """A minimal attention backend for selection tests (never run)."""
-
-    name = "fake"
-
-    def forward(self, q, k, v, kv_cache, layer, out=None):  # pragma: no cover - not called
-        raise AssertionError("selection tests never run a backend")
-
-
-def _registry(*specs: BackendSpec, failing: str | None = None) -> BackendRegistry:
-    reg = BackendRegistry(load_entry_points=False)
-    by_family: dict[str, list[BackendSpec]] = {}
-    for spec in specs:
-        by_family.setdefault(spec.family, []).append(spec)
-    plugin = types.SimpleNamespace()
-    for family, family_specs in by_family.items():
-
-        def hook(family_specs=family_specs):
-            return list(family_specs)
-
-        setattr(plugin, f"backplane_{family}_backends", hookimpl(hook))
-    assert reg.register(plugin, name="p").error is None
-    if failing:
-        bad = types.SimpleNamespace(backplane_attention_backend=hookimpl(lambda: []))
-        reg.register(bad, name=failing)
-    return reg
-
-
-ATTN = BackendSpec(family="attention", name="fast", load=_Attn, priority=5)
-ATTN_SLOW = BackendSpec(family="attention", name="slow", load=lambda: _Attn(), priority=1)
-ATTN_GPU = BackendSpec(
-    family="attention",
-    name="gpu",
-    load=_Attn,
-    priority=9,
-    is_available=lambda: (False, "no CUDA device is available"),
-)
-
-
-def test_resolve_backends_auto_returns_objects_for_the_used_families(caplog):
-    reg = _registry(ATTN, ATTN_SLOW, ATTN_GPU)
-    cfg = EngineConfig(device="cpu")
-    with caplog.at_level(logging.INFO):
-        backends = cfg.resolve_backends(["attention"], registry=reg)
-    assert list(backends) == ["attention"] and isinstance(backends["attention"], _Attn)
-    assert (
-        "attention backend: auto chose fast (plugin p, priority 5); others: gpu (unavailable: "
-        "no CUDA device is available), slow (priority 1 < 5)"
-    ) in caplog.messages
-
-
-def test_configured_backend_is_used():
-    reg = _registry(ATTN, ATTN_SLOW)
-    specs = EngineConfig(backends={"attention": "slow"}).select_backends(["attention"], reg)
-    assert specs["attention"].name == "slow"
-
-
-def test_unknown_backend_from_file_names_file_key_installed_and_failed(tmp_path):
-    reg = _registry(ATTN, ATTN_SLOW, failing="broken")
-    path = _write(tmp_path, "backends:\n  attention: fsat\n")
-    cfg = EngineConfig.from_yaml(path)
-    with pytest.raises(UnknownBackendError) as err:
-        cfg.validate_backends(["attention"], registry=reg)
-    assert str(err.value) == (
-        f"config file {path!r}, key 'backends.attention': unknown attention backend 'fsat' "
-        "(did you mean 'fast'?); installed attention backends: fast, slow; plugins that failed "
-        "to load: broken (PluginError: unknown hook 'backplane_attention_backend' (did you mean "
-        "'backplane_attention_backends'?); the hooks are: backplane_attention_backends, "
-        "backplane_ssm_backends, backplane_mla_backends, backplane_delta_backends)"
-    )
-
-
-def test_unknown_backend_of_an_unused_family_is_still_an_error():
-    reg = _registry(ATTN)
-    cfg = EngineConfig(backends={"mla": "flashmla"})
-    with pytest.raises(UnknownBackendError) as err:
-        cfg.validate_backends(["attention"], registry=reg)
-    assert str(err.value) == (
-        "EngineConfig argument 'backends.mla': unknown mla backend 'flashmla'; installed mla "
-        "backends: (none)"
-    )
-
-
-def test_unavailable_backend_gives_the_reason():
-    reg = _registry(ATTN, ATTN_GPU)
-    args = _parser().parse_args(["--backend", "attention=gpu"])
-    with pytest.raises(BackendUnavailableError) as err:
-        EngineConfig.from_cli(args).resolve_backends(["attention"], registry=reg)
-    assert str(err.value) == (
-        "option --backend attention=...: attention backend 'gpu' (plugin p) is unavailable: "
-        "no CUDA device is available"
-    )
-
-
-def test_auto_with_nothing_installed_for_a_used_family():
-    reg = _registry(ATTN)
-    with pytest.raises(BackendUnavailableError) as err:
-        EngineConfig().resolve_backends(["attention", "ssm"], registry=reg)
-    assert str(err.value) == "no available ssm backend: installed ssm backends: (none)"
-
-
-def test_backend_that_fails_to_load_or_has_the_wrong_family():
-    missing = BackendSpec(family="attention", name="missing", load="no_such_module_xyz:Backend")
-    wrong = BackendSpec(family="attention", name="wrong", load=lambda: object())
-    reg = _registry(missing, wrong)
-    with pytest.raises(BackendUnavailableError) as err:
-        EngineConfig(backends={"attention": "missing"}).resolve_backends(["attention"], reg)
-    assert str(err.value) == (
-        "attention backend 'missing' (plugin p) failed to load from no_such_module_xyz:Backend: "
-        "ModuleNotFoundError: No module named 'no_such_module_xyz'"
-    )
-    with pytest.raises(PluginError) as err:
-        EngineConfig(backends={"attention": "wrong"}).resolve_backends(["attention"], reg)
-    assert str(err.value).startswith("attention backend 'wrong' (plugin p): <function")
-    assert str(err.value).endswith(
-        "produced object, which is not a backplane.core.families.AttentionBackend"
-    )
-
-
-def test_device_limits_auto(monkeypatch):
-    gpu_tagged = BackendSpec(
-        family="attention", name="cudaonly", load=_Attn, priority=50, capabilities={"cuda"}
-    )
-    reg = _registry(ATTN, gpu_tagged)
-    assert (
-        EngineConfig(device="cpu").select_backends(["attention"], reg)["attention"].name == "fast"
-    )
-    assert (
-        EngineConfig(device="cuda").select_backends(["attention"], reg)["attention"].name
-        == "cudaonly"
-    )
-
-
-def test_unknown_family_requested_by_a_model():
-    with pytest.raises(ConfigError) as err:
-        EngineConfig().select_backends(["conv"], registry=_registry(ATTN))
-    assert (
-        str(err.value) == "unknown op family 'conv'; the families are: attention, ssm, mla, delta"
-    )
-
-
-def test_builtin_torch_backends_are_selectable():
-    """Against the real registry: auto on CPU picks an available backend of each family."""
-    from backplane.core.registry import get_registry
-
-    specs = EngineConfig(device="cpu").select_backends(None, get_registry())
-    assert set(specs) == {"attention", "ssm", "mla", "delta"}
-    assert all(spec.availability()[0] for spec in specs.values())

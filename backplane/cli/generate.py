@@ -11,7 +11,7 @@ from backplane.core.errors import ConfigError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` sub-command."""
-    from backplane.engine.config import EngineConfig
+    from backplane.cli.options import add_engine_arguments
 
     parser = subparsers.add_parser(
         "generate",
@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON object per prompt (token_ids, text, finish_reason, ...)",
     )
-    EngineConfig.add_cli_arguments(parser)
+    add_engine_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -76,7 +76,7 @@ def _parse_token_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Generate for every prompt and print the results; return 0."""
     from backplane.api import LLM
-    from backplane.engine.config import EngineConfig
+    from backplane.cli.options import config_from_args
     from backplane.engine.sampling import SamplingParams
 
     prompts: list[object] = list(args.prompt) + [_parse_token_ids(t) for t in args.prompt_token_ids]
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(config=EngineConfig.from_cli(args))
+    llm = LLM(config=config_from_args(args))
     outputs = llm.generate(prompts, params)
     for i, out in enumerate(outputs):
         if args.json:

@@ -1,9 +1,10 @@
 """Engine configuration: one validated object built from YAML, CLI flags or keyword arguments.
 
 Precedence, lowest first: the defaults below, a YAML file (``--config``), then
-command-line flags or keyword arguments. Every value is checked when the
-configuration is built; an error names where the bad value came from (the
-file and key, the flag, or the keyword argument) and what is accepted.
+command-line flags (:mod:`backplane.cli.options`) or keyword arguments. Every
+value is checked when the configuration is built; an error names where the bad
+value came from (the file and key, the flag, or the keyword argument) and what
+is accepted.
 
 Backend names are checked against the plugin registry at engine start-up
 (:meth:`EngineConfig.validate_backends` / :meth:`EngineConfig.resolve_backends`),
@@ -25,12 +26,10 @@ Example YAML::
 
 from __future__ import annotations
 
-import argparse
 import contextvars
 import dataclasses
 import difflib
 import logging
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import yaml
-
 from backplane.core.errors import (
     BackendUnavailableError,
     BackplaneError,
@@ -46,10 +44,10 @@ from backplane.core.errors import (
     PluginError,
 )
 from backplane.core.hookspecs import FAMILIES
+from backplane.engine.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
-
     from backplane.core.backend_spec import BackendSpec
     from backplane.core.registry import BackendRegistry
 
@@ -72,78 +70,27 @@ CUDA_GRAPH_MODES: tuple[str, ...] = ("off", "decode", "piecewise", "full_and_pie
 """``off``: eager; ``decode``: monolithic graphs for decode-only batches;
 ``piecewise``: piecewise graphs for every batch; ``full_and_piecewise``: both."""
 
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kib": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mib": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gib": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tib": 2**40,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: Any) -> int:
-    """Parse a memory size into bytes.
-
-    :param value: an int (bytes) or a string such as ``"1073741824"``,
-        ``"256MiB"``, ``"1.5GiB"``, ``"512MB"``. ``KiB``/``MiB``/``GiB``/``TiB``
-        and the bare letters ``K``/``M``/``G``/``T`` are powers of 1024;
-        ``KB``/``MB``/``GB``/``TB`` are powers of 1000. Case-insensitive.
-    :return: the size in bytes (a non-negative int; fractions round down).
-    :raises ValueError: the value is not a size (the message lists the units).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as 256MiB or a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0 or value != int(value):
-            raise ValueError(f"expected a whole, non-negative number of bytes, got {value!r}")
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _SIZE_UNITS:
-            number, unit = match.groups()
-            return int(float(number) * _SIZE_UNITS[unit.lower()])
-    raise ValueError(
-        f"expected a size such as 256MiB, 1.5GiB, 512MB or a number of bytes, got {value!r} "
-        "(units: B, KiB, MiB, GiB, TiB or K, M, G, T in powers of 1024; KB, MB, GB, TB in "
-        "powers of 1000)"
-    )
-
-
-def format_size(num_bytes: int) -> str:
-    """Format a byte count for messages (``268435456`` -> ``"256.0 MiB"``)."""
-    size = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 # -- where a value came from ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Source:
-    """Where configuration values came from, for error messages."""
+class ConfigSource:
+    """Where configuration values came from, for error messages.
 
-    kind: str  # "file" | "cli" | "kwargs" | "default"
+    :param kind: ``"file"``, ``"cli"`` (command-line flags), ``"kwargs"``
+        (keyword arguments) or ``"default"``.
+    :param path: the file, for ``kind="file"``.
+    """
+
+    kind: str
     path: str = ""
 
     def where(self, key: str) -> str:
+        """Say where the value of ``key`` (or ``backends.FAMILY``) came from.
+
+        :param key: a configuration key.
+        :return: e.g. ``"config file 'e.yaml', key 'page_size'"`` or ``"option --page-size"``.
+        """
         if self.kind == "file":
             return f"config file {self.path!r}, key {key!r}"
         if self.kind == "cli":
@@ -156,9 +103,9 @@ class _Source:
         return f"EngineConfig argument {key!r}"
 
 
-_KWARGS = _Source("kwargs")
-_DEFAULT = _Source("default")
-_building_from: contextvars.ContextVar[_Source] = contextvars.ContextVar(
+_KWARGS = ConfigSource("kwargs")
+_DEFAULT = ConfigSource("default")
+_building_from: contextvars.ContextVar[ConfigSource] = contextvars.ContextVar(
     "backplane_config_source", default=_KWARGS
 )
 
@@ -182,8 +129,9 @@ class EngineConfig:
     """Everything the engine needs to start, validated on construction.
 
     Build it with keyword arguments (``EngineConfig(model="tiny-llama",
-    page_size=32)``), from a YAML file (:meth:`from_yaml`), from parsed CLI
-    flags (:meth:`from_cli`), and derive variants with :meth:`merge`.
+    page_size=32)``), from a YAML file (:meth:`from_yaml`) or a mapping
+    (:meth:`from_dict`), and derive variants with :meth:`merge`; command-line
+    flags are read by :func:`backplane.cli.options.config_from_args`.
     ``"auto"`` values stay as written; :attr:`device_resolved`,
     :attr:`dtype_resolved`, :attr:`cuda_graphs_resolved` (or :meth:`resolved`)
     turn them into concrete ones.
@@ -259,18 +207,25 @@ class EngineConfig:
 
     @classmethod
     def from_dict(
-        cls, data: Mapping[str, Any], *, source: str = "", base: EngineConfig | None = None
+        cls,
+        data: Mapping[str, Any],
+        *,
+        source: str | ConfigSource = "",
+        base: EngineConfig | None = None,
     ) -> EngineConfig:
-        """Build a configuration from a mapping (a parsed YAML document).
+        """Build a configuration from a mapping (a parsed YAML document, parsed flags).
 
         :param data: keys of :class:`EngineConfig`; ``backends`` may name only
             some families.
-        :param source: the file the mapping came from, for error messages
-            (empty: the values are treated as keyword arguments).
+        :param source: the file the mapping came from, or a :class:`ConfigSource`,
+            for error messages (empty: the values are treated as keyword arguments).
         :param base: the configuration the values override (defaults if ``None``).
-        :raises ConfigError: an unknown key or a bad value, naming file and key.
+        :raises ConfigError: an unknown key or a bad value, naming its source and key.
         """
-        src = _Source("file", source) if source else _KWARGS
+        if isinstance(source, ConfigSource):
+            src = source
+        else:
+            src = ConfigSource("file", source) if source else _KWARGS
         return (base or cls())._with(dict(data), src)
 
     @classmethod
@@ -318,7 +273,7 @@ class EngineConfig:
         """
         return self._with(overrides, _KWARGS)
 
-    def _with(self, values: dict[str, Any], source: _Source) -> EngineConfig:
+    def _with(self, values: dict[str, Any], source: ConfigSource) -> EngineConfig:
         values = dict(values)
         if "backends" in values:
             backends = values["backends"]
@@ -355,104 +310,10 @@ class EngineConfig:
                 "sequence decodes one token per step"
             )
 
-    def origin(self, key: str) -> _Source:
+    def origin(self, key: str) -> ConfigSource:
         """Return where the value of ``key`` (or ``backends.FAMILY``) came from."""
         origins = self._origins  # type: ignore[attr-defined]
         return origins.get(key) or origins[key.split(".", 1)[0]]
-
-    # -- command line -----------------------------------------------------------------------
-
-    @staticmethod
-    def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the engine flags (``--config``, ``--model``, ``--backend``...) to ``parser``.
-
-        Flags not given on the command line keep the value of the ``--config``
-        file, or the default. Use :meth:`from_cli` on the parsed arguments.
-        """
-        group = parser.add_argument_group("engine configuration")
-        sup = argparse.SUPPRESS
-        group.add_argument(
-            "--config", metavar="FILE", default=None, help="YAML file of engine settings"
-        )
-        group.add_argument("--model", default=sup, help="model directory or preset name")
-        group.add_argument("--dtype", default=sup, help="auto | float32 | bfloat16 | float16")
-        group.add_argument("--device", default=sup, help="auto | cpu | cuda | cuda:N")
-        group.add_argument("--max-num-seqs", default=sup, metavar="N", help="sequences per step")
-        group.add_argument(
-            "--max-num-tokens", default=sup, metavar="N", help="tokens per step (prefill chunk)"
-        )
-        group.add_argument(
-            "--max-model-len", default=sup, metavar="N", help="longest prompt + output"
-        )
-        group.add_argument("--page-size", default=sup, metavar="N", help="tokens per KV page")
-        group.add_argument(
-            "--kv-memory", default=sup, metavar="SIZE", help="KV cache memory, e.g. 256MiB"
-        )
-        group.add_argument(
-            "--num-kv-pages", default=sup, metavar="N", help="exact KV page count (overrides)"
-        )
-        group.add_argument(
-            "--host-kv-memory",
-            default=sup,
-            metavar="SIZE",
-            help="pinned host memory for offloaded KV blocks (0 = off)",
-        )
-        group.add_argument(
-            "--prefix-caching",
-            dest="enable_prefix_caching",
-            action=argparse.BooleanOptionalAction,
-            default=sup,
-            help="reuse KV blocks of shared prompt prefixes",
-        )
-        group.add_argument(
-            "--cuda-graphs", default=sup, help=" | ".join(CUDA_GRAPH_MODES) + " (default by device)"
-        )
-        group.add_argument(
-            "--cuda-graph-buckets",
-            default=sup,
-            metavar="N,N,...",
-            help="token counts to capture graphs for",
-        )
-        group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
-        group.add_argument(
-            "--debug", action="store_true", default=sup, help="extra checks and logging"
-        )
-        group.add_argument(
-            "--backend",
-            dest="backend_choices",
-            action="append",
-            default=sup,
-            metavar="FAMILY=NAME",
-            help=f"backend per op family ({', '.join(FAMILIES)}); repeatable; NAME may be auto",
-        )
-
-    @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        """Build a configuration from flags added by :meth:`add_cli_arguments`.
-
-        :param args: the parsed namespace; ``--config FILE`` is loaded first,
-            then every flag that was given overrides it.
-        :raises ConfigError: naming the file and key, or the flag.
-        """
-        config_file = getattr(args, "config", None)
-        base = cls.from_yaml(config_file) if config_file else cls()
-        given = vars(args)
-        values: dict[str, Any] = {}
-        for name in cls.field_names():
-            if name != "backends" and name in given:
-                values[name] = given[name]
-        if "backend_choices" in given:
-            backends: dict[str, str] = {}
-            for item in given["backend_choices"] or []:
-                family, sep, name = item.partition("=")
-                if not sep or not family.strip() or not name.strip():
-                    raise ConfigError(
-                        f"option --backend: expected FAMILY=NAME (e.g. attention=torch), "
-                        f"got {item!r}"
-                    )
-                backends[family.strip()] = name.strip()
-            values["backends"] = backends
-        return base._with(values, _Source("cli")) if values else base
 
     # -- resolution of "auto" ---------------------------------------------------------------
 
@@ -632,7 +493,7 @@ class EngineConfig:
 # -- validation -------------------------------------------------------------------------------
 
 
-def _check_backends_keys(backends: Mapping[Any, Any], source: _Source) -> dict[str, Any]:
+def _check_backends_keys(backends: Mapping[Any, Any], source: ConfigSource) -> dict[str, Any]:
     for family in backends:
         if family not in FAMILIES:
             close = difflib.get_close_matches(str(family), FAMILIES, n=1)
@@ -762,7 +623,7 @@ def _positive_size(value: Any) -> int:
     return size
 
 
-def _validate(values: Mapping[str, Any], source: _Source) -> dict[str, Any]:
+def _validate(values: Mapping[str, Any], source: ConfigSource) -> dict[str, Any]:
     """Check and normalise ``values``; raise :class:`ConfigError` naming source and key."""
     known = list(_VALIDATORS)
     out: dict[str, Any] = {}

@@ -1,0 +1,71 @@
+"""Memory sizes as people write them (``256MiB``, ``1.5GiB``, ``512MB``) and as messages show them."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Parse a memory size into bytes.
+
+    :param value: an int (bytes) or a string such as ``"1073741824"``,
+        ``"256MiB"``, ``"1.5GiB"``, ``"512MB"``. ``KiB``/``MiB``/``GiB``/``TiB``
+        and the bare letters ``K``/``M``/``G``/``T`` are powers of 1024;
+        ``KB``/``MB``/``GB``/``TB`` are powers of 1000. Case-insensitive.
+    :return: the size in bytes (a non-negative int; fractions round down).
+    :raises ValueError: the value is not a size (the message lists the units).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 256MiB or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(f"expected a whole, non-negative number of bytes, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            number, unit = match.groups()
+            return int(float(number) * _SIZE_UNITS[unit.lower()])
+    raise ValueError(
+        f"expected a size such as 256MiB, 1.5GiB, 512MB or a number of bytes, got {value!r} "
+        "(units: B, KiB, MiB, GiB, TiB or K, M, G, T in powers of 1024; KB, MB, GB, TB in "
+        "powers of 1000)"
+    )
+
+
+def format_size(num_bytes: int) -> str:
+    """Format a byte count for messages.
+
+    :param num_bytes: the size in bytes.
+    :return: e.g. ``"512 B"``, ``"256.0 MiB"``, ``"3.0 TiB"``.
+    """
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        size /= 1024
+    return f"{size:.1f} TiB"
