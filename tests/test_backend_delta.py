@@ -38,7 +38,7 @@ def test_reference_matches_transformers(cached: int) -> None:
     import torch
 
     from backplane.testing.delta import reference_gated_delta_rule
-    from backplane.testing.ssm import single_sequence_batch
+    from backplane.testing.recurrent import single_sequence_batch
 
     gen = torch.Generator().manual_seed(0)
     L, hk, hv, dk, dv, slot = 70, 2, 4, 8, 6, 1

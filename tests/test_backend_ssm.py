@@ -35,11 +35,8 @@ def test_reference_matches_transformers_prefill(cached: int) -> None:
     """
     hf = _hf_nemotron_h()
     torch = pytest.importorskip("torch")
-    from backplane.testing.ssm import (
-        reference_causal_conv1d,
-        reference_ssm_scan,
-        single_sequence_batch,
-    )
+    from backplane.testing.recurrent import single_sequence_batch
+    from backplane.testing.ssm import reference_causal_conv1d, reference_ssm_scan
 
     gen = torch.Generator().manual_seed(0)
     L, H, P, N, G, K, conv_dim, slot = 11, 4, 4, 6, 2, 4, 10, 1

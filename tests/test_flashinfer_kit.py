@@ -149,7 +149,7 @@ if DeltaBackendTests is not None:
         def test_decode_cuda_graph_replay(self, backend: Any, backend_capabilities: Any) -> None:
             """The kit's decode graph-replay check, in bfloat16 (the kit's runs in float32)."""
             from backplane.testing.batches import batch_cases
-            from backplane.testing.ssm import check_graph_replay
+            from backplane.testing.checks import check_graph_replay
 
             device = torch.device("cuda")
             case = batch_cases("decode")[0]

@@ -29,19 +29,10 @@ import torch
 
 from backplane.core import layouts
 from backplane.core.families import AttentionLayerSpec
-from backplane.core.forward_context import forward_context
-from backplane.core.metadata import BatchMetadata
-from backplane.testing.batches import BatchCase, batch_cases
-from backplane.testing.checks import (
-    assert_close_to_reference,
-    check_out_contract,
-    no_host_sync,
-    record_custom_ops,
-    run_opcheck,
-)
-from backplane.testing.plugin import BackendTestsBase, require_feature
-
-_CASE_NAMES = [c.name for c in batch_cases()]
+from backplane.core.layouts import TensorSpec
+from backplane.testing.batches import BatchCase
+from backplane.testing.paged import PagedBackendTests
+from backplane.testing.plugin import require_feature
 
 
 def reference_attention(
@@ -181,10 +172,17 @@ def reference_outputs(
     return torch.cat(outs)
 
 
-class AttentionBackendTests(BackendTestsBase):
-    """The conformance suite of the attention family (see the module docstring)."""
+class AttentionBackendTests(PagedBackendTests):
+    """The conformance suite of the attention family (see the module docstring).
+
+    The tests shared with MLA live in :class:`~backplane.testing.paged.PagedBackendTests`;
+    grouped-query heads and sliding windows are attention's own.
+    """
 
     family: ClassVar[str] = "attention"
+    cache_name: ClassVar[str] = "kv_cache"
+    cache_rows: ClassVar[str] = "new keys/values"
+    custom_scale: ClassVar[float] = 0.7
     #: Head dimension of every test layer (override for kernels with restrictions).
     head_dim: ClassVar[int] = 16
     #: Query heads of the plain multi-head tests.
@@ -193,135 +191,67 @@ class AttentionBackendTests(BackendTestsBase):
     gqa_shapes: ClassVar[tuple[tuple[int, int], ...]] = ((4, 2), (4, 1))
     #: Windows of the sliding-window tests (``sliding_window`` capability).
     sliding_windows: ClassVar[tuple[int, ...]] = (1, 3)
-    #: Page size of every case, or ``None`` for the kit's mix of small pages.
-    page_size: ClassVar[int | None] = None
-    #: dtype of the tests that run in one dtype only (opcheck, custom scale, out validation).
-    single_dtype: ClassVar[torch.dtype] = torch.float32
 
-    # -- fixtures ------------------------------------------------------------------------------
-    @pytest.fixture(params=_CASE_NAMES)
-    def case(self, request: pytest.FixtureRequest) -> BatchCase:
-        """One standard ragged batch."""
-        return self.get_case(request.param)
-
-    def get_case(self, name: str) -> BatchCase:
-        """The standard case called ``name`` (with this class's page size)."""
-        return {c.name: c for c in batch_cases(page_size=self.page_size)}[name]
-
+    # -- the family's hooks --------------------------------------------------------------------
     def layer(
         self, num_heads: int | None = None, num_kv_heads: int | None = None, **kw: Any
     ) -> AttentionLayerSpec:
-        """The layer constants of a test (multi-head unless told otherwise)."""
+        """The layer constants of a test (multi-head unless told otherwise).
+
+        :param num_heads: query heads (default :attr:`num_heads`).
+        :param num_kv_heads: key/value heads (default: as many as query heads).
+        :param kw: other :class:`~backplane.core.families.AttentionLayerSpec` fields.
+        :return: the layer spec.
+        """
         h = num_heads or self.num_heads
         return AttentionLayerSpec(
             layer_id=0, num_heads=h, num_kv_heads=num_kv_heads or h, head_dim=self.head_dim, **kw
         )
 
-    # -- helpers -------------------------------------------------------------------------------
-    def run_step(
+    def make_inputs(
         self,
-        backend: Any,
-        batch: BatchMetadata,
-        inputs: AttentionInputs,
-        layer: AttentionLayerSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Plan and run one forward of ``backend`` on ``batch``."""
-        plan = backend.plan(batch)
-        with forward_context(batch, {self.family: plan}):
-            return backend.forward(inputs.q, inputs.k, inputs.v, inputs.kv_cache, layer, out=out)
-
-    def check_against_reference(
-        self,
-        backend: Any,
         case: BatchCase,
         layer: AttentionLayerSpec,
         dtype: torch.dtype,
         device: torch.device,
-        table_width: int | None = None,
-    ) -> None:
-        """Run ``case`` and compare the output and the cache with the reference."""
-        self.check_cache_spec(backend, case, layer, dtype)
-        batch = case.metadata(device, table_width=table_width)
-        inputs = make_attention_inputs(case, layer, dtype, device)
-        out = self.run_step(backend, batch, inputs, layer)
-        n = case.num_tokens
-        assert out.shape == inputs.q.shape, (
-            f"output shape {tuple(out.shape)} != {tuple(inputs.q.shape)}"
-        )
-        assert out.dtype == dtype
-        assert_close_to_reference(
-            out[:n], reference_outputs(case, inputs, layer), dtype, msg=f"case {case.name}"
-        )
-        assert torch.equal(inputs.kv_cache.cpu(), inputs.expected_cache), (
-            f"case {case.name}: the KV cache after the step differs from the expected contents "
-            "(new keys/values at slot_mapping, every other entry untouched)"
-        )
+        seed: int = 0,
+    ) -> AttentionInputs:
+        """See :func:`make_attention_inputs`."""
+        return make_attention_inputs(case, layer, dtype, device, seed)
 
-    def check_cache_spec(
-        self, backend: Any, case: BatchCase, layer: AttentionLayerSpec, dtype: torch.dtype
-    ) -> None:
-        """Skip unless the backend uses the shared paged-KV layout (the kit writes the cache)."""
-        spec = backend.cache_spec(
-            layer, num_pages=case.num_pages, page_size=case.page_size, dtype=dtype
-        )
-        shared = layouts.paged_kv(
+    def call_forward(
+        self,
+        backend: Any,
+        inputs: AttentionInputs,
+        layer: AttentionLayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``backend.forward(q, k, v, kv_cache, layer, out=out)``."""
+        return backend.forward(inputs.q, inputs.k, inputs.v, inputs.kv_cache, layer, out=out)
+
+    def cache(self, inputs: AttentionInputs) -> torch.Tensor:
+        """The paged KV cache."""
+        return inputs.kv_cache
+
+    def reference(
+        self, case: BatchCase, inputs: AttentionInputs, layer: AttentionLayerSpec
+    ) -> torch.Tensor:
+        """See :func:`reference_outputs`."""
+        return reference_outputs(case, inputs, layer)
+
+    def out_shape(self, case: BatchCase, layer: AttentionLayerSpec) -> tuple[int, ...]:
+        """``[padded tokens, num_heads, head_dim]``."""
+        return (case.padded_num_tokens, layer.num_heads, layer.head_dim)
+
+    def shared_cache_layout(
+        self, case: BatchCase, layer: AttentionLayerSpec, dtype: torch.dtype
+    ) -> TensorSpec:
+        """The shared paged-KV layout."""
+        return layouts.paged_kv(
             case.num_pages, case.page_size, layer.num_kv_heads, layer.head_dim, dtype
         )
-        if spec.get("kv_cache") != shared:
-            pytest.skip(
-                f"backend cache spec {spec} is not the shared paged-KV layout the kit fills"
-            )
 
-    # -- tests ---------------------------------------------------------------------------------
-    def test_matches_reference(
-        self, backend: Any, case: BatchCase, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """Output rows match the float64 reference; the cache holds exactly the new K/V."""
-        self.check_against_reference(backend, case, self.layer(), dtype, device)
-
-    @pytest.mark.parametrize("case_name", ["decode", "mixed"])
-    def test_wide_block_table(
-        self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """A block table wider than needed (page-0 padded, as in persistent buffers) is fine."""
-        case = self.get_case(case_name)
-        width = max(len(t) for t in case.page_tables) + 3
-        self.check_against_reference(backend, case, self.layer(), dtype, device, width)
-
-    @pytest.mark.parametrize("case_name", ["mixed", "decode", "prefill"])
-    def test_out_contract(
-        self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """NaN-poisoned out: rows written, tail exactly zero, empty sentinel, same cache."""
-        case = self.get_case(case_name)
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_attention_inputs(case, layer, dtype, device, seed=1)
-        full = check_out_contract(
-            lambda out: self.run_step(backend, batch, inputs, layer, out=out),
-            [inputs.kv_cache],
-            case.num_tokens,
-        )
-        assert_close_to_reference(
-            full[: case.num_tokens], reference_outputs(case, inputs, layer), dtype
-        )
-
-    def test_out_buffer_validation(self, backend: Any, device: torch.device) -> None:
-        """An out buffer of the wrong shape or dtype is rejected, not silently used."""
-        case = batch_cases(page_size=self.page_size)[0]
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_attention_inputs(case, layer, self.single_dtype, device)
-        bad_shape = torch.empty(
-            inputs.q.shape[0] + 1, *inputs.q.shape[1:], dtype=self.single_dtype, device=device
-        )
-        other = torch.float64 if self.single_dtype != torch.float64 else torch.float32
-        bad_dtype = torch.empty(inputs.q.shape, dtype=other, device=device)
-        for bad in (bad_shape, bad_dtype):
-            with pytest.raises((ValueError, RuntimeError)):
-                self.run_step(backend, batch, inputs, layer, out=bad)
-
+    # -- tests of attention only ---------------------------------------------------------------
     @pytest.mark.parametrize("shape", [0, 1], ids=["gqa", "mqa"])
     @pytest.mark.parametrize("case_name", ["mixed", "page_crossing"])
     def test_grouped_query_heads(
@@ -356,52 +286,3 @@ class AttentionBackendTests(BackendTestsBase):
         case = self.get_case(case_name)
         layer = self.layer(sliding_window=window)
         self.check_against_reference(backend, case, layer, dtype, device)
-
-    def test_custom_scale(self, backend: Any, device: torch.device) -> None:
-        """An explicit softmax scale is honoured (not replaced by head_dim ** -0.5)."""
-        case = self.get_case("mixed")
-        self.check_against_reference(
-            backend, case, self.layer(scale=0.7), self.single_dtype, device
-        )
-
-    def test_opcheck(self, backend: Any, device: torch.device) -> None:
-        """Every custom op forward calls passes torch.library.opcheck and is a dynamic op."""
-        case = self.get_case("mixed")
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_attention_inputs(case, layer, self.single_dtype, device)
-        out_buf = torch.empty_like(inputs.q)
-        _, calls = record_custom_ops(
-            lambda: self.run_step(backend, batch, inputs, layer, out=out_buf)
-        )
-        assert calls, "forward called no custom op; cached ops must be torch.library custom ops"
-        dynamic = set(backend.dynamic_ops())
-        for op, args, kwargs in calls:
-            assert op in dynamic, (
-                f"forward called {op} which dynamic_ops() does not list; the graph runner "
-                "splits only at listed ops"
-            )
-            with forward_context(batch, {self.family: backend.plan(batch)}):
-                run_opcheck(op, args, kwargs)
-                # The plain form (no out) must pass too.
-                if kwargs.get("out") is not None:
-                    run_opcheck(op, args, {**kwargs, "out": None})
-
-    @pytest.mark.gpu
-    def test_no_host_sync(self, backend: Any, dtype: torch.dtype, device: torch.device) -> None:
-        """The op never synchronises with the device (CUDA sync debug mode 'error')."""
-        if device.type != "cuda":
-            pytest.skip("host synchronisation is only observable on CUDA")
-        case = self.get_case("mixed")
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_attention_inputs(case, layer, dtype, device)
-        out = torch.empty_like(inputs.q)
-        plan = backend.plan(batch)
-        torch.cuda.synchronize()
-        with forward_context(batch, {self.family: plan}), no_host_sync(device):
-            backend.forward(inputs.q, inputs.k, inputs.v, inputs.kv_cache, layer, out=out)
-        torch.cuda.synchronize()
-        assert_close_to_reference(
-            out[: case.num_tokens], reference_outputs(case, inputs, layer), dtype
-        )

@@ -10,16 +10,22 @@
 * :func:`run_opcheck` — ``torch.library.opcheck`` with the kit's defaults.
 * :func:`record_custom_ops` — the custom ops a backend's forward calls, to
   opcheck them and to compare them with its ``dynamic_ops()``.
+* :func:`check_custom_ops` — both of the above for one call of a backend.
+* :func:`check_graph_replay` — a step captured in a CUDA graph replays like
+  the eager step (CUDA only).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from backplane.core.forward_context import forward_context
+from backplane.core.metadata import BatchMetadata
 
 #: ``dtype -> (atol, rtol)`` for comparing a backend's output with the kit's
 #: float64 reference (computed from the same, already rounded, inputs). The
@@ -214,16 +220,20 @@ def run_opcheck(
 
 
 class _OpRecorder(TorchDispatchMode):
-    """Records every non-aten operator call that reaches the dispatcher."""
+    """Records the non-aten operator calls that reach the dispatcher (only ``ops``, if given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: Collection[Any] | None = None) -> None:
         super().__init__()
+        self.ops = None if ops is None else frozenset(ops)
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if getattr(func, "namespace", "aten") not in _BUILTIN_NAMESPACES:
-            self.calls.append((func, args, kwargs))
+        if self.ops is not None:
+            if func in self.ops:
+                self.calls.append((func, tuple(args), dict(kwargs)))
+        elif getattr(func, "namespace", "aten") not in _BUILTIN_NAMESPACES:
+            self.calls.append((func, tuple(args), dict(kwargs)))
         return func(*args, **kwargs)
 
 
@@ -232,6 +242,7 @@ _BUILTIN_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "c
 
 def record_custom_ops(
     fn: Callable[[], Any],
+    ops: Collection[Any] | None = None,
 ) -> tuple[Any, list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
     """Run ``fn()`` and record the custom (non-aten) operators it calls directly.
 
@@ -239,9 +250,123 @@ def record_custom_ops(
     dispatch mode is suspended while the op it intercepted runs.
 
     :param fn: the call to observe, e.g. ``lambda: backend.forward(...)``.
+    :param ops: record only calls of these op overloads (default: every custom op).
     :return: ``(fn's result, [(op overload, args, kwargs), ...])`` in call order.
     """
-    recorder = _OpRecorder()
+    recorder = _OpRecorder(ops)
     with recorder:
         result = fn()
     return result, recorder.calls
+
+
+def _with_out(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Return ``(args, kwargs)`` of a recorded call with its ``out`` argument replaced."""
+    names = [a.name for a in op._schema.arguments]
+    if "out" not in names:
+        raise AssertionError(f"{op} has no 'out' argument; cached ops must end with out=None")
+    idx = names.index("out")
+    if idx < len(args):
+        args = args[:idx] + (out,) + args[idx + 1 :]
+    else:
+        kwargs = dict(kwargs, out=out)
+    return args, kwargs
+
+
+def check_custom_ops(
+    backend: Any,
+    fn: Callable[[], Any],
+    out_shape: Sequence[int],
+    out_dtype: torch.dtype,
+) -> int:
+    """Check the custom ops one call of a backend makes.
+
+    Every custom op ``fn`` calls must be listed by ``backend.dynamic_ops()``
+    (the graph runner splits only at listed ops) and pass
+    ``torch.library.opcheck`` both without ``out`` and with one. Call it
+    inside the forward context of the batch ``fn`` runs on; the batch must not
+    read the state it writes (opcheck calls the op repeatedly, so a recurrent
+    op needs a batch without ``has_initial_state``).
+
+    :param backend: the backend object.
+    :param fn: calls the backend once.
+    :param out_shape: the op's full result shape.
+    :param out_dtype: the op's result dtype.
+    :return: the number of op calls checked (at least one).
+    """
+    dynamic = set(backend.dynamic_ops())
+    _, calls = record_custom_ops(fn)
+    assert calls, "forward called no custom op; cached ops must be torch.library custom ops"
+    for op, args, kwargs in calls:
+        assert op in dynamic, (
+            f"forward called {op} which dynamic_ops() does not list; the graph runner "
+            "splits only at listed ops"
+        )
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device
+        for out in (None, torch.zeros(tuple(out_shape), dtype=out_dtype, device=device)):
+            a, k = _with_out(op, args, kwargs, out)
+            run_opcheck(op, a, k)
+    return len(calls)
+
+
+def check_graph_replay(
+    batch: BatchMetadata,
+    plans: dict[str, Any],
+    step: Callable[[], None],
+    per_step_inputs: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    seed: int = 0,
+) -> None:
+    """Capture ``step`` in a CUDA graph, replay it on a new step, compare with eager.
+
+    The replayed step gets fresh per-token inputs and the batch's state slots
+    in reverse order (written in place into the batch's device tensor, as the
+    engine does with its persistent buffers), so an op that baked slots or
+    inputs into the graph as constants fails.
+
+    :param batch: a decode batch on CUDA.
+    :param plans: the backends' plans for ``batch``.
+    :param step: runs the op(s), writing into ``outs``.
+    :param per_step_inputs: tensors refreshed before the replay.
+    :param caches: every cache the op(s) write.
+    :param outs: the out buffers ``step`` writes.
+    :param seed: seeds the fresh inputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    snapshot = [c.clone() for c in caches]
+    with forward_context(batch, plans):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm up outside the graph
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    for t in per_step_inputs:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t))
+    for cache, saved in zip(caches, snapshot, strict=True):
+        cache.copy_(saved)
+    batch.state_slots.copy_(batch.state_slots.flip(0))
+    batch.host.state_slots[:] = batch.host.state_slots[::-1].copy()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [o.clone() for o in outs]
+    replayed_caches = [c.clone() for c in caches]
+    for cache, saved in zip(caches, snapshot, strict=True):
+        cache.copy_(saved)
+    for o in outs:
+        o.fill_(float("nan"))
+    with forward_context(batch, plans):
+        step()
+    for i, (got, want) in enumerate(zip(replayed, outs, strict=True)):
+        torch.testing.assert_close(
+            got, want, atol=1e-6, rtol=1e-6, msg=lambda m, i=i: f"out {i}: {m}"
+        )
+    for i, (got, want) in enumerate(zip(replayed_caches, caches, strict=True)):
+        torch.testing.assert_close(
+            got, want, atol=1e-6, rtol=1e-6, msg=lambda m, i=i: f"cache {i}: {m}"
+        )
+    del graph

@@ -26,17 +26,18 @@ import pytest
 import torch
 
 from backplane.core.families import DeltaLayerSpec
-from backplane.core.forward_context import forward_context
 from backplane.core.metadata import BatchMetadata
-from backplane.testing.batches import BatchCase, batch_cases, make_case
-from backplane.testing.checks import assert_close_to_reference, check_out_contract, no_host_sync
-from backplane.testing.plugin import BackendTestsBase, require_feature
-from backplane.testing.ssm import (
+from backplane.testing.batches import BatchCase, make_case
+from backplane.testing.checks import assert_close_to_reference
+from backplane.testing.plugin import require_feature
+from backplane.testing.recurrent import (
     RECURRENCE_TOL_SCALE,
-    check_graph_replay,
-    opcheck_backend_calls,
+    OpCall,
+    RecurrentBackendTests,
+    prompt_chunks,
     random_state,
     single_sequence_batch,
+    step_rows,
 )
 
 #: Epsilon of the in-kernel L2 norm of q and k.
@@ -94,23 +95,7 @@ def reference_gated_delta_rule(
     return o, new
 
 
-def _delta_cases() -> list[BatchCase]:
-    """The kit's standard batches plus prompts longer than one 64-token chunk."""
-    return [
-        *batch_cases(),
-        make_case(
-            "long_prefill_and_extend",
-            [70, 9, 1],
-            [0, 66, 5],
-            page_size=16,
-            shuffle_slots=True,
-            padding=2,
-            seed=7,
-        ),
-    ]
-
-
-class DeltaBackendTests(BackendTestsBase):
+class DeltaBackendTests(RecurrentBackendTests):
     """Conformance tests of a ``delta`` backend.
 
     Class attributes set the (small) layer shapes; a subclass may override them.
@@ -121,6 +106,22 @@ class DeltaBackendTests(BackendTestsBase):
     NUM_K_HEADS: ClassVar[int] = 2
     K_HEAD_DIM: ClassVar[int] = 8
     V_HEAD_DIM: ClassVar[int] = 6
+
+    @classmethod
+    def cases(cls) -> list[BatchCase]:
+        """The kit's standard batches plus prompts longer than one 64-token chunk."""
+        return [
+            *super().cases(),
+            make_case(
+                "long_prefill_and_extend",
+                [70, 9, 1],
+                [0, 66, 5],
+                page_size=16,
+                shuffle_slots=True,
+                padding=2,
+                seed=7,
+            ),
+        ]
 
     def layer(self, num_v_heads: int, use_qk_l2norm: bool) -> DeltaLayerSpec:
         """The layer constants used by the tests (default scale ``k_head_dim ** -0.5``)."""
@@ -189,6 +190,26 @@ class DeltaBackendTests(BackendTestsBase):
             return self.layer(2 * self.NUM_K_HEADS, True)
         return self.layer(self.NUM_K_HEADS, False)
 
+    def op_calls(
+        self,
+        backend: Any,
+        case: BatchCase,
+        batch: BatchMetadata,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[OpCall]:
+        """A ``forward`` call with the in-kernel L2 norm, one value head per key head."""
+        layer = self.layer(self.NUM_K_HEADS, True)
+        inp = self.inputs(batch, case.num_slots, layer, dtype, device, seed=13)
+        return [
+            OpCall(
+                run=lambda out: backend.forward(*inp.values(), layer, out=out),
+                out_like=inp["v"],
+                per_token_inputs=[inp["q"], inp["k"], inp["v"]],
+                states=[inp["state"]],
+            )
+        ]
+
     def test_cache_spec(self, backend: Any) -> None:
         """The default cache spec is the shared float32 delta-state layout."""
         spec = backend.cache_spec(self.layer(4, True), num_slots=3, dtype=torch.bfloat16)
@@ -196,7 +217,6 @@ class DeltaBackendTests(BackendTestsBase):
         assert spec["delta_state"].dtype == torch.float32
 
     @pytest.mark.parametrize("variant", ["plain", "l2norm_grouped"])
-    @pytest.mark.parametrize("case", _delta_cases(), ids=lambda c: c.name)
     def test_matches_reference(
         self,
         backend: Any,
@@ -218,13 +238,9 @@ class DeltaBackendTests(BackendTestsBase):
         expected, expected_state = reference_gated_delta_rule(
             batch, *args, scale=layer.q_scale, use_qk_l2norm=layer.use_qk_l2norm
         )
-
-        def run(out: torch.Tensor | None) -> torch.Tensor:
-            with no_host_sync(device):
-                return backend.forward(*args, layer, out=out)
-
-        with forward_context(batch, {"delta": backend.plan(batch)}):
-            full = check_out_contract(run, [inp["state"]], batch.num_tokens)
+        full = self.check_out_contract(
+            backend, batch, lambda out: backend.forward(*args, layer, out=out), [inp["state"]]
+        )
         assert full.shape == inp["v"].shape and full.dtype == dtype
         assert_close_to_reference(
             full[: batch.num_tokens],
@@ -263,65 +279,20 @@ class DeltaBackendTests(BackendTestsBase):
         names = ("q", "k", "v", "g", "beta")
 
         def step(batch: BatchMetadata, rows: slice, state: torch.Tensor) -> torch.Tensor:
-            pad = batch.padded_num_tokens - (rows.stop - rows.start)
-            args = [torch.cat([inp[n][rows], torch.zeros_like(inp[n][:pad])]) for n in names]
-            with forward_context(batch, {"delta": backend.plan(batch)}):
+            args = [step_rows(inp[n], rows, batch) for n in names]
+            with self.planned(backend, batch):
                 o = backend.forward(*args, state, layer)
             return o[: rows.stop - rows.start]
 
         state_whole = inp["state"].clone()
         o_whole = step(whole, slice(0, total), state_whole)
-        state_parts, parts, done = inp["state"].clone(), [], 0
-        for q in chunks:
-            parts.append(
-                step(
-                    single_sequence_batch(q, done, slot, device), slice(done, done + q), state_parts
-                )
-            )
-            done += q
+        state_parts = inp["state"].clone()
+        parts = [
+            step(batch, rows, state_parts) for batch, rows in prompt_chunks(chunks, slot, device)
+        ]
         assert_close_to_reference(
             torch.cat(parts), o_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta output"
         )
         assert_close_to_reference(
             state_parts, state_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta state"
-        )
-
-    def test_opcheck(self, backend: Any, device: torch.device) -> None:
-        """``torch.library.opcheck`` passes for the ops ``forward`` calls."""
-        case = batch_cases("prefill")[0]  # no initial state: repeated calls are idempotent
-        batch = case.metadata(device)
-        layer = self.layer(self.NUM_K_HEADS, True)
-        inp = self.inputs(batch, case.num_slots, layer, torch.float32, device)
-        n = opcheck_backend_calls(
-            backend,
-            batch,
-            lambda: backend.forward(*inp.values(), layer),
-            inp["v"].shape,
-            torch.float32,
-        )
-        assert n >= 1
-
-    @pytest.mark.gpu
-    def test_decode_cuda_graph_replay(self, backend: Any, backend_capabilities: Any) -> None:
-        """A decode step captured in a CUDA graph replays correctly with new inputs and slots."""
-        if not torch.cuda.is_available():
-            pytest.skip("CUDA is not available")
-        require_feature(backend_capabilities, "cuda", "cuda_graph")
-        device = torch.device("cuda")
-        case = batch_cases("decode")[0]
-        batch = case.metadata(device)
-        layer = self.layer(self.NUM_K_HEADS, True)
-        inp = self.inputs(batch, case.num_slots, layer, torch.float32, device, seed=13)
-        out = torch.empty_like(inp["v"])
-
-        def step() -> None:
-            backend.forward(*inp.values(), layer, out=out)
-
-        check_graph_replay(
-            batch,
-            {"delta": backend.plan(batch)},
-            step,
-            [inp["q"], inp["k"], inp["v"]],
-            [inp["state"]],
-            [out],
         )

@@ -16,24 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import pytest
 import torch
 
 from backplane.core import layouts
 from backplane.core.families import MLALayerSpec
-from backplane.core.forward_context import forward_context
-from backplane.core.metadata import BatchMetadata
-from backplane.testing.batches import BatchCase, batch_cases
-from backplane.testing.checks import (
-    assert_close_to_reference,
-    check_out_contract,
-    no_host_sync,
-    record_custom_ops,
-    run_opcheck,
-)
-from backplane.testing.plugin import BackendTestsBase
-
-_CASE_NAMES = [c.name for c in batch_cases()]
+from backplane.core.layouts import TensorSpec
+from backplane.testing.batches import BatchCase
+from backplane.testing.paged import PagedBackendTests
 
 
 def reference_mla(
@@ -174,31 +163,29 @@ def reference_outputs(case: BatchCase, inputs: MLAInputs, layer: MLALayerSpec) -
     return torch.cat(outs)
 
 
-class MLABackendTests(BackendTestsBase):
-    """The conformance suite of the MLA family (see the module docstring)."""
+class MLABackendTests(PagedBackendTests):
+    """The conformance suite of the MLA family (see the module docstring).
+
+    Its tests are the paged-cache tests of :class:`~backplane.testing.paged.PagedBackendTests`
+    on the latent cache.
+    """
 
     family: ClassVar[str] = "mla"
+    cache_name: ClassVar[str] = "latent_cache"
+    cache_rows: ClassVar[str] = "new [kv_c, k_pe] rows"
+    custom_scale: ClassVar[float] = 0.3
     num_heads: ClassVar[int] = 2
     kv_lora_rank: ClassVar[int] = 16
     qk_nope_head_dim: ClassVar[int] = 8
     qk_rope_head_dim: ClassVar[int] = 4
     v_head_dim: ClassVar[int] = 8
-    #: Page size of every case, or ``None`` for the kit's mix of small pages.
-    page_size: ClassVar[int | None] = None
-    #: dtype of the tests that run in one dtype only (opcheck, custom scale, out validation).
-    single_dtype: ClassVar[torch.dtype] = torch.float32
-
-    @pytest.fixture(params=_CASE_NAMES)
-    def case(self, request: pytest.FixtureRequest) -> BatchCase:
-        """One standard ragged batch."""
-        return self.get_case(request.param)
-
-    def get_case(self, name: str) -> BatchCase:
-        """The standard case called ``name`` (with this class's page size)."""
-        return {c.name: c for c in batch_cases(page_size=self.page_size)}[name]
 
     def layer(self, scale: float | None = None) -> MLALayerSpec:
-        """The layer constants of the tests."""
+        """The layer constants of the tests.
+
+        :param scale: softmax scale (default ``(nope + rope) ** -0.5``).
+        :return: the layer spec.
+        """
         qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         return MLALayerSpec(
             layer_id=0,
@@ -210,179 +197,53 @@ class MLABackendTests(BackendTestsBase):
             scale=scale if scale is not None else 1.0 / math.sqrt(qk_dim),
         )
 
-    def run_step(
+    def make_inputs(
         self,
-        backend: Any,
-        batch: BatchMetadata,
-        inputs: MLAInputs,
-        layer: MLALayerSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Plan and run one forward of ``backend`` on ``batch``."""
-        plan = backend.plan(batch)
-        with forward_context(batch, {self.family: plan}):
-            return backend.forward(
-                inputs.q_nope,
-                inputs.q_pe,
-                inputs.kv_c,
-                inputs.k_pe,
-                inputs.latent_cache,
-                inputs.w_uk,
-                inputs.w_uv,
-                layer,
-                out=out,
-            )
-
-    def check_cache_spec(
-        self, backend: Any, case: BatchCase, layer: MLALayerSpec, dtype: torch.dtype
-    ) -> None:
-        """Skip unless the backend uses the shared latent layout (the kit writes the cache)."""
-        spec = backend.cache_spec(
-            layer, num_pages=case.num_pages, page_size=case.page_size, dtype=dtype
-        )
-        shared = layouts.mla_latent(
-            case.num_pages, case.page_size, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype
-        )
-        if spec.get("latent_cache") != shared:
-            pytest.skip(f"backend cache spec {spec} is not the shared latent layout the kit fills")
-
-    def check_against_reference(
-        self,
-        backend: Any,
         case: BatchCase,
         layer: MLALayerSpec,
         dtype: torch.dtype,
         device: torch.device,
-        table_width: int | None = None,
-    ) -> None:
-        """Run ``case`` and compare the output and the cache with the reference."""
-        self.check_cache_spec(backend, case, layer, dtype)
-        batch = case.metadata(device, table_width=table_width)
-        inputs = make_mla_inputs(case, layer, dtype, device)
-        out = self.run_step(backend, batch, inputs, layer)
-        n = case.num_tokens
-        expected_shape = (case.padded_num_tokens, layer.num_heads, layer.v_head_dim)
-        assert tuple(out.shape) == expected_shape, (
-            f"output shape {tuple(out.shape)} != {expected_shape}"
-        )
-        assert out.dtype == dtype
-        assert_close_to_reference(
-            out[:n], reference_outputs(case, inputs, layer), dtype, msg=f"case {case.name}"
-        )
-        assert torch.equal(inputs.latent_cache.cpu(), inputs.expected_cache), (
-            f"case {case.name}: the latent cache after the step differs from the expected "
-            "contents (new [kv_c, k_pe] rows at slot_mapping, every other entry untouched)"
+        seed: int = 0,
+    ) -> MLAInputs:
+        """See :func:`make_mla_inputs`."""
+        return make_mla_inputs(case, layer, dtype, device, seed)
+
+    def call_forward(
+        self,
+        backend: Any,
+        inputs: MLAInputs,
+        layer: MLALayerSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``backend.forward(q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv, layer, out=out)``."""
+        return backend.forward(
+            inputs.q_nope,
+            inputs.q_pe,
+            inputs.kv_c,
+            inputs.k_pe,
+            inputs.latent_cache,
+            inputs.w_uk,
+            inputs.w_uv,
+            layer,
+            out=out,
         )
 
-    # -- tests ---------------------------------------------------------------------------------
-    def test_matches_reference(
-        self, backend: Any, case: BatchCase, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """Output rows match the float64 reference; the cache holds exactly the new latents."""
-        self.check_against_reference(backend, case, self.layer(), dtype, device)
+    def cache(self, inputs: MLAInputs) -> torch.Tensor:
+        """The paged latent cache."""
+        return inputs.latent_cache
 
-    @pytest.mark.parametrize("case_name", ["decode", "mixed"])
-    def test_wide_block_table(
-        self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """A block table wider than needed (page-0 padded, as in persistent buffers) is fine."""
-        case = self.get_case(case_name)
-        width = max(len(t) for t in case.page_tables) + 3
-        self.check_against_reference(backend, case, self.layer(), dtype, device, width)
+    def reference(self, case: BatchCase, inputs: MLAInputs, layer: MLALayerSpec) -> torch.Tensor:
+        """See :func:`reference_outputs`."""
+        return reference_outputs(case, inputs, layer)
 
-    @pytest.mark.parametrize("case_name", ["mixed", "decode", "prefill"])
-    def test_out_contract(
-        self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """NaN-poisoned out: rows written, tail exactly zero, empty sentinel, same cache."""
-        case = self.get_case(case_name)
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_mla_inputs(case, layer, dtype, device, seed=1)
-        full = check_out_contract(
-            lambda out: self.run_step(backend, batch, inputs, layer, out=out),
-            [inputs.latent_cache],
-            case.num_tokens,
-        )
-        assert_close_to_reference(
-            full[: case.num_tokens], reference_outputs(case, inputs, layer), dtype
-        )
+    def out_shape(self, case: BatchCase, layer: MLALayerSpec) -> tuple[int, ...]:
+        """``[padded tokens, num_heads, v_head_dim]``."""
+        return (case.padded_num_tokens, layer.num_heads, layer.v_head_dim)
 
-    def test_out_buffer_validation(self, backend: Any, device: torch.device) -> None:
-        """An out buffer of the wrong shape or dtype is rejected, not silently used."""
-        case = self.get_case("mixed")
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_mla_inputs(case, layer, self.single_dtype, device)
-        shape = (case.padded_num_tokens, layer.num_heads, layer.v_head_dim)
-        other = torch.float64 if self.single_dtype != torch.float64 else torch.float32
-        bad_shape = torch.empty(
-            shape[0], shape[1], shape[2] + 1, dtype=self.single_dtype, device=device
-        )
-        bad_dtype = torch.empty(shape, dtype=other, device=device)
-        for bad in (bad_shape, bad_dtype):
-            with pytest.raises((ValueError, RuntimeError)):
-                self.run_step(backend, batch, inputs, layer, out=bad)
-
-    def test_custom_scale(self, backend: Any, device: torch.device) -> None:
-        """The layer's softmax scale is honoured."""
-        layer = self.layer(scale=0.3)
-        self.check_against_reference(
-            backend, self.get_case("mixed"), layer, self.single_dtype, device
-        )
-
-    def test_opcheck(self, backend: Any, device: torch.device) -> None:
-        """Every custom op forward calls passes torch.library.opcheck and is a dynamic op."""
-        case = self.get_case("mixed")
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_mla_inputs(case, layer, self.single_dtype, device)
-        out_buf = torch.empty(
-            case.padded_num_tokens,
-            layer.num_heads,
-            layer.v_head_dim,
-            dtype=self.single_dtype,
-            device=device,
-        )
-        _, calls = record_custom_ops(
-            lambda: self.run_step(backend, batch, inputs, layer, out=out_buf)
-        )
-        assert calls, "forward called no custom op; cached ops must be torch.library custom ops"
-        dynamic = set(backend.dynamic_ops())
-        for op, args, kwargs in calls:
-            assert op in dynamic, f"forward called {op} which dynamic_ops() does not list"
-            with forward_context(batch, {self.family: backend.plan(batch)}):
-                run_opcheck(op, args, kwargs)
-                if kwargs.get("out") is not None:
-                    run_opcheck(op, args, {**kwargs, "out": None})
-
-    @pytest.mark.gpu
-    def test_no_host_sync(self, backend: Any, dtype: torch.dtype, device: torch.device) -> None:
-        """The op never synchronises with the device (CUDA sync debug mode 'error')."""
-        if device.type != "cuda":
-            pytest.skip("host synchronisation is only observable on CUDA")
-        case = self.get_case("mixed")
-        layer = self.layer()
-        batch = case.metadata(device)
-        inputs = make_mla_inputs(case, layer, dtype, device)
-        out = torch.empty(
-            case.padded_num_tokens, layer.num_heads, layer.v_head_dim, dtype=dtype, device=device
-        )
-        plan = backend.plan(batch)
-        torch.cuda.synchronize()
-        with forward_context(batch, {self.family: plan}), no_host_sync(device):
-            backend.forward(
-                inputs.q_nope,
-                inputs.q_pe,
-                inputs.kv_c,
-                inputs.k_pe,
-                inputs.latent_cache,
-                inputs.w_uk,
-                inputs.w_uv,
-                layer,
-                out=out,
-            )
-        torch.cuda.synchronize()
-        assert_close_to_reference(
-            out[: case.num_tokens], reference_outputs(case, inputs, layer), dtype
+    def shared_cache_layout(
+        self, case: BatchCase, layer: MLALayerSpec, dtype: torch.dtype
+    ) -> TensorSpec:
+        """The shared latent layout."""
+        return layouts.mla_latent(
+            case.num_pages, case.page_size, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype
         )

@@ -12,13 +12,16 @@ or on the command line with ``pytest -p backplane.testing.plugin``. It adds:
 * :func:`backend_params`: one ``pytest.param`` per registered backend of a
   family, for parametrising a ``backend`` fixture; unavailable backends are
   skipped with their reason;
-* :class:`BackendTestsBase`: the fixtures every family mixin shares
-  (``device``, ``dtype``, ``backend_capabilities``).
+* :class:`BackendTestsBase`: the skeleton every family suite shares
+  (``device``, ``dtype`` and ``backend_capabilities`` fixtures, the batch-case
+  loop, the out-buffer contract, no-host-sync and opcheck runners).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -26,6 +29,10 @@ import torch
 
 from backplane.core.backend_spec import BackendSpec
 from backplane.core.errors import UnsupportedLayerError
+from backplane.core.forward_context import forward_context
+from backplane.core.metadata import BatchMetadata
+from backplane.testing.batches import BatchCase, batch_cases
+from backplane.testing.checks import check_custom_ops, check_out_contract, no_host_sync
 
 OPTION = "--backplane-backend"
 _MARKER = "backplane_backend"
@@ -217,16 +224,63 @@ _DTYPE_PARAMS = [
 
 
 class BackendTestsBase:
-    """Fixtures shared by the family mixins.
+    """The skeleton every family suite shares.
 
-    A subclass provides a ``backend`` fixture returning the backend object. It
-    may override ``device`` / ``dtype`` (e.g. to run CUDA only) and
-    ``backend_capabilities`` (for a backend not registered through a plugin).
+    A family suite (:class:`~backplane.testing.attention.AttentionBackendTests`
+    and the others) subclasses it with its inputs, references and tests; a
+    backend's test class subclasses the family suite and provides a
+    ``backend`` fixture returning the backend object. It may override
+    ``device`` / ``dtype`` (e.g. to run CUDA only), ``backend_capabilities``
+    (for a backend not registered through a plugin) and the class attributes.
     Devices and dtypes the backend's declared capabilities do not list
     (``"cpu"``, ``"cuda"``, ``"float32"``...) are skipped.
+
+    What it gives every family:
+
+    * the ``device``, ``dtype`` and ``backend_capabilities`` fixtures;
+    * the batch loop: a test taking a ``case`` argument runs once per batch of
+      :meth:`cases`; :meth:`get_case` picks one batch by name;
+    * :meth:`planned`: the backend's plan of a batch as the active forward context;
+    * :meth:`check_out_contract`: the out-buffer contract of one op call, with
+      NaN-poisoned ``out`` and no host synchronisation inside the op;
+    * :meth:`check_custom_ops`: the custom ops of one call are dynamic ops and
+      pass ``opcheck``.
     """
 
     family: ClassVar[str] = ""
+    #: Page size of every case, or ``None`` for the kit's mix of small pages.
+    page_size: ClassVar[int | None] = None
+    #: dtype of the tests that run in one dtype only (opcheck, custom scale, out validation).
+    single_dtype: ClassVar[torch.dtype] = torch.float32
+
+    # -- parametrisation -----------------------------------------------------------------------
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Run each test that takes a ``case`` argument once per batch of :meth:`cases`.
+
+        :param metafunc: the test function being parametrised.
+        """
+        if "case" in metafunc.fixturenames:
+            metafunc.parametrize("case", self.cases(), ids=lambda c: c.name)
+
+    @classmethod
+    def cases(cls) -> list[BatchCase]:
+        """The batches a ``case`` test runs on (the kit's standard ragged batches).
+
+        :return: the cases, with :attr:`page_size` pages when it is set.
+        """
+        return batch_cases(page_size=cls.page_size)
+
+    def get_case(self, name: str) -> BatchCase:
+        """One batch of :meth:`cases`.
+
+        :param name: the case's name (``"prefill"``, ``"decode"``, ``"mixed"``...).
+        :return: the case.
+        """
+        cases = self.cases()
+        for case in cases:
+            if case.name == name:
+                return case
+        raise KeyError(f"no batch case {name!r}; the cases are {', '.join(c.name for c in cases)}")
 
     @pytest.fixture
     def backend_capabilities(self, backend: Any) -> frozenset[str] | None:
@@ -244,6 +298,65 @@ class BackendTestsBase:
         """The activation and cache dtype."""
         require(backend_capabilities, str(request.param).removeprefix("torch."))
         return request.param
+
+    # -- running ops ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def planned(self, backend: Any, batch: BatchMetadata) -> Iterator[None]:
+        """Plan ``batch`` with ``backend`` and make it the active forward context.
+
+        :param backend: the backend under test.
+        :param batch: the step's metadata.
+        """
+        with forward_context(batch, {self.family: backend.plan(batch)}):
+            yield
+
+    def check_out_contract(
+        self,
+        backend: Any,
+        batch: BatchMetadata,
+        call: Callable[[torch.Tensor | None], torch.Tensor],
+        caches: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Check the out-buffer contract of one op call on a planned batch.
+
+        See :func:`backplane.testing.checks.check_out_contract`; every call of
+        the op additionally runs under :func:`~backplane.testing.checks.no_host_sync`.
+
+        :param backend: the backend under test (it plans ``batch``).
+        :param batch: the step's metadata.
+        :param call: calls the op once, with the given ``out`` (or ``None``).
+        :param caches: every cache or state the op writes.
+        :return: the op's result without ``out`` (compare it with a reference).
+        """
+
+        def run(out: torch.Tensor | None) -> torch.Tensor:
+            with no_host_sync(batch.device):
+                return call(out)
+
+        with self.planned(backend, batch):
+            return check_out_contract(run, caches, batch.num_tokens)
+
+    def check_custom_ops(
+        self,
+        backend: Any,
+        batch: BatchMetadata,
+        fn: Callable[[], Any],
+        out_shape: Sequence[int],
+        out_dtype: torch.dtype,
+    ) -> int:
+        """Check the custom ops of one call on a planned batch.
+
+        See :func:`backplane.testing.checks.check_custom_ops`.
+
+        :param backend: the backend under test (it plans ``batch``).
+        :param batch: the step's metadata (it must not read the state it writes).
+        :param fn: calls the op once.
+        :param out_shape: the op's full result shape.
+        :param out_dtype: the op's result dtype.
+        :return: the number of op calls checked.
+        """
+        with self.planned(backend, batch):
+            return check_custom_ops(backend, fn, out_shape, out_dtype)
 
 
 def require(capabilities: frozenset[str] | None, *tags: str) -> None:

@@ -22,23 +22,25 @@ slots no sequence uses hold random values that must come back untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import pytest
 import torch
 
 from backplane.core.families import ConvLayerSpec, SSMLayerSpec
-from backplane.core.forward_context import forward_context
-from backplane.core.metadata import BatchMetadata, build_batch_metadata
-from backplane.testing.batches import BatchCase, batch_cases, make_case
-from backplane.testing.checks import (
-    assert_close_to_reference,
-    check_out_contract,
-    no_host_sync,
-    run_opcheck,
+from backplane.core.metadata import BatchMetadata
+from backplane.testing.batches import BatchCase, make_case
+from backplane.testing.checks import assert_close_to_reference
+from backplane.testing.plugin import require_feature
+from backplane.testing.recurrent import (
+    RECURRENCE_TOL_SCALE,
+    OpCall,
+    RecurrentBackendTests,
+    prompt_chunks,
+    random_state,
+    single_sequence_batch,
+    step_rows,
 )
-from backplane.testing.plugin import BackendTestsBase, require_feature
 
 # -- float64 references -------------------------------------------------------------------------
 
@@ -154,210 +156,10 @@ def reference_ssm_scan(
     return y, new
 
 
-# -- helpers shared with the delta kit ------------------------------------------------------------
-
-
-def capture_op_calls(
-    fn: Callable[[], Any], ops: Sequence[Any]
-) -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
-    """Run ``fn`` and record every call of one of ``ops`` (with its arguments).
-
-    Lets the kit ``opcheck`` a backend's cached ops without knowing their
-    signatures: the backend's ``forward`` is run once and the calls it makes to
-    the ops of its ``dynamic_ops()`` are replayed through ``opcheck``.
-
-    :param fn: runs the backend once.
-    :param ops: the op overloads to record.
-    :return: ``[(op, args, kwargs), ...]`` in call order.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    wanted = set(ops)
-    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-
-    class _Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            kwargs = kwargs or {}
-            if func in wanted:
-                calls.append((func, tuple(args), dict(kwargs)))
-            return func(*args, **kwargs)
-
-    with _Recorder():
-        fn()
-    return calls
-
-
-def _with_out(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor | None):
-    """Return ``(args, kwargs)`` with the ``out`` argument replaced."""
-    names = [a.name for a in op._schema.arguments]
-    if "out" not in names:
-        raise AssertionError(f"{op} has no 'out' argument; cached ops must end with out=None")
-    idx = names.index("out")
-    if idx < len(args):
-        args = args[:idx] + (out,) + args[idx + 1 :]
-    else:
-        kwargs = dict(kwargs, out=out)
-    return args, kwargs
-
-
-def opcheck_backend_calls(
-    backend: Any,
-    batch: BatchMetadata,
-    fn: Callable[[], Any],
-    out_shape: Sequence[int],
-    out_dtype: torch.dtype,
-) -> int:
-    """``opcheck`` every dynamic op ``fn`` calls, without and with ``out``.
-
-    The batch must not read the state it writes (no ``has_initial_state``), so
-    that opcheck's repeated calls are idempotent.
-
-    :param backend: the backend object (its ``dynamic_ops()`` are checked).
-    :param batch: the batch ``fn`` runs on.
-    :param fn: calls the backend once.
-    :param out_shape: the op's full result shape.
-    :param out_dtype: the op's result dtype.
-    :return: the number of op calls checked.
-    """
-    ops = tuple(backend.dynamic_ops())
-    assert ops, "the backend's dynamic_ops() must list the cached ops its forward calls"
-    with forward_context(batch, {backend.family: backend.plan(batch)}):
-        calls = capture_op_calls(fn, ops)
-        assert calls, "the backend's forward called none of the ops listed by dynamic_ops()"
-        for op, args, kwargs in calls:
-            device = next(a for a in args if isinstance(a, torch.Tensor)).device
-            for out in (None, torch.zeros(tuple(out_shape), dtype=out_dtype, device=device)):
-                a, k = _with_out(op, args, kwargs, out)
-                run_opcheck(op, a, k)
-    return len(calls)
-
-
-def check_graph_replay(
-    batch: BatchMetadata,
-    plans: dict[str, Any],
-    step: Callable[[], None],
-    per_step_inputs: Sequence[torch.Tensor],
-    caches: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor],
-    seed: int = 0,
-) -> None:
-    """Capture ``step`` in a CUDA graph, replay it on a new step, compare with eager.
-
-    The replayed step gets fresh per-token inputs and the batch's state slots
-    in reverse order (written in place into the batch's device tensor, as the
-    engine does with its persistent buffers), so an op that baked slots or
-    inputs into the graph as constants fails.
-
-    :param batch: a decode batch on CUDA.
-    :param plans: the backends' plans for ``batch``.
-    :param step: runs the op(s), writing into ``outs``.
-    :param per_step_inputs: tensors refreshed before the replay.
-    :param caches: every cache the op(s) write.
-    :param outs: the out buffers ``step`` writes.
-    :param seed: seeds the fresh inputs.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    snapshot = [c.clone() for c in caches]
-    with forward_context(batch, plans):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # warm up outside the graph
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-    for t in per_step_inputs:
-        t.copy_(torch.randn(t.shape, generator=gen).to(t))
-    for cache, saved in zip(caches, snapshot, strict=True):
-        cache.copy_(saved)
-    batch.state_slots.copy_(batch.state_slots.flip(0))
-    batch.host.state_slots[:] = batch.host.state_slots[::-1].copy()
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = [o.clone() for o in outs]
-    replayed_caches = [c.clone() for c in caches]
-    for cache, saved in zip(caches, snapshot, strict=True):
-        cache.copy_(saved)
-    for o in outs:
-        o.fill_(float("nan"))
-    with forward_context(batch, plans):
-        step()
-    for i, (got, want) in enumerate(zip(replayed, outs, strict=True)):
-        torch.testing.assert_close(
-            got, want, atol=1e-6, rtol=1e-6, msg=lambda m, i=i: f"out {i}: {m}"
-        )
-    for i, (got, want) in enumerate(zip(replayed_caches, caches, strict=True)):
-        torch.testing.assert_close(
-            got, want, atol=1e-6, rtol=1e-6, msg=lambda m, i=i: f"cache {i}: {m}"
-        )
-    del graph
-
-
-def random_state(
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    batch: BatchMetadata,
-    gen: torch.Generator,
-    device: torch.device,
-    scale: float = 1.0,
-) -> torch.Tensor:
-    """A random per-slot state whose slots without initial state hold NaN.
-
-    :return: the state tensor on ``device``.
-    """
-    state = torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * scale
-    host = batch.host
-    for i in range(batch.num_seqs):
-        if not host.has_initial_state[i]:
-            state[int(host.state_slots[i])] = float("nan")
-    return state.to(device=device, dtype=dtype)
-
-
-def single_sequence_batch(
-    query_len: int, cached_len: int, slot: int, device: torch.device, padding: int = 1
-) -> BatchMetadata:
-    """One sequence in state slot ``slot``, with a few padding rows.
-
-    :return: the batch metadata.
-    """
-    total = query_len + cached_len
-    return build_batch_metadata(
-        [query_len],
-        [cached_len],
-        [list(range(1, total + 1))],
-        1,
-        state_slots=[slot],
-        padded_num_tokens=query_len + padding,
-        device=device,
-    )
-
-
-#: Scale of the sequence-length dependent error of a recurrence against float64
-#: (applied to the kit's per-dtype tolerances): prompts here are at most ~20
-#: tokens, over which float32 accumulation error stays a few ulps per step.
-RECURRENCE_TOL_SCALE = 2.0
-
-
-def _ssm_cases() -> list[BatchCase]:
-    """The kit's standard batches plus long prompts that span several scan chunks."""
-    return [
-        *batch_cases(),
-        make_case(
-            "long_prefill_and_extend",
-            [19, 13, 1],
-            [0, 9, 6],
-            shuffle_slots=True,
-            padding=2,
-            seed=5,
-        ),
-    ]
-
-
 # -- the mixin ----------------------------------------------------------------------------------
 
 
-class SSMBackendTests(BackendTestsBase):
+class SSMBackendTests(RecurrentBackendTests):
     """Conformance tests of an ``ssm`` backend (``conv`` and ``scan``).
 
     Class attributes set the (small) layer shapes; a subclass may override them.
@@ -370,6 +172,21 @@ class SSMBackendTests(BackendTestsBase):
     KERNEL_SIZE: ClassVar[int] = 4
     #: Small, so the kit's prompts span several chunks of the prefill scan.
     CHUNK_SIZE: ClassVar[int] = 4
+
+    @classmethod
+    def cases(cls) -> list[BatchCase]:
+        """The kit's standard batches plus long prompts that span several scan chunks."""
+        return [
+            *super().cases(),
+            make_case(
+                "long_prefill_and_extend",
+                [19, 13, 1],
+                [0, 9, 6],
+                shuffle_slots=True,
+                padding=2,
+                seed=5,
+            ),
+        ]
 
     # -- inputs
 
@@ -459,6 +276,34 @@ class SSMBackendTests(BackendTestsBase):
             chunk_size=self.CHUNK_SIZE,
         )
 
+    def op_calls(
+        self,
+        backend: Any,
+        case: BatchCase,
+        batch: BatchMetadata,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[OpCall]:
+        """A ``conv`` (SiLU) and a ``scan`` (one group, no gate) call on ``batch``."""
+        conv_in = self.conv_inputs(batch, case.num_slots, dtype, device, seed=11)
+        scan_in = self.scan_inputs(batch, case.num_slots, dtype, device, seed=12)
+        conv_layer = self.conv_layer(conv_in["x"].shape[1], "silu")
+        scan_layer = self.scan_layer(1)
+        return [
+            OpCall(
+                run=lambda out: backend.conv(*conv_in.values(), conv_layer, out=out),
+                out_like=conv_in["x"],
+                per_token_inputs=[conv_in["x"]],
+                states=[conv_in["conv_state"]],
+            ),
+            OpCall(
+                run=lambda out: backend.scan(*scan_in.values(), scan_layer, out=out),
+                out_like=scan_in["x"],
+                per_token_inputs=[scan_in[k] for k in ("x", "dt", "B", "C")],
+                states=[scan_in["ssm_state"]],
+            ),
+        ]
+
     # -- tests
 
     def test_cache_specs(self, backend: Any) -> None:
@@ -472,7 +317,6 @@ class SSMBackendTests(BackendTestsBase):
         assert conv["conv_state"].shape == (5, 10, self.KERNEL_SIZE - 1)
 
     @pytest.mark.parametrize("activation", ["silu", ""], ids=["silu", "no_act"])
-    @pytest.mark.parametrize("case", _ssm_cases(), ids=lambda c: c.name)
     def test_conv_matches_reference(
         self,
         backend: Any,
@@ -488,22 +332,20 @@ class SSMBackendTests(BackendTestsBase):
         expected, expected_state = reference_causal_conv1d(
             batch, inp["x"], inp["weight"], inp["bias"], inp["conv_state"], activation
         )
-
-        def run(out: torch.Tensor | None) -> torch.Tensor:
-            with no_host_sync(device):
-                return backend.conv(
-                    inp["x"], inp["weight"], inp["bias"], inp["conv_state"], layer, out=out
-                )
-
-        with forward_context(batch, {"ssm": backend.plan(batch)}):
-            full = check_out_contract(run, [inp["conv_state"]], batch.num_tokens)
+        full = self.check_out_contract(
+            backend,
+            batch,
+            lambda out: backend.conv(
+                inp["x"], inp["weight"], inp["bias"], inp["conv_state"], layer, out=out
+            ),
+            [inp["conv_state"]],
+        )
         assert full.shape == inp["x"].shape and full.dtype == dtype
         assert_close_to_reference(full[: batch.num_tokens], expected, dtype, msg="conv output")
         # the state holds copies of (rounded) inputs: it must match at the state dtype's precision
         assert_close_to_reference(inp["conv_state"], expected_state, dtype, msg="conv state")
 
     @pytest.mark.parametrize("variant", ["plain", "gated_groups"])
-    @pytest.mark.parametrize("case", _ssm_cases(), ids=lambda c: c.name)
     def test_scan_matches_reference(
         self,
         backend: Any,
@@ -526,13 +368,9 @@ class SSMBackendTests(BackendTestsBase):
         layer = self.scan_layer(n_groups)
         args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "z", "ssm_state")]
         expected, expected_state = reference_ssm_scan(batch, *args, dt_softplus=True)
-
-        def run(out: torch.Tensor | None) -> torch.Tensor:
-            with no_host_sync(device):
-                return backend.scan(*args, layer, out=out)
-
-        with forward_context(batch, {"ssm": backend.plan(batch)}):
-            full = check_out_contract(run, [inp["ssm_state"]], batch.num_tokens)
+        full = self.check_out_contract(
+            backend, batch, lambda out: backend.scan(*args, layer, out=out), [inp["ssm_state"]]
+        )
         assert full.shape == inp["x"].shape and full.dtype == dtype
         assert_close_to_reference(
             full[: batch.num_tokens], expected, dtype, scale=RECURRENCE_TOL_SCALE, msg="scan output"
@@ -567,36 +405,31 @@ class SSMBackendTests(BackendTestsBase):
         def step(
             batch: BatchMetadata, rows: slice, conv_state: torch.Tensor, ssm_state: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            def take(t: torch.Tensor | None) -> torch.Tensor | None:
-                # this step's rows of a per-token input, plus the batch's padding rows
-                if t is None:
-                    return None
-                pad = batch.padded_num_tokens - (rows.stop - rows.start)
-                return torch.cat([t[rows], torch.zeros_like(t[:pad])])
+            def take(k: str) -> torch.Tensor | None:
+                t = scan_in[k]
+                return step_rows(t, rows, batch) if t is not None and k in per_token else t
 
             n = rows.stop - rows.start
-            with forward_context(batch, {"ssm": backend.plan(batch)}):
+            with self.planned(backend, batch):
                 c = backend.conv(
-                    take(conv_in["x"]), conv_in["weight"], conv_in["bias"], conv_state, conv_layer
+                    step_rows(conv_in["x"], rows, batch),
+                    conv_in["weight"],
+                    conv_in["bias"],
+                    conv_state,
+                    conv_layer,
                 )
-                s = backend.scan(
-                    *[take(scan_in[k]) if k in per_token else scan_in[k] for k in keys],
-                    ssm_state,
-                    scan_layer,
-                )
+                s = backend.scan(*[take(k) for k in keys], ssm_state, scan_layer)
             return c[:n], s[:n]
 
         conv_state0, ssm_state0 = conv_in["conv_state"].clone(), scan_in["ssm_state"].clone()
         conv_whole, scan_whole = step(whole, slice(0, total), conv_state0, ssm_state0)
 
         conv_state1, ssm_state1 = conv_in["conv_state"].clone(), scan_in["ssm_state"].clone()
-        conv_parts, scan_parts, done = [], [], 0
-        for q in chunks:
-            batch = single_sequence_batch(q, done, slot, device)
-            c, s = step(batch, slice(done, done + q), conv_state1, ssm_state1)
+        conv_parts, scan_parts = [], []
+        for batch, rows in prompt_chunks(chunks, slot, device):
+            c, s = step(batch, rows, conv_state1, ssm_state1)
             conv_parts.append(c)
             scan_parts.append(s)
-            done += q
         atol, rtol = (2e-5, 2e-5) if dtype == torch.float32 else (0.0, 0.0)
         torch.testing.assert_close(torch.cat(conv_parts), conv_whole, atol=atol, rtol=rtol)
         torch.testing.assert_close(conv_state1, conv_state0, atol=0, rtol=0)
@@ -605,56 +438,4 @@ class SSMBackendTests(BackendTestsBase):
         )
         assert_close_to_reference(
             ssm_state1, ssm_state0, dtype, scale=RECURRENCE_TOL_SCALE, msg="ssm state"
-        )
-
-    def test_opcheck(self, backend: Any, device: torch.device) -> None:
-        """``torch.library.opcheck`` passes for the ops ``conv`` and ``scan`` call."""
-        case = batch_cases("prefill")[0]  # no initial state: repeated calls are idempotent
-        batch = case.metadata(device)
-        conv_in = self.conv_inputs(batch, case.num_slots, torch.float32, device)
-        layer = self.conv_layer(conv_in["x"].shape[1], "silu")
-        n = opcheck_backend_calls(
-            backend,
-            batch,
-            lambda: backend.conv(*conv_in.values(), layer),
-            conv_in["x"].shape,
-            torch.float32,
-        )
-        scan_in = self.scan_inputs(batch, case.num_slots, torch.float32, device)
-        n += opcheck_backend_calls(
-            backend,
-            batch,
-            lambda: backend.scan(*scan_in.values(), self.scan_layer(1)),
-            scan_in["x"].shape,
-            torch.float32,
-        )
-        assert n >= 2
-
-    @pytest.mark.gpu
-    def test_decode_cuda_graph_replay(self, backend: Any, backend_capabilities: Any) -> None:
-        """A decode step captured in a CUDA graph replays correctly with new inputs and slots."""
-        if not torch.cuda.is_available():
-            pytest.skip("CUDA is not available")
-        require_feature(backend_capabilities, "cuda", "cuda_graph")
-        device = torch.device("cuda")
-        case = batch_cases("decode")[0]
-        batch = case.metadata(device)
-        conv_in = self.conv_inputs(batch, case.num_slots, torch.float32, device, seed=11)
-        scan_in = self.scan_inputs(batch, case.num_slots, torch.float32, device, seed=12)
-        conv_layer = self.conv_layer(conv_in["x"].shape[1], "silu")
-        scan_layer = self.scan_layer(1)
-        conv_out, scan_out = torch.empty_like(conv_in["x"]), torch.empty_like(scan_in["x"])
-        scan_args = [scan_in[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "z")]
-
-        def step() -> None:
-            backend.conv(*conv_in.values(), conv_layer, out=conv_out)
-            backend.scan(*scan_args, scan_in["ssm_state"], scan_layer, out=scan_out)
-
-        check_graph_replay(
-            batch,
-            {"ssm": backend.plan(batch)},
-            step,
-            [conv_in["x"], scan_in["x"], scan_in["dt"], scan_in["B"], scan_in["C"]],
-            [conv_in["conv_state"], scan_in["ssm_state"]],
-            [conv_out, scan_out],
         )
