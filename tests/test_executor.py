@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from backplane.core.errors import OutOfKVMemoryError, RequestError
-from backplane.engine.executor import Engine, ModelRunner
+from backplane.engine.executor import Engine
+from backplane.engine.runner import EagerModelRunner
 from backplane.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -98,7 +99,7 @@ def test_abort_frees_pages_and_reports_once():
     assert not e.abort_request(a)
 
 
-class PaddingRunner(ModelRunner):
+class PaddingRunner(EagerModelRunner):
     """Pads every step by a few tokens, as a CUDA-graph bucket would."""
 
     calls = 0

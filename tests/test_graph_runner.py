@@ -16,6 +16,7 @@ import torch
 from graph_helpers import generate_eager_and_graphed
 
 from backplane.core.forward_context import forward_context, plan_step
+from backplane.core.metadata import StepMode
 from backplane.engine.executor import Engine
 from backplane.engine.graph.runner import GraphModelRunner
 
@@ -301,3 +302,29 @@ def test_every_cached_op_of_the_model_is_split_out(setup):
                 if node.op == "call_function":
                     assert node_overload(node) not in ops, f"{node.target} captured in {seg.name}"
     assert seen and seen <= ops  # a model may use only some of a backend's ops
+
+
+def test_the_step_mode_is_decided_once_and_run_dispatches_on_it(setup, monkeypatch):
+    """prepare_inputs picks the mode and carries it on the inputs; run follows it."""
+    engine, runner = setup
+    rng = np.random.default_rng(5)
+    decode = runner.prepare_inputs(make_seqs(engine, rng, [], [3, 9, 4]))
+    assert decode.mode == StepMode.decode_graph(4)
+    assert decode.metadata.mode is decode.mode  # what backends' plan read
+    mixed = runner.prepare_inputs(make_seqs(engine, rng, [5], [3, 9]))
+    assert mixed.mode == StepMode.piecewise(16)
+    captured = set(runner.piecewise.captured)
+    runner.piecewise.captured.discard(16)
+    try:
+        eager = runner.prepare_inputs(make_seqs(engine, rng, [5], [3]))
+    finally:
+        runner.piecewise.captured = captured
+    assert eager.mode == StepMode() and eager.mode.is_eager
+
+    calls = []
+    monkeypatch.setattr(runner.decode, "replay", lambda b: calls.append(("decode", b)))
+    monkeypatch.setattr(runner.piecewise, "run", lambda b, *a: calls.append(("piecewise", b)))
+    monkeypatch.setattr(runner, "model", lambda ids, pos: calls.append(("eager", len(ids))))
+    for inputs in (decode, mixed, eager):
+        runner.run(inputs)
+    assert calls == [("decode", 4), ("piecewise", 16), ("eager", 6)]

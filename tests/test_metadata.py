@@ -8,7 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backplane.core.metadata import NULL_PAGE, BatchMetadata, HostBatch, build_batch_metadata
+from backplane.core.metadata import (
+    NULL_PAGE,
+    BatchMetadata,
+    HostBatch,
+    StepMode,
+    build_batch_metadata,
+)
 from backplane.testing.batches import batch_cases
 
 
@@ -153,3 +159,15 @@ def test_positions_and_slots_of_padding_never_write() -> None:
     meta = build_batch_metadata([3, 1], [0, 5], [[4], [2, 7]], 4, padded_num_tokens=8)
     assert (meta.host.slot_mapping[4:] == -1).all()
     assert (meta.host.token_seq_ids[4:] == -1).all()
+
+
+def test_step_mode_must_fit_the_batch() -> None:
+    decode = build_batch_metadata([1, 1], [3, 5], [[1], [2, 3]], 4, mode=StepMode.decode_graph(2))
+    assert decode.mode.is_decode_graph and decode.mode.bucket == 2
+    with pytest.raises(ValueError, match="decode graph of bucket 4"):
+        build_batch_metadata([1, 1], [3, 5], [[1], [2, 3]], 4, mode=StepMode.decode_graph(4))
+    with pytest.raises(ValueError, match="decode graph of bucket 3"):
+        build_batch_metadata([2, 1], [0, 5], [[1], [2, 3]], 4, mode=StepMode.decode_graph(3))
+    with pytest.raises(ValueError, match="piecewise bucket 8"):
+        build_batch_metadata([3], [0], [[1]], 4, padded_num_tokens=6, mode=StepMode.piecewise(8))
+    assert build_batch_metadata([3], [0], [[1]], 4).mode == StepMode()

@@ -24,10 +24,17 @@ Layout rules (all backends rely on them):
 
 Host values (counts, lengths) are read from :attr:`BatchMetadata.host`, never
 from the device tensors, so no op needs to synchronise with the device.
+
+Every batch also says how the engine runs its step (:attr:`BatchMetadata.mode`,
+a :class:`StepMode`): eagerly, as the captured decode graph of a batch-size
+bucket, or through the piecewise graphs of a token-count bucket. The model
+runner decides it once, when it prepares the step; backends read it in ``plan``
+instead of guessing from the batch's shape.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -36,6 +43,88 @@ import torch
 
 NULL_PAGE = 0
 NULL_SLOT = 0
+
+
+class StepKind(enum.Enum):
+    """How a step runs; see :class:`StepMode`."""
+
+    EAGER = "eager"
+    DECODE_GRAPH = "decode_graph"
+    PIECEWISE = "piecewise"
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """How the engine runs one step, decided once when the step is prepared.
+
+    * eager (:data:`EAGER`): the model runs op by op, no padding required;
+    * decode graph of bucket ``b``: a decode-only batch padded with scratch
+      sequences to exactly ``b`` sequences (= ``b`` tokens) replays the
+      monolithic graph captured for ``b``; every cached op runs inside it;
+    * piecewise bucket ``t``: the tokens are padded to ``t`` and the captured
+      static segments of bucket ``t`` replay, the cached ops running eagerly
+      between them.
+
+    :param kind: one of :class:`StepKind`.
+    :param bucket: the decode batch size or the piecewise token count (0 when eager).
+    """
+
+    kind: StepKind = StepKind.EAGER
+    bucket: int = 0
+
+    @classmethod
+    def decode_graph(cls, bucket: int) -> StepMode:
+        """The mode of a decode step replayed as the graph of ``bucket`` sequences."""
+        return cls(StepKind.DECODE_GRAPH, int(bucket))
+
+    @classmethod
+    def piecewise(cls, bucket: int) -> StepMode:
+        """The mode of a step run through the piecewise graphs of ``bucket`` tokens."""
+        return cls(StepKind.PIECEWISE, int(bucket))
+
+    @property
+    def is_eager(self) -> bool:
+        """True when no captured graph runs the step."""
+        return self.kind is StepKind.EAGER
+
+    @property
+    def is_decode_graph(self) -> bool:
+        """True when the whole forward, cached ops included, is a replayed decode graph."""
+        return self.kind is StepKind.DECODE_GRAPH
+
+    @property
+    def is_piecewise(self) -> bool:
+        """True when captured segments replay and cached ops run eagerly between them."""
+        return self.kind is StepKind.PIECEWISE
+
+    def check(self, num_seqs: int, num_decode_seqs: int, padded_num_tokens: int) -> StepMode:
+        """Check that a batch of these counts can run in this mode.
+
+        :param num_seqs: sequences of the batch, padding sequences included.
+        :param num_decode_seqs: how many of them decode.
+        :param padded_num_tokens: tokens including padding.
+        :return: this mode.
+        :raises ValueError: a decode graph of a batch other than ``bucket`` decode
+            sequences, or a piecewise bucket other than the padded token count.
+        """
+        if self.kind is StepKind.DECODE_GRAPH and not (
+            num_seqs == num_decode_seqs == padded_num_tokens == self.bucket
+        ):
+            raise ValueError(
+                f"the decode graph of bucket {self.bucket} runs {self.bucket} decode sequences "
+                f"of one token each; this batch has {num_decode_seqs} decode of {num_seqs} "
+                f"sequences and {padded_num_tokens} padded tokens (pad it with scratch sequences)"
+            )
+        if self.kind is StepKind.PIECEWISE and padded_num_tokens != self.bucket:
+            raise ValueError(
+                f"piecewise bucket {self.bucket} runs {self.bucket} padded tokens; this batch "
+                f"has {padded_num_tokens} (pad it to the bucket)"
+            )
+        return self
+
+
+#: The mode of a step that runs without captured graphs.
+EAGER = StepMode()
 
 
 @dataclass
@@ -94,6 +183,8 @@ class BatchMetadata:
     slot_mapping: torch.Tensor
     token_seq_ids: torch.Tensor
     last_token_indices: torch.Tensor
+    #: how the engine runs this step (backends' ``plan`` reads it)
+    mode: StepMode = EAGER
 
     @property
     def num_seqs(self) -> int:
@@ -124,6 +215,7 @@ class BatchMetadata:
         page_size: int,
         padded_num_tokens: int,
         device: torch.device | str = "cpu",
+        mode: StepMode = EAGER,
     ) -> BatchMetadata:
         """Copy a :class:`HostBatch` to ``device`` and derive the counts.
 
@@ -132,6 +224,8 @@ class BatchMetadata:
         :param page_size: tokens per KV page.
         :param padded_num_tokens: the flat token count including padding.
         :param device: where the device tensors go.
+        :param mode: how the step runs.
+        :return: the metadata.
         """
         device = torch.device(device)
         num_seqs = len(host.query_lens)
@@ -152,6 +246,7 @@ class BatchMetadata:
             max_query_len=int(host.query_lens.max()) if num_seqs else 0,
             max_seq_len=int(host.seq_lens.max()) if num_seqs else 0,
             host=host,
+            mode=mode,
             **tensors,
         )
 
@@ -166,6 +261,7 @@ def build_batch_metadata(
     padded_num_tokens: int | None = None,
     block_table_width: int | None = None,
     device: torch.device | str = "cpu",
+    mode: StepMode = EAGER,
 ) -> BatchMetadata:
     """Build batch metadata from per-sequence facts with the engine's packer.
 
@@ -185,6 +281,8 @@ def build_batch_metadata(
     :param block_table_width: columns of the dense block table, padded with page 0
         (default: the most pages any sequence needs).
     :param device: where the device tensors go.
+    :param mode: how the step runs (a decode graph or piecewise bucket must match
+        the batch's padded size).
     :return: the metadata.
     :raises ValueError: on inconsistent input.
     """
@@ -223,4 +321,5 @@ def build_batch_metadata(
         page_size=page_size,
         padded_num_tokens=shape.padded_num_tokens,
         device=device,
+        mode=mode.check(shape.num_seqs, shape.num_decode_seqs, shape.padded_num_tokens),
     )

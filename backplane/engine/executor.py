@@ -2,9 +2,11 @@
 
 :class:`Engine` wires the parts together at startup (config -> backends ->
 model -> caches -> KV manager + scheduler -> input buffers) and runs one step
-at a time. The model forward goes through a :class:`ModelRunner`, the seam the
-CUDA-graph runner replaces: it takes the step's :class:`BatchInputs` and
-returns the hidden states of every (padded) token.
+at a time. The model forward goes through a
+:class:`~backplane.engine.runner.ModelRunner`: it decides how each step runs
+(eager, a decode graph, piecewise graphs), prepares the step's
+:class:`BatchInputs` for that and returns the hidden states of every (padded)
+token.
 """
 
 from __future__ import annotations
@@ -22,62 +24,12 @@ import torch
 from backplane.core.errors import ConfigError, OutOfKVMemoryError, RequestError
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.engine.inputs import BatchInputs, InputBatch
+from backplane.engine.runner import EagerModelRunner, ModelRunner
 from backplane.engine.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStepOutput", "ModelRunner"]
-
-
-class ModelRunner:
-    """Prepares a step's inputs and runs the model forward for it (eagerly).
-
-    The CUDA-graph runner (:class:`backplane.engine.graph.runner.GraphModelRunner`)
-    is a drop-in replacement: it pads a step to a captured bucket in
-    :meth:`prepare_inputs` and replays a graph in :meth:`run`. A runner that
-    only needs padding overrides :meth:`padded_num_tokens`. The forward context
-    (batch metadata + backend plans) is set when :meth:`run` is called.
-
-    :param model: the loaded ``CausalLM``.
-    :param input_batch: the engine's persistent :class:`InputBatch`.
-    """
-
-    def __init__(self, model: torch.nn.Module, input_batch: InputBatch) -> None:
-        self.model = model
-        self.input_batch = input_batch
-
-    def padded_num_tokens(self, num_tokens: int, num_seqs: int, is_decode_only: bool) -> int:
-        """Return the token count to pad a step to (eager: no padding).
-
-        :param num_tokens: real tokens of the step.
-        :param num_seqs: sequences of the step.
-        :param is_decode_only: whether every sequence decodes one token.
-        """
-        return num_tokens
-
-    def prepare_inputs(self, scheduled: Sequence[Any]) -> BatchInputs:
-        """Prepare the step's inputs, padded as :meth:`padded_num_tokens` says.
-
-        :param scheduled: the scheduler's sequences (prefill/extend first).
-        """
-        num_tokens = 0
-        num_decode = 0
-        for s in scheduled:  # O(1) per sequence
-            num_tokens += s.num_new_tokens
-            num_decode += s.num_new_tokens == 1 and s.num_cached_tokens > 0
-        n = len(scheduled)
-        padded = self.padded_num_tokens(num_tokens, n, n > 0 and num_decode == n)
-        if padded == num_tokens:
-            return self.input_batch.prepare(scheduled)
-        return self.input_batch.prepare(scheduled, padded_num_tokens=padded)
-
-    @torch.inference_mode()
-    def run(self, inputs: BatchInputs) -> torch.Tensor:
-        """Return ``[padded_num_tokens, hidden]`` hidden states for the step.
-
-        :param inputs: the prepared step inputs.
-        """
-        return self.model(inputs.input_ids, inputs.positions)
+__all__ = ["Engine", "EngineStepOutput"]
 
 
 @dataclass
@@ -163,7 +115,7 @@ class Engine:
             page_size=self.page_size,
             device=self.device,
         )
-        self.runner: Any = self._build_runner()
+        self.runner: ModelRunner = self._build_runner()
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Any] = {}
@@ -312,11 +264,11 @@ class Engine:
             max_num_tokens=self.max_num_tokens,
         )
 
-    def _build_runner(self) -> Any:
+    def _build_runner(self) -> ModelRunner:
         """The eager runner, or the CUDA-graph runner (graphs captured now) when enabled."""
         mode = self.config.cuda_graphs_resolved
         if mode == "off" or self.device.type != "cuda":
-            return ModelRunner(self.model, self.input_batch)
+            return EagerModelRunner(self.model, self.input_batch)
         from backplane.engine.graph.runner import GraphModelRunner
 
         runner = GraphModelRunner(

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from backplane.core.metadata import BatchMetadata, HostBatch
+from backplane.core.metadata import EAGER, BatchMetadata, HostBatch, StepMode
 from backplane.core.packing import measure_batch, pack_batch
 
 _ALIGN = 8  # every section starts 8-byte aligned so typed device views are legal
@@ -76,6 +76,11 @@ class BatchInputs:
     def padded_num_tokens(self) -> int:
         """Tokens including padding (the model's input length)."""
         return self.metadata.padded_num_tokens
+
+    @property
+    def mode(self) -> StepMode:
+        """How the step runs (the metadata's :class:`~backplane.core.metadata.StepMode`)."""
+        return self.metadata.mode
 
 
 class InputBatch:
@@ -211,6 +216,7 @@ class InputBatch:
         *,
         padded_num_tokens: int | None = None,
         block_table_width: int | None = None,
+        mode: StepMode = EAGER,
     ) -> BatchInputs:
         """Build the step's inputs from the scheduled sequences.
 
@@ -221,9 +227,10 @@ class InputBatch:
             (CUDA-graph buckets); default: no padding.
         :param block_table_width: fixed column count of the dense block table
             (default: the most pages any sequence of the step needs, at least 1).
+        :param mode: how the step will run, carried on its metadata.
         :return: the step's :class:`BatchInputs`.
-        :raises ValueError: when the step exceeds the sizes given at startup or
-            a sequence's page table is too short.
+        :raises ValueError: when the step exceeds the sizes given at startup, a
+            sequence's page table is too short, or the batch does not fit ``mode``.
         """
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy still reads the host buffer
@@ -325,6 +332,8 @@ class InputBatch:
             logits_dev = d["logits_indices"][:num_sample]
             layout.views[-1 - num_sample] = logits_dev
         num_decode = n - num_prefill
+        if mode is not EAGER:
+            mode.check(n, num_decode, padded)
         metadata = BatchMetadata(
             num_prefill_seqs=num_prefill,
             num_prefill_tokens=shape.num_tokens - num_decode,
@@ -349,6 +358,7 @@ class InputBatch:
             slot_mapping=d["slot_mapping"],
             token_seq_ids=d["token_seq_ids"],
             last_token_indices=d["last_token_indices"],
+            mode=mode,
         )
         return BatchInputs(
             metadata=metadata,

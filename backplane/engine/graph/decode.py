@@ -82,5 +82,14 @@ class DecodeGraphs:
         return bucket in self.graphs
 
     def replay(self, bucket: int) -> Any:
-        """Replay the graph of ``bucket`` and return its outputs (valid until the next replay)."""
-        return self.graphs[bucket].replay()
+        """Replay the graph of ``bucket`` and return its outputs (valid until the next replay).
+
+        :raises KeyError: ``bucket`` was not captured (or its capture failed).
+        """
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            raise KeyError(
+                f"decode graph of batch {bucket} is not captured (captured: "
+                f"{sorted(self.graphs)}); run such steps eagerly"
+            )
+        return graph.replay()

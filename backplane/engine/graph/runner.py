@@ -1,10 +1,14 @@
-"""The CUDA-graph model runner: dispatches each step to a decode graph, piecewise graphs, or eager.
+"""The CUDA-graph model runner: runs each step as a decode graph, through piecewise graphs, or eagerly.
 
-* decode-only step, batch within a decode bucket -> the monolithic graph of
-  that bucket, the batch padded with scratch sequences;
-* prefill or mixed step within the token buckets -> piecewise graphs, the
-  tokens padded to the bucket;
-* anything larger -> eager.
+:meth:`GraphModelRunner.prepare_inputs` decides the step's
+:class:`~backplane.core.metadata.StepMode` once, and :meth:`GraphModelRunner.run`
+dispatches on it:
+
+* decode-only step, batch within a captured decode bucket -> the monolithic
+  graph of that bucket, the batch padded with scratch sequences;
+* prefill or mixed step within a captured token bucket -> piecewise graphs,
+  the tokens padded to the bucket;
+* anything else -> eager.
 
 Decode graphs are captured with every sequence at the model's full length
 (``max_model_len``) and a block table of full width, so work a backend sizes
@@ -25,11 +29,12 @@ import torch
 from tqdm.auto import tqdm
 
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.metadata import NULL_PAGE, NULL_SLOT
+from backplane.core.metadata import NULL_PAGE, NULL_SLOT, StepMode
 from backplane.engine.graph.buckets import decode_buckets, pick_bucket, token_buckets
 from backplane.engine.graph.capture import new_pool, pool_bytes
 from backplane.engine.graph.decode import DecodeGraphs
 from backplane.engine.graph.piecewise import PiecewiseGraphs
+from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ class _ScratchSeq:
 
 
 class GraphModelRunner:
-    """Model runner with CUDA graphs (drop-in for the executor's eager runner).
+    """Model runner with CUDA graphs (a :class:`~backplane.engine.runner.ModelRunner`).
 
     :param model: the loaded ``CausalLM``.
     :param backends: ``{family: backend}`` selected for the model.
@@ -75,7 +80,7 @@ class GraphModelRunner:
         self,
         model: torch.nn.Module,
         backends: dict[str, Any],
-        input_batch: Any,
+        input_batch: InputBatch,
         *,
         mode: str,
         max_num_tokens: int,
@@ -127,20 +132,29 @@ class GraphModelRunner:
 
     @contextlib.contextmanager
     def _decode_inputs(self, bucket: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        mode = StepMode.decode_graph(bucket)
         seqs = self._scratch(bucket, self.max_model_len - 1, self.max_pages)
-        inputs = self.input_batch.prepare(seqs, block_table_width=self.max_pages)
-        with forward_context(inputs.metadata, plan_step(self.backends, inputs.metadata)):
+        inputs = self.input_batch.prepare(seqs, block_table_width=self.max_pages, mode=mode)
+        with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
 
     @contextlib.contextmanager
     def _piecewise_inputs(self, bucket: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # one scratch prefill sequence of `bucket` tokens on scratch pages
+        mode = StepMode.piecewise(bucket)
         pages = -(-bucket // self.page_size)
         req = _ScratchRequest(np.zeros(bucket, dtype=np.int32))
         seq = _ScratchSeq(req, bucket, 0, np.full(pages, NULL_PAGE, dtype=np.int32))
-        inputs = self.input_batch.prepare([seq], padded_num_tokens=bucket)
-        with forward_context(inputs.metadata, plan_step(self.backends, inputs.metadata)):
+        inputs = self.input_batch.prepare([seq], padded_num_tokens=bucket, mode=mode)
+        with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
+
+    @contextlib.contextmanager
+    def _capture_context(self, inputs: BatchInputs) -> Iterator[None]:
+        """Plan the capture batch and make it the forward context."""
+        metadata = inputs.metadata
+        with forward_context(metadata, plan_step(self.backends, metadata)):
+            yield
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -168,33 +182,51 @@ class GraphModelRunner:
         }
 
     # -- per step -----------------------------------------------------------------
-    def prepare_inputs(self, scheduled: Sequence[Any]) -> Any:
-        """Pad the step to the bucket it will run at and prepare its inputs.
+    def step_mode(self, num_seqs: int, num_tokens: int, decode_only: bool) -> StepMode:
+        """Decide how a step runs: the smallest captured bucket that holds it, else eagerly.
+
+        :param num_seqs: sequences of the step.
+        :param num_tokens: real tokens of the step.
+        :param decode_only: whether every sequence adds one token to cached context.
+        :return: the step's mode.
+        """
+        if self.decode is not None and decode_only:
+            bucket = pick_bucket(num_seqs, self.decode_buckets)
+            if bucket is not None and self.decode.has(bucket):
+                return StepMode.decode_graph(bucket)
+        if self.piecewise is not None:
+            bucket = pick_bucket(num_tokens, self.token_buckets)
+            if bucket is not None and bucket in self.piecewise.captured:
+                return StepMode.piecewise(bucket)
+        return StepMode()
+
+    def prepare_inputs(self, scheduled: Sequence[ScheduledSeqLike]) -> BatchInputs:
+        """Decide the step's mode and prepare its inputs padded to the mode's bucket.
 
         :param scheduled: the scheduler's sequences (prefill first, decode last).
-        :return: the :class:`~backplane.engine.inputs.BatchInputs` of the padded step.
+        :return: the step's inputs; ``inputs.mode`` is the decision.
         """
         n = len(scheduled)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         decode_only = num_tokens == n and all(s.num_cached_tokens > 0 for s in scheduled)
-        if self.decode is not None and decode_only:
-            bucket = pick_bucket(n, self.decode_buckets)
-            if bucket is not None and self.decode.has(bucket):
-                seqs = list(scheduled) + self._decode_padding[: bucket - n]
-                return self.input_batch.prepare(seqs, block_table_width=self.max_pages)
-        if self.piecewise is not None:
-            bucket = pick_bucket(num_tokens, self.token_buckets)
-            if bucket is not None and bucket in self.piecewise.captured:
-                return self.input_batch.prepare(scheduled, padded_num_tokens=bucket)
+        mode = self.step_mode(n, num_tokens, decode_only)
+        if mode.is_decode_graph:
+            seqs = list(scheduled) + self._decode_padding[: mode.bucket - n]
+            return self.input_batch.prepare(seqs, block_table_width=self.max_pages, mode=mode)
+        if mode.is_piecewise:
+            return self.input_batch.prepare(scheduled, padded_num_tokens=mode.bucket, mode=mode)
         return self.input_batch.prepare(scheduled)
 
     @torch.inference_mode()
-    def run(self, inputs: Any) -> torch.Tensor:
-        """Return hidden states ``[padded_num_tokens, hidden]`` (valid until the next step)."""
-        meta = inputs.metadata
-        if self.decode is not None and meta.is_decode_only and self.decode.has(meta.num_seqs):
-            if meta.padded_num_tokens == meta.num_seqs:
-                return self.decode.replay(meta.num_seqs)
-        if self.piecewise is not None and meta.padded_num_tokens in self.piecewise.captured:
-            return self.piecewise.run(meta.padded_num_tokens, inputs.input_ids, inputs.positions)
+    def run(self, inputs: BatchInputs) -> torch.Tensor:
+        """Run the step as its mode says: replay, piecewise replay, or eagerly.
+
+        :param inputs: from :meth:`prepare_inputs`.
+        :return: hidden states ``[padded_num_tokens, hidden]`` (valid until the next step).
+        """
+        mode = inputs.mode
+        if mode.is_decode_graph:
+            return self.decode.replay(mode.bucket)
+        if mode.is_piecewise:
+            return self.piecewise.run(mode.bucket, inputs.input_ids, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions)
