@@ -107,6 +107,43 @@ def test_prefix_reuse_shares_pages_and_recomputes_last_token():
     assert st_.estimated_reused_tokens == st_.realised_reused_tokens == 12
 
 
+def test_released_pages_park_when_cached_and_free_otherwise():
+    """Finishing and unclaiming put pages away alike: cached ones idle in the LRU, others free."""
+    s = Sim(16, 4)
+    a = req("a", range(10))  # 2 full cached pages + 1 partial page
+    s.admit([a])
+    table = a.kv_state.page_table.tolist()
+    assert [s.kv.prefix.hash_of(p) is not None for p in table] == [True, True, False]
+    free_before = s.kv.pool.num_free
+    s.kv.free(a)
+    # the tail page first: a sequence's shared head stays cached longest
+    assert s.kv.prefix.idle_pages() == [table[1], table[0]]
+    assert s.kv.pool.num_free == free_before + 1 and table[2] in s.kv.pool.free_pages()
+    s.kv.check_invariants([])
+
+    b = req("b", range(10))
+    claim = s.kv.claim(b)
+    assert [d for d, _ in claim.hits] == [table[0], table[1]]
+    assert s.kv.prefix.idle_pages() == []
+    s.kv.unclaim(claim)
+    assert sorted(s.kv.prefix.idle_pages()) == sorted(table[:2])
+    s.kv.check_invariants([])
+
+
+def test_host_pages_report_the_prefix_they_hold():
+    s = Sim(4, 2, host_pages=4)
+    a = req("a", range(5), max_tokens=1)  # 2 full pages cached
+    s.run_alone(a)
+    hashes = list(a.kv_state.hashes[:2])
+    b = req("b", [9] * 5, max_tokens=1)  # 3 pages of 3: both cached pages go to the host
+    s.run_alone(b)
+    assert s.kv.stats.offloaded_pages == 2
+    for h in hashes:
+        hp = s.host.get(h)
+        assert hp is not None and s.host.hash_of(hp) == h
+    assert s.host.hash_of(s.host.num_pages - 1) is None
+
+
 def test_generated_tokens_become_reusable_after_compute():
     s = Sim(16, 4)
     a = req("a", range(6), max_tokens=8)

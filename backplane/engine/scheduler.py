@@ -224,16 +224,6 @@ class Scheduler:
         """The live request with that id, if any."""
         return self._requests.get(request_id)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued (including preempted ones)."""
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        """Requests holding KV pages."""
-        return len(self._running)
-
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self._requests)

@@ -79,11 +79,6 @@ class BlockPool:
         self._stack[self._top : self._top + n] = pages
         self._top += n
 
-    def push_free_one(self, page: int) -> None:
-        """Return one page to the free stack (its reference count is already 0)."""
-        self._stack[self._top] = page
-        self._top += 1
-
     def free_pages(self) -> np.ndarray:
         """Copy of the page ids on the free stack (for tests and invariants)."""
         return self._stack[: self._top].copy()

@@ -119,11 +119,16 @@ class HostTier:
     # -- lookup and claims ---------------------------------------------------------------------
 
     def __len__(self) -> int:
+        """Host pages holding a prefix."""
         return len(self._map)
 
     def get(self, h: int) -> int | None:
         """The host page holding the prefix hashed ``h``, if any."""
         return self._map.get(h)
+
+    def hash_of(self, page: int) -> int | None:
+        """The chained hash of the prefix host page ``page`` holds, ``None`` when it holds none."""
+        return self._page_hash[page]
 
     def claim(self, page: int) -> None:
         """Protect a host page from eviction until :meth:`unclaim` (admission phase 1)."""

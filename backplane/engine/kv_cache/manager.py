@@ -73,12 +73,6 @@ class KVCacheStats:
     offloaded_pages: int = 0
     onboarded_pages: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of looked-up pages found (device or host)."""
-        hits = self.device_hit_pages + self.host_hit_pages
-        return hits / self.lookup_pages if self.lookup_pages else 0.0
-
 
 class RequestKV:
     """What the manager keeps per request (``request.kv_state``).
@@ -354,12 +348,12 @@ class KVCacheManager:
             for i, (d, hp) in enumerate(c.hits):
                 h = st.hashes[i]
                 if d >= 0:
-                    if prefix.page_hash[d] != h:  # a claimed page changed: a bug
+                    if prefix.hash_of(d) != h:  # a claimed page changed: a bug
                         realised = i
                         break
                     slots.append(-1)
                     continue
-                if host is None or host._page_hash[hp] != h:
+                if host is None or host.hash_of(hp) != h:
                     realised = i
                     break
                 j = pending.get(h)
@@ -516,34 +510,13 @@ class KVCacheManager:
             pages = st.pages[:n][::-1]
             refs = self.pool.ref_counts
             refs[pages] -= 1
-            idle = pages[refs[pages] == 0]
-            if len(idle):
-                page_hash = self.prefix.page_hash
-                park = self.prefix.park
-                free = []
-                for p in idle.tolist():
-                    if page_hash[p] is not None:
-                        park(p)
-                    else:
-                        free.append(p)
-                if free:
-                    self.pool.push_free(np.asarray(free, dtype=np.int32))
+            self._let_go(pages[refs[pages] == 0].tolist())
             st.set_num_pages(0)
             st.num_registered = 0
         if st.slot != NULL_SLOT:
             self.slots.free(st.slot)
             st.slot = NULL_SLOT
         request.num_computed_tokens = 0
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every idle cached device page (e.g. after weights change).
-
-        :return: pages freed.
-        """
-        pages = self.prefix.clear()
-        if pages:
-            self.pool.push_free(np.asarray(pages, dtype=np.int32))
-        return len(pages)
 
     def wait_transfers(self) -> None:
         """Order the compute stream after queued host-tier copies (no host sync)."""
@@ -553,14 +526,28 @@ class KVCacheManager:
     # -- internals ------------------------------------------------------------------------------
 
     def _release_page(self, page: int) -> None:
+        """Drop one user of ``page``."""
         refs = self.pool.ref_counts
         r = refs[page] - 1
         refs[page] = r
         if r == 0:
-            if self.prefix.page_hash[page] is not None:
-                self.prefix.park(page)
+            self._let_go([page])
+
+    def _let_go(self, pages: list[int]) -> None:
+        """Put away pages that just lost their last user.
+
+        A cached page stays reusable as the most recently used idle page of the
+        prefix cache; any other page goes back to the free stack.
+        """
+        prefix = self.prefix
+        free = []
+        for p in pages:
+            if prefix.is_cached(p):
+                prefix.park(p)
             else:
-                self.pool.push_free_one(page)
+                free.append(p)
+        if free:
+            self.pool.push_free(np.asarray(free, dtype=np.int32))
 
     def _evict(self, n: int) -> None:
         """Evict ``n`` idle cached pages to the free stack, offloading them to the host."""
@@ -579,11 +566,6 @@ class KVCacheManager:
             self._evict(short)
         return self.pool.allocate(n)
 
-    def _alloc_one(self) -> int:
-        if self.pool.num_free == 0:
-            self._evict(1)
-        return self.pool.allocate_one()
-
     # -- checks ---------------------------------------------------------------------------------
 
     def check_invariants(self, live: list[Request]) -> None:
@@ -594,7 +576,7 @@ class KVCacheManager:
         n = self.pool.num_pages
         refs = self.pool.ref_counts
         free = self.pool.free_pages().tolist()
-        lru = list(self.prefix.lru)
+        lru = self.prefix.idle_pages()
         assert len(set(free)) == len(free), "a page is twice on the free stack"
         assert NULL_PAGE not in free and NULL_PAGE not in lru, "scratch page handed out"
         assert refs[NULL_PAGE] == 0
@@ -612,15 +594,13 @@ class KVCacheManager:
         assert (users == refs).all(), "reference counts differ from live users"
         for p in free:
             assert refs[p] == 0, f"page {p} free and referenced"
-            assert self.prefix.page_hash[p] is None, f"page {p} free and cached"
+            assert not self.prefix.is_cached(p), f"page {p} free and cached"
         for p in lru:
             assert refs[p] == 0, f"page {p} evictable and referenced"
-            assert self.prefix.page_hash[p] is not None
         assert not set(free) & set(lru)
         accounted = len(free) + len(lru) + int((refs[1:] > 0).sum())
         assert accounted == n - 1, f"{n - 1 - accounted} pages leaked"
-        for h, p in self.prefix._map.items():
-            assert self.prefix.page_hash[p] == h
+        self.prefix.check_invariants()
         assert self._reserved_pages >= 0
         if self.host is not None:
             self.host.check_invariants()

@@ -51,71 +51,75 @@ def hash_pages(tokens: np.ndarray, page_size: int, hashes: list[int], num_full_p
 class PrefixCache:
     """Maps chained page hashes to device pages and keeps the LRU of idle cached pages.
 
-    :param num_pages: number of pages in the pool (page ids index ``page_hash``).
+    :param num_pages: number of pages in the pool (page ids index the cache's tables).
     """
 
     def __init__(self, num_pages: int) -> None:
         self._map: dict[int, int] = {}
-        self.page_hash: list[int | None] = [None] * num_pages
+        self._page_hash: list[int | None] = [None] * num_pages
         # Unreferenced cached pages, least recently used first.
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
+        """Device pages holding a registered prefix."""
         return len(self._map)
 
     @property
     def num_evictable(self) -> int:
         """Cached pages with no users (evictable on demand)."""
-        return len(self.lru)
+        return len(self._lru)
 
     def get(self, h: int) -> int | None:
         """The device page holding the prefix that ends with hash ``h``, if cached."""
         return self._map.get(h)
+
+    def hash_of(self, page: int) -> int | None:
+        """The chained hash of the prefix ``page`` holds, ``None`` when it is not cached."""
+        return self._page_hash[page]
+
+    def is_cached(self, page: int) -> bool:
+        """True if the page holds registered prefix content."""
+        return self._page_hash[page] is not None
+
+    def idle_pages(self) -> list[int]:
+        """The idle cached pages, least recently used first (for checks)."""
+        return list(self._lru)
 
     def register(self, page: int, h: int) -> bool:
         """Record that ``page`` (referenced, full, computed) holds the prefix hashed ``h``.
 
         :return: False if another page already holds that prefix (``page`` stays uncached).
         """
-        if h in self._map or self.page_hash[page] is not None:
+        if h in self._map or self._page_hash[page] is not None:
             return False
         self._map[h] = page
-        self.page_hash[page] = h
+        self._page_hash[page] = h
         return True
-
-    def is_cached(self, page: int) -> bool:
-        """True if the page holds registered prefix content."""
-        return self.page_hash[page] is not None
 
     def take(self, page: int) -> None:
         """A cached page gains its first user: it leaves the LRU (no longer evictable)."""
-        del self.lru[page]
+        del self._lru[page]
 
     def park(self, page: int) -> None:
         """A cached page lost its last user: it becomes the most recently used idle page."""
-        self.lru[page] = None
+        self._lru[page] = None
 
     def evict(self) -> tuple[int, int]:
         """Forget the least recently used idle cached page.
 
         :return: ``(page, hash)``; the page is now uncached with no users.
         """
-        page, _ = self.lru.popitem(last=False)
-        h = self.page_hash[page]
+        page, _ = self._lru.popitem(last=False)
+        h = self._page_hash[page]
         assert h is not None
         del self._map[h]
-        self.page_hash[page] = None
+        self._page_hash[page] = None
         return page, h
 
-    def clear(self) -> list[int]:
-        """Forget every idle cached page; referenced pages stay cached.
-
-        :return: the pages that were idle (now uncached, to be freed by the caller).
-        """
-        pages = list(self.lru)
-        for p in pages:
-            h = self.page_hash[p]
-            del self._map[h]
-            self.page_hash[p] = None
-        self.lru.clear()
-        return pages
+    def check_invariants(self) -> None:
+        """Assert the hash map and the per-page hashes agree (tests)."""
+        for h, p in self._map.items():
+            assert self._page_hash[p] == h, f"page {p} is mapped from hash {h} but holds another"
+        cached = sum(1 for h in self._page_hash if h is not None)
+        assert cached == len(self._map), "a page holds a hash the map does not know"
+        assert all(self._page_hash[p] is not None for p in self._lru), "an idle page is uncached"
