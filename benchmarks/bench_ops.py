@@ -42,6 +42,7 @@ from backplane.core.families import AttentionLayerSpec, DeltaLayerSpec, MLALayer
 from backplane.core.forward_context import forward_context
 from backplane.core.metadata import build_batch_metadata
 from backplane.core.registry import get_registry
+from backplane.engine.selection import load_backend, select_backend
 
 logger = logging.getLogger("bench_ops")
 
@@ -278,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         for name in names:
             try:
-                backends[fam][name] = registry.select(fam, name).resolve()
+                backends[fam][name] = load_backend(
+                    select_backend(fam, name, registry=registry), registry=registry
+                )
             except Exception as exc:
                 logger.info("%s/%s not benchmarked: %s", fam, name, exc)
     bw = measured_bandwidth()

@@ -39,6 +39,7 @@ from backplane.core.families import AttentionLayerSpec, DeltaLayerSpec, MLALayer
 from backplane.core.forward_context import forward_context
 from backplane.core.metadata import build_batch_metadata
 from backplane.core.registry import get_registry
+from backplane.engine.selection import load_backend, select_backend
 
 logger = logging.getLogger("bench_ops_flashinfer")
 
@@ -255,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         backends[fam] = {}
         for name in args.backends.split(","):
             try:
-                backends[fam][name] = registry.select(fam, name).resolve()
+                backends[fam][name] = load_backend(
+                    select_backend(fam, name, registry=registry), registry=registry
+                )
             except Exception as exc:
                 logger.info("%s/%s not benchmarked: %s", fam, name, exc)
     peak = peak_bandwidth()

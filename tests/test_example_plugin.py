@@ -15,6 +15,7 @@ import pytest
 import backplane
 from backplane.core.registry import BackendRegistry
 from backplane.engine.config import EngineConfig
+from backplane.engine.selection import BackendSelection, select_backends
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "backplane-example-plugin"
 #: Where the backplane under test is imported from: subprocesses that run from another
@@ -141,12 +142,12 @@ def test_example_backend_resolves_through_the_config(example_site, monkeypatch):
 
     registry = BackendRegistry()
     cfg = EngineConfig(device="cpu", backends={"attention": "example"})
-    backends = cfg.resolve_backends(["attention"], registry=registry)
+    backends = BackendSelection(cfg, ["attention"], registry=registry).backends
     backend = backends["attention"]
     assert type(backend).__name__ == "ExampleAttentionBackend"
     assert isinstance(backend, AttentionBackend) and backend.name == "example"
     # Below the in-tree backends: auto never prefers the example.
-    auto = EngineConfig(device="cpu").select_backends(["attention"], registry=registry)
+    auto = select_backends(EngineConfig(device="cpu"), ["attention"], registry=registry)
     assert auto["attention"].name != "example"
 
 

@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from backplane.core.errors import OutOfKVMemoryError, RequestError
+from backplane.core.hookspecs import FAMILIES
 from backplane.engine.executor import Engine
 from backplane.engine.runner import EagerModelRunner
 from backplane.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+#: The reference backends: which others are available here (Triton under
+#: TRITON_INTERPRET=1, FlashInfer on a GPU) must not change what these tests run.
+TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")
+AUTO_BACKENDS = dict.fromkeys(FAMILIES, "auto")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,7 +29,13 @@ def one_thread():
 
 def make_engine(model: str = "tiny-llama", **kw) -> Engine:
     cfg = dict(
-        model=model, device="cpu", max_num_seqs=4, max_num_tokens=32, page_size=4, num_kv_pages=64
+        model=model,
+        device="cpu",
+        max_num_seqs=4,
+        max_num_tokens=32,
+        page_size=4,
+        num_kv_pages=64,
+        backends=TORCH_BACKENDS,
     )
     cfg.update(kw)
     return Engine(**cfg)
@@ -171,7 +182,7 @@ def test_cuda_engine_matches_cpu(model, graphs):
             dtype="float32",
             cuda_graphs=graphs if device == "cuda" else "off",
             # the reference backends run float32 and every head size on both devices
-            backends=dict.fromkeys(("attention", "ssm", "mla", "delta"), "torch"),
+            backends=TORCH_BACKENDS,
         )
         ids = [e.add_request(p, GREEDY) for p in prompts]
         out = run_all(e)
@@ -179,37 +190,77 @@ def test_cuda_engine_matches_cpu(model, graphs):
     assert results[0] == results[1]
 
 
-def test_auto_falls_back_from_a_backend_that_cannot_run_the_model(monkeypatch, caplog):
-    """``auto`` picks the best backend; one that rejects the model's layers is replaced."""
-    import backplane.core.registry as registry_mod
+def _picky_backend():
+    """An attention backend that refuses every layer, as a kernel with shape limits does."""
     from backplane.backends.torch.attention import TorchAttentionBackend
-    from backplane.core.backend_spec import BackendSpec
-    from backplane.core.errors import BackendUnavailableError
-    from backplane.core.hookspecs import hookimpl
+    from backplane.core.errors import UnsupportedLayerError
 
     class Picky(TorchAttentionBackend):
         name = "picky"
 
         def cache_spec(self, layer, **kw):
-            raise BackendUnavailableError(
-                f"attention backend 'picky' cannot run layer {layer.layer_id}: head_dim too small"
+            raise UnsupportedLayerError(
+                f"attention backend 'picky' cannot run layer {layer.layer_id}: head_dim too small",
+                family="attention",
+                backend="picky",
             )
+
+    return Picky
+
+
+def _registry(*specs):
+    """The torch plugin and ``specs`` only: ``auto`` chooses among exactly these."""
+    import backplane.plugins.torch as torch_plugin
+    from backplane.core.hookspecs import hookimpl
+    from backplane.core.registry import BackendRegistry
 
     class Plugin:
         @hookimpl
         def backplane_attention_backends(self):
-            return [BackendSpec(family="attention", name="picky", load=Picky, priority=100)]
+            return list(specs)
 
-    reg = registry_mod.BackendRegistry()
-    reg.register(Plugin(), "picky-plugin")
-    monkeypatch.setattr(registry_mod, "get_registry", lambda refresh=False: reg)
-    assert reg.select("attention", "auto").name == "picky"
+    reg = BackendRegistry(load_entry_points=False)
+    assert reg.register(torch_plugin, "torch").error is None
+    assert reg.register(Plugin(), "test-plugin").error is None
+    return reg
+
+
+def test_auto_falls_back_from_a_backend_that_cannot_run_the_model(caplog):
+    """``auto`` picks the best backend; one that rejects the model's layers is replaced."""
+    from backplane.core.backend_spec import BackendSpec
+    from backplane.core.errors import BackendUnavailableError
+    from backplane.engine.selection import select_backend
+
+    picky = BackendSpec(family="attention", name="picky", load=_picky_backend(), priority=100)
+    reg = _registry(picky)
+    assert select_backend("attention", "auto", registry=reg).name == "picky"
     with caplog.at_level("WARNING"):
-        e = make_engine()
+        e = make_engine(backends=AUTO_BACKENDS, registry=reg)
     assert type(e.backends["attention"]).__name__ == "TorchAttentionBackend"
     assert "auto falls back to 'torch'" in caplog.text
     rid = e.add_request([1, 2, 3], GREEDY)
     assert len(run_all(e)[rid]) == GREEDY.max_tokens
     # a backend named explicitly is never replaced
     with pytest.raises(BackendUnavailableError, match="picky"):
-        make_engine(backends={"attention": "picky"})
+        make_engine(backends={**AUTO_BACKENDS, "attention": "picky"}, registry=reg)
+
+
+def test_the_engine_selects_and_falls_back_within_the_registry_it_is_given(caplog):
+    """Selection and the ``auto`` fallback both use the engine's registry, never the global one."""
+    from backplane.backends.torch.attention import TorchAttentionBackend
+    from backplane.core.backend_spec import BackendSpec
+
+    class Plain(TorchAttentionBackend):
+        name = "plain"
+
+    reg = _registry(
+        BackendSpec(family="attention", name="picky", load=_picky_backend(), priority=100),
+        BackendSpec(family="attention", name="plain", load=Plain, priority=50),
+    )
+    with caplog.at_level("WARNING"):
+        e = make_engine(backends=AUTO_BACKENDS, registry=reg)
+    assert "auto falls back to 'plain'" in caplog.text
+    assert type(e.backends["attention"]) is Plain
+    assert {f: b.name for f, b in e.backends.items()} == {"attention": "plain"}
+    rid = e.add_request([1, 2, 3], GREEDY)
+    assert len(run_all(e)[rid]) == GREEDY.max_tokens

@@ -25,8 +25,9 @@ from backplane.core.families import (
 )
 from backplane.core.forward_context import forward_context
 from backplane.core.hookspecs import FAMILIES
-from backplane.core.metadata import build_batch_metadata
+from backplane.core.metadata import StepMode, build_batch_metadata
 from backplane.core.registry import get_registry
+from backplane.engine.selection import load_backend, select_backend
 from backplane.plugins import flashinfer as fi_plugin
 
 FLASHINFER_READY = fi_plugin.availability()[0]
@@ -70,8 +71,8 @@ def test_unavailable_here_with_reason(family: str) -> None:
     assert not ok
     assert "flashinfer" in reason or "CUDA" in reason, reason
     with pytest.raises(BackendUnavailableError, match="flashinfer"):
-        get_registry().select(family, "flashinfer")
-    assert get_registry().select(family, "auto").name != "flashinfer"
+        select_backend(family, "flashinfer")
+    assert select_backend(family, "auto").name != "flashinfer"
 
 
 @pytest.mark.parametrize(
@@ -184,8 +185,8 @@ def test_unsupported_layer_error_is_raised_at_forward() -> None:
 def test_cache_spec_refuses_unsupported_layers_naming_the_backend() -> None:
     """Describing caches checks the layer, so an engine can fall back before loading weights.
 
-    The message names ``<family> backend 'flashinfer'`` (what the executor's ``auto``
-    fallback looks for) and the limit.
+    The error carries its family (what the engine's ``auto`` fallback goes by) and the
+    message names ``<family> backend 'flashinfer'`` and the limit.
     """
     from backplane.backends.flashinfer.attention import FlashInferAttentionBackend
     from backplane.backends.flashinfer.delta import FlashInferDeltaBackend
@@ -216,6 +217,7 @@ def test_cache_spec_refuses_unsupported_layers_naming_the_backend() -> None:
         with pytest.raises(BackendUnavailableError) as info:
             backend.cache_spec(layer, dtype=bf16, **kw)
         assert f"{backend.family} backend 'flashinfer'" in str(info.value)
+        assert (info.value.family, info.value.backend) == (backend.family, "flashinfer")
     good = FlashInferDeltaBackend().cache_spec(
         DeltaLayerSpec(0, 2, 4, 128, 128), num_slots=3, dtype=bf16
     )
@@ -266,46 +268,50 @@ def test_graph_bucket_without_padding_sequences() -> None:
     assert a["positions"].tolist() == [3, 6]
 
 
-def test_automatic_graph_buckets() -> None:
-    """Graph-shaped decode batches get a bucket; eager-looking ones keep the eager wrappers."""
-    from backplane.backends.flashinfer._common import auto_graph_bucket, bucket_capacity
+def test_graph_buckets_follow_the_step_mode() -> None:
+    """Only steps the runner made decode-graph steps use a bucket, whatever their shape."""
+    from backplane.backends.flashinfer._common import bucket_capacity, graph_bucket
 
-    def decode(n, padded=None, pages=None):
+    def decode(n, padded=None, pages=None, mode=StepMode()):
         tables = pages if pages is not None else [[i + 1] for i in range(n)]
-        return build_batch_metadata([1] * n, [2] * n, tables, 4, padded_num_tokens=padded)
+        return build_batch_metadata(
+            [1] * n, [2] * n, tables, 4, padded_num_tokens=padded, mode=mode
+        )
 
-    assert auto_graph_bucket(decode(4), {}) == 4  # power of two, no padding tokens
-    assert auto_graph_bucket(decode(3), {}) is None  # arbitrary eager size
-    assert auto_graph_bucket(decode(3, pages=[[0]] * 3), {}) == 3  # capture batch: scratch only
-    assert auto_graph_bucket(decode(3, padded=4), {}) is None  # padding tokens, no bucket
-    assert auto_graph_bucket(decode(3, padded=4), {4: object()}) == 4  # prepared bucket
+    assert graph_bucket(decode(4)) is None  # graph-shaped but eager: eager wrappers
+    assert graph_bucket(decode(3, pages=[[0]] * 3)) is None  # scratch pages, still eager
+    assert graph_bucket(decode(4, mode=StepMode.decode_graph(4))) == 4
+    assert graph_bucket(decode(3, padded=4, mode=StepMode.decode_graph(4))) == 4
+    assert graph_bucket(decode(3, padded=4, mode=StepMode.piecewise(4))) is None
     mixed = build_batch_metadata([2, 1], [0, 3], [[1], [2]], 4)
-    assert auto_graph_bucket(mixed, {2: object()}) is None
+    assert graph_bucket(mixed) is None
     # one sequence of 3 pages: block table 3 wide, 6 pages in all -> 4 x 3 entries
     wide = build_batch_metadata([1] * 4, [9, 2, 2, 2], [[1, 2, 3], [4], [5], [6]], 4)
-    assert bucket_capacity(wide, 4, None) == 12
-    assert bucket_capacity(wide, 4, 100) == 104
+    assert bucket_capacity(wide, 4) == 12
+    # the graph runner's capture batch: every sequence at the full block-table width
+    full = build_batch_metadata([1] * 2, [9, 2], [[1, 2, 3], [4]], 4, block_table_width=8)
+    assert bucket_capacity(full, 2) == 16
 
 
-def test_graph_bucket_grows_until_captured() -> None:
-    """A bucket grows for a wider batch (dropping its wrappers) but never once captured."""
-    from backplane.backends.flashinfer._common import ensure_bucket
+def test_graph_bucket_grows_until_fixed_for_capture() -> None:
+    """A bucket grows for a wider batch (dropping its wrappers) but never once fixed."""
+    from backplane.backends.flashinfer._common import ensure_bucket, fix_bucket
 
     cpu = torch.device("cpu")
     prepared: dict = {}
     wrappers = {(2, "key"): object(), (4, "key"): object()}
     small = build_batch_metadata([1, 1], [2, 3], [[1], [2]], 4)
-    buf = ensure_bucket(prepared, wrappers, small, 2, 3, cpu)
+    buf = ensure_bucket(prepared, wrappers, small, 2, cpu)
     assert prepared[2] is buf and len(buf.kv_indices) >= 2
-    assert ensure_bucket(prepared, wrappers, small, 2, 3, cpu) is buf  # reused
+    assert ensure_bucket(prepared, wrappers, small, 2, cpu) is buf  # reused
     big = build_batch_metadata([1, 1], [30, 30], [list(range(1, 9)), list(range(9, 17))], 4)
-    grown = ensure_bucket(prepared, wrappers, big, 2, 3, cpu)
+    grown = ensure_bucket(prepared, wrappers, big, 2, cpu)
     assert grown is not buf and len(grown.kv_indices) >= 16
     assert (2, "key") not in wrappers and (4, "key") in wrappers
-    grown.captured = True
+    assert fix_bucket(prepared, wrappers, big, 2, cpu) is grown and grown.fixed
     huge = build_batch_metadata([1, 1], [60, 60], [list(range(1, 17)), list(range(17, 33))], 4)
-    with pytest.raises(ValueError, match="max_pages"):
-        ensure_bucket(prepared, wrappers, huge, 2, 3, cpu)
+    with pytest.raises(ValueError, match="prepare_capture"):
+        ensure_bucket(prepared, wrappers, huge, 2, cpu)
 
 
 def test_graph_bucket_rejects_wrong_batches() -> None:
@@ -460,7 +466,7 @@ def test_warmup_collects_shapes_and_runs_each_once() -> None:
     from backplane.cli.warmup import _model_specs, warmup
 
     registry = get_registry()
-    backends = {f: registry.select(f, "torch").resolve() for f in FAMILIES}
+    backends = {f: load_backend(select_backend(f, "torch", registry=registry)) for f in FAMILIES}
     specs, _ = _model_specs("tiny-nemotron-h", backends)
     assert len(specs["attention"]) == 1 and len(specs["ssm"]) == 1 and len(specs["conv"]) == 1
     results = warmup(specs, backends, dtype=torch.float32, device=torch.device("cpu"))

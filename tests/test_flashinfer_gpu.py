@@ -11,6 +11,8 @@ Without flashinfer or CUDA the whole module is skipped with the reason.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from backplane.core.families import (
     SSMLayerSpec,
 )
 from backplane.core.forward_context import forward_context
+from backplane.core.metadata import StepMode
 from backplane.plugins import flashinfer as fi_plugin
 
 _READY, _REASON = fi_plugin.availability()
@@ -47,10 +50,16 @@ def _check_contract_and_get(run, caches, num_tokens):
 # ---------------------------------------------------------------------------------------------
 
 
-def _attn_inputs(query_lens, cached_lens, layer, page_size, dtype, padding=2, seed=0):
+def _attn_inputs(query_lens, cached_lens, layer, page_size, dtype, padding=2, seed=0, mode=None):
     """Random per-sequence K/V, a cache holding the cached prefix (rest random), q/k/v rows."""
     batch, tables, num_pages, _ = ragged_batch(
-        query_lens, cached_lens, page_size, padding=padding, seed=seed, device=DEV
+        query_lens,
+        cached_lens,
+        page_size,
+        padding=padding,
+        seed=seed,
+        device=DEV,
+        mode=mode or StepMode(),
     )
     gen = torch.Generator().manual_seed(seed)
     hkv, d, h = layer.num_kv_heads, layer.head_dim, layer.num_heads
@@ -160,7 +169,7 @@ def test_attention_page_size_one_and_large_context() -> None:
 
 
 def test_attention_two_layer_configs_one_plan() -> None:
-    """Two configurations registered through cache_spec are both planned by one plan() call."""
+    """Two registered configurations are both planned by one plan() call."""
     from backplane.backends.flashinfer.attention import FlashInferAttentionBackend
 
     backend = FlashInferAttentionBackend()
@@ -169,7 +178,7 @@ def test_attention_two_layer_configs_one_plan() -> None:
         AttentionLayerSpec(1, 8, 2, 128, sliding_window=5),
     )
     for layer in (full, window):
-        backend.cache_spec(layer, num_pages=40, page_size=16, dtype=BF16)
+        backend.register_layer(layer, BF16)
     query, cached = [12, 1, 1], [0, 30, 7]
     batch, _, q, k, v, cache, keys, vals = _attn_inputs(query, cached, full, 16, BF16)
     plan = backend.plan(batch)
@@ -184,15 +193,19 @@ def test_attention_two_layer_configs_one_plan() -> None:
         )
 
 
-def test_attention_graph_shaped_decode_uses_a_bucket() -> None:
-    """A decode batch without padding tokens (as the graph runner builds) plans onto an
-    automatically created CUDA-graph bucket and still matches the reference."""
+def test_attention_decode_graph_step_uses_its_bucket() -> None:
+    """A decode batch whose mode is the decode graph of its bucket (as the graph runner
+    prepares it) plans onto that bucket's CUDA-graph buffers and still matches the reference;
+    the same batch run eagerly plans onto the eager wrappers."""
     from backplane.backends.flashinfer.attention import FlashInferAttentionBackend
 
     layer = AttentionLayerSpec(0, 8, 2, 128)
     backend = FlashInferAttentionBackend()
     query, cached = [1, 1, 1, 1], [15, 1, 64, 31]
-    batch, _, q, k, v, cache, keys, vals = _attn_inputs(query, cached, layer, 16, BF16, padding=0)
+    batch, _, q, k, v, cache, keys, vals = _attn_inputs(
+        query, cached, layer, 16, BF16, padding=0, mode=StepMode.decode_graph(4)
+    )
+    assert backend.plan(dataclasses.replace(batch, mode=StepMode())).graph is None
     plan = backend.plan(batch)
     assert plan.graph is not None and plan.graph.bucket == 4
     with forward_context(batch, {"attention": plan}):
@@ -243,6 +256,7 @@ def test_attention_opcheck() -> None:
 
 
 def _decode_step_inputs(cached, layer, page_size, bucket, seed):
+    """A decode step of the graph of ``bucket``, with the graph runner's full-width block table."""
     batch, tables, num_pages, _ = ragged_batch(
         [1] * len(cached),
         cached,
@@ -251,6 +265,8 @@ def _decode_step_inputs(cached, layer, page_size, bucket, seed):
         padding=bucket - len(cached),
         seed=seed,
         device=DEV,
+        block_table_width=8,
+        mode=StepMode.decode_graph(bucket),
     )
     gen = torch.Generator().manual_seed(100 + seed)
     q = torch.randn(bucket, layer.num_heads, layer.head_dim, generator=gen).to(BF16).to(DEV)
@@ -277,12 +293,12 @@ def test_attention_cuda_graph_replay_equals_eager(layer) -> None:
     bucket, page_size = 8, 16
     graph_backend = FlashInferAttentionBackend()
     eager_backend = FlashInferAttentionBackend()
-    graph_backend.prepare_graph_bucket(bucket, max_pages=48)
     gen = torch.Generator().manual_seed(7)
     cache = torch.randn(48, 2, page_size, layer.num_kv_heads, layer.head_dim, generator=gen)
     cache = cache.to(BF16).to(DEV)
 
     batch0, q0, k0, v0 = _decode_step_inputs([5, 17, 40, 3, 60], layer, page_size, bucket, 0)
+    graph_backend.prepare_capture(batch0.mode, batch0)  # as the graph runner does
     sq, sk, sv = q0.clone(), k0.clone(), v0.clone()
     out = torch.zeros_like(sq)
     # Register the configuration, then plan outside the graph.
@@ -302,7 +318,8 @@ def test_attention_cuda_graph_replay_equals_eager(layer) -> None:
         batch, q, k, v = _decode_step_inputs(cached, layer, page_size, bucket, seed)
         n = batch.num_tokens
         eager_cache = cache.clone()
-        with forward_context(batch, {"attention": eager_backend.plan(batch)}):
+        eager = dataclasses.replace(batch, mode=StepMode())
+        with forward_context(eager, {"attention": eager_backend.plan(eager)}):
             expected = eager_backend.forward(q, k, v, eager_cache, layer)
         graph_backend.plan(batch)  # re-plan the bucket's wrappers before the replay
         sq.copy_(q)
@@ -421,7 +438,6 @@ def test_mla_cuda_graph_replay_equals_eager() -> None:
 
     layer = MLA_LAYER
     graph_backend, eager_backend = FlashInferMLABackend(), FlashInferMLABackend()
-    graph_backend.prepare_graph_bucket(4, max_pages=48)
     graph_backend.register_layer(layer, BF16)
 
     def inputs(cached, seed):
@@ -433,6 +449,8 @@ def test_mla_cuda_graph_replay_equals_eager() -> None:
             padding=4 - len(cached),
             seed=seed,
             device=DEV,
+            block_table_width=8,  # the graph runner's full width
+            mode=StepMode.decode_graph(4),
         )
         g = torch.Generator().manual_seed(seed)
         mk = lambda *s: (torch.randn(*s, generator=g) * 0.5).to(BF16).to(DEV)  # noqa: E731
@@ -443,6 +461,7 @@ def test_mla_cuda_graph_replay_equals_eager() -> None:
     w_uk = (torch.randn(16, 128, 512, generator=gen) * 0.05).to(BF16).to(DEV)
     w_uv = (torch.randn(16, 128, 512, generator=gen) * 0.05).to(BF16).to(DEV)
     batch0, x0 = inputs([4, 30, 17], 0)
+    graph_backend.prepare_capture(batch0.mode, batch0)  # as the graph runner does
     static = [x.clone() for x in x0]
     out = torch.zeros(4, 16, 128, dtype=BF16, device=DEV)
     plan0 = graph_backend.plan(batch0)
@@ -458,7 +477,8 @@ def test_mla_cuda_graph_replay_equals_eager() -> None:
         batch, x = inputs(cached, seed)
         n = batch.num_tokens
         eager_cache = cache.clone()
-        with forward_context(batch, {"mla": eager_backend.plan(batch)}):
+        eager = dataclasses.replace(batch, mode=StepMode())
+        with forward_context(eager, {"mla": eager_backend.plan(eager)}):
             expected = eager_backend.forward(*x, eager_cache, w_uk, w_uv, layer)
         graph_backend.plan(batch)
         for dst, src in zip(static, x, strict=True):
@@ -520,10 +540,11 @@ def _ssm_decode_reference(inp, state, slots, layer, rows):
 @pytest.mark.parametrize("with_z", [True, False], ids=["z", "noz"])
 def test_ssm_decode_matches_reference(with_z: bool) -> None:
     """FlashInfer selective_state_update on shuffled slots vs a float64 step; out contract."""
-    from backplane.backends.flashinfer.ssm import FlashInferSSMBackend
+    from backplane.engine.selection import load_backend, select_backend
 
     layer = SSM_LAYER
-    backend = FlashInferSSMBackend()
+    # loaded as the engine loads it: with the fallback that runs prefill and the conv
+    backend = load_backend(select_backend("ssm", "flashinfer"))
     batch, _, _, slots = ragged_batch([1, 1, 1, 1], [3, 9, 1, 20], 16, padding=3, device=DEV)
     inp = _ssm_inputs(batch.padded_num_tokens, layer, 0, with_z)
     state = (torch.randn(6, layer.nheads, layer.head_dim, layer.d_state) * 0.3).to(DEV)
@@ -541,10 +562,11 @@ def test_ssm_decode_matches_reference(with_z: bool) -> None:
 
 def test_ssm_mixed_batch_prefill_on_fallback_decode_on_flashinfer() -> None:
     """Mixed batch: prefill rows equal the fallback backend's, decode rows the reference."""
-    from backplane.backends.flashinfer.ssm import FlashInferSSMBackend
+    from backplane.engine.selection import load_backend, select_backend
 
     layer = SSM_LAYER
-    backend = FlashInferSSMBackend()
+    # loaded as the engine loads it: with the fallback that runs prefill and the conv
+    backend = load_backend(select_backend("ssm", "flashinfer"))
     fallback = backend.fallback
     batch, _, _, slots = ragged_batch([13, 6, 1, 1], [0, 10, 4, 30], 16, padding=2, device=DEV)
     inp = _ssm_inputs(batch.padded_num_tokens, layer, 1)
@@ -716,17 +738,21 @@ def test_model_parity_with_torch_backends(name: str) -> None:
     backends' bfloat16 error (plus a small floor), and the greedy tokens must agree.
     """
     from backplane.core.registry import get_registry
+    from backplane.engine.selection import load_backend, select_backend
 
     config, fams = _model_configs()[name]
     if "delta" in fams and not _is_hopper():
         pytest.skip("FlashInfer's GDN prefill kernel is built for sm90 only")
     registry = get_registry()
     torch_backends = {
-        f: registry.select(f, "torch").resolve() for f in ("attention", "ssm", "mla", "delta")
+        f: load_backend(select_backend(f, "torch", registry=registry), registry=registry)
+        for f in ("attention", "ssm", "mla", "delta")
     }
     fi_backends = dict(torch_backends)
     for f in fams:
-        fi_backends[f] = registry.select(f, "flashinfer").resolve()
+        fi_backends[f] = load_backend(
+            select_backend(f, "flashinfer", registry=registry), registry=registry
+        )
     ref = run_model_steps(config, torch_backends, dtype=torch.float32, device=DEV)
     base = run_model_steps(config, torch_backends, dtype=BF16, device=DEV)
     fi = run_model_steps(config, fi_backends, dtype=BF16, device=DEV)

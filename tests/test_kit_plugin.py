@@ -41,7 +41,10 @@ def test_selection_rules() -> None:
 
 
 def test_load_backend_is_cached() -> None:
-    spec = BackendSpec(family="attention", name="dummy", load=lambda: object())
+    from backplane.backends.torch.attention import TorchAttentionBackend
+
+    # loaded as the engine loads it, so it must be a backend of its family
+    spec = BackendSpec(family="attention", name="dummy", load=TorchAttentionBackend)
     assert plugin.load_backend(spec) is plugin.load_backend(spec)
 
 

@@ -79,15 +79,33 @@ def _reference_state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def _checkpoint_view(lm) -> dict[str, torch.Tensor]:
+    """The model's weights under checkpoint names (row slices of merged parameters)."""
+    return {
+        name: tensor if index is None else tensor[index]
+        for name, (tensor, index) in lm.weight_targets().items()
+    }
+
+
 def test_loads_every_tensor_with_the_requested_dtype(llama_dir):
     loaded = load_model(str(llama_dir), dtype="bfloat16", device="cpu", backends=_backends())
     lm = loaded.model
     ref = _reference_state(llama_dir)
-    params = dict(lm.named_parameters())
-    assert set(params) == set(ref)
+    got = _checkpoint_view(lm)
+    assert set(got) == set(ref)
     for name, t in ref.items():
-        assert params[name].dtype == torch.bfloat16
-        assert torch.equal(params[name].float(), t.to(torch.bfloat16).float()), name
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name].float(), t.to(torch.bfloat16).float()), name
+    # q/k/v and gate/up are merged parameters holding the checkpoint's rows in order.
+    params = dict(lm.named_parameters())
+    assert "model.layers.0.self_attn.q_proj.weight" not in params
+    pre = "model.layers.1."
+    want_qkv = torch.cat([ref[f"{pre}self_attn.{p}_proj.weight"] for p in "qkv"])
+    want_gate_up = torch.cat([ref[f"{pre}mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    qkv = params[f"{pre}self_attn.qkv_proj.weight"].float()
+    gate_up = params[f"{pre}mlp.gate_up_proj.weight"].float()
+    assert torch.equal(qkv, want_qkv.to(torch.bfloat16).float())
+    assert torch.equal(gate_up, want_gate_up.to(torch.bfloat16).float())
     assert lm.vocab_size == 64 and lm.max_model_len == 32
     assert lm.eos_token_ids == [2, 5]
     assert lm.families == {"attention"} and not lm.has_recurrent_state
@@ -113,9 +131,9 @@ def test_sharded_checkpoint_with_index(llama_dir, tmp_path):
     save_file({"bogus": torch.zeros(1)}, str(d / "stray.safetensors"))
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     lm = load_model(str(d), dtype=torch.float32, device="cpu", backends=_backends()).model
-    params = dict(lm.named_parameters())
+    got = _checkpoint_view(lm)
     for name, t in ref.items():
-        assert torch.equal(params[name], t), name
+        assert torch.equal(got[name], t), name
 
 
 def test_missing_shard_is_named(llama_dir, tmp_path):
@@ -138,6 +156,43 @@ def test_missing_and_unexpected_tensors_are_listed(llama_dir, tmp_path):
     msg = str(err.value)
     assert "model.layers.1.mlp.up_proj.weight" in msg
     assert "model.layers.0.self_attn.rotary.extra" in msg
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (16, 12), (16,)])
+def test_mis_shaped_q_proj_names_the_tensor_and_its_file(llama_dir, tmp_path, shape):
+    d = _copy_dir(llama_dir, tmp_path / "q")
+    state = _reference_state(llama_dir)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert tuple(state[name].shape) == (16, 16)
+    state[name] = torch.zeros(shape)
+    # Sharded, so that the message has a file to name among several.
+    (d / "model.safetensors").unlink()
+    rest = {k: v for k, v in state.items() if k != name}
+    save_file(rest, str(d / "model-00001-of-00002.safetensors"))
+    save_file({name: state[name]}, str(d / "model-00002-of-00002.safetensors"))
+    weight_map = dict.fromkeys(rest, "model-00001-of-00002.safetensors")
+    weight_map[name] = "model-00002-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightLoadError) as err:
+        load_model(str(d), dtype="float32", device="cpu", backends=_backends())
+    msg = str(err.value)
+    assert name in msg and "model-00002-of-00002.safetensors" in msg
+    assert str(tuple(shape)) in msg and "(16, 16)" in msg
+    assert err.value.tensor == name
+
+
+def test_missing_k_proj_of_a_merged_projection_is_named(llama_dir, tmp_path):
+    d = _copy_dir(llama_dir, tmp_path / "k")
+    state = _reference_state(llama_dir)
+    del state["model.layers.0.self_attn.k_proj.weight"]
+    del state["model.layers.0.mlp.gate_proj.weight"]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(WeightLoadError) as err:
+        load_model(str(d), dtype="float32", device="cpu", backends=_backends())
+    msg = str(err.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg
+    assert "model.layers.0.mlp.gate_proj.weight" in msg
+    assert "q_proj" not in msg and "qkv_proj" not in msg
 
 
 def test_shape_mismatch_is_an_error(llama_dir, tmp_path):
@@ -281,13 +336,12 @@ def test_legacy_rope_scaling_form_is_accepted():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_run_a_mixed_step_with_the_torch_backends(name):
     from backplane.core.forward_context import forward_context, plan_step
+    from backplane.core.hookspecs import FAMILIES
     from backplane.core.metadata import build_batch_metadata
-    from backplane.core.registry import get_registry
+    from backplane.engine.selection import load_backend, select_backend
 
-    registry = get_registry()
     cfg = preset_config(name)
-    families = {"attention", "mla", "ssm", "delta"}
-    backends = {f: registry.select(f, "torch").resolve() for f in families}
+    backends = {f: load_backend(select_backend(f, "torch")) for f in FAMILIES}
     loaded = load_model(name, dtype="float32", device="cpu", backends=backends)
     lm = loaded.model
     lm.allocate_caches(num_pages=8, page_size=4, num_slots=4, dtype=torch.float32, device="cpu")

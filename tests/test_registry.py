@@ -1,10 +1,12 @@
-"""The plugin manager: discovery, failure isolation, duplicates, hook checks, selection."""
+"""The plugin manager: discovery, failure isolation, duplicates, hook checks, listing.
+
+Choosing a backend from the configuration is tested in ``test_selection.py``.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ import pytest
 
 from backplane import BackendSpec, hookimpl
 from backplane.core import registry as registry_mod
-from backplane.core.errors import BackendUnavailableError, PluginError, UnknownBackendError
+from backplane.core.errors import PluginError, UnknownBackendError
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.registry import BackendRegistry, get_registry
 
@@ -338,7 +340,7 @@ def test_hook_that_raises_or_returns_garbage_is_recorded_per_plugin():
     }
 
 
-# -- selection --------------------------------------------------------------------------------
+# -- listing ----------------------------------------------------------------------------------
 
 
 def _selection_registry() -> BackendRegistry:
@@ -374,73 +376,6 @@ def test_backends_are_listed_best_priority_first_ties_by_name():
         "low",
     ]
     assert all(s.plugin == "p" for s in reg.backends("attention"))
-
-
-def test_select_by_name():
-    reg = _selection_registry()
-    assert reg.select("attention", "low").name == "low"
-    with pytest.raises(BackendUnavailableError) as err:
-        reg.select("attention", "high")
-    assert str(err.value) == "attention backend 'high' (plugin p) is unavailable: needs a GPU"
-    with pytest.raises(UnknownBackendError) as err:
-        reg.select("attention", "hihg")
-    assert str(err.value) == (
-        "unknown attention backend 'hihg' (did you mean 'high'?); installed attention backends: "
-        "high, gpu_only, also_mid, mid, low"
-    )
-
-
-def test_auto_picks_highest_priority_available_and_says_why_others_lost(caplog):
-    reg = _selection_registry()
-    with caplog.at_level(logging.INFO, logger="backplane.core.registry"):
-        chosen = reg.select("attention", "auto")
-    assert chosen.name == "gpu_only"
-    assert caplog.messages[-1] == (
-        "attention backend: auto chose gpu_only (plugin p, priority 7); others: high "
-        "(unavailable: needs a GPU), also_mid (priority 5 < 7), mid (priority 5 < 7), "
-        "low (priority 1 < 7)"
-    )
-
-
-def test_auto_respects_the_device_and_explains_ties(caplog):
-    reg = _selection_registry()
-    with caplog.at_level(logging.INFO, logger="backplane.core.registry"):
-        chosen = reg.select("attention", "auto", device="cpu")
-    assert chosen.name == "also_mid"
-    assert caplog.messages[-1] == (
-        "attention backend: auto chose also_mid (plugin p, priority 5); others: high "
-        "(unavailable: needs a GPU), gpu_only (unavailable: it does not run on cpu (it "
-        "supports: cuda)), mid (same priority 5; ties go by name), low (priority 1 < 5)"
-    )
-    assert reg.select("attention", "auto", device="cuda:1").name == "gpu_only"
-    with pytest.raises(BackendUnavailableError) as err:
-        reg.select("attention", "gpu_only", device="cpu")
-    assert str(err.value) == (
-        "attention backend 'gpu_only' (plugin p) is unavailable: it does not run on cpu "
-        "(it supports: cuda)"
-    )
-
-
-def test_auto_with_nothing_available():
-    spec = BackendSpec(
-        family="ssm", name="only", load="x:y", is_available=lambda: (False, "no mamba_ssm")
-    )
-    reg = _registry_with(p=_spec_plugin(spec, family="ssm"))
-    with pytest.raises(BackendUnavailableError) as err:
-        reg.select("ssm")
-    assert str(err.value) == "no available ssm backend: only (unavailable: no mamba_ssm)"
-    with pytest.raises(BackendUnavailableError) as err:
-        reg.select("delta")
-    assert str(err.value) == "no available delta backend: installed delta backends: (none)"
-
-
-def test_unknown_family():
-    reg = BackendRegistry(load_entry_points=False)
-    with pytest.raises(UnknownBackendError) as err:
-        reg.select("conv", "auto")
-    assert str(err.value) == (
-        "unknown op family 'conv'; the families are: attention, ssm, mla, delta"
-    )
 
 
 def test_matrix_rows_and_a_raising_availability_check():

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from backplane.core.hookspecs import FAMILIES
+
 logger = logging.getLogger(__name__)
 
 
@@ -354,7 +356,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--family",
         action="append",
-        choices=("attention", "ssm", "mla", "delta"),
+        choices=FAMILIES,
         help="warm only these families (repeatable)",
     )
     parser.add_argument(
@@ -373,8 +375,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _select_backends(choices: list[str]) -> dict[str, Any]:
     from backplane.core.errors import ConfigError
-    from backplane.core.hookspecs import FAMILIES
     from backplane.core.registry import get_registry
+    from backplane.engine.selection import load_backend, select_backend
 
     registry = get_registry()
     names: dict[str, str] = {}
@@ -395,7 +397,9 @@ def _select_backends(choices: list[str]) -> dict[str, Any]:
             except Exception:
                 name = "auto"
         try:
-            backends[family] = registry.select(family, name).resolve()
+            backends[family] = load_backend(
+                select_backend(family, name, registry=registry), registry=registry
+            )
         except Exception as exc:
             if family in names:
                 raise

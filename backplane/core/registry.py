@@ -1,10 +1,13 @@
-"""Plugin discovery and backend selection.
+"""The plugin manager: discovery of plugins and listing of the backends they provide.
 
 Built-in and third-party plugins are found the same way: the entry-point group
 ``backplane.plugins``. When the package metadata is absent (running from a
 source tree), the built-in plugins are registered by import instead. A plugin
 that fails to import or register is recorded with its error; the rest keep
 working.
+
+Choosing a backend from the configuration (a name or ``auto``) is not done
+here but in :mod:`backplane.engine.selection`.
 """
 
 from __future__ import annotations
@@ -23,16 +26,12 @@ import pluggy
 
 from backplane.core import hookspecs
 from backplane.core.backend_spec import BackendSpec
-from backplane.core.errors import BackendUnavailableError, PluginError, UnknownBackendError
+from backplane.core.errors import PluginError, UnknownBackendError
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "backplane.plugins"
 DISABLE_ENV = "BACKPLANE_DISABLE_PLUGINS"
-#: Capability tags that name a device type. A backend that declares any of them
-#: runs only on the device types it declares; one that declares none is assumed
-#: to run wherever its availability check says it can.
-DEVICE_TAGS: frozenset[str] = frozenset({"cpu", "cuda", "rocm", "mps", "xpu"})
 BUILTIN_PLUGINS: dict[str, str] = {
     "torch": "backplane.plugins.torch",
     "triton": "backplane.plugins.triton",
@@ -308,7 +307,13 @@ class BackendRegistry:
                 f"unknown op family {family!r}; the families are: {', '.join(hookspecs.FAMILIES)}"
             )
 
-    def _installed_hint(self, family: str) -> str:
+    def installed_hint(self, family: str) -> str:
+        """Say what is installed for ``family``, for error messages.
+
+        :param family: the op family.
+        :return: ``"installed <family> backends: ..."`` followed by the plugins
+            that failed to load and those disabled, when there are any.
+        """
         names = [s.name for s in self.backends(family)]
         hint = f"installed {family} backends: {', '.join(names) if names else '(none)'}"
         failed = self.failed_plugins()
@@ -334,68 +339,8 @@ class BackendRegistry:
         close = difflib.get_close_matches(name, [s.name for s in specs], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownBackendError(
-            f"unknown {family} backend {name!r}{hint}; {self._installed_hint(family)}"
+            f"unknown {family} backend {name!r}{hint}; {self.installed_hint(family)}"
         )
-
-    def select(self, family: str, name: str = "auto", *, device: str | None = None) -> BackendSpec:
-        """Choose the backend for ``family`` from a configured name.
-
-        :param family: the op family.
-        :param name: a backend name, or ``"auto"`` for the highest-priority
-            available one (the reasons the others lost are logged at INFO).
-        :param device: the device type the engine runs on (``"cpu"``,
-            ``"cuda"``); a backend whose capabilities name device types
-            (see :data:`DEVICE_TAGS`) must name this one. ``None`` skips the check.
-        :return: the chosen, available spec.
-        :raises UnknownBackendError: the name is not installed.
-        :raises BackendUnavailableError: the backend (or, for ``auto``, every
-            backend) cannot run here; the message carries the reasons.
-        """
-        if name != "auto":
-            spec = self.get(family, name)
-            ok, reason = self._usable(spec, device)
-            if not ok:
-                raise BackendUnavailableError(
-                    f"{family} backend {name!r} (plugin {spec.plugin}) is unavailable: {reason}"
-                )
-            return spec
-        chosen: BackendSpec | None = None
-        lost: list[str] = []
-        for spec in self.backends(family):
-            ok, reason = self._usable(spec, device)
-            if not ok:
-                lost.append(f"{spec.name} (unavailable: {reason})")
-            elif chosen is None:
-                chosen = spec
-            elif spec.priority == chosen.priority:
-                lost.append(f"{spec.name} (same priority {spec.priority}; ties go by name)")
-            else:
-                lost.append(f"{spec.name} (priority {spec.priority} < {chosen.priority})")
-        if chosen is None:
-            raise BackendUnavailableError(
-                f"no available {family} backend: "
-                + ("; ".join(lost) if lost else self._installed_hint(family))
-            )
-        logger.info(
-            "%s backend: auto chose %s (plugin %s, priority %d)%s",
-            family,
-            chosen.name,
-            chosen.plugin,
-            chosen.priority,
-            "; others: " + ", ".join(lost) if lost else "",
-        )
-        return chosen
-
-    @staticmethod
-    def _usable(spec: BackendSpec, device: str | None) -> tuple[bool, str]:
-        if device is not None:
-            device_type = device.split(":", 1)[0]
-            declared = spec.capabilities & DEVICE_TAGS
-            if declared and device_type not in declared:
-                return False, (
-                    f"it does not run on {device_type} (it supports: {', '.join(sorted(declared))})"
-                )
-        return spec.availability()
 
     def matrix(self, family: str | None = None) -> list[dict[str, Any]]:
         """Return the backend matrix as rows for ``backplane backends``.

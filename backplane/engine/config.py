@@ -7,9 +7,8 @@ value came from (the file and key, the flag, or the keyword argument) and what
 is accepted.
 
 Backend names are checked against the plugin registry at engine start-up
-(:meth:`EngineConfig.validate_backends` / :meth:`EngineConfig.resolve_backends`),
-not at parse time, so that a configuration can be written on a machine that
-lacks a plugin.
+(:mod:`backplane.engine.selection`), not at parse time, so that a configuration
+can be written on a machine that lacks a plugin.
 
 Example YAML::
 
@@ -37,19 +36,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from backplane.core.errors import (
-    BackendUnavailableError,
-    BackplaneError,
-    ConfigError,
-    PluginError,
-)
+
+from backplane.core.errors import ConfigError
 from backplane.core.hookspecs import FAMILIES
 from backplane.engine.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
-    from backplane.core.backend_spec import BackendSpec
-    from backplane.core.registry import BackendRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -386,108 +379,6 @@ class EngineConfig:
         if self.cuda_graph_buckets is not None:
             data["cuda_graph_buckets"] = list(self.cuda_graph_buckets)
         return data
-
-    # -- backends ---------------------------------------------------------------------------
-
-    def select_backends(
-        self,
-        families: Iterable[str] | None = None,
-        registry: BackendRegistry | None = None,
-    ) -> dict[str, BackendSpec]:
-        """Check the configured backends against the registry and choose one per family.
-
-        Every family whose backend is named explicitly is checked for an
-        installed backend of that name (a typo is an error even for a family
-        the model does not use); the families in ``families`` are selected
-        (``auto``: highest-priority available backend that runs on the device).
-
-        :param families: the op families the model uses; ``None`` = all.
-        :param registry: the plugin registry (the process-wide one if ``None``).
-        :return: ``{family: BackendSpec}`` for ``families``.
-        :raises UnknownBackendError: naming the key, the installed backends and
-            the plugins that failed to load.
-        :raises BackendUnavailableError: with the reason the backend cannot run.
-        """
-        if registry is None:
-            from backplane.core.registry import get_registry
-
-            registry = get_registry()
-        wanted = list(FAMILIES if families is None else families)
-        for family in wanted:
-            if family not in FAMILIES:
-                raise ConfigError(
-                    f"unknown op family {family!r}; the families are: {', '.join(FAMILIES)}"
-                )
-        device = self.device_type
-        chosen: dict[str, BackendSpec] = {}
-        for family in FAMILIES:
-            name = self.backends.get(family, "auto")
-            if family not in wanted and name == "auto":
-                continue
-            try:
-                if family in wanted:
-                    spec = registry.select(family, name, device=device)
-                    chosen[family] = spec
-                    if name != "auto":
-                        logger.info("%s backend: %s (configured)", family, spec.name)
-                else:
-                    registry.get(family, name)
-            except BackplaneError as exc:
-                key = f"backends.{family}"
-                where = self.origin(key)
-                if where is _DEFAULT:  # "auto" by default: the key was never written
-                    raise
-                raise type(exc)(f"{where.where(key)}: {exc}") from None
-        return chosen
-
-    def validate_backends(
-        self, families: Iterable[str] | None = None, registry: BackendRegistry | None = None
-    ) -> None:
-        """Raise if a configured backend is unknown or cannot run (see :meth:`select_backends`)."""
-        self.select_backends(families, registry)
-
-    def resolve_backends(
-        self,
-        families: Iterable[str] | None = None,
-        registry: BackendRegistry | None = None,
-    ) -> dict[str, Any]:
-        """Select (see :meth:`select_backends`) and load one backend object per family.
-
-        :param families: the op families the model uses (``model.families``);
-            ``None`` = all four.
-        :return: ``{family: backend object}`` (instances of the family classes
-            of :mod:`backplane.core.families`).
-        :raises BackendUnavailableError: a backend failed to load.
-        :raises PluginError: ``load`` produced an object of the wrong family.
-        """
-        from backplane.core import families as family_classes
-
-        expected = {
-            "attention": family_classes.AttentionBackend,
-            "ssm": family_classes.SSMBackend,
-            "mla": family_classes.MLABackend,
-            "delta": family_classes.DeltaBackend,
-        }
-        backends: dict[str, Any] = {}
-        for family, spec in self.select_backends(families, registry).items():
-            load = spec.load if isinstance(spec.load, str) else repr(spec.load)
-            try:
-                backend = spec.resolve()
-            except BackplaneError:
-                raise
-            except Exception as exc:
-                raise BackendUnavailableError(
-                    f"{family} backend {spec.name!r} (plugin {spec.plugin}) failed to load "
-                    f"from {load}: {type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(backend, expected[family]):
-                raise PluginError(
-                    f"{family} backend {spec.name!r} (plugin {spec.plugin}): {load} produced "
-                    f"{type(backend).__name__}, which is not a "
-                    f"backplane.core.families.{expected[family].__name__}"
-                )
-            backends[family] = backend
-        return backends
 
 
 # -- validation -------------------------------------------------------------------------------

@@ -16,16 +16,25 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from backplane.core.errors import ConfigError, OutOfKVMemoryError, RequestError
+from backplane.core.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    OutOfKVMemoryError,
+    RequestError,
+)
 from backplane.core.forward_context import forward_context, plan_step
+from backplane.core.hookspecs import FAMILIES
 from backplane.engine.inputs import BatchInputs, InputBatch
 from backplane.engine.runner import EagerModelRunner, ModelRunner
 from backplane.engine.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from backplane.core.registry import BackendRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +66,14 @@ class Engine:
 
     :param config: an ``EngineConfig`` (or ``None`` for defaults); keyword
         arguments override its fields.
+    :param registry: the plugin registry backends are chosen from (the
+        process-wide one if ``None``).
     :raises ConfigError: on an invalid configuration.
     """
 
-    def __init__(self, config: Any = None, **overrides: Any) -> None:
+    def __init__(
+        self, config: Any = None, *, registry: BackendRegistry | None = None, **overrides: Any
+    ) -> None:
         from backplane.engine.config import EngineConfig
 
         if config is None:
@@ -68,6 +81,7 @@ class Engine:
         elif overrides:
             config = config.merge(**overrides)
         self.config = config
+        self.registry = registry
         self.device = config.torch_device
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
@@ -138,64 +152,36 @@ class Engine:
     def _load_model(self) -> tuple[Any, dict[str, Any]]:
         """Select backends for every family, then build the model with them.
 
-        Backends are selected first, so a misspelled or unavailable backend is
-        reported before any weight is read. A backend chosen by ``auto`` that
-        turns out unable to run one of the model's layers (it raises
-        :class:`~backplane.core.errors.UnsupportedLayerError`, or a
-        ``BackendUnavailableError`` naming itself, while the model is built or
-        its caches are described) is replaced by the next available backend of
-        that family, with a warning; a backend named explicitly is never replaced.
+        Backends are selected first (from the engine's registry), so a
+        misspelled or unavailable backend is reported before any weight is
+        read. A backend chosen by ``auto`` that turns out unable to run one of
+        the model's layers (it raises
+        :class:`~backplane.core.errors.UnsupportedLayerError` while the model is
+        built or its caches are described) is replaced by the next one ``auto``
+        would choose, with a warning; a backend named explicitly is never
+        replaced (see :class:`~backplane.engine.selection.BackendSelection`).
         """
-        from backplane.core.errors import BackendUnavailableError
-        from backplane.core.registry import get_registry
+        from backplane.engine.selection import BackendSelection
         from backplane.models import load_model
 
         cfg = self.config
-        families = ("attention", "ssm", "mla", "delta")
-        backends = cfg.resolve_backends(families)
-        tried = {f: {getattr(b, "name", "")} for f, b in backends.items()}
+        selection = BackendSelection(cfg, FAMILIES, registry=self.registry)
         while True:
             try:
                 loaded = load_model(
-                    cfg.model, dtype=self.dtype, device=self.device, backends=backends
+                    cfg.model,
+                    dtype=self.dtype,
+                    device=self.device,
+                    backends=dict(selection.backends),
                 )
                 # backends check the layers they are given when describing their caches
                 loaded.model.cache_specs(
                     num_pages=2, page_size=int(cfg.page_size), num_slots=2, dtype=self.dtype
                 )
-                return loaded, backends
+                return loaded, dict(selection.backends)
             except BackendUnavailableError as exc:
-                family = getattr(exc, "family", None) or next(
-                    (
-                        f
-                        for f, b in backends.items()
-                        if f"{f} backend {getattr(b, 'name', '')!r}" in str(exc)
-                    ),
-                    None,
-                )
-                if family is None or cfg.backends.get(family, "auto") != "auto":
+                if not selection.replace(exc):
                     raise
-                registry = get_registry()
-                replacement = None
-                for spec in registry.backends(family):
-                    if spec.name in tried[family]:
-                        continue
-                    tried[family].add(spec.name)
-                    try:
-                        replacement = registry.select(family, spec.name, device=cfg.device_type)
-                        break
-                    except BackendUnavailableError:
-                        continue
-                if replacement is None:
-                    raise
-                logger.warning(
-                    "%s backend %r cannot run this model (%s); auto falls back to %r",
-                    family,
-                    getattr(backends[family], "name", ""),
-                    exc,
-                    replacement.name,
-                )
-                backends[family] = replacement.resolve()
 
     def _size_kv_pages(self) -> int:
         """Pages (including the scratch page 0) that fit the configured KV memory.

@@ -177,11 +177,18 @@ def backend_params(family: str) -> list[Any]:
 
 @functools.cache
 def _load(spec: BackendSpec) -> Any:
-    return spec.resolve()
+    from backplane.core.registry import get_registry
+    from backplane.engine import selection
+
+    return selection.load_backend(spec, registry=get_registry())
 
 
 def load_backend(spec: BackendSpec) -> Any:
     """Return the backend object of ``spec``, loaded once per test session.
+
+    Loaded as the engine loads it (:func:`backplane.engine.selection.load_backend`):
+    a backend that runs part of its work on another backend of its family gets
+    that fallback.
 
     :param spec: a spec from :func:`backend_params`.
     :return: the backend object.

@@ -3,8 +3,9 @@
 What runs where
     * decode tokens of the selective scan: ``flashinfer.mamba.selective_state_update``
       in place on the state cache (``state_batch_indices`` = the sequences' state slots);
-    * prefill/extend tokens of the scan and the causal conv: the Triton SSM backend
-      when it is available, otherwise the torch reference backend (see
+    * prefill/extend tokens of the scan and the causal conv: the fallback backend
+      selection hands over when it loads this one (``auto`` among the other SSM
+      backends: Triton when it is available, otherwise the torch reference; see
       :attr:`FlashInferSSMBackend.fallback_name`). Those run on a view of the batch
       holding only the prefill sequences, inside the same custom op.
 
@@ -25,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 
 from backplane.backends.flashinfer import _common
-from backplane.backends.flashinfer._fallback import fallback_backend
 from backplane.core.contract import cached_op, finish_output, output_buffer
+from backplane.core.errors import BackendUnavailableError
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import forward_context, get_forward_context
 from backplane.core.layouts import TensorSpec
@@ -57,15 +58,48 @@ class SSMStepPlan:
 
 
 class FlashInferSSMBackend(SSMBackend):
-    """Mamba2 decode on FlashInfer; prefill scan and conv on the Triton (else torch) backend."""
+    """Mamba2 decode on FlashInfer; prefill scan and conv on a fallback SSM backend.
+
+    :param fallback: the backend running the prefill scan and the conv; when
+        ``None``, selection provides it through :meth:`set_fallback` (Triton when
+        available, else torch).
+    """
 
     name: ClassVar[str] = "flashinfer"
+    needs_fallback: ClassVar[bool] = True
 
-    def __init__(self, fallback: Any = None) -> None:
+    def __init__(self, fallback: SSMBackend | None = None) -> None:
         self.handle = _common.register_backend(self)
-        self.fallback = fallback if fallback is not None else fallback_backend("ssm")
-        #: Name of the backend running the prefill scan and the conv.
-        self.fallback_name: str = getattr(self.fallback, "name", type(self.fallback).__name__)
+        self._fallback: SSMBackend | None = None
+        #: Name of the backend running the prefill scan and the conv (``""`` until set).
+        self.fallback_name: str = ""
+        if fallback is not None:
+            self.set_fallback(fallback)
+
+    def set_fallback(self, backend: SSMBackend) -> None:
+        """Run the prefill scan and the conv on ``backend`` (see :meth:`Backend.set_fallback`).
+
+        :param backend: a loaded SSM backend other than this one.
+        """
+        self._fallback = backend
+        self.fallback_name = getattr(backend, "name", "") or type(backend).__name__
+
+    @property
+    def fallback(self) -> SSMBackend:
+        """The backend running the prefill scan and the conv.
+
+        :raises BackendUnavailableError: none was given.
+        """
+        if self._fallback is None:
+            raise BackendUnavailableError(
+                "the FlashInfer ssm backend runs the prefill scan and the conv on another ssm "
+                "backend and was given none: load it with "
+                "backplane.engine.selection.load_backend, or pass "
+                "FlashInferSSMBackend(fallback=...)",
+                family="ssm",
+                backend=self.name,
+            )
+        return self._fallback
 
     @staticmethod
     def supports(layer: SSMLayerSpec, dtype: torch.dtype) -> tuple[bool, str]:
@@ -188,14 +222,12 @@ class FlashInferSSMBackend(SSMBackend):
         )
 
 
-def _conv_shape(x: torch.Tensor, *args: Any, **kwargs: Any):
-    return tuple(x.shape), x.dtype
-
-
 # ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
 # trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
-    "backplane_flashinfer::ssm_conv", mutates_args=("conv_state", "out"), output_shape=_conv_shape
+    "backplane_flashinfer::ssm_conv",
+    mutates_args=("conv_state", "out"),
+    output_shape=SSMBackend.conv_output_shape,
 )
 def _ssm_conv_op(
     x: torch.Tensor,
@@ -221,16 +253,12 @@ def _ssm_conv_op(
     return res
 
 
-def _scan_shape(x: torch.Tensor, *args: Any, **kwargs: Any):
-    return tuple(x.shape), x.dtype
-
-
 # ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
 # trailing optional mutable argument that the dispatcher dropped as a default.
 @cached_op(
     "backplane_flashinfer::ssm_scan",
     mutates_args=("ssm_state", "out"),
-    output_shape=_scan_shape,
+    output_shape=SSMBackend.scan_output_shape,
 )
 def _ssm_scan_op(
     x: torch.Tensor,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from backplane.core.registry import get_registry
+from backplane.engine.selection import load_backend, select_backend
 
 attention_kit = pytest.importorskip(
     "backplane.testing.attention", reason="backplane's attention conformance kit is not installed"
@@ -20,5 +20,4 @@ class TestExampleAttention(attention_kit.AttentionBackendTests):
 
     @pytest.fixture
     def backend(self):
-        spec = get_registry().select("attention", "example")
-        return spec.resolve()
+        return load_backend(select_backend("attention", "example"))
