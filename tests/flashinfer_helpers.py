@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.metadata import BatchMetadata, build_batch_metadata
+from backplane.core.metadata import EAGER, BatchMetadata, StepMode, build_batch_metadata
 
 
 def ragged_batch(
@@ -25,9 +25,13 @@ def ragged_batch(
     padding: int = 0,
     seed: int = 0,
     device: torch.device | str = "cuda",
+    block_table_width: int | None = None,
+    mode: StepMode = EAGER,
 ) -> tuple[BatchMetadata, list[list[int]], int, list[int]]:
     """A batch with shuffled (non-contiguous) page tables and shuffled state slots.
 
+    :param block_table_width: columns of the dense block table (default: just enough).
+    :param mode: how the step runs (e.g. the decode graph of a bucket).
     :return: ``(batch, page_tables, num_pages, state_slots)``; page 0 and slot 0 are never used.
     """
     rng = np.random.default_rng(seed)
@@ -47,7 +51,9 @@ def ragged_batch(
         page_size,
         state_slots=slots,
         padded_num_tokens=sum(query_lens) + padding,
+        block_table_width=block_table_width,
         device=device,
+        mode=mode,
     )
     return batch, tables, pool, slots
 

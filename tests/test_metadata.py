@@ -164,6 +164,11 @@ def test_positions_and_slots_of_padding_never_write() -> None:
 def test_step_mode_must_fit_the_batch() -> None:
     decode = build_batch_metadata([1, 1], [3, 5], [[1], [2, 3]], 4, mode=StepMode.decode_graph(2))
     assert decode.mode.is_decode_graph and decode.mode.bucket == 2
+    # fewer sequences than the bucket: the rest of the bucket must be padding tokens
+    padded = build_batch_metadata(
+        [1, 1], [3, 5], [[1], [2, 3]], 4, padded_num_tokens=4, mode=StepMode.decode_graph(4)
+    )
+    assert padded.mode == StepMode.decode_graph(4)
     with pytest.raises(ValueError, match="decode graph of bucket 4"):
         build_batch_metadata([1, 1], [3, 5], [[1], [2, 3]], 4, mode=StepMode.decode_graph(4))
     with pytest.raises(ValueError, match="decode graph of bucket 3"):

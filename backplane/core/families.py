@@ -4,10 +4,14 @@ A backend's ``BackendSpec.load`` produces an instance of one of the classes
 below. Each provides:
 
 * ``cache_spec(layer, ...)``: the cache tensors one layer needs (defaults are
-  the shared layouts of :mod:`backplane.core.layouts`);
+  the shared layouts of :mod:`backplane.core.layouts`); a pure description,
+  also used to check that the backend can run the layer;
 * ``plan(batch)``: host-side preparation called once per step for all layers,
-  outside any CUDA graph; what it returns is handed back to the ops through
+  outside any CUDA graph; it reads how the step runs from ``batch.mode``; what
+  it returns is handed back to the ops through
   :class:`~backplane.core.forward_context.ForwardContext`;
+* ``prepare_capture(mode, batch)``: called by the CUDA-graph runner before it
+  captures each bucket (default: nothing to do);
 * the cached op(s), each ending in ``out=None`` and honouring the out-buffer
   contract of :mod:`backplane.core.contract`;
 * ``dynamic_ops()``: the custom-op overloads the piecewise CUDA-graph runner
@@ -38,7 +42,7 @@ import torch
 from backplane.core import layouts
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec
-from backplane.core.metadata import BatchMetadata
+from backplane.core.metadata import BatchMetadata, StepMode
 
 # -- per-layer constants ------------------------------------------------------
 
@@ -164,10 +168,29 @@ class Backend(ABC):
     def plan(self, batch: BatchMetadata) -> Any:
         """Prepare host-side state for one step, for all layers.
 
-        Called once per step, outside any CUDA graph, before the model runs.
+        Called once per step, outside any CUDA graph, before the model runs
+        (also before every replay of a captured graph). ``batch.mode`` says how
+        the step runs: eagerly, as the decode graph of a bucket (the ops are
+        replayed from a capture, so what they read must sit at the addresses
+        they were captured with), or piecewise (the ops run eagerly).
 
         :param batch: the step's metadata.
         :return: anything; ops get it back from ``get_forward_context().plan(family)``.
+        """
+        return None
+
+    def prepare_capture(self, mode: StepMode, batch: BatchMetadata) -> None:
+        """Get ready for the graph of ``mode`` to be captured.
+
+        Called by the CUDA-graph runner once per bucket, outside any graph,
+        before it plans the capture batch and captures it. For a decode graph,
+        ``batch`` is the largest batch of its bucket: every step replayed on the
+        graph has at most its sequences and block-table width. A backend that
+        keeps per-bucket device buffers sets them up here; they must stay where
+        they are from then on. The default does nothing.
+
+        :param mode: the decode graph or piecewise bucket about to be captured.
+        :param batch: the batch it is captured with (``batch.mode == mode``).
         """
         return None
 

@@ -58,9 +58,10 @@ class StepMode:
     """How the engine runs one step, decided once when the step is prepared.
 
     * eager (:data:`EAGER`): the model runs op by op, no padding required;
-    * decode graph of bucket ``b``: a decode-only batch padded with scratch
-      sequences to exactly ``b`` sequences (= ``b`` tokens) replays the
-      monolithic graph captured for ``b``; every cached op runs inside it;
+    * decode graph of bucket ``b``: a decode-only batch padded to ``b`` tokens
+      (the graph runner pads it with scratch sequences to exactly ``b``
+      sequences) replays the monolithic graph captured for ``b``; every cached
+      op runs inside it;
     * piecewise bucket ``t``: the tokens are padded to ``t`` and the captured
       static segments of bucket ``t`` replay, the cached ops running eagerly
       between them.
@@ -104,16 +105,17 @@ class StepMode:
         :param num_decode_seqs: how many of them decode.
         :param padded_num_tokens: tokens including padding.
         :return: this mode.
-        :raises ValueError: a decode graph of a batch other than ``bucket`` decode
-            sequences, or a piecewise bucket other than the padded token count.
+        :raises ValueError: a decode graph of a batch that is not decode-only or
+            not padded to ``bucket`` tokens, or a piecewise bucket other than the
+            padded token count.
         """
         if self.kind is StepKind.DECODE_GRAPH and not (
-            num_seqs == num_decode_seqs == padded_num_tokens == self.bucket
+            0 < num_seqs == num_decode_seqs <= padded_num_tokens == self.bucket
         ):
             raise ValueError(
-                f"the decode graph of bucket {self.bucket} runs {self.bucket} decode sequences "
-                f"of one token each; this batch has {num_decode_seqs} decode of {num_seqs} "
-                f"sequences and {padded_num_tokens} padded tokens (pad it with scratch sequences)"
+                f"the decode graph of bucket {self.bucket} runs decode sequences padded to "
+                f"{self.bucket} tokens; this batch has {num_decode_seqs} decode of {num_seqs} "
+                f"sequences and {padded_num_tokens} padded tokens"
             )
         if self.kind is StepKind.PIECEWISE and padded_num_tokens != self.bucket:
             raise ValueError(

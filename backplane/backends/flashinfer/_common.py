@@ -98,7 +98,7 @@ def require_not_capturing(what: str) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"FlashInfer {what}: no plan for this step while a CUDA graph is being captured; "
-            "call backend.plan(batch) (and prepare_graph_bucket(bucket)) before capture"
+            "call backend.prepare_capture(mode, batch) and backend.plan(batch) before capture"
         )
 
 
@@ -201,52 +201,31 @@ def slice_prefill(batch: BatchMetadata) -> BatchMetadata:
 
 # -- CUDA-graph decode buckets ----------------------------------------------------
 
-#: Largest decode batch that gets a CUDA-graph bucket automatically.
-AUTO_BUCKET_LIMIT = 1024
 
+def graph_bucket(batch: BatchMetadata) -> int | None:
+    """The decode-graph bucket ``plan`` uses for ``batch``, or ``None`` for the eager wrappers.
 
-def auto_graph_bucket(batch: BatchMetadata, prepared: dict[int, Any]) -> int | None:
-    """The CUDA-graph bucket ``plan`` should use for ``batch``, or ``None`` for eager wrappers.
-
-    A decode-only batch uses a prepared bucket of its padded size. Without one, a
-    bucket is created automatically when the batch is *graph-shaped*: as many
-    sequences as padded tokens (the graph runner pads decode steps with scratch
-    sequences) and either a power-of-two size or every sequence on the scratch
-    page 0 -- which only a capture batch can be, since page 0 is never handed to
-    a request. Other sizes stay on the eager wrappers, so eager decode steps of
-    arbitrary sizes do not each allocate a wrapper.
+    The model runner decided how the step runs (``batch.mode``); only the steps
+    of a decode graph run FlashInfer's ops inside a captured graph. Piecewise
+    steps run the ops eagerly between captured segments, so they plan like eager
+    steps.
 
     :param batch: the step's metadata.
-    :param prepared: the backend's prepared buckets.
     :return: the bucket size, or ``None``.
     """
-    if not batch.is_decode_only:
-        return None
-    b = batch.padded_num_tokens
-    if b in prepared:
-        return b
-    if batch.num_seqs != b or b > AUTO_BUCKET_LIMIT:
-        return None
-    h = batch.host
-    used = h.page_indices[: int(h.page_indptr[b])]
-    if b & (b - 1) == 0 or (used.size and not used.any()):
-        return b
-    return None
+    mode = batch.mode
+    return mode.bucket if mode.is_decode_graph else None
 
 
-def bucket_capacity(batch: BatchMetadata, bucket: int, pool_pages: int | None) -> int:
+def bucket_capacity(batch: BatchMetadata, bucket: int) -> int:
     """Page-index capacity of a bucket first seen with ``batch``.
 
-    Covers the KV pool (plus one scratch page per padding sequence) and the
-    widest batch the graph runner builds (``bucket`` sequences of a full-width
-    block table, as in its capture batches).
+    Covers the batch's pages and ``bucket`` sequences of its block-table width:
+    for the graph runner's capture batch (``bucket`` sequences of the full
+    width) that is every page a later step of the bucket can reference.
     """
     h = batch.host
-    return max(
-        int(h.page_indptr[batch.num_seqs]),
-        bucket * int(h.block_table.shape[1]),
-        (pool_pages or 0) + bucket,
-    )
+    return max(int(h.page_indptr[batch.num_seqs]), bucket * int(h.block_table.shape[1]))
 
 
 def ensure_bucket(
@@ -254,14 +233,14 @@ def ensure_bucket(
     wrappers: dict[tuple[int, Any], Any],
     batch: BatchMetadata,
     bucket: int,
-    pool_pages: int | None,
     device: torch.device,
 ) -> GraphBucketBuffers:
     """Return bucket ``bucket``'s buffers, large enough for ``batch``.
 
     A bucket is created on first use, and grown (its wrappers dropped, to be rebuilt
-    on the new buffers) when a batch references more pages than it holds -- unless a
-    graph was already captured on it, which would keep reading the old buffers.
+    on the new buffers) when a batch references more pages than it holds -- unless it
+    was fixed for capture (:func:`fix_bucket`): a captured graph keeps reading the
+    buffers it was captured with.
     """
     buf = prepared.get(bucket)
     h = batch.host
@@ -269,37 +248,55 @@ def ensure_bucket(
     needed = int(h.page_indptr[n]) + max(bucket - n, 0)
     if buf is not None and needed <= len(buf.kv_indices):
         return buf
-    if buf is not None and buf.captured:
+    if buf is not None and buf.fixed:
         raise ValueError(
             f"CUDA-graph bucket {bucket} holds {len(buf.kv_indices)} page entries but this "
-            f"step references {needed}; prepare the bucket with a larger max_pages before "
-            "capturing it"
+            f"step references {needed}; capture the bucket with its largest batch "
+            "(prepare_capture sizes the bucket from the batch it is given)"
         )
-    buf = GraphBucketBuffers.allocate(
-        bucket, max(needed, bucket_capacity(batch, bucket, pool_pages)), device
-    )
+    buf = GraphBucketBuffers.allocate(bucket, max(needed, bucket_capacity(batch, bucket)), device)
     prepared[bucket] = buf
     for key in [k for k in wrappers if k[0] == bucket]:
         del wrappers[key]
     return buf
 
 
-def mark_captured(step_graph: GraphBucketBuffers | None) -> None:
-    """Record that a graph is being captured on ``step_graph``'s buffers."""
-    if step_graph is not None and torch.cuda.is_available():
-        if torch.cuda.is_current_stream_capturing():
-            step_graph.captured = True
+def fix_bucket(
+    prepared: dict[int, GraphBucketBuffers],
+    wrappers: dict[tuple[int, Any], Any],
+    batch: BatchMetadata,
+    bucket: int,
+    device: torch.device,
+) -> GraphBucketBuffers:
+    """Size bucket ``bucket``'s buffers for its capture batch and keep them where they are.
+
+    The backends' ``prepare_capture`` calls this before the bucket is captured.
+    """
+    buf = ensure_bucket(prepared, wrappers, batch, bucket, device)
+    buf.fixed = True
+    return buf
 
 
-def require_graph_plan_when_capturing(step_graph: Any, what: str) -> None:
-    """Refuse to be captured on eager wrappers, whose buffers move at every plan."""
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if step_graph is None and capturing:
+def require_graph_plan_when_capturing(step_graph: GraphBucketBuffers | None, what: str) -> None:
+    """Refuse to be captured on buffers that may move after the capture.
+
+    Eager wrappers reallocate their index buffers at every plan, and a bucket not
+    fixed by ``prepare_capture`` may grow; either way a captured graph would
+    replay stale indices.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    if step_graph is None:
         raise RuntimeError(
             f"FlashInfer {what}: this step was planned on the eager wrappers, whose index "
             "buffers are reallocated by every plan, so a captured graph would replay stale "
-            "indices; call backend.prepare_graph_bucket(bucket) before capturing a decode "
-            "bucket (decode-only batches with padded_num_tokens == bucket then use it)"
+            "indices; capture decode graphs with batches whose mode is StepMode.decode_graph"
+        )
+    if not step_graph.fixed:
+        raise RuntimeError(
+            f"FlashInfer {what}: CUDA-graph bucket {step_graph.bucket} is captured without "
+            "backend.prepare_capture(mode, batch), so its buffers may still move; call it "
+            "before capturing"
         )
 
 
@@ -327,8 +324,8 @@ class GraphBucketBuffers:
     seq_ids: torch.Tensor  # int32 [bucket] (0..bucket-1)
     positions: torch.Tensor  # int32 [bucket]
     pad_mask: torch.Tensor  # bool [bucket, 1, 1], True on padding rows
-    #: Set when an op was captured into a CUDA graph on these buffers; they may not move.
-    captured: bool = False
+    #: Set by ``prepare_capture``: a graph is captured on these buffers; they may not move.
+    fixed: bool = False
 
     @classmethod
     def allocate(cls, bucket: int, max_pages: int, device: torch.device) -> GraphBucketBuffers:
@@ -361,9 +358,8 @@ class GraphBucketBuffers:
         total = pages + (b - n)
         if total > len(self.kv_indices):
             raise ValueError(
-                f"CUDA-graph bucket {b}: the batch uses {pages} pages but the bucket was "
-                f"prepared for {self.max_pages}; call prepare_graph_bucket({b}, max_pages=...) "
-                "with the KV pool size"
+                f"CUDA-graph bucket {b}: the batch uses {pages} pages but the bucket holds "
+                f"{self.max_pages}; size the bucket with its largest batch (prepare_capture)"
             )
         indptr = np.empty(b + 1, np.int32)
         indptr[: n + 1] = h.page_indptr[: n + 1]

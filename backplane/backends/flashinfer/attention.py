@@ -16,20 +16,25 @@ Per step
 
 CUDA graphs (decode)
     A captured graph must find its wrapper's index buffers at the same
-    addresses on every replay. :meth:`FlashInferAttentionBackend.prepare_graph_bucket`
-    allocates, once per decode bucket ``B``, fixed buffers (page indptr, page
+    addresses on every replay. The model runner decides how each step runs and
+    says so in ``batch.mode``: a step whose mode is the decode graph of bucket
+    ``B`` is planned onto that bucket's fixed buffers (page indptr, page
     indices, last-page lengths, positions, a padding mask) and, per layer
-    configuration, a decode wrapper built with ``use_cuda_graph=True`` on them.
-    From then on :meth:`plan` recognises a graph step by its shape -- a
-    decode-only batch whose ``padded_num_tokens`` equals a prepared bucket --
-    pads it to ``B`` sequences (padding sequences point at the reserved scratch
-    page 0) and re-plans that bucket's wrappers, rewriting the fixed buffers.
-    The graph runner therefore: calls ``prepare_graph_bucket(B)`` for each
-    bucket before capture, and ``plan(batch)`` before warmup, capture and
-    *every* replay (``plan_step`` already does this once per step). The same
-    padded path runs eagerly, so a bucket-shaped step gives identical results
-    with or without a graph. ``plan(batch, graph_bucket=B)`` selects a bucket
-    explicitly.
+    configuration, a decode wrapper built with ``use_cuda_graph=True`` on them;
+    ``plan`` pads the batch to ``B`` sequences (padding sequences point at the
+    reserved scratch page 0) and re-plans that bucket's wrappers, rewriting the
+    fixed buffers -- before warmup, capture and *every* replay (``plan_step``
+    does this once per step). Before capturing bucket ``B`` the graph runner
+    calls :meth:`FlashInferAttentionBackend.prepare_capture` with the capture
+    batch, which sizes the bucket's buffers for the largest step of the bucket
+    and fixes them. Every other step (eager, piecewise) uses the eager
+    wrappers. The same padded path runs eagerly, so a decode-graph step gives
+    identical results with or without a graph.
+
+Layers: the configurations to plan are registered with
+:meth:`FlashInferAttentionBackend.register_layer`, or on the first step that
+runs them (planned then, outside any capture); ``cache_spec`` only checks that
+FlashInfer can run the layer.
 
 Workspace: one float workspace per device, shared by all wrappers, allocated
 once (see :func:`backplane.backends.flashinfer._common.workspace`).
@@ -51,7 +56,7 @@ from backplane.core.errors import BackendUnavailableError
 from backplane.core.families import AttentionBackend, AttentionLayerSpec
 from backplane.core.forward_context import get_forward_context
 from backplane.core.layouts import TensorSpec
-from backplane.core.metadata import BatchMetadata
+from backplane.core.metadata import BatchMetadata, StepMode
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +129,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode_wrappers: dict[_LayerKey, Any] = {}
         self._graph_buffers: dict[int, _common.GraphBucketBuffers] = {}
         self._graph_wrappers: dict[tuple[int, _LayerKey], Any] = {}
-        self._num_pages: int | None = None
 
     # -- layer registration and limits ------------------------------------------
     @staticmethod
@@ -162,9 +166,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def cache_spec(
         self, layer: AttentionLayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
-        """Return the shared paged-KV layout and remember the layer for planning."""
-        self.register_layer(layer, dtype)
-        self._num_pages = max(self._num_pages or 0, num_pages)
+        """Return the shared paged-KV layout, after checking FlashInfer can run ``layer``."""
+        self._check(layer, dtype)
         return super().cache_spec(layer, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
     def dynamic_ops(self) -> tuple[Any, ...]:
@@ -218,40 +221,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         return key.num_heads // key.num_kv_heads not in _CUDA_CORE_GROUPS
 
     @_common.outside_inference_mode
-    def prepare_graph_bucket(
-        self, bucket: int, *, max_pages: int | None = None, device: torch.device | str | None = None
-    ) -> None:
-        """Allocate the fixed CUDA-graph buffers of decode bucket ``bucket``.
+    def prepare_capture(self, mode: StepMode, batch: BatchMetadata) -> None:
+        """Size and fix the buffers of a decode-graph bucket before it is captured.
 
-        Call once per bucket before capturing it. Afterwards every decode-only
-        batch with ``padded_num_tokens == bucket`` is planned onto this
-        bucket's CUDA-graph wrappers (see the module docstring).
-
-        :param bucket: decode batch size of the bucket (= its padded token count).
-        :param max_pages: most pages a step may reference in total (default:
-            the KV pool size seen in :meth:`cache_spec`).
-        :param device: the CUDA device (default: the current one).
+        :param mode: the bucket about to be captured; piecewise buckets need
+            nothing (the op runs eagerly between captured segments).
+        :param batch: the capture batch, the largest of its bucket.
         """
-        if bucket in self._graph_buffers:
+        if not mode.is_decode_graph:
             return
-        pages = max_pages if max_pages is not None else self._num_pages
-        if pages is None:
-            raise ValueError(
-                "prepare_graph_bucket needs max_pages (the KV pool size) when cache_spec "
-                "was not called on this backend"
-            )
-        dev = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda", torch.cuda.current_device())
-        )
-        self._ensure_device(dev)
-        self._graph_buffers[bucket] = _common.GraphBucketBuffers.allocate(
-            bucket, pages + bucket, self._device
+        self._ensure_device(batch.device)
+        _common.fix_bucket(
+            self._graph_buffers, self._graph_wrappers, batch, mode.bucket, self._device
         )
 
     def graph_buckets(self) -> list[int]:
-        """The decode buckets prepared for CUDA graphs."""
+        """The decode buckets that have CUDA-graph buffers."""
         return sorted(self._graph_buffers)
 
     def _graph_wrapper(self, bucket: int, key: _LayerKey) -> Any:
@@ -275,37 +260,20 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # -- planning ----------------------------------------------------------------
     @_common.outside_inference_mode
-    def plan(self, batch: BatchMetadata, graph_bucket: int | None = None) -> AttentionStepPlan:
+    def plan(self, batch: BatchMetadata) -> AttentionStepPlan:
         """Plan every known layer configuration for ``batch`` (host arrays only).
 
-        :param batch: the step's metadata.
-        :param graph_bucket: force the CUDA-graph wrappers of this bucket; by
-            default they are used when the batch is decode-only and its
-            ``padded_num_tokens`` is a prepared bucket.
+        :param batch: the step's metadata; a decode-graph ``batch.mode`` selects
+            that bucket's CUDA-graph wrappers, any other mode the eager ones.
         :return: the step plan ops read from the forward context.
         """
         self._ensure_device(batch.device)
-        if graph_bucket is None:
-            graph_bucket = _common.auto_graph_bucket(batch, self._graph_buffers)
-        if graph_bucket is not None and batch.is_decode_only:
-            _common.ensure_bucket(
-                self._graph_buffers,
-                self._graph_wrappers,
-                batch,
-                graph_bucket,
-                self._num_pages,
-                self._device,
-            )
         step = AttentionStepPlan(batch=batch)
-        if graph_bucket is not None:
-            if graph_bucket not in self._graph_buffers:
-                raise ValueError(f"CUDA-graph bucket {graph_bucket} was not prepared")
-            if graph_bucket != batch.padded_num_tokens:
-                raise ValueError(
-                    f"CUDA-graph bucket {graph_bucket} needs padded_num_tokens == {graph_bucket}, "
-                    f"got {batch.padded_num_tokens}"
-                )
-            buf = self._graph_buffers[graph_bucket]
+        bucket = _common.graph_bucket(batch)
+        if bucket is not None:
+            buf = _common.ensure_bucket(
+                self._graph_buffers, self._graph_wrappers, batch, bucket, self._device
+            )
             step.graph = buf
             step.graph_arrays = buf.host_arrays(batch)
             buf.fill(step.graph_arrays)
@@ -439,7 +407,6 @@ def _attention_op(
     key = _LayerKey(num_heads, num_kv_heads, head_dim, window_left, scale, q.dtype)
     step = backend._step_plan(key)
     _common.require_graph_plan_when_capturing(step.graph, "attention")
-    _common.mark_captured(step.graph)
     batch = step.batch
     buf = output_buffer(out, q.shape, q.dtype, q.device)
     if not q.is_contiguous():

@@ -15,9 +15,13 @@ decode alike (one causal plan for the whole batch): the query is
 unavailable with that reason.
 
 Planning (once per step, host arrays only) and CUDA-graph decode buckets work as
-for attention: :meth:`FlashInferMLABackend.prepare_graph_bucket` allocates
-fixed buffers and a ``use_cuda_graph=True`` wrapper per bucket, and
-:meth:`FlashInferMLABackend.plan` re-plans it before every replay.
+for attention: a step whose ``batch.mode`` is the decode graph of a bucket is
+planned onto that bucket's fixed buffers and its ``use_cuda_graph=True``
+wrapper (re-planned before every replay);
+:meth:`FlashInferMLABackend.prepare_capture` sizes and fixes the buffers before
+the bucket is captured. Layer configurations are registered with
+:meth:`FlashInferMLABackend.register_layer` or on the first step that runs them;
+``cache_spec`` only checks the layer.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from backplane.core.errors import BackendUnavailableError
 from backplane.core.families import MLABackend, MLALayerSpec
 from backplane.core.forward_context import get_forward_context
 from backplane.core.layouts import TensorSpec
-from backplane.core.metadata import BatchMetadata
+from backplane.core.metadata import BatchMetadata, StepMode
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -71,7 +75,6 @@ class FlashInferMLABackend(MLABackend):
         self._wrappers: dict[_MLAKey, Any] = {}
         self._graph_buffers: dict[int, _common.GraphBucketBuffers] = {}
         self._graph_wrappers: dict[tuple[int, _MLAKey], Any] = {}
-        self._num_pages: int | None = None
 
     @staticmethod
     def supports(layer: MLALayerSpec, dtype: torch.dtype) -> tuple[bool, str]:
@@ -103,9 +106,8 @@ class FlashInferMLABackend(MLABackend):
     def cache_spec(
         self, layer: MLALayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
-        """Return the shared latent layout and remember the layer for planning."""
-        self.register_layer(layer, dtype)
-        self._num_pages = max(self._num_pages or 0, num_pages)
+        """Return the shared latent layout, after checking FlashInfer can run ``layer``."""
+        self._check(layer, dtype)
         return super().cache_spec(layer, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
     def dynamic_ops(self) -> tuple[Any, ...]:
@@ -122,27 +124,21 @@ class FlashInferMLABackend(MLABackend):
             _common.workspace(device)
 
     @_common.outside_inference_mode
-    def prepare_graph_bucket(
-        self, bucket: int, *, max_pages: int | None = None, device: torch.device | str | None = None
-    ) -> None:
-        """Allocate the fixed CUDA-graph buffers of decode bucket ``bucket`` (see attention)."""
-        if bucket in self._graph_buffers:
+    def prepare_capture(self, mode: StepMode, batch: BatchMetadata) -> None:
+        """Size and fix the buffers of a decode-graph bucket before it is captured.
+
+        :param mode: the bucket about to be captured (piecewise buckets need nothing).
+        :param batch: the capture batch, the largest of its bucket.
+        """
+        if not mode.is_decode_graph:
             return
-        pages = max_pages if max_pages is not None else self._num_pages
-        if pages is None:
-            raise ValueError("prepare_graph_bucket needs max_pages when cache_spec was not called")
-        dev = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda", torch.cuda.current_device())
-        )
-        self._ensure_device(dev)
-        self._graph_buffers[bucket] = _common.GraphBucketBuffers.allocate(
-            bucket, pages + bucket, self._device
+        self._ensure_device(batch.device)
+        _common.fix_bucket(
+            self._graph_buffers, self._graph_wrappers, batch, mode.bucket, self._device
         )
 
     def graph_buckets(self) -> list[int]:
-        """The decode buckets prepared for CUDA graphs."""
+        """The decode buckets that have CUDA-graph buffers."""
         return sorted(self._graph_buffers)
 
     def _wrapper(self, key: _MLAKey, bucket: int | None) -> Any:
@@ -170,32 +166,20 @@ class FlashInferMLABackend(MLABackend):
         return w
 
     @_common.outside_inference_mode
-    def plan(self, batch: BatchMetadata, graph_bucket: int | None = None) -> MLAStepPlan:
+    def plan(self, batch: BatchMetadata) -> MLAStepPlan:
         """Plan every known MLA configuration for ``batch`` from its host arrays.
 
-        :param batch: the step's metadata.
-        :param graph_bucket: force this CUDA-graph bucket (default: a decode-only
-            batch whose ``padded_num_tokens`` is a prepared bucket uses it).
+        :param batch: the step's metadata; a decode-graph ``batch.mode`` selects
+            that bucket's CUDA-graph wrapper, any other mode the eager one.
+        :return: the step plan ops read from the forward context.
         """
         self._ensure_device(batch.device)
-        if graph_bucket is None:
-            graph_bucket = _common.auto_graph_bucket(batch, self._graph_buffers)
-        if graph_bucket is not None and batch.is_decode_only:
-            _common.ensure_bucket(
-                self._graph_buffers,
-                self._graph_wrappers,
-                batch,
-                graph_bucket,
-                self._num_pages,
-                self._device,
-            )
         step = MLAStepPlan(batch=batch)
-        if graph_bucket is not None:
-            if graph_bucket != batch.padded_num_tokens:
-                raise ValueError(
-                    f"CUDA-graph bucket {graph_bucket} needs padded_num_tokens == {graph_bucket}"
-                )
-            buf = self._graph_buffers[graph_bucket]
+        bucket = _common.graph_bucket(batch)
+        if bucket is not None:
+            buf = _common.ensure_bucket(
+                self._graph_buffers, self._graph_wrappers, batch, bucket, self._device
+            )
             step.graph = buf
             step.graph_arrays = buf.host_arrays(batch)
             buf.fill(step.graph_arrays)
@@ -312,7 +296,6 @@ def _mla_op(
     key = _MLAKey(num_heads, scale, q_nope.dtype)
     step = backend._step_plan(key)
     _common.require_graph_plan_when_capturing(step.graph, "MLA")
-    _common.mark_captured(step.graph)
     batch = step.batch
     t = q_nope.shape[0]
     buf = output_buffer(out, (t, num_heads, w_uv.shape[1]), q_nope.dtype, q_nope.device)

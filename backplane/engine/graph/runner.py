@@ -10,6 +10,10 @@ dispatches on it:
   the tokens padded to the bucket;
 * anything else -> eager.
 
+Before capturing a bucket the runner calls every backend's
+``prepare_capture(mode, batch)`` with the capture batch, so a backend that keeps
+per-bucket buffers sets them up (and knows they may not move afterwards).
+
 Decode graphs are captured with every sequence at the model's full length
 (``max_model_len``) and a block table of full width, so work a backend sizes
 from host lengths is sized for the worst case, and each replay masks by the
@@ -151,8 +155,10 @@ class GraphModelRunner:
 
     @contextlib.contextmanager
     def _capture_context(self, inputs: BatchInputs) -> Iterator[None]:
-        """Plan the capture batch and make it the forward context."""
+        """Let every backend prepare the capture, plan the capture batch, make it the context."""
         metadata = inputs.metadata
+        for backend in self.backends.values():
+            backend.prepare_capture(metadata.mode, metadata)
         with forward_context(metadata, plan_step(self.backends, metadata)):
             yield
 
