@@ -328,3 +328,59 @@ def test_the_step_mode_is_decided_once_and_run_dispatches_on_it(setup, monkeypat
     for inputs in (decode, mixed, eager):
         runner.run(inputs)
     assert calls == [("decode", 4), ("piecewise", 16), ("eager", 6)]
+
+
+def test_backends_prepare_each_capture_before_its_plan(monkeypatch):
+    """prepare_capture(mode, batch) comes once per bucket, with the capture batch, before plan."""
+    engine = Engine(
+        model="tiny-llama",
+        device="cpu",
+        max_num_seqs=2,
+        max_num_tokens=16,
+        max_model_len=32,
+        page_size=PAGE,
+        num_kv_pages=40,
+        cuda_graphs="off",
+        backends=TORCH_BACKENDS,
+    )
+    attention = engine.backends["attention"]
+    events = []
+    plan = attention.plan
+
+    def record_capture(mode, batch):
+        assert batch.mode == mode
+        events.append(("capture", mode, batch.num_seqs, batch.block_table.shape[1]))
+
+    def record_plan(batch):
+        events.append(("plan", batch.mode))
+        return plan(batch)
+
+    monkeypatch.setattr(attention, "prepare_capture", record_capture)
+    monkeypatch.setattr(attention, "plan", record_plan)
+    runner = GraphModelRunner(
+        engine.model,
+        engine.backends,
+        engine.input_batch,
+        mode="full_and_piecewise",
+        max_num_tokens=16,
+        max_num_seqs=2,
+        max_model_len=32,
+        page_size=PAGE,
+        token_bucket_sizes=[8],
+        decode_bucket_sizes=[1, 2],
+        allow_cpu=True,
+    )
+    runner.capture()
+    pw16, pw8 = StepMode.piecewise(16), StepMode.piecewise(8)
+    d2, d1 = StepMode.decode_graph(2), StepMode.decode_graph(1)
+    full = runner.max_pages
+    assert events == [
+        ("capture", pw16, 1, 4),
+        ("plan", pw16),
+        ("capture", pw8, 1, 2),
+        ("plan", pw8),
+        ("capture", d2, 2, full),  # the largest batch of the bucket: full-width tables
+        ("plan", d2),
+        ("capture", d1, 1, full),
+        ("plan", d1),
+    ]
