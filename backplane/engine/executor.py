@@ -29,6 +29,7 @@ from backplane.core.errors import (
 )
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
+from backplane.core.layouts import CacheFootprint, TensorSpec, cache_footprint
 from backplane.engine.inputs import BatchInputs, InputBatch
 from backplane.engine.runner import EagerModelRunner, ModelRunner
 from backplane.engine.sampling import Sampler, SamplingParams
@@ -57,8 +58,27 @@ class EngineStepOutput:
     finish_reason: str | None = None
 
 
-def _spec_bytes(specs: dict[str, dict[str, Any]]) -> int:
-    return sum(spec.nbytes for layer in specs.values() for spec in layer.values())
+def _check_paged_flags(
+    sized: dict[str, dict[str, TensorSpec]], specs: dict[str, dict[str, TensorSpec]]
+) -> None:
+    """Refuse caches whose size follows the page count without their spec saying so.
+
+    The pool is sized from the specs' ``paged`` flags; a tensor that grows with
+    ``num_pages`` but is not marked paged would make it overflow the budget.
+
+    :param sized: the specs the pool was sized from.
+    :param specs: the specs for the chosen page count.
+    :raises ValueError: naming the first such tensor.
+    """
+    for layer, layer_specs in specs.items():
+        for name, spec in layer_specs.items():
+            if not spec.paged and spec != sized[layer][name]:
+                raise ValueError(
+                    f"cache {name!r} of layer {layer} changes shape with num_pages "
+                    f"({sized[layer][name].shape} -> {spec.shape}) but its TensorSpec is not "
+                    "paged; the backend's cache_spec must set paged=True on tensors whose "
+                    "first dimension counts KV pages"
+                )
 
 
 class Engine:
@@ -106,21 +126,25 @@ class Engine:
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
 
         self.num_slots = self.max_num_seqs + 1 if self.model.has_recurrent_state else 0
-        self.num_pages = self._size_kv_pages()
-        specs = self.model.cache_specs(
-            num_pages=self.num_pages,
-            page_size=self.page_size,
-            num_slots=max(self.num_slots, 1),
-            dtype=self.dtype,
-        )
+        cache_kw = {
+            "page_size": self.page_size,
+            "num_slots": max(self.num_slots, 1),
+            "dtype": self.dtype,
+        }
+        # one description sizes the pool (its specs say what is paged), one allocates it
+        sized = self.model.cache_specs(num_pages=2, **cache_kw)
+        footprint = cache_footprint(sized)
+        self.num_pages = self._size_kv_pages(footprint)
+        specs = self.model.cache_specs(num_pages=self.num_pages, **cache_kw)
+        _check_paged_flags(sized, specs)
         self.caches = {
             layer: {name: spec.allocate(self.device) for name, spec in layer_specs.items()}
             for layer, layer_specs in specs.items()
         }
         self.model.bind_caches(self.caches)
-        paged = [self.caches[layer][name] for layer, name in self._paged_keys]
-        self.kv_bytes = sum(t.numel() * t.element_size() for t in paged)
-        self.state_bytes = _spec_bytes(specs) - self.kv_bytes
+        paged = [self.caches[layer][name] for layer, name in footprint.paged]
+        self.kv_bytes = self.num_pages * footprint.page_bytes
+        self.state_bytes = footprint.state_bytes
         self.scheduler = self._build_scheduler(paged)
         self.input_batch = InputBatch(
             max_num_tokens=self.max_num_tokens,
@@ -183,25 +207,15 @@ class Engine:
                 if not selection.replace(exc):
                     raise
 
-    def _size_kv_pages(self) -> int:
+    def _size_kv_pages(self, footprint: CacheFootprint) -> int:
         """Pages (including the scratch page 0) that fit the configured KV memory.
 
-        Also finds which cache tensors are paged (their first dimension follows
-        ``num_pages``) as opposed to per-slot recurrent state.
+        :param footprint: per-page and recurrent-state bytes of the model's caches.
+        :return: the page count.
+        :raises OutOfKVMemoryError: fewer than two pages fit.
         """
         cfg = self.config
-        slots = max(self.num_slots, 1)
-        kw = {"page_size": self.page_size, "num_slots": slots, "dtype": self.dtype}
-        two = self.model.cache_specs(num_pages=2, **kw)
-        three = self.model.cache_specs(num_pages=3, **kw)
-        self._paged_keys = [
-            (layer, name)
-            for layer, layer_specs in two.items()
-            for name, spec in layer_specs.items()
-            if spec.shape != three[layer][name].shape
-        ]
-        per_page = _spec_bytes(three) - _spec_bytes(two)
-        state_bytes = _spec_bytes(two) - 2 * per_page
+        per_page, state_bytes = footprint.page_bytes, footprint.state_bytes
         if cfg.num_kv_pages is not None:
             n = int(cfg.num_kv_pages)
         elif per_page == 0:  # no paged layers: pages are bookkeeping only
