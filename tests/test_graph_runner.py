@@ -19,6 +19,7 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import StepMode
 from backplane.engine.executor import Engine
 from backplane.engine.graph.runner import GraphModelRunner
+from backplane.engine.runner import ModelRunner
 
 PAGE = 4
 
@@ -307,6 +308,7 @@ def test_every_cached_op_of_the_model_is_split_out(setup):
 def test_the_step_mode_is_decided_once_and_run_dispatches_on_it(setup, monkeypatch):
     """prepare_inputs picks the mode and carries it on the inputs; run follows it."""
     engine, runner = setup
+    assert isinstance(runner, ModelRunner) and isinstance(engine.runner, ModelRunner)
     rng = np.random.default_rng(5)
     decode = runner.prepare_inputs(make_seqs(engine, rng, [], [3, 9, 4]))
     assert decode.mode == StepMode.decode_graph(4)

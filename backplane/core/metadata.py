@@ -157,8 +157,9 @@ class HostBatch:
 class BatchMetadata:
     """A ragged batch: host counts and arrays plus their device copies.
 
-    Build one with :func:`build_batch_metadata` (tests, tools) or from the
-    engine's persistent input buffers. Device tensors share names with the
+    Build one with :func:`build_batch_metadata` (tests, tools); the engine
+    packs its own with the same packer (:mod:`backplane.core.packing`) into its
+    persistent input buffers. Device tensors share names with the
     :class:`HostBatch` fields.
     """
 
