@@ -245,11 +245,11 @@ def run_cpu(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench`` sub-command (with its ``cpu`` benchmark)."""
+    """Add the ``bench`` sub-command (with its ``cpu`` and ``latency`` benchmarks)."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks of the engine (bench cpu: scheduling + input preparation)",
-        description="Benchmarks of the engine's host side.",
+        help="benchmarks of the engine (cpu: scheduling + input preparation; latency: decode)",
+        description="Benchmarks of the engine: its host side (cpu) and decode latency (latency).",
     )
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     cpu = sub.add_parser(
@@ -260,6 +260,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_cpu_arguments(cpu)
     cpu.set_defaults(func=_run_cpu_cli)
+    from backplane.cli import bench_latency
+
+    latency = sub.add_parser(
+        "latency",
+        help="ms per decode token vs the memory floor and transformers, per batch size",
+        description=bench_latency.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_latency.add_arguments(latency)
+    latency.set_defaults(func=bench_latency.run_cli)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
