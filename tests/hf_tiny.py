@@ -97,6 +97,23 @@ def deepseek_v3() -> Any:
     )
 
 
+def deepseek_v3_q_proj() -> Any:
+    """DeepSeek-V2-Lite style attention: a plain ``q_proj`` (no ``q_lora_rank``), pairs
+    ``(i, i + d/2)`` rotated (``rope_interleave`` off)."""
+    cfg = deepseek_v3()
+    cfg.q_lora_rank = None
+    cfg.rope_interleave = False
+    return cfg
+
+
+def deepseek_v3_q_proj_bias() -> Any:
+    """A plain ``q_proj`` (never biased) next to a biased ``kv_a_proj_with_mqa``."""
+    cfg = deepseek_v3()
+    cfg.q_lora_rank = None
+    cfg.attention_bias = True
+    return cfg
+
+
 def qwen3_5() -> Any:
     return transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB,

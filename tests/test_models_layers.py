@@ -41,7 +41,9 @@ def test_moe_experts_match_a_per_token_loop(gated):
     w_up = torch.randn(experts, inter, hidden, generator=g)
     w_down = torch.randn(experts, hidden, inter, generator=g)
     act = "silu" if gated else "relu2"
-    got = moe_experts(x, ids, weights, w_gate, w_up, w_down, act)
+    # The op takes each expert's gate rows stacked on its up rows.
+    w_in = torch.cat([w_gate, w_up], dim=1) if gated else w_up
+    got = moe_experts(x, ids, weights, w_in, w_down, act, gated)
     ref_act = F.silu if gated else (lambda t: F.relu(t) ** 2)
     want = _naive_experts(x, ids, weights, w_gate, w_up, w_down, ref_act)
     assert got.dtype == x.dtype
@@ -53,9 +55,9 @@ def test_moe_experts_opcheck():
     x = torch.randn(4, 8, generator=g)
     ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]])
     weights = torch.rand(4, 2, generator=g)
-    w = [torch.randn(3, 6, 8, generator=g), torch.randn(3, 6, 8, generator=g)]
+    w_in = torch.randn(3, 12, 8, generator=g)
     w_down = torch.randn(3, 8, 6, generator=g)
-    torch.library.opcheck(moe_experts, (x, ids, weights, w[0], w[1], w_down, "silu"))
+    torch.library.opcheck(moe_experts, (x, ids, weights, w_in, w_down, "silu", True))
 
 
 def test_group_limited_topk_matches_brute_force():

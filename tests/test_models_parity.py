@@ -49,6 +49,18 @@ ARCHS: dict[str, tuple[str, Any, tuple[str, ...], str]] = {
     "qwen3": ("Qwen3ForCausalLM", hf_tiny.qwen3, ("attention",), "qwen3"),
     "nemotron_h": ("NemotronHForCausalLM", hf_tiny.nemotron_h, ("attention", "ssm"), "nemotron_h"),
     "deepseek_v3": ("DeepseekV3ForCausalLM", hf_tiny.deepseek_v3, ("mla",), "deepseek_v3"),
+    "deepseek_v3_q_proj": (
+        "DeepseekV3ForCausalLM",
+        hf_tiny.deepseek_v3_q_proj,
+        ("mla",),
+        "deepseek_v3",
+    ),
+    "deepseek_v3_q_proj_bias": (
+        "DeepseekV3ForCausalLM",
+        hf_tiny.deepseek_v3_q_proj_bias,
+        ("mla",),
+        "deepseek_v3",
+    ),
     "qwen3_5": ("Qwen3_5ForCausalLM", hf_tiny.qwen3_5, ("attention", "ssm", "delta"), "qwen3_5"),
     "qwen3_next": (
         "Qwen3NextForCausalLM",
@@ -133,6 +145,8 @@ WIDE: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 64},
     "nemotron_h": {"head_dim": 64, "mamba_head_dim": 64, "ssm_state_size": 32},
     "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
+    "deepseek_v3_q_proj": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
+    "deepseek_v3_q_proj_bias": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
     "qwen3_5": {"head_dim": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128},
     "qwen3_next": {"head_dim": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128},
 }

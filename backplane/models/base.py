@@ -9,7 +9,10 @@ the rows it needs before :meth:`CausalLM.compute_logits`.
 Weights are created uninitialised (usually on the ``meta`` device, then
 materialised with ``to_empty``) and filled by the loader through
 :meth:`CausalLM.weight_targets` / :meth:`CausalLM.load_weights`, or with random
-values by :meth:`CausalLM.init_random_weights_`.
+values by :meth:`CausalLM.init_random_weights_`. Projections that read the same
+input are merged into one parameter
+(:class:`~backplane.models.linear.MergedLinear`, the stacked MoE experts); the
+checkpoint's separate tensors load into their row slices.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
+from backplane.models.linear import MergedLinear
 from backplane.models.mixers import CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
@@ -212,10 +216,14 @@ class CausalLM(nn.Module):
         return name
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, int | None]]:
-        """Return every tensor the checkpoint must provide.
+        """Return every tensor the checkpoint must provide and where it goes.
 
         :return: ``{checkpoint-side module name: (target tensor, expert index or None)}``;
-            per-expert names map to one slice of a stacked parameter.
+            the checkpoint tensor is copied into ``target`` (or ``target[index]``).
+            A target may be a view: a row slice of a merged projection
+            (``self_attn.k_proj.weight`` -> rows of ``self_attn.qkv_proj.weight``)
+            or of stacked experts (``mlp.experts.3.up_proj.weight`` -> expert 3
+            of ``mlp.experts_gate_up[:, I:]``).
         """
         targets: dict[str, tuple[torch.Tensor, int | None]] = {}
         tied = {"lm_head.weight"} if self.tie_word_embeddings else set()
@@ -227,20 +235,17 @@ class CausalLM(nn.Module):
             if name.endswith("e_score_correction_bias"):
                 targets[name] = (b, None)
         for mod_name, m in self.named_modules():
-            if not isinstance(m, MoE):
-                continue
-            for pname in ("experts_gate", "experts_up", "experts_down"):
-                full = f"{mod_name}.{pname}"
-                stacked = targets.pop(full, None)
-                if stacked is None:
-                    continue
-                hf = {
-                    "experts_gate": "gate_proj",
-                    "experts_up": "up_proj",
-                    "experts_down": "down_proj",
-                }[pname]
-                for e in range(stacked[0].shape[0]):
-                    targets[f"{mod_name}.experts.{e}.{hf}.weight"] = (stacked[0], e)
+            if isinstance(m, MergedLinear):
+                parent = mod_name.rpartition(".")[0]
+                prefix = f"{parent}." if parent else ""
+                for leaf, _ in m.named_parameters(recurse=False):
+                    targets.pop(f"{mod_name}.{leaf}", None)
+                for name, view in m.checkpoint_slices():
+                    targets[prefix + name] = (view, None)
+            elif isinstance(m, MoE):
+                for name, stacked, view, e in m.expert_slices():
+                    targets.pop(f"{mod_name}.{stacked}", None)
+                    targets[f"{mod_name}.{name}"] = (view, e)
         return targets
 
     def load_weights(

@@ -1,7 +1,9 @@
 """Dense feed-forward: the :class:`MLP` block and its activations.
 
 Activations are looked up by their HF config names (:data:`ACTIVATIONS`,
-:func:`activation`); the MoE experts use the same table.
+:func:`activation`); the MoE experts use the same table. Gated blocks compute
+``gate`` and ``up`` as one matmul and apply the activation with
+:func:`gated_activation`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backplane.core.errors import ConfigError
+from backplane.models.linear import MergedLinear
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
@@ -42,8 +45,26 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         ) from None
 
 
+def gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return ``f(gate_up) = act(gate) * up`` for a fused ``[..., 2I]`` gate/up output.
+
+    :param name: the activation's HF config name.
+    :raises ConfigError: for an unknown name.
+    """
+    fn = activation(name)
+
+    def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return fn(gate) * up
+
+    return act_and_mul
+
+
 class MLP(nn.Module):
     """Feed-forward block: ``down(act(gate(x)) * up(x))``, or ``down(act(up(x)))`` when not gated.
+
+    The gated form holds ``gate_proj`` and ``up_proj`` as one
+    :class:`~backplane.models.linear.MergedLinear`, ``gate_up_proj``.
 
     :param hidden_size: model width.
     :param intermediate_size: inner width.
@@ -62,14 +83,20 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.gated = gated
-        self.act = activation(act)
         if gated:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+            self.act = gated_activation(act)
+            self.gate_up_proj = MergedLinear(
+                hidden_size,
+                [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
+                bias=bias,
+            )
+        else:
+            self.act = activation(act)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[T, hidden]``."""
         if self.gated:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_up_proj(x)))
         return self.down_proj(self.act(self.up_proj(x)))

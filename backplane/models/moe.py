@@ -4,17 +4,19 @@
   ``backplane_models::moe_experts``;
 * :func:`group_limited_topk` — DeepSeek-V3 expert selection;
 * :class:`MoE` — the block: router, stacked ``[num_experts, ...]`` expert
-  weights, optional shared experts.
+  weights (gate and up merged), optional shared experts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from backplane.core.errors import ConfigError
-from backplane.models.mlp import MLP, activation
+from backplane.models.mlp import MLP, activation, gated_activation
 
 
 @torch.library.custom_op("backplane_models::moe_experts", mutates_args=())
@@ -22,10 +24,10 @@ def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w_gate: torch.Tensor | None,
-    w_up: torch.Tensor,
+    w_in: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    gated: bool,
 ) -> torch.Tensor:
     """Run the routed experts of a mixture-of-experts block.
 
@@ -39,23 +41,22 @@ def moe_experts(
     :param x: ``[T, H]``.
     :param topk_ids: ``[T, k]`` expert ids.
     :param topk_weights: ``[T, k]`` routing weights (float32).
-    :param w_gate: ``[E, I, H]`` or ``None`` for non-gated experts.
-    :param w_up: ``[E, I, H]``.
+    :param w_in: ``[E, 2I, H]``, each expert's gate rows then its up rows, when
+        ``gated``; else ``[E, I, H]``, the up projections.
     :param w_down: ``[E, H, I]``.
     :param act: activation name.
+    :param gated: ``act(gate) * up`` (else ``act(up)``).
     :return: ``[T, H]`` in ``x.dtype``.
     """
-    fn = activation(act)
-    num_experts = w_up.shape[0]
+    fn = gated_activation(act) if gated else activation(act)
+    num_experts = w_in.shape[0]
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out.to(x.dtype)
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-        h = F.linear(xs, w_up[e])
-        h = fn(F.linear(xs, w_gate[e])) * h if w_gate is not None else fn(h)
-        return F.linear(h, w_down[e])
+        return F.linear(fn(F.linear(xs, w_in[e])), w_down[e])
 
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing:
@@ -83,7 +84,7 @@ def moe_experts(
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
+def _moe_experts_fake(x, topk_ids, topk_weights, w_in, w_down, act, gated):
     return torch.empty_like(x)
 
 
@@ -129,9 +130,11 @@ class MoE(nn.Module):
     Shared experts are added unweighted, or weighted by
     ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` is set (Qwen3-Next).
 
-    Expert weights are stacked ``[E, out, in]`` parameters ``experts_gate`` /
-    ``experts_up`` / ``experts_down``; checkpoints store them per expert,
-    which :meth:`backplane.models.base.CausalLM.weight_targets` maps to slices.
+    Expert weights are stacked ``[E, out, in]`` parameters:
+    ``experts_gate_up`` (``[E, 2I, in]``, gate rows then up rows; gated
+    experts) or ``experts_up`` (non-gated), and ``experts_down``. Checkpoints
+    store them per expert and per projection; :meth:`expert_slices` says which
+    slice each checkpoint tensor fills.
 
     :param shared_name: attribute name of the shared MLP (HF naming differs:
         ``shared_experts`` or ``shared_expert``).
@@ -180,12 +183,16 @@ class MoE(nn.Module):
         if self.latent:
             self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=bias)
-        self.experts_gate = (
-            nn.Parameter(torch.empty(num_experts, moe_intermediate_size, inner_dim))
-            if gated
-            else None
-        )
-        self.experts_up = nn.Parameter(torch.empty(num_experts, moe_intermediate_size, inner_dim))
+        self.gated = gated
+        self.intermediate_size = moe_intermediate_size
+        if gated:
+            self.experts_gate_up = nn.Parameter(
+                torch.empty(num_experts, 2 * moe_intermediate_size, inner_dim)
+            )
+        else:
+            self.experts_up = nn.Parameter(
+                torch.empty(num_experts, moe_intermediate_size, inner_dim)
+            )
         self.experts_down = nn.Parameter(torch.empty(num_experts, inner_dim, moe_intermediate_size))
         if self.shared_name:
             setattr(
@@ -196,6 +203,31 @@ class MoE(nn.Module):
         self.shared_gate = shared_gate and bool(self.shared_name)
         if self.shared_gate:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    @property
+    def experts_in(self) -> torch.Tensor:
+        """The stacked input projections: ``experts_gate_up`` or ``experts_up``."""
+        return self.experts_gate_up if self.gated else self.experts_up
+
+    def expert_slices(self) -> Iterator[tuple[str, str, torch.Tensor, int]]:
+        """Yield where each per-expert checkpoint tensor goes.
+
+        :return: ``(checkpoint name relative to this module, stacked parameter
+            name, stacked view [E, rows, in], expert index)``, e.g.
+            ``("experts.3.up_proj.weight", "experts_gate_up",
+            experts_gate_up[:, I:], 3)``.
+        """
+        inter = self.intermediate_size
+        views: list[tuple[str, str, torch.Tensor]] = []
+        if self.gated:
+            views.append(("gate_proj", "experts_gate_up", self.experts_gate_up[:, :inter]))
+            views.append(("up_proj", "experts_gate_up", self.experts_gate_up[:, inter:]))
+        else:
+            views.append(("up_proj", "experts_up", self.experts_up))
+        views.append(("down_proj", "experts_down", self.experts_down))
+        for e in range(self.experts_down.shape[0]):
+            for proj, stacked_name, view in views:
+                yield f"experts.{e}.{proj}.weight", stacked_name, view, e
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(topk_ids [T, k], topk_weights [T, k] float32)`` for ``x`` ``[T, H]``."""
@@ -220,7 +252,7 @@ class MoE(nn.Module):
         ids, weights = self.route(x)
         h = self.fc1_latent_proj(x) if self.latent else x
         routed = moe_experts(
-            h, ids, weights, self.experts_gate, self.experts_up, self.experts_down, self.act_name
+            h, ids, weights, self.experts_in, self.experts_down, self.act_name, self.gated
         )
         if self.latent:
             routed = self.fc2_latent_proj(routed)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from backplane.core.families import AttentionLayerSpec
+from backplane.models.linear import MergedLinear
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RotaryEmbedding
@@ -15,6 +16,10 @@ from backplane.models.rotary import RotaryEmbedding
 
 class AttentionMixer(CachedMixer):
     """Multi-head attention with GQA, optional q/k norm, RoPE and output gate.
+
+    ``q_proj``, ``k_proj`` and ``v_proj`` are one
+    :class:`~backplane.models.linear.MergedLinear`, ``qkv_proj``, whose output
+    is split into views.
 
     :param layer_id: index of the layer (passed to the backend).
     :param backend: the ``attention`` backend.
@@ -55,9 +60,10 @@ class AttentionMixer(CachedMixer):
             sliding_window=sliding_window or 0,
         )
         q_out = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        kv_out = num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(
+            hidden_size, [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)], bias=bias
+        )
         self.o_proj = nn.Linear(
             num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias
         )
@@ -78,13 +84,13 @@ class AttentionMixer(CachedMixer):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``."""
         t = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.output_gate:
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.num_heads * self.head_dim)
         q = q.reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.families import ConvLayerSpec, DeltaLayerSpec
+from backplane.models.linear import MergedLinear
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import GatedRMSNorm
 
@@ -19,6 +20,9 @@ class GatedDeltaNetMixer(CachedMixer):
 
     Projections -> causal conv over ``[q, k, v]`` (``ssm`` family ``conv``) ->
     gated delta rule (``delta`` family) -> gated RMS norm with ``z`` -> out_proj.
+
+    The checkpoint's input projections all read the layer input; they are one
+    :class:`~backplane.models.linear.MergedLinear`, ``in_proj_qkvzba``.
 
     :param fused_qkvz: Qwen3-Next layout: one ``in_proj_qkvz`` and one
         ``in_proj_ba`` whose outputs are grouped per key head; ``False`` is the
@@ -54,15 +58,18 @@ class GatedDeltaNetMixer(CachedMixer):
                 f"gated delta net conv activation {act!r} is not supported (only silu)"
             )
         if fused_qkvz:
-            self.in_proj_qkvz = nn.Linear(
-                hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False
-            )
-            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+            parts = [
+                ("in_proj_qkvz", 2 * self.key_dim + 2 * self.value_dim),
+                ("in_proj_ba", 2 * num_v_heads),
+            ]
         else:
-            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+            parts = [
+                ("in_proj_qkv", self.conv_dim),
+                ("in_proj_z", self.value_dim),
+                ("in_proj_b", num_v_heads),
+                ("in_proj_a", num_v_heads),
+            ]
+        self.in_proj_qkvzba = MergedLinear(hidden_size, parts, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
@@ -92,16 +99,22 @@ class GatedDeltaNetMixer(CachedMixer):
         return specs
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Return ``(mixed [T, conv_dim], z [T, V], b [T, nv], a [T, nv])`` (possibly views)."""
         t = x.shape[0]
+        proj = self.in_proj_qkvzba.split(self.in_proj_qkvzba(x))
         if not self.fused_qkvz:
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            return proj
         # Qwen3-Next groups the projections per key head: [q, k, v-group, z-group] per head.
         r = self.nv // self.nk
-        qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
+        qkvz = proj[0].view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        ba = self.in_proj_ba(x).view(t, self.nk, 2 * r)
-        b, a = ba.split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        b, a = proj[1].view(t, self.nk, 2 * r).split([r, r], dim=-1)
+        # The conv reads [q | k | v] contiguous: one strided copy per part regroups it.
+        mixed = torch.empty(t, self.conv_dim, dtype=x.dtype, device=x.device)
+        mq, mk, mv = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        mq.view(t, self.nk, self.dk).copy_(q)
+        mk.view(t, self.nk, self.dk).copy_(k)
+        mv.view(t, self.nk, r * self.dv).copy_(v)
         return mixed, z.reshape(t, -1), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

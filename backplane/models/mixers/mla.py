@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from backplane.core.families import MLALayerSpec
+from backplane.models.linear import MergedLinear
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RotaryEmbedding
@@ -21,6 +22,11 @@ class MLAMixer(CachedMixer):
     rotary key; ``kv_b_proj`` holds the per-head up-projections the backend
     applies (``w_uk``, ``w_uv``), prepared once after loading by
     :meth:`finalize_weights`.
+
+    ``q_a_proj`` (or ``q_proj``) and ``kv_a_proj_with_mqa`` read the same
+    hidden state: they are one
+    :class:`~backplane.models.linear.MergedLinear`, ``fused_qkv_a_proj``
+    (unless a plain ``q_proj`` without bias meets biased ``kv_a_proj_with_mqa``).
     """
 
     families = ("mla",)
@@ -49,13 +55,22 @@ class MLAMixer(CachedMixer):
         self.kv_lora_rank = kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        kv_a_out = kv_lora_rank + qk_rope_head_dim
+        # HF's plain q_proj never has a bias; merging needs the same bias setting.
+        self.merged = q_lora_rank is not None or not bias
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+            q_part = ("q_proj", num_heads * qk_head_dim)
         else:
-            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            q_part = ("q_a_proj", q_lora_rank)
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        if self.merged:
+            self.fused_qkv_a_proj = MergedLinear(
+                hidden_size, [q_part, ("kv_a_proj_with_mqa", kv_a_out)], bias=bias
+            )
+        else:
+            self.q_proj = nn.Linear(hidden_size, q_part[1], bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_a_out, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
@@ -96,13 +111,14 @@ class MLAMixer(CachedMixer):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``."""
         t = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.merged:
+            q, kv = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(x))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
         kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
