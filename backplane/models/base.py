@@ -63,7 +63,16 @@ class ModelConfig(dict):
 
 
 class WeightLoadError(ConfigError):
-    """The checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
+    """The checkpoint does not match the model (missing, unexpected or mis-shaped tensors).
+
+    :param message: what is wrong.
+    :param tensor: the checkpoint tensor at fault, when there is one (the loader
+        adds the file it came from to the message).
+    """
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class CausalLM(nn.Module):
@@ -279,7 +288,8 @@ class CausalLM(nn.Module):
                 if tuple(dest.shape) != tuple(tensor.shape):
                     raise WeightLoadError(
                         f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "
-                        f"expects {tuple(dest.shape)} for {name!r}; config.json and the weights disagree"
+                        f"expects {tuple(dest.shape)} for {name!r}; config.json and the weights disagree",
+                        tensor=ckpt_name,
                     )
                 dest.copy_(tensor)
                 seen.add(name)

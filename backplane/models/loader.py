@@ -7,8 +7,10 @@ either one file or shards listed in ``model.safetensors.index.json``; a
 through ``safetensors.safe_open`` (memory-mapped, one tensor at a time) and
 copied into a model built directly in the requested dtype on the requested
 device. Weight mapping is strict: a missing or unexpected tensor is an error
-that names it. There is no network access: a hub id is an error asking for a
-local path.
+that names it, and a mis-shaped one names its file too. Projections the model
+merges (q/k/v, gate/up, ...) load from the checkpoint's separate tensors, each
+into its row slice of the merged parameter. There is no network access: a hub
+id is an error asking for a local path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from backplane.core.errors import ConfigError
-from backplane.models.base import CausalLM, ModelConfig, build_model
+from backplane.models.base import CausalLM, ModelConfig, WeightLoadError, build_model
 from backplane.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -130,12 +132,13 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 
 def iter_safetensors(
-    files: list[Path], *, progress: bool = True
+    files: list[Path], *, progress: bool = True, origins: dict[str, Path] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` from every file, memory-mapped, with a progress bar.
 
     :param files: safetensors files.
     :param progress: show a tqdm bar (on a terminal).
+    :param origins: when given, filled with ``{tensor name: file}`` as the files are opened.
     """
     from safetensors import safe_open
     from tqdm.auto import tqdm
@@ -146,6 +149,8 @@ def iter_safetensors(
         h = safe_open(str(f), framework="pt", device="cpu")
         handles.append(h)
         total += len(h.keys())
+        if origins is not None:
+            origins.update(dict.fromkeys(h.keys(), f))
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress or None)
     try:
         for h in handles:
@@ -239,7 +244,15 @@ def load_model(
         dev,
     )
     lm = build_model(cls, config, backends, dtype=torch_dtype, device=dev)
-    report = lm.load_weights(iter_safetensors(files, progress=progress), strict=True)
+    origins: dict[str, Path] = {}
+    try:
+        report = lm.load_weights(
+            iter_safetensors(files, progress=progress, origins=origins), strict=True
+        )
+    except WeightLoadError as exc:
+        if exc.tensor not in origins:
+            raise
+        raise WeightLoadError(f"{origins[exc.tensor]}: {exc}", tensor=exc.tensor) from None
     if report["ignored"]:
         logger.info(
             "ignored %d checkpoint tensors (e.g. %s)", len(report["ignored"]), report["ignored"][0]
