@@ -13,6 +13,11 @@ values by :meth:`CausalLM.init_random_weights_`. Projections that read the same
 input are merged into one parameter
 (:class:`~backplane.models.linear.MergedLinear`, the stacked MoE experts); the
 checkpoint's separate tensors load into their row slices.
+
+Decoder layers pass ``(hidden, residual)`` along: each layer adds its input to
+the residual stream inside its first norm
+(:meth:`~backplane.models.norm.RMSNorm.add_and_norm`), and rotary ``cos``/``sin``
+are gathered once per forward and handed to every layer.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from backplane.models.linear import MergedLinear
 from backplane.models.mixers import CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
-from backplane.models.rotary import RotaryEmbedding
+from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -403,9 +408,13 @@ def build_model(
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
+    The residual additions are fused into the norms: the layer takes the
+    previous layer's output and the residual stream, and returns its own
+    output (the MLP's, not yet added) and the residual stream.
+
     :param mixer_name: attribute (and checkpoint) name of the mixer
         (``self_attn`` or ``linear_attn``).
-    :param mixer: the token mixer, called as ``mixer(positions, x)``.
+    :param mixer: the token mixer, called as ``mixer(positions, x, rope)``.
     :param mlp: the feed-forward block (dense or MoE).
     :param hidden_size: model width.
     :param eps: norm epsilon.
@@ -428,18 +437,38 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered=zero_centered)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered=zero_centered)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``x`` ``[T, hidden]``."""
-        mixer = getattr(self, self.mixer_name)
-        x = x + mixer(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeCosSin | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the layer.
+
+        :param positions: ``[T]`` token positions.
+        :param x: ``[T, hidden]``: the previous layer's output, or the embeddings
+            for the first layer.
+        :param residual: the residual stream ``[T, hidden]``; ``None`` for the
+            first layer (the stream starts at ``x``).
+        :param rope: the forward's rotary ``cos``/``sin``, or ``None``.
+        :return: ``(output, residual)``; the layer's full result is their sum.
+        """
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = getattr(self, self.mixer_name)(positions, h, rope)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderOnlyLM(CausalLM):
     """A ``model.embed_tokens -> model.layers -> model.norm -> lm_head`` language model.
 
-    Subclasses implement :meth:`build_layer`; :attr:`zero_centered_norms`
-    selects the ``1 + w`` RMS norm.
+    Subclasses implement :meth:`build_layer` (setting ``self.rotary`` when
+    layers use one); :attr:`zero_centered_norms` selects the ``1 + w`` RMS norm.
     """
 
     zero_centered_norms: ClassVar[bool] = False
@@ -475,8 +504,13 @@ class DecoderOnlyLM(CausalLM):
         return super().checkpoint_to_module_name(name)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Embed, run every layer, apply the final norm."""
+        """Embed, gather the rotary ``cos``/``sin`` once, run every layer, apply the final norm."""
         x = self.model.embed_tokens(input_ids)
+        rotary = getattr(self, "rotary", None)
+        rope = rotary.cos_sin(positions, x.dtype) if rotary is not None else None
+        residual = None
         for layer in self.model.layers:
-            x = layer(positions, x)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, rope)
+        if residual is None:
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]

@@ -15,18 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from backplane.core.errors import ConfigError
+from backplane.models.fused import act_and_mul, relu_squared, silu_and_mul
 from backplane.models.linear import MergedLinear
-
-
-def _relu2(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
-
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
-    "relu2": _relu2,
+    "relu2": relu_squared,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
@@ -48,16 +44,13 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 def gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """Return ``f(gate_up) = act(gate) * up`` for a fused ``[..., 2I]`` gate/up output.
 
-    :param name: the activation's HF config name.
+    :param name: the activation's HF config name (SiLU gets :func:`silu_and_mul`).
     :raises ConfigError: for an unknown name.
     """
     fn = activation(name)
-
-    def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return fn(gate) * up
-
-    return act_and_mul
+    if fn is F.silu:
+        return silu_and_mul
+    return lambda gate_up: act_and_mul(gate_up, fn)
 
 
 class MLP(nn.Module):

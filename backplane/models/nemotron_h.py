@@ -62,7 +62,11 @@ def block_types(cfg: ModelConfig) -> list[str]:
 
 
 class NemotronHBlock(nn.Module):
-    """``x + mixer(norm(x))``."""
+    """``x + mixer(norm(x))``, with the residual addition fused into the norm.
+
+    Takes the previous block's output and the residual stream; returns its
+    mixer's output (not yet added) and the residual stream.
+    """
 
     def __init__(self, kind: str, mixer: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -70,12 +74,24 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
         self.mixer = mixer
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block to ``x`` ``[T, hidden]``."""
-        h = self.norm(x)
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the block.
+
+        :param positions: ``[T]`` token positions.
+        :param x: ``[T, hidden]``: the previous block's output, or the embeddings.
+        :param residual: the residual stream, ``None`` for the first block.
+        :return: ``(output, residual)``; the block's full result is their sum.
+        """
+        if residual is None:
+            residual = x
+            h = self.norm(x)
+        else:
+            h, residual = self.norm.add_and_norm(x, residual)
         if self.kind in ("mamba", "attention"):
-            return x + self.mixer(positions, h)
-        return x + self.mixer(h)
+            return self.mixer(positions, h), residual
+        return self.mixer(h), residual
 
 
 class NemotronHForCausalLM(CausalLM):
@@ -170,6 +186,9 @@ class NemotronHForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Embed, run every block, apply the final norm."""
         x = self.backbone.embeddings(input_ids)
+        residual = None
         for layer in self.backbone.layers:
-            x = layer(positions, x)
-        return self.backbone.norm_f(x)
+            x, residual = layer(positions, x, residual)
+        if residual is None:
+            return self.backbone.norm_f(x)
+        return self.backbone.norm_f.add_and_norm(x, residual)[0]

@@ -1,10 +1,15 @@
-"""RMS normalisation: :class:`RMSNorm` and :class:`GatedRMSNorm` (gated, optionally grouped)."""
+"""RMS normalisation: :class:`RMSNorm` and :class:`GatedRMSNorm` (gated, optionally grouped).
+
+The arithmetic lives in :mod:`backplane.models.fused`.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from backplane.models.fused import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -24,12 +29,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` (any leading shape)."""
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (xf * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``x`` to the residual stream and normalise the sum (one fused function).
+
+        :param x: a layer's output ``[T, dim]``.
+        :param residual: the residual stream ``[T, dim]``.
+        :return: ``(normed, new residual)``.
+        """
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):

@@ -2,7 +2,8 @@
 
 * :func:`rope_inv_freq` — inverse frequencies for the HF rope types
   (``default``, ``linear``, ``llama3``, ``yarn``);
-* :class:`RotaryEmbedding` — the rotation of ``[T, heads, head_dim]`` queries and keys;
+* :class:`RotaryEmbedding` — the rotation of ``[T, heads, head_dim]`` queries and keys,
+  with ``cos``/``sin`` tabulated per position;
 * :func:`rope_parameters` — a config's rope parameters in the HF 5.x form.
 """
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from backplane.core.errors import ConfigError
+from backplane.models.fused import apply_rotary_, apply_rotary_interleaved
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -95,15 +97,23 @@ def rope_inv_freq(
     )
 
 
+#: ``(cos, sin)`` of a forward's positions, each ``[T, 1, rotary_dim // 2]``
+#: (see :meth:`RotaryEmbedding.cos_sin`)
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding applied to ``[T, heads, head_dim]`` tensors.
 
     Rotates the first ``rotary_dim`` channels (partial rotary when smaller
-    than the head dim) and passes the rest through.
+    than the head dim) and passes the rest through. ``cos``/``sin`` of every
+    position below ``max_position`` are tabulated once (:attr:`cos_sin_cache`,
+    in the model dtype); a forward gathers its positions' rows once with
+    :meth:`cos_sin` and every layer rotates with them.
 
     :param rotary_dim: rotated channels per head.
     :param params: HF ``rope_parameters`` (see :func:`rope_inv_freq`).
-    :param max_position: ``max_position_embeddings``.
+    :param max_position: ``max_position_embeddings``: positions run below it.
     :param interleaved: channel pairs are ``(2i, 2i+1)`` (DeepSeek
         ``rope_interleave``) instead of ``(i, i + rotary_dim/2)``; the result is
         written de-interleaved, as HF does, which keeps ``q . k`` unchanged.
@@ -124,37 +134,57 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "inv_freq", torch.empty(rotary_dim // 2, dtype=torch.float32), persistent=False
         )
+        # [position, cos (rotary_dim / 2) | sin (rotary_dim / 2)], in the default
+        # (model) dtype: the rotation multiplies in the activations' dtype.
+        self.register_buffer(
+            "cos_sin_cache", torch.empty(max_position, rotary_dim), persistent=False
+        )
         self.attention_factor = 1.0
+        if not self.inv_freq.is_meta:
+            self.reset_buffers_()
 
     def reset_buffers_(self) -> None:
-        """(Re)compute ``inv_freq`` (after the module was materialised on a device)."""
+        """(Re)compute ``inv_freq`` and the cos/sin table (after materialising on a device)."""
         inv_freq, self.attention_factor = rope_inv_freq(
             self.rotary_dim, self.params, self.max_position
         )
+        # The same float32 products the per-step computation would form, then
+        # the attention factor, then one cast to the table dtype.
+        freqs = torch.arange(self.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor
         with torch.no_grad():
             self.inv_freq.copy_(inv_freq.to(self.inv_freq.device, torch.float32))
+            self.cos_sin_cache.copy_(table.to(self.cos_sin_cache.device))
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``cos``/``sin`` of shape ``[T, 1, rotary_dim // 2]`` in ``dtype``."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        cos = (freqs.cos() * self.attention_factor).to(dtype)
-        sin = (freqs.sin() * self.attention_factor).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> RopeCosSin:
+        """Gather ``cos``/``sin`` of ``positions`` from the table (once per forward).
+
+        :param positions: ``[T]`` integer positions, each below ``max_position``.
+        :param dtype: the activations' dtype (default: the table's).
+        :return: ``(cos, sin)``, each ``[T, 1, rotary_dim // 2]``.
+        """
+        cs = self.cos_sin_cache.index_select(0, positions)
+        if dtype is not None and cs.dtype != dtype:
+            cs = cs.to(dtype)
+        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, H, D]`` in place with ``cos``/``sin`` from :meth:`cos_sin`.
+
+        :return: ``x``.
+        :raises ValueError: for an ``interleaved`` embedding, whose output layout
+            differs from its input's (use :meth:`rotate`).
+        """
+        if self.interleaved:
+            raise ValueError("an interleaved rotary embedding cannot rotate in place; use rotate()")
+        return apply_rotary_(x, cos, sin)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Apply the rotation to ``x`` ``[T, H, D]`` with precomputed ``cos``/``sin``."""
-        r = self.rotary_dim
-        rot, rest = x[..., :r], x[..., r:]
+        """Return ``x`` ``[T, H, D]`` rotated with ``cos``/``sin`` from :meth:`cos_sin`."""
         if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        else:
-            x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        if rest.shape[-1] == 0:
-            return out
-        return torch.cat([out, rest], dim=-1)
+            return apply_rotary_interleaved(x, cos, sin)
+        return apply_rotary_(x.clone(), cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -11,18 +11,21 @@ from backplane.core.families import AttentionLayerSpec
 from backplane.models.linear import MergedLinear
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import RMSNorm
-from backplane.models.rotary import RotaryEmbedding
+from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 
 class AttentionMixer(CachedMixer):
     """Multi-head attention with GQA, optional q/k norm, RoPE and output gate.
 
     ``q_proj``, ``k_proj`` and ``v_proj`` are one
-    :class:`~backplane.models.linear.MergedLinear`, ``qkv_proj``, whose output
-    is split into views.
+    :class:`~backplane.models.linear.MergedLinear`, ``qkv_proj``; its output
+    is split into views, and without q/k norms the queries and keys are
+    rotated together, in place, in that output.
 
     :param layer_id: index of the layer (passed to the backend).
     :param backend: the ``attention`` backend.
+    :param bias: q/k/v (and, unless ``o_bias`` says otherwise, o) have biases.
+    :param o_bias: ``o_proj`` has a bias (default: ``bias``).
     :param qk_norm: ``None``, ``"rms"`` (Qwen3) or ``"rms_zero_centered"`` (Qwen3-Next).
     :param rotary: the rotary embedding, or ``None`` (Nemotron-H has none).
     :param output_gate: ``q_proj`` also produces a per-channel gate and the
@@ -81,24 +84,42 @@ class AttentionMixer(CachedMixer):
             self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RopeCosSin | None = None,
+    ) -> torch.Tensor:
+        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``.
+
+        :param rope: the forward's ``cos``/``sin`` (gathered from ``positions``
+            when not given).
+        """
         t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.split(qkv)
+        gate = None
         if self.output_gate:
-            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(t, self.num_heads * self.head_dim)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+            # Per head: [query (d) | gate (d)].
+            q, gate = q.view(t, h, 2 * d).chunk(2, dim=-1)
+        else:
+            q = q.view(t, h, d)
+        k = k.view(t, hk, d)
+        v = v.view(t, hk, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(positions, q, k)
+            cos, sin = rope if rope is not None else self.rotary.cos_sin(positions, q.dtype)
+            if self.qk_norm or self.output_gate:
+                self.rotary.rotate_(q, cos, sin)
+                self.rotary.rotate_(k, cos, sin)
+            else:
+                # Queries and keys are adjacent in every row of qkv: one call rotates both.
+                self.rotary.rotate_(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos, sin)
         o = self.backend.forward(
             q.contiguous(), k.contiguous(), v.contiguous(), self.cache("kv_cache"), self.spec
         )
-        o = o.reshape(t, self.num_heads * self.head_dim)
-        if self.output_gate:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+        if gate is not None:
+            o = o.reshape(t, h, d) * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(t, h * d))

@@ -13,6 +13,7 @@ from backplane.core.families import ConvLayerSpec, DeltaLayerSpec
 from backplane.models.linear import MergedLinear
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import GatedRMSNorm
+from backplane.models.rotary import RopeCosSin
 
 
 class GatedDeltaNetMixer(CachedMixer):
@@ -117,8 +118,13 @@ class GatedDeltaNetMixer(CachedMixer):
         mv.view(t, self.nk, r * self.dv).copy_(v)
         return mixed, z.reshape(t, -1), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Mix ``x`` ``[T, hidden]``."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RopeCosSin | None = None,
+    ) -> torch.Tensor:
+        """Mix ``x`` ``[T, hidden]`` (``positions`` and ``rope`` are not used)."""
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         mixed = self.conv_backend.conv(

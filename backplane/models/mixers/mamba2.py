@@ -11,6 +11,7 @@ from backplane.core.errors import ConfigError
 from backplane.core.families import ConvLayerSpec, SSMLayerSpec
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import GatedRMSNorm
+from backplane.models.rotary import RopeCosSin
 
 
 class Mamba2Mixer(CachedMixer):
@@ -82,8 +83,13 @@ class Mamba2Mixer(CachedMixer):
         specs.update(self.backend.cache_spec(self.ssm_spec, num_slots=num_slots, dtype=dtype))
         return specs
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Mix ``x`` ``[T, hidden]``."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RopeCosSin | None = None,
+    ) -> torch.Tensor:
+        """Mix ``x`` ``[T, hidden]`` (``positions`` and ``rope`` are not used)."""
         t = x.shape[0]
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)

@@ -11,7 +11,7 @@ from backplane.core.families import MLALayerSpec
 from backplane.models.linear import MergedLinear
 from backplane.models.mixers.base import CachedMixer
 from backplane.models.norm import RMSNorm
-from backplane.models.rotary import RotaryEmbedding
+from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 
 class MLAMixer(CachedMixer):
@@ -108,8 +108,17 @@ class MLAMixer(CachedMixer):
             self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RopeCosSin | None = None,
+    ) -> torch.Tensor:
+        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``.
+
+        :param rope: the forward's ``cos``/``sin`` (gathered from ``positions``
+            when not given).
+        """
         t = x.shape[0]
         if self.merged:
             q, kv = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(x))
@@ -121,7 +130,9 @@ class MLAMixer(CachedMixer):
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
+        cos, sin = rope if rope is not None else self.rotary.cos_sin(positions, q.dtype)
+        q_pe = self.rotary.rotate(q_pe, cos, sin)
+        k_pe = self.rotary.rotate(k_pe.view(t, 1, self.rope_dim), cos, sin)
         o = self.backend.forward(
             q_nope.contiguous(),
             q_pe.contiguous(),
