@@ -37,6 +37,8 @@ TIE_MARGIN = 1e-4
 #: arch -> (transformers class, config factory, transformers modeling module, recurrent)
 ARCHS = {
     "llama": ("LlamaForCausalLM", hf_tiny.llama, "llama", False),
+    "qwen3": ("Qwen3ForCausalLM", hf_tiny.qwen3, "qwen3", False),
+    "qwen3_5": ("Qwen3_5ForCausalLM", hf_tiny.qwen3_5, "qwen3_5", True),
     "nemotron_h": ("NemotronHForCausalLM", hf_tiny.nemotron_h, "nemotron_h", True),
     "deepseek_v3": ("DeepseekV3ForCausalLM", hf_tiny.deepseek_v3, "deepseek_v3", False),
     "qwen3_next": ("Qwen3NextForCausalLM", hf_tiny.qwen3_next, "qwen3_next", True),
@@ -129,11 +131,13 @@ def assert_matches(got: list[int], want: list[int], margins: list[float], what: 
 CASES = [
     pytest.param("llama", "0", id="llama"),
     pytest.param("llama", "64KiB", id="llama-host_tier"),
+    pytest.param("qwen3", "0", id="qwen3"),
     pytest.param("deepseek_v3", "0", id="deepseek_v3"),
     pytest.param("deepseek_v3", "64KiB", id="deepseek_v3-host_tier"),
     # recurrent models: prefix reuse (and so the host tier) is off by design
     pytest.param("nemotron_h", "0", id="nemotron_h"),
     pytest.param("qwen3_next", "0", id="qwen3_next"),
+    pytest.param("qwen3_5", "0", id="qwen3_5"),
 ]
 
 
