@@ -76,7 +76,8 @@ def test_split_matches_ops_by_identity():
 def captured():
     model = Toy()
     buckets = [1, 2, 4, 8]
-    pw = PiecewiseGraphs(model.forward, [rowmix], buckets)
+    # CPU tensors: eager stand-ins, also where CUDA is available (a CUDA graph of CPU ops is empty)
+    pw = PiecewiseGraphs(model.forward, [rowmix], buckets, cuda=False)
     xs, ps = torch.zeros(8, 8), torch.zeros(8)
 
     @contextlib.contextmanager
@@ -144,7 +145,7 @@ def test_many_runners_in_one_process_each_trace_their_own_model():
     for i in range(limit + 2):
         cls = type(f"Toy{i}", (Toy,), {})
         model = cls()
-        pw = PiecewiseGraphs(model.forward, [rowmix], [2, 4])
+        pw = PiecewiseGraphs(model.forward, [rowmix], [2, 4], cuda=False)
         xs, ps = torch.randn(4, 8), torch.arange(4, dtype=torch.float32)
 
         @contextlib.contextmanager
