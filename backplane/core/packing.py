@@ -155,9 +155,9 @@ def measure_batch(
     seq_lens = c + q
     pages_needed = (seq_lens + (page_size - 1)) // page_size
     if n:
-        max_pages = int(pages_needed.max())
-        total_pages = int(pages_needed.sum())
         max_seq_len = int(seq_lens.max())
+        max_pages = (max_seq_len + page_size - 1) // page_size  # pages grow with length
+        total_pages = int(pages_needed.sum())
         max_query_len = 1 if one_each else int(q.max())
     else:
         max_pages = total_pages = max_seq_len = max_query_len = 0
