@@ -9,6 +9,7 @@ the CPU. Kernel tests are in ``test_flashinfer_gpu.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -285,6 +286,8 @@ def test_graph_buckets_follow_the_step_mode() -> None:
     assert graph_bucket(decode(3, padded=4, mode=StepMode.piecewise(4))) is None
     mixed = build_batch_metadata([2, 1], [0, 3], [[1], [2]], 4)
     assert graph_bucket(mixed) is None
+    with pytest.raises(ValueError, match="decode graph of bucket 4"):
+        graph_bucket(dataclasses.replace(mixed, mode=StepMode.decode_graph(4)))
     # one sequence of 3 pages: block table 3 wide, 6 pages in all -> 4 x 3 entries
     wide = build_batch_metadata([1] * 4, [9, 2, 2, 2], [[1, 2, 3], [4], [5], [6]], 4)
     assert bucket_capacity(wide, 4) == 12

@@ -212,9 +212,13 @@ def graph_bucket(batch: BatchMetadata) -> int | None:
 
     :param batch: the step's metadata.
     :return: the bucket size, or ``None``.
+    :raises ValueError: the batch does not fit its decode graph (see ``StepMode.check``).
     """
     mode = batch.mode
-    return mode.bucket if mode.is_decode_graph else None
+    if not mode.is_decode_graph:
+        return None
+    mode.check(batch.num_seqs, batch.num_decode_seqs, batch.padded_num_tokens)
+    return mode.bucket
 
 
 def bucket_capacity(batch: BatchMetadata, bucket: int) -> int:
