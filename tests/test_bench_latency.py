@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from backplane.cli import bench_latency, main
+from backplane.cli import latency as bench_latency
+from backplane.cli import main
 
 SHAPES = ("tiny-llama", "tiny-nemotron-h")
 BATCHES = (1, 2)

@@ -260,16 +260,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_cpu_arguments(cpu)
     cpu.set_defaults(func=_run_cpu_cli)
-    from backplane.cli import bench_latency
+    from backplane.cli import latency
 
-    latency = sub.add_parser(
+    latency_parser = sub.add_parser(
         "latency",
         help="ms per decode token vs the memory floor and transformers, per batch size",
-        description=bench_latency.__doc__,
+        description=latency.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench_latency.add_arguments(latency)
-    latency.set_defaults(func=bench_latency.run_cli)
+    latency.add_arguments(latency_parser)
+    latency_parser.set_defaults(func=latency.run_cli)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 

@@ -1,0 +1,274 @@
+"""``backplane bench latency``: decode latency against the memory floor and transformers.
+
+For each model shape and batch size, in one process and one run:
+
+1. **the memory floor**: the device's read bandwidth, measured (a reduction
+   over a large tensor timed with CUDA events, best of several), and the bytes
+   one decode step must read: every weight once (the embedding only for the
+   rows looked up, experts only as many as the batch can route to, the LM head
+   in full), the KV cache at the mean context length of the decode steps, and
+   the recurrent state of hybrid layers (read and written back); floor
+   ``ms = bytes / bandwidth``;
+2. **backplane** end to end through ``LLM.generate``, for each attention
+   backend (``torch``, ``triton``, ``flashinfer``; an unavailable one is
+   skipped with the registry's reason), with CUDA graphs on (the default mode)
+   and off; engines are built one after another and freed in between;
+3. **transformers** on the same weights: eager with its default dynamic cache,
+   and a static cache with the decode step compiled (``torch.compile``,
+   ``mode="reduce-overhead"``, through ``generate``'s ``compile_config``).
+
+Both sides decode greedily from the same random prompts and produce the same
+number of tokens. The weights are random: each shape is built once with
+backplane's fixed-seed initialisation, saved as a Hugging Face folder
+(``config.json`` + safetensors) and loaded from there by both sides.
+
+The figure reported is **ms per output token** of one sequence, i.e. per decode
+step of the batch: ``(time of the last token - time of the first token) /
+(new tokens - 1)``; the time to first token (prompt processing) is reported
+apart. The table shows it per configuration and batch size, with its ratio to
+the floor and to transformers static + compile.
+
+Shapes: ``llama-1b`` (1.1B Llama: hidden 2048, 16 layers, 32/8 heads of 64,
+MLP 8192, vocabulary 32000) and ``nemotron-h-0.85b`` (a 24-layer Nemotron-H
+hybrid of the same width: 10 Mamba2 layers of 64 heads x 64 with state 128,
+2 attention layers, 12 ReLU^2 MLP layers of 8192); any built-in preset name
+(``tiny-llama``, ``tiny-nemotron-h`` ...) runs that tiny model, for CPU checks.
+
+Examples::
+
+    backplane bench latency --json latency.json --plot latency.png
+    backplane bench latency --shapes llama-1b --batch-sizes 1,4,16 --attention triton
+    backplane bench latency --shapes tiny-llama --prompt-len 32 --new-tokens 8   # CPU
+    backplane bench latency --plot-from latency.json --plot latency.png
+
+A default run takes several minutes on one GPU (weight initialisation, CUDA
+graph capture per engine, transformers compilation per batch size); one shape
+per run keeps each command shorter, and ``--plot-from`` merges their JSON::
+
+    backplane bench latency --shapes llama-1b --json llama.json
+    backplane bench latency --shapes nemotron-h-0.85b --json hybrid.json
+    backplane bench latency --plot-from llama.json hybrid.json --plot latency.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from backplane.cli.latency.floor import floor_bytes, measure_bandwidth
+from backplane.cli.latency.report import (
+    format_report,
+    load_result,
+    matplotlib_missing,
+    merge_results,
+    write_plot,
+)
+from backplane.cli.latency.run import run_benchmark, run_shape
+from backplane.cli.latency.settings import (
+    ATTENTION_BACKENDS,
+    DEFAULT_SHAPES,
+    GRAPH_MODES,
+    TRANSFORMERS_MODES,
+    Settings,
+)
+from backplane.cli.latency.shapes import SHAPES, shape_config
+from backplane.cli.latency.weights import WeightsInfo, save_random_weights
+from backplane.core.errors import BackplaneError
+
+__all__ = [
+    "SHAPES",
+    "BackplaneError",
+    "Settings",
+    "WeightsInfo",
+    "add_arguments",
+    "floor_bytes",
+    "format_report",
+    "load_result",
+    "measure_bandwidth",
+    "merge_results",
+    "run_benchmark",
+    "run_cli",
+    "run_shape",
+    "save_random_weights",
+    "settings_from_args",
+    "shape_config",
+    "write_plot",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _csv(value: str) -> list[str]:
+    """Parse ``a, b,,c`` as ``["a", "b", "c"]``."""
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    """Parse ``1,8`` as ``[1, 8]``; anything else is a usage error naming the flag's form."""
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 1,8, got {value!r}"
+        ) from None
+
+
+def _modes(value: str) -> list[str]:
+    """Parse a comma-separated list, where ``none`` is the empty one."""
+    return [] if value.strip().lower() == "none" else _csv(value)
+
+
+def _family_backend(value: str) -> tuple[str, str]:
+    """Parse ``ssm=triton`` as ``("ssm", "triton")``."""
+    family, sep, name = value.partition("=")
+    if not sep or not family or not name:
+        raise argparse.ArgumentTypeError(f"expected FAMILY=NAME such as ssm=triton, got {value!r}")
+    return family.strip(), name.strip()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``backplane bench latency`` to ``parser``.
+
+    :param parser: the sub-command's parser.
+    """
+    parser.add_argument(
+        "--shapes",
+        type=_csv,
+        default=list(DEFAULT_SHAPES),
+        metavar="NAME,...",
+        help=f"model shapes: {', '.join(SHAPES)} or a preset such as tiny-llama "
+        f"(default: {','.join(DEFAULT_SHAPES)})",
+    )
+    parser.add_argument(
+        "--batch-sizes", type=_ints, default=[1, 8], metavar="B,...", help="(default: 1,8)"
+    )
+    parser.add_argument("--prompt-len", type=int, default=512, metavar="N", help="(default: 512)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=128, metavar="N", help="tokens generated (default: 128)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--attention",
+        type=_modes,
+        default=list(ATTENTION_BACKENDS),
+        metavar="NAME,...",
+        help="backplane attention backends to measure, or none (default: torch,triton,flashinfer)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        type=_csv,
+        default=list(GRAPH_MODES),
+        metavar="on,off",
+        help="backplane with CUDA graphs on (the default mode) and/or off (default: on,off)",
+    )
+    parser.add_argument(
+        "--transformers",
+        type=_modes,
+        default=list(TRANSFORMERS_MODES),
+        metavar="MODES",
+        help="transformers runs: eager, compile (static cache + torch.compile), both "
+        "(default: eager,compile) or none",
+    )
+    parser.add_argument(
+        "--backend",
+        type=_family_backend,
+        action="append",
+        default=[],
+        metavar="FAMILY=NAME",
+        help="backplane backend of another op family, e.g. ssm=triton (default: auto)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per point; the median is shown (3)"
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before them (1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
+    parser.add_argument(
+        "--compile-on-cpu",
+        action="store_true",
+        help="also measure transformers static+compile on a CPU (slow to compile)",
+    )
+    parser.add_argument(
+        "--weights-dir",
+        metavar="DIR",
+        help="keep the saved random-weight HF folders here (default: a temporary folder)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every figure and the machine here")
+    parser.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of ms/token against batch size (matplotlib)"
+    )
+    parser.add_argument(
+        "--plot-from",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: print the report of saved --json results (several are "
+        "merged, e.g. one per shape) and plot them (to --plot, default: the first JSON's "
+        "name with .png)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Build :class:`Settings` from parsed ``bench latency`` flags.
+
+    :param args: what :func:`add_arguments`' flags parsed to.
+    :return: the run's settings.
+    """
+    return Settings(
+        shapes=list(args.shapes),
+        batch_sizes=list(args.batch_sizes),
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backends=list(args.attention),
+        cuda_graphs=list(args.cuda_graphs),
+        transformers_modes=list(args.transformers),
+        backends=dict(args.backend),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        compile_on_cpu=args.compile_on_cpu,
+        weights_dir=args.weights_dir,
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``backplane bench latency``: print the report, write ``--json`` / ``--plot``.
+
+    :param args: the parsed flags.
+    :return: the exit code (0).
+    :raises BackplaneError: a user error (bad settings, unreadable ``--plot-from``
+        file, no matplotlib for ``--plot``).
+    """
+    if args.plot_from:
+        result = merge_results([load_result(p) for p in args.plot_from])
+        print(format_report(result), end="")
+        plot = args.plot or str(Path(args.plot_from[0]).with_suffix(".png"))
+        write_plot(result, plot)
+        logger.info("wrote %s", plot)
+        return 0
+    if args.plot:
+        # fail before measuring for minutes, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise matplotlib_missing(
+                ", or drop --plot and use --plot-from on the --json file elsewhere"
+            ) from None
+    result = run_benchmark(settings_from_args(args))
+    print(format_report(result), end="")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        logger.info("wrote %s", args.json)
+    if args.plot:
+        write_plot(result, args.plot)
+        logger.info("wrote %s", args.plot)
+    return 0

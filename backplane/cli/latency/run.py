@@ -1,0 +1,278 @@
+"""One latency run: every shape, configuration and batch size, in this process.
+
+Per shape: save the random weights, compute the memory floor, measure each
+backplane configuration (engines built one after another and freed in
+between), then transformers, and compare every side's tokens with
+transformers eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+from backplane.cli.latency.engines import run_backplane
+from backplane.cli.latency.floor import floor_bytes, measure_bandwidth
+from backplane.cli.latency.machine import machine_info
+from backplane.cli.latency.measure import (
+    agreement,
+    free_device_memory,
+    make_prompts,
+    one_line,
+    settle_status,
+    skipped,
+)
+from backplane.cli.latency.reference import run_transformers
+from backplane.cli.latency.report import si
+from backplane.cli.latency.settings import Settings, check_settings, resolve_device_dtype
+from backplane.cli.latency.shapes import shape_config
+from backplane.cli.latency.weights import save_random_weights
+from backplane.core.errors import BackendUnavailableError, UnknownBackendError
+
+logger = logging.getLogger(__name__)
+
+
+def _label(kind: str, **kw: str) -> str:
+    """A configuration's name in tables, plots and agreement references.
+
+    :param kind: ``backplane`` (with ``attention`` and ``graphs``) or
+        ``transformers`` (with ``mode``).
+    :return: e.g. ``"backplane triton, graphs"`` or ``"transformers eager"``.
+    """
+    if kind == "backplane":
+        graphs = "graphs" if kw["graphs"] == "on" else "eager"
+        return f"backplane {kw['attention']}, {graphs}"
+    return "transformers static+compile" if kw["mode"] == "compile" else "transformers eager"
+
+
+def _advance(progress: Any, n: int, what: str) -> None:
+    """Move the progress bar (if any) by ``n`` runs and say what was done."""
+    if progress is not None:
+        progress.set_postfix_str(what, refresh=False)
+        progress.update(n)
+
+
+def run_shape(
+    name: str,
+    settings: Settings,
+    *,
+    device: Any,
+    dtype: Any,
+    dtype_name: str,
+    bandwidth: float,
+    workdir: str,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Measure every configuration of one shape.
+
+    :param name: the shape's name.
+    :param settings: the run's settings.
+    :param device: the ``torch.device``.
+    :param dtype: the ``torch.dtype``.
+    :param dtype_name: its name.
+    :param bandwidth: the measured read bandwidth, bytes per second.
+    :param workdir: where the weights are saved.
+    :param progress: a ``tqdm`` bar advanced by each configuration, or ``None``.
+    :return: the shape's results: its config and sizes, and one entry per
+        configuration (floor first) with a row per batch size.
+    """
+    config = shape_config(name)
+    folder = os.path.join(workdir, f"{name}-{dtype_name}")
+    t0 = time.perf_counter()
+    logger.info("%s: building random %s weights in %s", name, dtype_name, folder)
+    info = save_random_weights(name, config, folder, dtype)
+    logger.info(
+        "%s: %s parameters, %s, saved in %.1fs",
+        name,
+        si(info.params, ""),
+        si(info.weight_bytes, "B"),
+        time.perf_counter() - t0,
+    )
+    vocab = int(config["vocab_size"])
+    prompts = {
+        b: make_prompts(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
+    }
+    floor_label = "HBM floor" if device.type == "cuda" else "memory floor"
+    floor_rows = []
+    for b in settings.batch_sizes:
+        parts = floor_bytes(info, b, settings.prompt_len, settings.new_tokens)
+        floor_rows.append(
+            {
+                "batch": b,
+                "status": "ok",
+                "ms_per_token": parts["total"] / bandwidth * 1e3,
+                "bytes_per_step": parts,
+            }
+        )
+    configs: list[dict[str, Any]] = [
+        {"label": floor_label, "kind": "floor", "status": "ok", "batches": floor_rows}
+    ]
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+
+    unavailable: dict[str, str] = {}
+    allocated_before = 0
+    if device.type == "cuda":
+        import torch
+
+        allocated_before = torch.cuda.memory_allocated(device)
+    for attention in settings.attention_backends:
+        for graphs in settings.cuda_graphs:
+            label = _label("backplane", attention=attention, graphs=graphs)
+            entry: dict[str, Any] = {
+                "label": label,
+                "kind": "backplane",
+                "attention": attention,
+                "cuda_graphs": graphs,
+            }
+            why = unavailable.get(attention)
+            if why is None and graphs == "on" and device.type != "cuda":
+                why = f"CUDA graphs need a CUDA device (this run is on {device.type})"
+            if why is not None:
+                entry.update(skipped(why))
+                configs.append(entry)
+                _advance(progress, len(settings.batch_sizes), f"{name}: {label} skipped")
+                continue
+            logger.info("%s: %s", name, label)
+            per_batch: dict[int, list[list[int]]] = {}
+            try:
+                entry.update(
+                    run_backplane(
+                        info.folder,
+                        settings,
+                        attention=attention,
+                        graphs=graphs,
+                        prompts=prompts,
+                        device=device,
+                        dtype_name=dtype_name,
+                        tokens_out=per_batch,
+                    )
+                )
+                settle_status(entry)
+            except (BackendUnavailableError, UnknownBackendError) as exc:
+                # the engine checks its backends before reading any weight
+                unavailable[attention] = str(exc)
+                entry.update(skipped(str(exc)))
+                free_device_memory(device)
+            except Exception as exc:
+                logger.debug("%s: %s failed", name, label, exc_info=True)
+                entry.update({"status": "failed", "reason": one_line(exc), "batches": []})
+                free_device_memory(device)
+            if device.type == "cuda":
+                import torch
+
+                left = torch.cuda.memory_allocated(device) - allocated_before
+                entry["allocated_after_free_mib"] = left / 2**20
+                if left > 256 << 20:
+                    logger.warning(
+                        "%s: %.0f MiB still allocated after freeing the engine of %s; "
+                        "later engines have less memory",
+                        name,
+                        left / 2**20,
+                        label,
+                    )
+            for b, toks in per_batch.items():
+                tokens[(label, b)] = toks
+            configs.append(entry)
+            _advance(progress, len(settings.batch_sizes), f"{name}: {label}")
+
+    hf_tokens: dict[tuple[str, int], list[list[int]]] = {}
+    if settings.transformers_modes:
+        logger.info("%s: transformers %s", name, ",".join(settings.transformers_modes))
+        hf = run_transformers(
+            info.folder,
+            settings,
+            prompts=prompts,
+            device=device,
+            dtype=dtype,
+            tokens_out=hf_tokens,
+        )
+        for mode, entry in hf.items():
+            label = _label("transformers", mode=mode)
+            configs.append({"label": label, "kind": "transformers", "mode": mode, **entry})
+            for (m, b), toks in hf_tokens.items():
+                if m == mode:
+                    tokens[(label, b)] = toks
+            _advance(progress, len(settings.batch_sizes), f"{name}: {label}")
+
+    reference = "transformers eager"
+    for entry in configs:
+        if entry["kind"] == "floor" or entry["label"] == reference:
+            continue
+        for row in entry.get("batches", []):
+            ref = tokens.get((reference, row["batch"]))
+            mine = tokens.get((entry["label"], row["batch"]))
+            if ref is not None and mine is not None:
+                row["agreement"] = {"reference": reference, **agreement(mine, ref)}
+
+    return {
+        "name": name,
+        "config": config,
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "params": info.params,
+        "weight_bytes": info.weight_bytes,
+        "kv_bytes_per_token": info.kv_bytes_per_token,
+        "state_bytes_per_seq": info.state_bytes_per_seq,
+        "run": {
+            "batch_sizes": list(settings.batch_sizes),
+            "prompt_len": settings.prompt_len,
+            "new_tokens": settings.new_tokens,
+            "dtype": dtype_name,
+            "repeats": settings.repeats,
+        },
+        "configs": configs,
+    }
+
+
+def run_benchmark(settings: Settings) -> dict[str, Any]:
+    """Run every shape, configuration and batch size of ``settings`` in this process.
+
+    :param settings: what to measure (its batch sizes are sorted and deduplicated in place).
+    :return: the JSON-serialisable result: ``machine``, ``settings``,
+        ``bandwidth`` and one entry per shape (see :func:`run_shape`).
+    :raises ConfigError: invalid settings (nothing is run).
+    """
+    from tqdm.auto import tqdm
+
+    check_settings(settings)
+    settings.batch_sizes = sorted(set(settings.batch_sizes))
+    device, dtype, dtype_name = resolve_device_dtype(settings)
+    machine = machine_info(device)
+    bandwidth = measure_bandwidth(device)
+    logger.info(
+        "read bandwidth %.1f GB/s (%s)", bandwidth["bytes_per_s"] / 1e9, bandwidth["method"]
+    )
+    per_shape = len(settings.attention_backends) * len(settings.cuda_graphs) + len(
+        settings.transformers_modes
+    )
+    total = len(settings.shapes) * per_shape * len(settings.batch_sizes)
+    shapes = []
+    with contextlib.ExitStack() as stack:
+        if settings.weights_dir:
+            workdir = settings.weights_dir
+            os.makedirs(workdir, exist_ok=True)
+        else:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-latency-"))
+        progress = stack.enter_context(
+            tqdm(total=total, desc="bench latency", unit="run", disable=None)
+        )
+        for name in settings.shapes:
+            shapes.append(
+                run_shape(
+                    name,
+                    settings,
+                    device=device,
+                    dtype=dtype,
+                    dtype_name=dtype_name,
+                    bandwidth=bandwidth["bytes_per_s"],
+                    workdir=workdir,
+                    progress=progress,
+                )
+            )
+    data = asdict(settings)
+    data["dtype_resolved"] = dtype_name
+    return {"machine": machine, "settings": data, "bandwidth": bandwidth, "shapes": shapes}

@@ -1,0 +1,86 @@
+"""The model shapes ``backplane bench latency`` measures, as HF ``config.json`` dicts.
+
+Two shapes of the same width, a dense one and a hybrid one, plus a lookup that
+also accepts any built-in preset (the tiny ones run on a CPU).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+from backplane.core.errors import ConfigError
+
+LLAMA_1B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""The ~1.1B Llama shape (the one ``benchmarks/bench_graphs.py`` measures)."""
+
+NEMOTRON_H_085B: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    # 10 Mamba2 (M), 2 attention (*) and 12 MLP (-) layers
+    "hybrid_override_pattern": "M-M-M-M-*-M-M-M-*-M-M-M-",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 8192,
+    "mlp_hidden_act": "relu2",
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mlp_bias": False,
+    "attention_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+"""A ~0.85B Nemotron-H-shaped hybrid (24 layers: 10 Mamba2 + 2 attention + 12 MLP)."""
+
+SHAPES: dict[str, dict[str, Any]] = {"llama-1b": LLAMA_1B, "nemotron-h-0.85b": NEMOTRON_H_085B}
+"""The model shapes by name, as HF ``config.json`` dicts."""
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """Return the HF config dict of shape ``name`` (a copy).
+
+    :param name: a key of :data:`SHAPES` or a built-in preset name.
+    :return: a deep copy, so that callers may edit it.
+    :raises ConfigError: unknown name, listing the known ones.
+    """
+    from backplane.models import presets
+
+    if name in SHAPES:
+        return json.loads(json.dumps(SHAPES[name]))
+    if name in presets.PRESETS:
+        return json.loads(json.dumps(presets.PRESETS[name]))
+    known = [*SHAPES, *sorted(presets.PRESETS)]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"unknown shape {name!r}{hint}; the shapes are: {', '.join(known)}")

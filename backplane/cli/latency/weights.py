@@ -1,0 +1,169 @@
+"""The random weights both sides of a latency run load, and their sizes.
+
+Each shape is built once with backplane's fixed-seed initialisation and saved
+as a Hugging Face folder (``config.json`` + safetensors), which backplane's
+loader and ``transformers`` both read; :class:`WeightsInfo` keeps the sizes
+the memory floor is computed from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backplane.cli.latency.settings import FAMILIES, PAGE_SIZE
+
+
+@contextlib.contextmanager
+def _registered_preset(name: str, config: dict[str, Any]) -> Iterator[str]:
+    """Make ``config`` buildable as a preset (random weights) for the duration.
+
+    :param name: the shape's name; a preset of that name is replaced, then restored.
+    :param config: its HF config dict.
+    :return: (yields) the preset name to build.
+    """
+    from backplane.models import presets
+
+    key = name if name in presets.PRESETS else f"bench-{name}"
+    saved = presets.PRESETS.get(key)
+    presets.PRESETS[key] = config
+    try:
+        yield key
+    finally:
+        if saved is None:
+            presets.PRESETS.pop(key, None)
+        else:
+            presets.PRESETS[key] = saved
+
+
+@dataclass
+class WeightsInfo:
+    """What the memory floor needs to know about one saved model.
+
+    :param folder: the HF folder (``config.json`` + ``model.safetensors``).
+    :param params: parameters (experts included).
+    :param weight_bytes: bytes of all weights as saved.
+    :param embedding_bytes: bytes of the input embedding.
+    :param embedding_row_bytes: bytes of one embedding row.
+    :param lm_head_bytes: bytes of the LM head (the embedding if tied).
+    :param tied: whether the LM head is the embedding.
+    :param expert_bytes: bytes of all routed experts.
+    :param num_experts: routed experts per MoE layer (0 without MoE).
+    :param experts_per_token: experts each token is routed to.
+    :param kv_bytes_per_token: paged KV bytes per token over all layers.
+    :param state_bytes_per_seq: recurrent state bytes per sequence over all layers.
+    """
+
+    folder: str
+    params: int
+    weight_bytes: int
+    embedding_bytes: int
+    embedding_row_bytes: int
+    lm_head_bytes: int
+    tied: bool
+    expert_bytes: int
+    num_experts: int
+    experts_per_token: int
+    kv_bytes_per_token: float
+    state_bytes_per_seq: int
+
+
+def _specs_bytes(specs: dict[str, dict[str, Any]]) -> int:
+    """Bytes of every cache tensor in a model's ``cache_specs`` (layer -> name -> spec)."""
+    return sum(spec.nbytes for layer in specs.values() for spec in layer.values())
+
+
+def save_random_weights(
+    name: str, config: dict[str, Any], folder: str | os.PathLike[str], dtype: Any
+) -> WeightsInfo:
+    """Build shape ``name`` with backplane's fixed-seed random weights and save it as an HF folder.
+
+    The model is built on the CPU in ``dtype`` by a minimal engine (torch
+    backends, two KV pages); its tensors are written under their checkpoint
+    names, one tensor per routed expert, which is what both backplane's loader
+    and ``transformers`` read.
+
+    :param name: the shape's name (for the temporary preset).
+    :param config: its HF config dict.
+    :param folder: where to write ``config.json`` and ``model.safetensors``.
+    :param dtype: the ``torch.dtype`` of the saved weights.
+    :return: sizes the memory floor needs.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from backplane import LLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype_name = str(dtype).replace("torch.", "")
+    with _registered_preset(name, config) as key:
+        llm = LLM(
+            key,
+            device="cpu",
+            dtype=dtype_name,
+            max_num_seqs=1,
+            max_num_tokens=1,
+            num_kv_pages=2,
+            enable_prefix_caching=False,
+            backends=dict.fromkeys(FAMILIES, "torch"),
+        )
+    model = llm.engine.model
+    del llm
+    prefixes = list(getattr(model, "checkpoint_prefixes", ()))
+    embedding = model.embed_tokens.weight
+    tied = bool(model.tie_word_embeddings)
+    head = embedding if tied else model.lm_head.weight
+
+    tensors: dict[str, torch.Tensor] = {}
+    expert_bytes = 0
+    num_experts = 0
+    for target, (tensor, index) in model.weight_targets().items():
+        ckpt = target
+        for ckpt_prefix, module_prefix in prefixes:
+            if target.startswith(module_prefix):
+                ckpt = ckpt_prefix + target[len(module_prefix) :]
+                break
+        part = tensor if index is None else tensor[index]
+        # clone: safetensors refuses tensors sharing storage (the stacked experts)
+        tensors[ckpt] = part.detach().contiguous().clone()
+        if index is not None:
+            expert_bytes += part.numel() * part.element_size()
+            num_experts = max(num_experts, int(tensor.shape[0]))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    saved_config = dict(config)
+    saved_config["dtype"] = dtype_name
+    (folder / "config.json").write_text(json.dumps(saved_config, indent=1))
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    # cache sizes as differences: one page more gives the KV bytes of PAGE_SIZE
+    # tokens, one slot more the recurrent state of one sequence
+    kw = {"page_size": PAGE_SIZE, "dtype": dtype}
+    two = _specs_bytes(model.cache_specs(num_pages=2, num_slots=1, **kw))
+    three = _specs_bytes(model.cache_specs(num_pages=3, num_slots=1, **kw))
+    two_slots = _specs_bytes(model.cache_specs(num_pages=2, num_slots=2, **kw))
+    info = WeightsInfo(
+        folder=str(folder),
+        params=sum(t.numel() for t in tensors.values()),
+        weight_bytes=sum(nbytes(t) for t in tensors.values()),
+        embedding_bytes=nbytes(embedding),
+        embedding_row_bytes=embedding.shape[1] * embedding.element_size(),
+        lm_head_bytes=nbytes(head),
+        tied=tied,
+        expert_bytes=expert_bytes,
+        num_experts=num_experts,
+        experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        kv_bytes_per_token=(three - two) / PAGE_SIZE,
+        state_bytes_per_seq=two_slots - two,
+    )
+    del model, tensors
+    gc.collect()
+    return info
