@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from backplane.cli._command import add_command
 from backplane.cli._table import render_table
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.registry import get_registry
@@ -13,22 +14,19 @@ from backplane.core.registry import get_registry
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``backends`` sub-command."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "backends",
         help="list the installed backends of every op family",
         description=(
             "List the backends that the installed plugins provide, best priority first "
             "within each family, with whether each can run here and why not."
         ),
-    )
-    parser.add_argument("--family", choices=FAMILIES, help="list only this op family")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print a JSON list of objects (family, name, plugin, available, reason, "
+        run=run,
+        json_help="print a JSON list of objects (family, name, plugin, available, reason, "
         "priority, capabilities, description, load)",
     )
-    parser.set_defaults(func=run)
+    parser.add_argument("--family", choices=FAMILIES, help="list only this op family")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,9 +11,11 @@ from backplane.core.errors import ConfigError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` sub-command."""
+    from backplane.cli._command import add_command
     from backplane.cli.options import add_engine_arguments
 
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "generate",
         help="generate text from prompts",
         description=(
@@ -21,6 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "tiny-llama, the default) and generate from each prompt. Engine settings come "
             "from --config FILE, overridden by the flags below."
         ),
+        run=run,
+        json_help="print one JSON object per prompt (token_ids, text, finish_reason, ...)",
     )
     parser.add_argument(
         "--prompt",
@@ -51,13 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence"
     )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object per prompt (token_ids, text, finish_reason, ...)",
-    )
     add_engine_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def _parse_token_ids(text: str) -> list[int]:

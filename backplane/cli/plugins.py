@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from backplane.cli._command import add_command
 from backplane.cli._table import render_table
 from backplane.core.registry import get_registry
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plugins`` sub-command."""
-    parser = subparsers.add_parser(
+    add_command(
+        subparsers,
         "plugins",
         help="list the discovered plugins and their load errors",
         description=(
@@ -19,14 +21,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "built-in ones), with their distribution, version, the hooks they implement, "
             "and the error of any plugin that failed to load."
         ),
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print a JSON list of objects (name, module, distribution, version, hooks, "
+        run=run,
+        json_help="print a JSON list of objects (name, module, distribution, version, hooks, "
         "error, disabled)",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

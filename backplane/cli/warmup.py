@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from backplane.cli._command import add_command
 from backplane.core.hookspecs import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,8 @@ def explicit_specs(args: argparse.Namespace) -> dict[str, list[Any]]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``warmup`` sub-command."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "warmup",
         help="compile a model's kernels (FlashInfer JIT, Triton) ahead of time",
         description=(
@@ -321,6 +323,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "the first request. FlashInfer's cache lives under $FLASHINFER_WORKSPACE_BASE "
             "(default: the home directory)/.cache/flashinfer."
         ),
+        run=run,
+        json_help="print the results as JSON",
     )
     parser.add_argument(
         "model", nargs="?", help="a local model directory (config.json) or a preset name"
@@ -369,8 +373,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: bfloat16)")
     parser.add_argument("--device", default="cuda", help="device (default: cuda)")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size (default: 16)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.set_defaults(func=run)
 
 
 def _select_backends(choices: list[str]) -> dict[str, Any]:

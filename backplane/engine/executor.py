@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -424,8 +423,3 @@ class Engine:
 def _finished_requests(scheduler: Any, sched: Any) -> list[Any]:
     """Requests finished before this step (aborts, in ``sched.finished``) or by it."""
     return [*sched.finished, *scheduler.pop_finished()]
-
-
-def now() -> float:
-    """The engine's clock (``time.perf_counter``)."""
-    return time.perf_counter()

@@ -22,6 +22,7 @@ to finish (an event on CUDA), so callers need not synchronise.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,6 +33,8 @@ import torch
 from backplane.core.metadata import EAGER, BatchMetadata, HostBatch, StepMode
 from backplane.core.packing import measure_batch, pack_batch
 
+#: HostBatch fields that live in a fixed section of the buffers (page indices are sized per step)
+_SECTION_FIELDS = tuple(f.name for f in dataclasses.fields(HostBatch) if f.name != "page_indices")
 _ALIGN = 8  # every section starts 8-byte aligned so typed device views are legal
 
 
@@ -289,22 +292,7 @@ class InputBatch:
         total_pages = shape.total_pages
         pi_start = layout.page_indices_start
         page_indices = self._host_typed[np.int32][pi_start : pi_start + total_pages]
-        host = HostBatch(
-            query_start_loc=h["query_start_loc"],
-            query_lens=h["query_lens"],
-            cached_lens=h["cached_lens"],
-            seq_lens=h["seq_lens"],
-            page_indptr=h["page_indptr"],
-            page_indices=page_indices,
-            last_page_lens=h["last_page_lens"],
-            block_table=h["block_table"],
-            state_slots=h["state_slots"],
-            has_initial_state=h["has_initial_state"],
-            positions=h["positions"],
-            slot_mapping=h["slot_mapping"],
-            token_seq_ids=h["token_seq_ids"],
-            last_token_indices=h["last_token_indices"],
-        )
+        host = HostBatch(page_indices=page_indices, **{f: h[f] for f in _SECTION_FIELDS})
         sample_rows = pack_batch(
             shape,
             tables,
@@ -344,21 +332,9 @@ class InputBatch:
             max_query_len=shape.max_query_len,
             max_seq_len=shape.max_seq_len,
             host=host,
-            query_start_loc=d["query_start_loc"],
-            query_lens=d["query_lens"],
-            cached_lens=d["cached_lens"],
-            seq_lens=d["seq_lens"],
-            page_indptr=d["page_indptr"],
             page_indices=page_indices_dev,
-            last_page_lens=d["last_page_lens"],
-            block_table=d["block_table"],
-            state_slots=d["state_slots"],
-            has_initial_state=d["has_initial_state"],
-            positions=d["positions"],
-            slot_mapping=d["slot_mapping"],
-            token_seq_ids=d["token_seq_ids"],
-            last_token_indices=d["last_token_indices"],
             mode=mode,
+            **{f: d[f] for f in _SECTION_FIELDS},
         )
         return BatchInputs(
             metadata=metadata,

@@ -234,21 +234,21 @@ class Request:
     @property
     def prompt_token_ids(self) -> np.ndarray:
         """The prompt as a read-only ``int32`` view (no copy)."""
-        v = self._tokens[: self._num_prompt]
-        v.flags.writeable = False
-        return v
+        return self._read_only(0, self._num_prompt)
 
     @property
     def output_token_ids(self) -> np.ndarray:
         """The generated tokens as a read-only ``int32`` view (no copy)."""
-        v = self._tokens[self._num_prompt : self._num_tokens]
-        v.flags.writeable = False
-        return v
+        return self._read_only(self._num_prompt, self._num_tokens)
 
     @property
     def all_token_ids(self) -> np.ndarray:
         """Prompt + generated tokens as a read-only ``int32`` view (no copy)."""
-        v = self._tokens[: self._num_tokens]
+        return self._read_only(0, self._num_tokens)
+
+    def _read_only(self, start: int, stop: int) -> np.ndarray:
+        # callers get views of the live buffer; writing through one would corrupt the request
+        v = self._tokens[start:stop]
         v.flags.writeable = False
         return v
 

@@ -14,65 +14,60 @@ def _available() -> tuple[bool, str]:
     return (reason is None, reason or "")
 
 
+def _spec(family: str, cls: str, extra: frozenset[str], description: str) -> list[BackendSpec]:
+    # every torch backend: same name, priority and availability; they differ in what they run
+    return [
+        BackendSpec(
+            family=family,
+            name="torch",
+            load=f"backplane.backends.torch.{family}:{cls}",
+            is_available=_available,
+            priority=0,
+            capabilities=_CAPS | extra,
+            description=description,
+        )
+    ]
+
+
 @hookimpl
 def backplane_attention_backends() -> list[BackendSpec]:
     """The torch reference attention backend."""
-    return [
-        BackendSpec(
-            family="attention",
-            name="torch",
-            load="backplane.backends.torch.attention:TorchAttentionBackend",
-            is_available=_available,
-            priority=0,
-            capabilities=_CAPS | {"sliding_window", "gqa"},
-            description="reference paged attention in plain torch (any device)",
-        )
-    ]
+    return _spec(
+        "attention",
+        "TorchAttentionBackend",
+        frozenset({"sliding_window", "gqa"}),
+        "reference paged attention in plain torch (any device)",
+    )
 
 
 @hookimpl
 def backplane_ssm_backends() -> list[BackendSpec]:
     """The torch reference Mamba2 backend."""
-    return [
-        BackendSpec(
-            family="ssm",
-            name="torch",
-            load="backplane.backends.torch.ssm:TorchSSMBackend",
-            is_available=_available,
-            priority=0,
-            capabilities=_CAPS | {"z_gate", "n_groups"},
-            description="reference causal conv + selective scan in plain torch",
-        )
-    ]
+    return _spec(
+        "ssm",
+        "TorchSSMBackend",
+        frozenset({"z_gate", "n_groups"}),
+        "reference causal conv + selective scan in plain torch",
+    )
 
 
 @hookimpl
 def backplane_mla_backends() -> list[BackendSpec]:
     """The torch reference MLA backend."""
-    return [
-        BackendSpec(
-            family="mla",
-            name="torch",
-            load="backplane.backends.torch.mla:TorchMLABackend",
-            is_available=_available,
-            priority=0,
-            capabilities=_CAPS,
-            description="reference MLA in plain torch (absorbed decode, expanded prefill)",
-        )
-    ]
+    return _spec(
+        "mla",
+        "TorchMLABackend",
+        frozenset(),
+        "reference MLA in plain torch (absorbed decode, expanded prefill)",
+    )
 
 
 @hookimpl
 def backplane_delta_backends() -> list[BackendSpec]:
     """The torch reference gated delta rule backend."""
-    return [
-        BackendSpec(
-            family="delta",
-            name="torch",
-            load="backplane.backends.torch.delta:TorchDeltaBackend",
-            is_available=_available,
-            priority=0,
-            capabilities=_CAPS | {"qk_l2norm", "grouped_v_heads"},
-            description="reference gated delta rule in plain torch",
-        )
-    ]
+    return _spec(
+        "delta",
+        "TorchDeltaBackend",
+        frozenset({"qk_l2norm", "grouped_v_heads"}),
+        "reference gated delta rule in plain torch",
+    )

@@ -33,10 +33,7 @@ def token_buckets(max_num_tokens: int, sizes: Iterable[int] | None = None) -> li
     :param sizes: configured sizes (default: powers of two).
     :return: sorted sizes, none above ``max_num_tokens``.
     """
-    chosen = powers_of_two_up_to(max_num_tokens) if sizes is None else list(sizes)
-    chosen = [s for s in chosen if 1 <= s <= max_num_tokens]
-    chosen.append(max_num_tokens)
-    return sorted(set(chosen))
+    return _buckets_up_to(max_num_tokens, sizes)
 
 
 def decode_buckets(max_num_seqs: int, sizes: Iterable[int] | None = None) -> list[int]:
@@ -46,9 +43,14 @@ def decode_buckets(max_num_seqs: int, sizes: Iterable[int] | None = None) -> lis
     :param sizes: configured sizes (default: powers of two).
     :return: sorted sizes, none above ``max_num_seqs``.
     """
-    chosen = powers_of_two_up_to(max_num_seqs) if sizes is None else list(sizes)
-    chosen = [s for s in chosen if 1 <= s <= max_num_seqs]
-    chosen.append(max_num_seqs)
+    return _buckets_up_to(max_num_seqs, sizes)
+
+
+def _buckets_up_to(limit: int, sizes: Iterable[int] | None) -> list[int]:
+    # the limit itself always gets a bucket: a full step must never fall back to eager
+    chosen = powers_of_two_up_to(limit) if sizes is None else list(sizes)
+    chosen = [s for s in chosen if 1 <= s <= limit]
+    chosen.append(limit)
     return sorted(set(chosen))
 
 
