@@ -354,6 +354,16 @@ def test_slice_prefill_views() -> None:
     assert sub.positions.data_ptr() == batch.positions.data_ptr()
     assert sub.state_slots.tolist() == [4, 1]
     assert sub.query_start_loc.tolist() == [0, 4, 7]
+    import dataclasses
+
+    from backplane.core.metadata import HostBatch
+
+    lengths = {"query_start_loc": 3, "page_indptr": 3, "page_indices": 3}
+    lengths.update(dict.fromkeys(("positions", "slot_mapping", "token_seq_ids"), 7))
+    for f in dataclasses.fields(HostBatch):
+        host, dev = getattr(sub.host, f.name), getattr(sub, f.name)
+        assert len(host) == lengths.get(f.name, 2), f.name
+        assert dev.tolist() == host.tolist() == getattr(batch.host, f.name)[: len(host)].tolist()
 
 
 def _naive_delta_decode(q, k, v, g, beta, state, slots, scale):

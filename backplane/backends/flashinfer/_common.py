@@ -6,6 +6,7 @@ on a machine without it fails only when a kernel is actually used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -156,22 +157,6 @@ def slice_prefill(batch: BatchMetadata) -> BatchMetadata:
     t = batch.num_prefill_tokens
     h = batch.host
     npg = int(h.page_indptr[s])
-    host = HostBatch(
-        query_start_loc=h.query_start_loc[: s + 1],
-        query_lens=h.query_lens[:s],
-        cached_lens=h.cached_lens[:s],
-        seq_lens=h.seq_lens[:s],
-        page_indptr=h.page_indptr[: s + 1],
-        page_indices=h.page_indices[:npg],
-        last_page_lens=h.last_page_lens[:s],
-        block_table=h.block_table[:s],
-        state_slots=h.state_slots[:s],
-        has_initial_state=h.has_initial_state[:s],
-        positions=h.positions[:t],
-        slot_mapping=h.slot_mapping[:t],
-        token_seq_ids=h.token_seq_ids[:t],
-        last_token_indices=h.last_token_indices[:s],
-    )
     return BatchMetadata(
         num_prefill_seqs=s,
         num_prefill_tokens=t,
@@ -181,22 +166,23 @@ def slice_prefill(batch: BatchMetadata) -> BatchMetadata:
         page_size=batch.page_size,
         max_query_len=int(h.query_lens[:s].max()) if s else 0,
         max_seq_len=int(h.seq_lens[:s].max()) if s else 0,
-        host=host,
-        query_start_loc=batch.query_start_loc[: s + 1],
-        query_lens=batch.query_lens[:s],
-        cached_lens=batch.cached_lens[:s],
-        seq_lens=batch.seq_lens[:s],
-        page_indptr=batch.page_indptr[: s + 1],
-        page_indices=batch.page_indices[:npg],
-        last_page_lens=batch.last_page_lens[:s],
-        block_table=batch.block_table[:s],
-        state_slots=batch.state_slots[:s],
-        has_initial_state=batch.has_initial_state[:s],
-        positions=batch.positions[:t],
-        slot_mapping=batch.slot_mapping[:t],
-        token_seq_ids=batch.token_seq_ids[:t],
-        last_token_indices=batch.last_token_indices[:s],
+        host=HostBatch(**_leading(h, s, t, npg)),
+        **_leading(batch, s, t, npg),
     )
+
+
+#: how each per-step array is cut to the first ``s`` sequences / ``t`` tokens
+_PER_TOKEN = ("positions", "slot_mapping", "token_seq_ids")
+_OFFSETS = ("query_start_loc", "page_indptr")
+
+
+def _leading(src: Any, s: int, t: int, npg: int) -> dict[str, Any]:
+    # the same cut for the host arrays and their device tensors, so the two stay in step
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(HostBatch):
+        n = npg if f.name == "page_indices" else t if f.name in _PER_TOKEN else s
+        out[f.name] = getattr(src, f.name)[: n + 1 if f.name in _OFFSETS else n]
+    return out
 
 
 # -- CUDA-graph decode buckets ----------------------------------------------------
