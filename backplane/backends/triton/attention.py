@@ -75,31 +75,16 @@ def paged_attention(
         q = q.contiguous()
     k_plane, v_plane = kv_cache.unbind(1)
     # Both kernels append their own tokens' keys and values (no append launch).
-    group = q.shape[1] // k.shape[1]
-    paged_prefill(
-        batch,
-        q,
-        k_plane,
-        v_plane,
-        buf,
-        scale=scale,
-        group=group,
-        sliding_window=sliding_window,
-        k_new=k,
-        v_new=v,
-    )
+    step = {
+        "scale": scale,
+        "group": q.shape[1] // k.shape[1],
+        "sliding_window": sliding_window,
+        "k_new": k,
+        "v_new": v,
+    }
+    paged_prefill(batch, q, k_plane, v_plane, buf, **step)
     paged_decode(
-        batch,
-        q,
-        k_plane,
-        v_plane,
-        buf,
-        scale=scale,
-        group=group,
-        sliding_window=sliding_window,
-        k_new=k,
-        v_new=v,
-        num_splits=_FORCED_SPLITS["value"] or None,
+        batch, q, k_plane, v_plane, buf, **step, num_splits=_FORCED_SPLITS["value"] or None
     )
     return finish_output(out, buf, num_tokens)
 
