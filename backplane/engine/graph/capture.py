@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,3 +180,39 @@ def pool_bytes(pool: Any) -> int:
         except Exception:  # older torch: fall back to the device-wide figure
             pass
     return torch.cuda.memory_reserved()
+
+
+def capture_buckets(
+    buckets: Iterable[int],
+    capture_one: Callable[[int], None],
+    *,
+    pool: Any,
+    label: str,
+    failed: dict[int, str],
+    grown: dict[int, int],
+    progress: Any = None,
+) -> None:
+    """Capture every bucket, largest first, keeping going past a failed one.
+
+    A bucket whose capture raises is recorded in ``failed`` and runs eagerly;
+    the others still replay, so one bad shape never disables graphs altogether.
+
+    :param buckets: the bucket sizes to capture.
+    :param capture_one: ``capture_one(bucket)`` captures that bucket.
+    :param pool: the memory pool the captures allocate from (for ``grown``).
+    :param label: names a bucket in warnings and progress, e.g. ``"decode batch"``.
+    :param failed: filled with ``bucket -> error`` for each failed capture.
+    :param grown: filled with ``bucket -> bytes`` the pool grew by capturing it.
+    :param progress: an optional tqdm-like bar, advanced once per bucket.
+    """
+    for bucket in sorted(buckets, reverse=True):
+        before = pool_bytes(pool)
+        try:
+            capture_one(bucket)
+        except Exception as exc:
+            failed[bucket] = f"{type(exc).__name__}: {exc}"
+            logger.warning("capture of %s %d failed, it will run eagerly: %s", label, bucket, exc)
+        grown[bucket] = pool_bytes(pool) - before
+        if progress is not None:
+            progress.set_postfix_str(f"{label} {bucket}, pool {pool_bytes(pool) / 2**20:.1f} MiB")
+            progress.update(1)

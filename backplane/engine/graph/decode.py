@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from backplane.engine.graph.capture import CapturedGraph, capture, new_pool, pool_bytes
-
-logger = logging.getLogger(__name__)
+from backplane.engine.graph.capture import CapturedGraph, capture, capture_buckets, new_pool
 
 
 class DecodeGraphs:
@@ -58,24 +55,22 @@ class DecodeGraphs:
             :func:`backplane.engine.graph.capture.capture`).
         :param progress: an optional tqdm-like bar, advanced once per bucket.
         """
-        for bucket in sorted(self.buckets, reverse=True):
-            before = pool_bytes(self.pool)
-            try:
-                with make_inputs(bucket) as args:
-                    self.graphs[bucket] = capture(
-                        self.forward_fn, postprocess_fn, args, pool=self.pool, cuda=self.cuda
-                    )
-            except Exception as exc:  # that bucket runs eagerly; the others still replay
-                self.failed[bucket] = f"{type(exc).__name__}: {exc}"
-                logger.warning(
-                    "decode graph capture of batch %d failed, it will run eagerly: %s", bucket, exc
+
+        def capture_one(bucket: int) -> None:
+            with make_inputs(bucket) as args:
+                self.graphs[bucket] = capture(
+                    self.forward_fn, postprocess_fn, args, pool=self.pool, cuda=self.cuda
                 )
-            self.pool_bytes[bucket] = pool_bytes(self.pool) - before
-            if progress is not None:
-                progress.set_postfix_str(
-                    f"decode batch {bucket}, pool {pool_bytes(self.pool) / 2**20:.1f} MiB"
-                )
-                progress.update(1)
+
+        capture_buckets(
+            self.buckets,
+            capture_one,
+            pool=self.pool,
+            label="decode batch",
+            failed=self.failed,
+            grown=self.pool_bytes,
+            progress=progress,
+        )
 
     def has(self, bucket: int) -> bool:
         """True when ``bucket`` was captured."""

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from backplane.engine.graph.capture import allocate_in, new_pool, pool_id, weak_ref, weak_refs
+from backplane.engine.graph.capture import (
+    allocate_in,
+    capture_buckets,
+    new_pool,
+    pool_id,
+    weak_ref,
+    weak_refs,
+)
 from backplane.engine.graph.context import GraphContext, GraphPhase
 from backplane.engine.graph.split import Segment, node_overload, split_at_dynamic_ops
 
@@ -320,10 +327,8 @@ class PiecewiseGraphs:
             the forward's arguments after the warmup run and after capture.
         :param progress: an optional tqdm-like bar, advanced once per bucket.
         """
-        from backplane.engine.graph.capture import pool_bytes
 
-        for bucket in sorted(self.buckets, reverse=True):
-            before = pool_bytes(self.ctx.pool)
+        def capture_one(bucket: int) -> None:
             try:
                 with make_inputs(bucket) as args:
                     if not self._marked:
@@ -344,19 +349,18 @@ class PiecewiseGraphs:
                     del out  # drop strong refs: the pool is reused by the next bucket
                     self.ctx.produced.clear()
                 self.captured.add(bucket)
-            except Exception as exc:  # a failed bucket runs eagerly; the others still replay
-                self.failed[bucket] = f"{type(exc).__name__}: {exc}"
-                logger.warning(
-                    "piecewise capture of bucket %d failed, it will run eagerly: %s", bucket, exc
-                )
             finally:
                 self.ctx.enter(GraphPhase.EAGER, None)
-            self.ctx.pool_bytes[bucket] = pool_bytes(self.ctx.pool) - before
-            if progress is not None:
-                progress.set_postfix_str(
-                    f"piecewise bucket {bucket}, pool {pool_bytes(self.ctx.pool) / 2**20:.1f} MiB"
-                )
-                progress.update(1)
+
+        capture_buckets(
+            self.buckets,
+            capture_one,
+            pool=self.ctx.pool,
+            label="piecewise bucket",
+            failed=self.failed,
+            grown=self.ctx.pool_bytes,
+            progress=progress,
+        )
 
     def run(self, bucket: int, *args: Any) -> Any:
         """Replay bucket ``bucket`` on the current inputs (already padded to it)."""
