@@ -208,16 +208,8 @@ class AttentionBackendTests(PagedBackendTests):
             layer_id=0, num_heads=h, num_kv_heads=num_kv_heads or h, head_dim=self.head_dim, **kw
         )
 
-    def make_inputs(
-        self,
-        case: BatchCase,
-        layer: AttentionLayerSpec,
-        dtype: torch.dtype,
-        device: torch.device,
-        seed: int = 0,
-    ) -> AttentionInputs:
-        """See :func:`make_attention_inputs`."""
-        return make_attention_inputs(case, layer, dtype, device, seed)
+    #: See :func:`make_attention_inputs`.
+    make_inputs = staticmethod(make_attention_inputs)
 
     def call_forward(
         self,
@@ -229,15 +221,8 @@ class AttentionBackendTests(PagedBackendTests):
         """``backend.forward(q, k, v, kv_cache, layer, out=out)``."""
         return backend.forward(inputs.q, inputs.k, inputs.v, inputs.kv_cache, layer, out=out)
 
-    def cache(self, inputs: AttentionInputs) -> torch.Tensor:
-        """The paged KV cache."""
-        return inputs.kv_cache
-
-    def reference(
-        self, case: BatchCase, inputs: AttentionInputs, layer: AttentionLayerSpec
-    ) -> torch.Tensor:
-        """See :func:`reference_outputs`."""
-        return reference_outputs(case, inputs, layer)
+    #: See :func:`reference_outputs`.
+    reference = staticmethod(reference_outputs)
 
     def out_shape(self, case: BatchCase, layer: AttentionLayerSpec) -> tuple[int, ...]:
         """``[padded tokens, num_heads, head_dim]``."""

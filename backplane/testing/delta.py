@@ -27,13 +27,12 @@ import torch
 
 from backplane.core.families import DeltaLayerSpec
 from backplane.core.metadata import BatchMetadata
-from backplane.testing.batches import BatchCase, make_case
-from backplane.testing.checks import assert_close_to_reference
+from backplane.testing.batches import BatchCase
 from backplane.testing.plugin import require_feature
 from backplane.testing.recurrent import (
-    RECURRENCE_TOL_SCALE,
     OpCall,
     RecurrentBackendTests,
+    assert_recurrence_close,
     prompt_chunks,
     random_state,
     single_sequence_batch,
@@ -107,21 +106,13 @@ class DeltaBackendTests(RecurrentBackendTests):
     K_HEAD_DIM: ClassVar[int] = 8
     V_HEAD_DIM: ClassVar[int] = 6
 
-    @classmethod
-    def cases(cls) -> list[BatchCase]:
-        """The kit's standard batches plus prompts longer than one 64-token chunk."""
-        return [
-            *super().cases(),
-            make_case(
-                "long_prefill_and_extend",
-                [70, 9, 1],
-                [0, 66, 5],
-                page_size=16,
-                shuffle_slots=True,
-                padding=2,
-                seed=7,
-            ),
-        ]
+    #: Prompts longer than one 64-token chunk.
+    LONG_CASE: ClassVar[dict[str, Any]] = {
+        "query_lens": [70, 9, 1],
+        "cached_lens": [0, 66, 5],
+        "page_size": 16,
+        "seed": 7,
+    }
 
     def layer(self, num_v_heads: int, use_qk_l2norm: bool) -> DeltaLayerSpec:
         """The layer constants used by the tests (default scale ``k_head_dim ** -0.5``)."""
@@ -242,22 +233,13 @@ class DeltaBackendTests(RecurrentBackendTests):
             backend, batch, lambda out: backend.forward(*args, layer, out=out), [inp["state"]]
         )
         assert full.shape == inp["v"].shape and full.dtype == dtype
-        assert_close_to_reference(
+        assert_recurrence_close(
             full[: batch.num_tokens],
             expected,
-            dtype,
-            scale=RECURRENCE_TOL_SCALE,
-            msg="delta output",
-        )
-        assert inp["state"].dtype == torch.float32
-        assert_close_to_reference(
             inp["state"],
             expected_state,
-            # stored in float32, but chunked kernels may feed the tensor cores
-            # operands in the activation dtype, so the state is only as exact as that
             dtype,
-            scale=RECURRENCE_TOL_SCALE,
-            msg="delta state",
+            ("delta output", "delta state"),
         )
 
     @pytest.mark.parametrize(
@@ -290,9 +272,11 @@ class DeltaBackendTests(RecurrentBackendTests):
         parts = [
             step(batch, rows, state_parts) for batch, rows in prompt_chunks(chunks, slot, device)
         ]
-        assert_close_to_reference(
-            torch.cat(parts), o_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta output"
-        )
-        assert_close_to_reference(
-            state_parts, state_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="delta state"
+        assert_recurrence_close(
+            torch.cat(parts),
+            o_whole,
+            state_parts,
+            state_whole,
+            dtype,
+            ("delta output", "delta state"),
         )

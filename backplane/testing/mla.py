@@ -197,16 +197,8 @@ class MLABackendTests(PagedBackendTests):
             scale=scale if scale is not None else 1.0 / math.sqrt(qk_dim),
         )
 
-    def make_inputs(
-        self,
-        case: BatchCase,
-        layer: MLALayerSpec,
-        dtype: torch.dtype,
-        device: torch.device,
-        seed: int = 0,
-    ) -> MLAInputs:
-        """See :func:`make_mla_inputs`."""
-        return make_mla_inputs(case, layer, dtype, device, seed)
+    #: See :func:`make_mla_inputs`.
+    make_inputs = staticmethod(make_mla_inputs)
 
     def call_forward(
         self,
@@ -228,13 +220,8 @@ class MLABackendTests(PagedBackendTests):
             out=out,
         )
 
-    def cache(self, inputs: MLAInputs) -> torch.Tensor:
-        """The paged latent cache."""
-        return inputs.latent_cache
-
-    def reference(self, case: BatchCase, inputs: MLAInputs, layer: MLALayerSpec) -> torch.Tensor:
-        """See :func:`reference_outputs`."""
-        return reference_outputs(case, inputs, layer)
+    #: See :func:`reference_outputs`.
+    reference = staticmethod(reference_outputs)
 
     def out_shape(self, case: BatchCase, layer: MLALayerSpec) -> tuple[int, ...]:
         """``[padded tokens, num_heads, v_head_dim]``."""

@@ -76,10 +76,13 @@ class PagedBackendTests(BackendTestsBase):
     def cache(self, inputs: Any) -> torch.Tensor:
         """The cache tensor of ``inputs`` the step writes.
 
+        The families' inputs objects name their cache field as the cache spec
+        does, so by default it is the field :attr:`cache_name`.
+
         :param inputs: from :meth:`make_inputs`.
         :return: the cache.
         """
-        raise NotImplementedError
+        return getattr(inputs, self.cache_name)
 
     def reference(self, case: BatchCase, inputs: Any, layer: Any) -> torch.Tensor:
         """The float64 reference of the real tokens of ``case``.

@@ -17,20 +17,49 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 from backplane.core.metadata import BatchMetadata, build_batch_metadata
-from backplane.testing.batches import BatchCase
-from backplane.testing.checks import check_graph_replay
+from backplane.testing.batches import BatchCase, make_case
+from backplane.testing.checks import assert_close_to_reference, check_graph_replay
 from backplane.testing.plugin import BackendTestsBase, require_feature
 
 #: Scale of the sequence-length dependent error of a recurrence against float64
 #: (applied to the kit's per-dtype tolerances): prompts here are at most ~20
 #: tokens, over which float32 accumulation error stays a few ulps per step.
 RECURRENCE_TOL_SCALE = 2.0
+
+
+def assert_recurrence_close(
+    out: torch.Tensor,
+    expected: torch.Tensor,
+    state: torch.Tensor,
+    expected_state: torch.Tensor,
+    dtype: torch.dtype,
+    names: tuple[str, str],
+) -> None:
+    """Assert a recurrent op's output and float32 state equal what they should.
+
+    Both are compared at the activation dtype's tolerances scaled by
+    :data:`RECURRENCE_TOL_SCALE`: the state is stored in float32, but chunked
+    kernels may feed the tensor cores operands in the activation dtype, so the
+    state is only as exact as that.
+
+    :param out: the op's output (real tokens only).
+    :param expected: what the output must be.
+    :param state: the state the op wrote.
+    :param expected_state: what the state must be.
+    :param dtype: the activation dtype.
+    :param names: ``(output, state)`` names for failure messages.
+    """
+    assert state.dtype == torch.float32
+    assert_close_to_reference(out, expected, dtype, scale=RECURRENCE_TOL_SCALE, msg=names[0])
+    assert_close_to_reference(
+        state, expected_state, dtype, scale=RECURRENCE_TOL_SCALE, msg=names[1]
+    )
 
 
 def random_state(
@@ -129,6 +158,22 @@ class OpCall:
 
 class RecurrentBackendTests(BackendTestsBase):
     """The tests a recurrent family runs the same way, on the calls of :meth:`op_calls`."""
+
+    #: :func:`~backplane.testing.batches.make_case` arguments (``query_lens``,
+    #: ``cached_lens``, ``seed``...) of the extra ``long_prefill_and_extend`` case,
+    #: whose prompts span several chunks of the family's chunked prefill.
+    LONG_CASE: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def cases(cls) -> list[BatchCase]:
+        """The kit's standard batches plus the long prompts of :attr:`LONG_CASE`.
+
+        :return: the cases.
+        """
+        return [
+            *super().cases(),
+            make_case("long_prefill_and_extend", shuffle_slots=True, padding=2, **cls.LONG_CASE),
+        ]
 
     def op_calls(
         self,

@@ -22,6 +22,7 @@ slots no sequence uses hold random values that must come back untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
@@ -29,13 +30,13 @@ import torch
 
 from backplane.core.families import ConvLayerSpec, SSMLayerSpec
 from backplane.core.metadata import BatchMetadata
-from backplane.testing.batches import BatchCase, make_case
+from backplane.testing.batches import BatchCase
 from backplane.testing.checks import assert_close_to_reference
 from backplane.testing.plugin import require_feature
 from backplane.testing.recurrent import (
-    RECURRENCE_TOL_SCALE,
     OpCall,
     RecurrentBackendTests,
+    assert_recurrence_close,
     prompt_chunks,
     random_state,
     single_sequence_batch,
@@ -159,6 +160,21 @@ def reference_ssm_scan(
 # -- the mixin ----------------------------------------------------------------------------------
 
 
+def _normal_sampler(
+    gen: torch.Generator, dtype: torch.dtype, device: torch.device
+) -> Callable[..., torch.Tensor]:
+    """``rnd(*shape, scale=1.0)``: normal samples of ``gen`` times ``scale``, as ``dtype`` on ``device``.
+
+    Drawn in float32 on the host, so the values do not depend on ``dtype`` or ``device``.
+    """
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
+        return t.to(device=device, dtype=dtype)
+
+    return rnd
+
+
 class SSMBackendTests(RecurrentBackendTests):
     """Conformance tests of an ``ssm`` backend (``conv`` and ``scan``).
 
@@ -173,20 +189,12 @@ class SSMBackendTests(RecurrentBackendTests):
     #: Small, so the kit's prompts span several chunks of the prefill scan.
     CHUNK_SIZE: ClassVar[int] = 4
 
-    @classmethod
-    def cases(cls) -> list[BatchCase]:
-        """The kit's standard batches plus long prompts that span several scan chunks."""
-        return [
-            *super().cases(),
-            make_case(
-                "long_prefill_and_extend",
-                [19, 13, 1],
-                [0, 9, 6],
-                shuffle_slots=True,
-                padding=2,
-                seed=5,
-            ),
-        ]
+    #: Long prompts that span several scan chunks.
+    LONG_CASE: ClassVar[dict[str, Any]] = {
+        "query_lens": [19, 13, 1],
+        "cached_lens": [0, 9, 6],
+        "seed": 5,
+    }
 
     # -- inputs
 
@@ -204,10 +212,7 @@ class SSMBackendTests(RecurrentBackendTests):
         """Random ``conv`` inputs for ``batch`` (padding rows hold random values too)."""
         gen = torch.Generator().manual_seed(seed)
         T = batch.padded_num_tokens
-
-        def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
-            return t.to(device=device, dtype=dtype)
+        rnd = _normal_sampler(gen, dtype, device)
 
         return {
             "x": rnd(T, conv_dim),
@@ -232,10 +237,7 @@ class SSMBackendTests(RecurrentBackendTests):
         """Random ``scan`` inputs for ``batch`` with Mamba2-like magnitudes."""
         gen = torch.Generator().manual_seed(seed)
         T, H, P, N = batch.padded_num_tokens, self.NHEADS, self.HEAD_DIM, self.D_STATE
-
-        def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale + shift
-            return t.to(device=device, dtype=dtype)
+        rnd = _normal_sampler(gen, dtype, device)
 
         # A = -exp(A_log) as in the models: negative, order 1; dt + dt_bias around -1 so that
         # softplus(dt) spans roughly 0.1 .. 1 and the state decays but does not vanish
@@ -372,19 +374,13 @@ class SSMBackendTests(RecurrentBackendTests):
             backend, batch, lambda out: backend.scan(*args, layer, out=out), [inp["ssm_state"]]
         )
         assert full.shape == inp["x"].shape and full.dtype == dtype
-        assert_close_to_reference(
-            full[: batch.num_tokens], expected, dtype, scale=RECURRENCE_TOL_SCALE, msg="scan output"
-        )
-        # the state is float32 whatever the activation dtype
-        assert inp["ssm_state"].dtype == torch.float32
-        assert_close_to_reference(
+        assert_recurrence_close(
+            full[: batch.num_tokens],
+            expected,
             inp["ssm_state"],
             expected_state,
-            # stored in float32, but chunked kernels may feed the tensor cores
-            # operands in the activation dtype, so the state is only as exact as that
             dtype,
-            scale=RECURRENCE_TOL_SCALE,
-            msg="ssm state",
+            ("scan output", "ssm state"),
         )
 
     @pytest.mark.parametrize(
@@ -433,9 +429,11 @@ class SSMBackendTests(RecurrentBackendTests):
         atol, rtol = (2e-5, 2e-5) if dtype == torch.float32 else (0.0, 0.0)
         torch.testing.assert_close(torch.cat(conv_parts), conv_whole, atol=atol, rtol=rtol)
         torch.testing.assert_close(conv_state1, conv_state0, atol=0, rtol=0)
-        assert_close_to_reference(
-            torch.cat(scan_parts), scan_whole, dtype, scale=RECURRENCE_TOL_SCALE, msg="scan output"
-        )
-        assert_close_to_reference(
-            ssm_state1, ssm_state0, dtype, scale=RECURRENCE_TOL_SCALE, msg="ssm state"
+        assert_recurrence_close(
+            torch.cat(scan_parts),
+            scan_whole,
+            ssm_state1,
+            ssm_state0,
+            dtype,
+            ("scan output", "ssm state"),
         )
