@@ -33,12 +33,20 @@ from torch import nn
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
 from backplane.models.linear import MergedLinear
-from backplane.models.mixers import CachedMixer
+from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
-from backplane.models.rotary import RopeCosSin, RotaryEmbedding
+from backplane.models.rotary import RopeCosSin, RotaryEmbedding, rope_parameters
 
 logger = logging.getLogger(__name__)
+
+
+def attention_head_dim(config: ModelConfig) -> int:
+    """``head_dim`` from the config, or ``hidden_size // num_attention_heads``.
+
+    :param config: the HF config.
+    """
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
 class ModelConfig(dict):
@@ -131,8 +139,15 @@ class CausalLM(nn.Module):
                 f"{sorted(self.backends) or 'no family'}"
             ) from None
 
-    def _finish_init(self) -> None:
-        """Derive :attr:`families` and :attr:`has_recurrent_state` from the layers built."""
+    def _finish_init(self, hidden_size: int) -> None:
+        """Build ``lm_head`` (unless tied) and derive :attr:`families` and :attr:`has_recurrent_state`.
+
+        Called by subclasses once their layers are built.
+
+        :param hidden_size: the width of the final hidden states ``lm_head`` reads.
+        """
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hidden_size, self.vocab_size, bias=False)
         fams: set[str] = set()
         for m in self.modules():
             if isinstance(m, CachedMixer):
@@ -454,11 +469,7 @@ class DecoderLayer(nn.Module):
         :param rope: the forward's rotary ``cos``/``sin``, or ``None``.
         :return: ``(output, residual)``; the layer's full result is their sum.
         """
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.input_layernorm.norm_input(x, residual)
         h = getattr(self, self.mixer_name)(positions, h, rope)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
@@ -483,9 +494,7 @@ class DecoderOnlyLM(CausalLM):
         self.model.embed_tokens = nn.Embedding(self.vocab_size, hidden)
         self.model.layers = nn.ModuleList([self.build_layer(i) for i in range(self.num_layers)])
         self.model.norm = RMSNorm(hidden, self.norm_eps, zero_centered=self.zero_centered_norms)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
-        self._finish_init()
+        self._finish_init(hidden)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -495,6 +504,38 @@ class DecoderOnlyLM(CausalLM):
     def build_layer(self, layer_id: int) -> nn.Module:
         """Build decoder layer ``layer_id``."""
         raise NotImplementedError
+
+    def attention_mixer(self, layer_id: int, **options: Any) -> AttentionMixer:
+        """Build layer ``layer_id``'s GQA attention from the config's standard fields.
+
+        Heads, KV heads, head dimension and ``attention_bias`` come from the
+        config; every attention layer shares one rotary embedding (``self.rotary``,
+        built by the first), of the head dimension scaled by the config's
+        ``partial_rotary_factor``.
+
+        :param layer_id: index of the layer.
+        :param options: further :class:`AttentionMixer` keywords (``qk_norm``,
+            ``output_gate``, ``sliding_window``).
+        :return: the mixer.
+        """
+        cfg = self.config
+        head_dim = attention_head_dim(cfg)
+        if not hasattr(self, "rotary"):
+            params = rope_parameters(cfg)
+            rot = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+            self.rotary = RotaryEmbedding(rot, params, self.max_model_len)
+        return AttentionMixer(
+            layer_id,
+            self.backend("attention"),
+            self.hidden_size,
+            int(cfg["num_attention_heads"]),
+            int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])),
+            head_dim,
+            bias=bool(cfg.get("attention_bias", False)),
+            norm_eps=self.norm_eps,
+            rotary=self.rotary,
+            **options,
+        )
 
     def checkpoint_to_module_name(self, name: str) -> str | None:
         """Ignore multi-token-prediction layers stored past the last decoder layer."""

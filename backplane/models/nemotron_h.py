@@ -84,11 +84,7 @@ class NemotronHBlock(nn.Module):
         :param residual: the residual stream, ``None`` for the first block.
         :return: ``(output, residual)``; the block's full result is their sum.
         """
-        if residual is None:
-            residual = x
-            h = self.norm(x)
-        else:
-            h, residual = self.norm.add_and_norm(x, residual)
+        h, residual = self.norm.norm_input(x, residual)
         if self.kind in ("mamba", "attention"):
             return self.mixer(positions, h), residual
         return self.mixer(h), residual
@@ -111,9 +107,7 @@ class NemotronHForCausalLM(CausalLM):
             [NemotronHBlock(k, self._mixer(i, k), hidden, eps) for i, k in enumerate(kinds)]
         )
         self.backbone.norm_f = RMSNorm(hidden, eps)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
-        self._finish_init()
+        self._finish_init(hidden)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

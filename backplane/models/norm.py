@@ -42,6 +42,19 @@ class RMSNorm(nn.Module):
         """
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
 
+    def norm_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise a layer's input, starting the residual stream at the first layer.
+
+        :param x: the previous layer's output, or the embeddings for the first layer.
+        :param residual: the residual stream, ``None`` for the first layer.
+        :return: ``(normed, residual)``, as :meth:`add_and_norm`.
+        """
+        if residual is None:
+            return self(x), x
+        return self.add_and_norm(x, residual)
+
 
 class GatedRMSNorm(nn.Module):
     """RMS normalisation gated by ``silu(gate)``, optionally in groups.

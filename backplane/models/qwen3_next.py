@@ -14,11 +14,9 @@ from typing import ClassVar
 from torch import nn
 
 from backplane.models.base import DecoderLayer, DecoderOnlyLM
-from backplane.models.llama import attention_head_dim
-from backplane.models.mixers import AttentionMixer, GatedDeltaNetMixer
+from backplane.models.mixers import GatedDeltaNetMixer
 from backplane.models.mlp import MLP
 from backplane.models.moe import MoE
-from backplane.models.rotary import RotaryEmbedding, rope_parameters
 
 
 def layer_types(cfg) -> list[str]:
@@ -44,23 +42,8 @@ class Qwen3NextForCausalLM(DecoderOnlyLM):
         cfg = self.config
         kind = layer_types(cfg)[layer_id]
         if kind == "full_attention":
-            head_dim = attention_head_dim(cfg)
-            if not hasattr(self, "rotary"):
-                params = rope_parameters(cfg)
-                rot = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
-                self.rotary = RotaryEmbedding(rot, params, self.max_model_len)
-            mixer: nn.Module = AttentionMixer(
-                layer_id,
-                self.backend("attention"),
-                self.hidden_size,
-                int(cfg["num_attention_heads"]),
-                int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])),
-                head_dim,
-                bias=bool(cfg.get("attention_bias", False)),
-                qk_norm="rms_zero_centered",
-                norm_eps=self.norm_eps,
-                rotary=self.rotary,
-                output_gate=True,
+            mixer: nn.Module = self.attention_mixer(
+                layer_id, qk_norm="rms_zero_centered", output_gate=True
             )
             name = "self_attn"
         elif kind == "linear_attention":

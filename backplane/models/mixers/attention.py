@@ -9,12 +9,12 @@ from torch import nn
 
 from backplane.core.families import AttentionLayerSpec
 from backplane.models.linear import MergedLinear
-from backplane.models.mixers.base import CachedMixer
+from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 
-class AttentionMixer(CachedMixer):
+class AttentionMixer(PagedMixer):
     """Multi-head attention with GQA, optional q/k norm, RoPE and output gate.
 
     ``q_proj``, ``k_proj`` and ``v_proj`` are one
@@ -77,12 +77,6 @@ class AttentionMixer(CachedMixer):
             self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zc)
         # Not a registered submodule: several layers share one rotary embedding.
         self.__dict__["rotary"] = rotary
-
-    def cache_specs(self, *, num_pages, page_size, num_slots, dtype):
-        """The backend's paged KV cache for this layer."""
-        return self.backend.cache_spec(
-            self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
-        )
 
     def forward(
         self,

@@ -8,9 +8,13 @@ activations are ``[T, ...]`` with ``T`` the padded token count, and the batch
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from backplane.core.errors import ConfigError
+from backplane.core.families import ConvLayerSpec
 from backplane.core.layouts import TensorSpec
 
 
@@ -49,3 +53,88 @@ class CachedMixer(nn.Module):
                 f"cache {name!r} of {type(self).__name__} is not bound; call "
                 "model.bind_caches(...) with tensors allocated from model.cache_specs(...)"
             ) from None
+
+
+class PagedMixer(CachedMixer):
+    """A mixer whose one cache is its backend's paged cache for ``self.spec``.
+
+    Subclasses set ``backend`` and ``spec`` (the layer spec the backend takes).
+    """
+
+    backend: Any
+    spec: Any
+
+    def cache_specs(
+        self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """The backend's paged cache for this layer."""
+        return self.backend.cache_spec(
+            self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
+        )
+
+
+class ConvStateMixer(CachedMixer):
+    """A mixer that runs a causal depthwise conv, then a per-head recurrence with a state.
+
+    The conv (``ssm`` family ``conv``) keeps a per-slot conv state; the
+    recurrence (``state_backend`` with ``state_spec``) keeps its own per-slot
+    state. Subclasses set ``conv_backend``, ``state_backend`` and ``state_spec``
+    and call :meth:`init_conv`.
+    """
+
+    conv_backend: Any
+    state_backend: Any
+    state_spec: Any
+
+    def init_conv(
+        self, layer_id: int, conv_kernel: int, num_heads: int, *, act: str, name: str, bias: bool
+    ) -> None:
+        """Create the conv weights, the per-head ``dt_bias`` and ``A_log``, and ``conv_spec``.
+
+        The conv has ``self.conv_dim`` channels (set by the subclass).
+
+        :param layer_id: index of the layer (passed to the backend).
+        :param conv_kernel: the conv's kernel size.
+        :param num_heads: heads of the recurrence (length of ``dt_bias`` and ``A_log``).
+        :param act: the conv activation of the config.
+        :param name: the mixer's name in the error message.
+        :param bias: the conv has a bias.
+        :raises ConfigError: ``act`` is not SiLU, the only activation the conv ops apply.
+        """
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"{name} conv activation {act!r} is not supported (only silu)")
+        conv_dim = self.conv_dim
+        # Checkpoints name the weights conv1d.weight / conv1d.bias.
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(conv_dim, 1, conv_kernel))
+        self.conv1d.bias = nn.Parameter(torch.empty(conv_dim)) if bias else None
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.conv_spec = ConvLayerSpec(
+            layer_id=layer_id, conv_dim=conv_dim, kernel_size=conv_kernel, activation="silu"
+        )
+
+    def cache_specs(
+        self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, TensorSpec]:
+        """Conv state from ``conv_backend`` and recurrent state from ``state_backend``."""
+        specs = dict(
+            self.conv_backend.conv_cache_spec(self.conv_spec, num_slots=num_slots, dtype=dtype)
+        )
+        specs.update(
+            self.state_backend.cache_spec(self.state_spec, num_slots=num_slots, dtype=dtype)
+        )
+        return specs
+
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the causal conv over ``x`` ``[T, conv_dim]``, updating the conv state.
+
+        :return: the activated conv output ``[T, conv_dim]``.
+        """
+        return self.conv_backend.conv(
+            x.contiguous(),
+            self.conv1d.weight.view(self.conv_dim, -1),
+            self.conv1d.bias,
+            self.cache("conv_state"),
+            self.conv_spec,
+        )

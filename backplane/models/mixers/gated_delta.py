@@ -8,15 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backplane.core.errors import ConfigError
-from backplane.core.families import ConvLayerSpec, DeltaLayerSpec
+from backplane.core.families import DeltaLayerSpec
 from backplane.models.linear import MergedLinear
-from backplane.models.mixers.base import CachedMixer
+from backplane.models.mixers.base import ConvStateMixer
 from backplane.models.norm import GatedRMSNorm
 from backplane.models.rotary import RopeCosSin
 
 
-class GatedDeltaNetMixer(CachedMixer):
+class GatedDeltaNetMixer(ConvStateMixer):
     """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5).
 
     Projections -> causal conv over ``[q, k, v]`` (``ssm`` family ``conv``) ->
@@ -49,15 +48,11 @@ class GatedDeltaNetMixer(CachedMixer):
         act: str = "silu",
     ) -> None:
         super().__init__()
-        self.conv_backend, self.delta_backend = conv_backend, delta_backend
+        self.conv_backend, self.state_backend = conv_backend, delta_backend
         self.nk, self.nv, self.dk, self.dv = num_k_heads, num_v_heads, k_head_dim, v_head_dim
         self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.fused_qkvz = fused_qkvz
-        if act not in ("silu", "swish"):
-            raise ConfigError(
-                f"gated delta net conv activation {act!r} is not supported (only silu)"
-            )
         if fused_qkvz:
             parts = [
                 ("in_proj_qkvz", 2 * self.key_dim + 2 * self.value_dim),
@@ -71,16 +66,12 @@ class GatedDeltaNetMixer(CachedMixer):
                 ("in_proj_a", num_v_heads),
             ]
         self.in_proj_qkvzba = MergedLinear(hidden_size, parts, bias=False)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
-        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.init_conv(
+            layer_id, conv_kernel, num_v_heads, act=act, name="gated delta net", bias=False
+        )
         self.norm = GatedRMSNorm(v_head_dim, norm_eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        self.conv_spec = ConvLayerSpec(
-            layer_id=layer_id, conv_dim=self.conv_dim, kernel_size=conv_kernel, activation="silu"
-        )
-        self.delta_spec = DeltaLayerSpec(
+        self.state_spec = DeltaLayerSpec(
             layer_id=layer_id,
             num_k_heads=num_k_heads,
             num_v_heads=num_v_heads,
@@ -88,16 +79,6 @@ class GatedDeltaNetMixer(CachedMixer):
             v_head_dim=v_head_dim,
             use_qk_l2norm=True,
         )
-
-    def cache_specs(self, *, num_pages, page_size, num_slots, dtype):
-        """Conv state from the ``ssm`` backend and recurrent state from the ``delta`` backend."""
-        specs = dict(
-            self.conv_backend.conv_cache_spec(self.conv_spec, num_slots=num_slots, dtype=dtype)
-        )
-        specs.update(
-            self.delta_backend.cache_spec(self.delta_spec, num_slots=num_slots, dtype=dtype)
-        )
-        return specs
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Return ``(mixed [T, conv_dim], z [T, V], b [T, nv], a [T, nv])`` (possibly views)."""
@@ -127,24 +108,18 @@ class GatedDeltaNetMixer(CachedMixer):
         """Mix ``x`` ``[T, hidden]`` (``positions`` and ``rope`` are not used)."""
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        mixed = self.conv_backend.conv(
-            mixed.contiguous(),
-            self.conv1d.weight.view(self.conv_dim, -1),
-            None,
-            self.cache("conv_state"),
-            self.conv_spec,
-        )
+        mixed = self.conv(mixed)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        o = self.delta_backend.forward(
+        o = self.state_backend.forward(
             q.reshape(t, self.nk, self.dk).contiguous(),
             k.reshape(t, self.nk, self.dk).contiguous(),
             v.reshape(t, self.nv, self.dv).contiguous(),
             g.contiguous(),
             beta.contiguous(),
             self.cache("delta_state"),
-            self.delta_spec,
+            self.state_spec,
         )
         o = self.norm(o.reshape(t, self.nv, self.dv), z.reshape(t, self.nv, self.dv))
         return self.out_proj(o.reshape(t, self.value_dim).to(x.dtype))

@@ -7,14 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from backplane.core.errors import ConfigError
-from backplane.core.families import ConvLayerSpec, SSMLayerSpec
-from backplane.models.mixers.base import CachedMixer
+from backplane.core.families import SSMLayerSpec
+from backplane.models.mixers.base import ConvStateMixer
 from backplane.models.norm import GatedRMSNorm
 from backplane.models.rotary import RopeCosSin
 
 
-class Mamba2Mixer(CachedMixer):
+class Mamba2Mixer(ConvStateMixer):
     """Mamba2 mixer (Nemotron-H): in_proj -> causal conv -> selective scan -> gated norm -> out_proj.
 
     Uses the ``ssm`` family's ``conv`` and ``scan``.
@@ -40,7 +39,7 @@ class Mamba2Mixer(CachedMixer):
         act: str = "silu",
     ) -> None:
         super().__init__()
-        self.backend = backend
+        self.conv_backend = self.state_backend = backend
         self.num_heads, self.head_dim, self.d_state, self.n_groups = (
             num_heads,
             head_dim,
@@ -49,25 +48,16 @@ class Mamba2Mixer(CachedMixer):
         )
         self.inner = num_heads * head_dim
         self.conv_dim = self.inner + 2 * n_groups * d_state
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"Mamba2 conv activation {act!r} is not supported (only silu)")
         self.in_proj = nn.Linear(
             hidden_size, self.inner + self.conv_dim + num_heads, bias=proj_bias
         )
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
-        self.conv1d.bias = nn.Parameter(torch.empty(self.conv_dim)) if conv_bias else None
-        self.dt_bias = nn.Parameter(torch.empty(num_heads))
-        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.init_conv(layer_id, conv_kernel, num_heads, act=act, name="Mamba2", bias=conv_bias)
         self.D = nn.Parameter(torch.empty(num_heads))
         self.norm = GatedRMSNorm(
             self.inner, norm_eps, group_size=self.inner // n_groups, norm_before_gate=False
         )
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias)
-        self.conv_spec = ConvLayerSpec(
-            layer_id=layer_id, conv_dim=self.conv_dim, kernel_size=conv_kernel, activation="silu"
-        )
-        self.ssm_spec = SSMLayerSpec(
+        self.state_spec = SSMLayerSpec(
             layer_id=layer_id,
             nheads=num_heads,
             head_dim=head_dim,
@@ -76,12 +66,6 @@ class Mamba2Mixer(CachedMixer):
             dt_softplus=True,
             chunk_size=chunk_size,
         )
-
-    def cache_specs(self, *, num_pages, page_size, num_slots, dtype):
-        """Conv state and SSM state from the ``ssm`` backend."""
-        specs = dict(self.backend.conv_cache_spec(self.conv_spec, num_slots=num_slots, dtype=dtype))
-        specs.update(self.backend.cache_spec(self.ssm_spec, num_slots=num_slots, dtype=dtype))
-        return specs
 
     def forward(
         self,
@@ -93,16 +77,10 @@ class Mamba2Mixer(CachedMixer):
         t = x.shape[0]
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        xbc = self.backend.conv(
-            xbc.contiguous(),
-            self.conv1d.weight.view(self.conv_dim, -1),
-            self.conv1d.bias,
-            self.cache("conv_state"),
-            self.conv_spec,
-        )
+        xbc = self.conv(xbc)
         gs = self.n_groups * self.d_state
         xs, B, C = xbc.split([self.inner, gs, gs], dim=-1)
-        y = self.backend.scan(
+        y = self.state_backend.scan(
             xs.reshape(t, self.num_heads, self.head_dim).contiguous(),
             dt.contiguous(),
             -torch.exp(self.A_log.float()),
@@ -112,7 +90,7 @@ class Mamba2Mixer(CachedMixer):
             self.dt_bias,
             None,
             self.cache("ssm_state"),
-            self.ssm_spec,
+            self.state_spec,
         )
         y = self.norm(y.reshape(t, self.inner), gate)
         return self.out_proj(y.to(x.dtype))

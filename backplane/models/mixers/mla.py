@@ -9,12 +9,12 @@ from torch import nn
 
 from backplane.core.families import MLALayerSpec
 from backplane.models.linear import MergedLinear
-from backplane.models.mixers.base import CachedMixer
+from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 
-class MLAMixer(CachedMixer):
+class MLAMixer(PagedMixer):
     """DeepSeek multi-head latent attention.
 
     The query comes from ``q_proj`` or the low-rank ``q_a_proj -> q_a_layernorm
@@ -102,19 +102,16 @@ class MLAMixer(CachedMixer):
             self.w_uk.copy_(w[:, : self.nope])
             self.w_uv.copy_(w[:, self.nope :])
 
-    def cache_specs(self, *, num_pages, page_size, num_slots, dtype):
-        """The backend's latent cache for this layer."""
-        return self.backend.cache_spec(
-            self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
-        )
-
     def forward(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
         rope: RopeCosSin | None = None,
     ) -> torch.Tensor:
-        """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``.
+        """Latent attention over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``.
+
+        Only the rotary part of queries and keys is rotated; the backend
+        applies ``w_uk`` / ``w_uv`` to the cached latent.
 
         :param rope: the forward's ``cos``/``sin`` (gathered from ``positions``
             when not given).
