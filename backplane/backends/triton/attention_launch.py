@@ -150,6 +150,23 @@ def _tma_rows_ok(x: torch.Tensor, width: int) -> bool:
     )
 
 
+def _head_dims(
+    q: torch.Tensor, out: torch.Tensor, q_pe: torch.Tensor | None
+) -> tuple[int, int, int, int, bool]:
+    """``(num_heads, dk, dv, dpe, big)`` of an attention launch.
+
+    :param q: ``[T, Hq, DK]`` queries.
+    :param out: ``[T, Hq, DV]`` output.
+    :param q_pe: the optional second query part ``[T, Hq, DPE]``.
+    :return: the sizes, and ``big``: a head's dimensions exceed 256, which
+        selects the smaller tiles in both launchers' configurations.
+    """
+    num_heads, dk = q.shape[1], q.shape[2]
+    dv = out.shape[2]
+    dpe = q_pe.shape[2] if q_pe is not None else 0
+    return num_heads, dk, dv, dpe, max(dk, dv) + dpe > 256
+
+
 def paged_prefill(
     batch: BatchMetadata,
     q: torch.Tensor,
@@ -191,11 +208,8 @@ def paged_prefill(
     if n == 0:
         return
     max_q = int(batch.host.query_lens[:n].max())
-    num_heads, dk = q.shape[1], q.shape[2]
-    dv = out.shape[2]
+    num_heads, dk, dv, dpe, big = _head_dims(q, out, q_pe)
     has_pe = q_pe is not None
-    dpe = q_pe.shape[2] if has_pe else 0
-    big = max(dk, dv) + dpe > 256
     if configs is None:
         cfg_id: Any = _prefill_class(big, max_q, dk)
         configs = _PREFILL_CONFIGS[cfg_id]
@@ -353,12 +367,9 @@ def paged_decode(
     nd = batch.num_decode_seqs
     if nd == 0:
         return
-    num_heads, dk = q.shape[1], q.shape[2]
-    dv = out.shape[2]
+    num_heads, dk, dv, dpe, big = _head_dims(q, out, q_pe)
     num_kv_heads = num_heads // group
     has_pe = q_pe is not None
-    dpe = q_pe.shape[2] if has_pe else 0
-    big = max(dk, dv) + dpe > 256
     block_h = min(dot_block(group), 16 if big else 64)
     head_blocks = triton.cdiv(group, block_h)
     if num_splits is None:
