@@ -16,7 +16,7 @@ from backplane.engine.sizes import format_size, parse_size
 KEYS = (
     "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, page_size, kv_memory, "
     "num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
-    "seed, debug, backends"
+    "fused_ops, seed, debug, backends"
 )
 
 
@@ -97,6 +97,8 @@ def test_cli_flags_override_the_config_file(tmp_path):
             "--no-prefix-caching",
             "--cuda-graph-buckets",
             "4,2",
+            "--fused-ops",
+            "torch",
             "--debug",
         ]
     )
@@ -106,6 +108,7 @@ def test_cli_flags_override_the_config_file(tmp_path):
     assert cfg.backends["attention"] == "torch" and cfg.backends["ssm"] == "torch"
     assert cfg.enable_prefix_caching is False and cfg.debug is True
     assert cfg.cuda_graph_buckets == (2, 4)
+    assert cfg.fused_ops == "torch" and EngineConfig().fused_ops == "auto"
 
 
 def test_cli_without_flags_is_the_default():
@@ -171,6 +174,7 @@ def test_missing_file(tmp_path):
             "expected one of off, decode, piecewise, full_and_piecewise, got 'always'",
         ),
         ("debug: maybe", "debug", "expected true or false, got 'maybe'"),
+        ("fused_ops: cuda", "fused_ops", "expected one of auto, torch, triton, got 'cuda'"),
         (
             "kv_memory: 0",
             "kv_memory",
@@ -218,6 +222,9 @@ def test_bad_flag_names_the_option():
     with pytest.raises(ConfigError) as err:
         config_from_args(_parser().parse_args(["--max-num-seqs", "many"]))
     assert str(err.value) == "option --max-num-seqs: expected an integer >= 1, got 'many'"
+    with pytest.raises(ConfigError) as err:
+        config_from_args(_parser().parse_args(["--fused-ops", "cuda"]))
+    assert str(err.value) == "option --fused-ops: expected one of auto, torch, triton, got 'cuda'"
     with pytest.raises(ConfigError) as err:
         config_from_args(_parser().parse_args(["--backend", "attention:torch"]))
     assert str(err.value) == (

@@ -11,7 +11,7 @@ from typing import Any
 
 from backplane.core.errors import ConfigError
 from backplane.core.hookspecs import FAMILIES
-from backplane.engine.config import CUDA_GRAPH_MODES, ConfigSource, EngineConfig
+from backplane.engine.config import CUDA_GRAPH_MODES, FUSED_OPS_MODES, ConfigSource, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +64,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=sup,
         metavar="N,N,...",
         help="token counts to capture graphs for",
+    )
+    group.add_argument(
+        "--fused-ops",
+        default=sup,
+        help=" | ".join(FUSED_OPS_MODES) + ": the models' elementwise work (RMS norm with "
+        "the residual add, gated activations, rotary); triton = one Triton kernel each "
+        "(needs CUDA and triton), torch = plain torch ops, auto (default) = triton on CUDA "
+        "when triton imports",
     )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")

@@ -18,6 +18,7 @@ Example YAML::
     max_num_seqs: 16
     max_num_tokens: 1024
     kv_memory: 256MiB      # bytes, or a size with a unit; omit for auto
+    fused_ops: auto        # auto | torch | triton (the models' elementwise kernels)
     backends:
       attention: auto      # a backend name, or auto
       ssm: torch
@@ -62,6 +63,12 @@ DTYPES: dict[str, str] = {
 CUDA_GRAPH_MODES: tuple[str, ...] = ("off", "decode", "piecewise", "full_and_piecewise")
 """``off``: eager; ``decode``: monolithic graphs for decode-only batches;
 ``piecewise``: piecewise graphs for every batch; ``full_and_piecewise``: both."""
+
+FUSED_OPS_MODES: tuple[str, ...] = ("auto", "torch", "triton")
+"""Who runs the models' fused elementwise work (RMS norms with the residual add,
+gated activations, rotary): ``torch`` the reference functions of plain torch ops,
+``triton`` one Triton kernel per function (needs CUDA and triton), ``auto``
+Triton on CUDA when triton imports, else torch."""
 
 # -- where a value came from ------------------------------------------------------------------
 
@@ -149,6 +156,9 @@ class EngineConfig:
         ``full_and_piecewise`` on CUDA, ``off`` on CPU.
     :param cuda_graph_buckets: token counts to capture graphs for (sorted,
         unique); ``None`` = powers of two up to ``max_num_tokens``.
+    :param fused_ops: one of :data:`FUSED_OPS_MODES`: the models' fused
+        elementwise work (norms, activations, rotary) as Triton kernels or as
+        plain torch; checked against the device when the engine builds the model.
     :param seed: seed of the sampling RNG.
     :param debug: extra checks and logging (slower).
     :param backends: backend name or ``auto`` per op family; families left out
@@ -168,6 +178,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: str | None = None
     cuda_graph_buckets: tuple[int, ...] | None = None
+    fused_ops: str = "auto"
     seed: int = 0
     debug: bool = False
     backends: Mapping[str, str] = field(default_factory=_default_backends)
@@ -497,6 +508,7 @@ _VALIDATORS: dict[str, Any] = {
     "enable_prefix_caching": _bool,
     "cuda_graphs": lambda v: None if v is None else _choice(v, CUDA_GRAPH_MODES),
     "cuda_graph_buckets": _buckets,
+    "fused_ops": lambda v: _choice(v.strip().lower() if isinstance(v, str) else v, FUSED_OPS_MODES),
     "seed": lambda v: _int(v, minimum=0),
     "debug": _bool,
     "backends": _backends,
