@@ -59,20 +59,39 @@ class ModelConfig(dict):
     def require(self, key: str) -> Any:
         """Return ``self[key]``.
 
-        :raises ConfigError: naming the key and the model type when it is missing.
+        :raises MissingConfigKeyError: naming the key and the model type when it is missing.
         """
         value = super().get(key)
         if value is None:
-            raise ConfigError(
-                f"config.json of {self.get('model_type', 'this model')!r} lacks {key!r}"
-            )
+            raise MissingConfigKeyError(self, key)
         return value
+
+    def __missing__(self, key: str) -> Any:
+        # ``config["x"]`` in model code: a missing key is a user's config error, not a KeyError.
+        raise MissingConfigKeyError(self, key)
 
     @property
     def architecture(self) -> str:
         """The first entry of ``architectures`` (empty string when absent)."""
         archs = self.get("architectures") or []
         return archs[0] if archs else ""
+
+
+class MissingConfigKeyError(ConfigError, KeyError):
+    """A key the model needs is missing from its config.
+
+    Also a ``KeyError``, so code that probes ``config[key]`` keeps working.
+
+    :param config: the config that lacks it.
+    :param key: the missing key (the loader adds the file it read).
+    """
+
+    def __init__(self, config: ModelConfig, key: str) -> None:
+        super().__init__(f"config of {config.get('model_type', 'this model')!r} lacks {key!r}")
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class WeightLoadError(ConfigError):
@@ -116,6 +135,8 @@ class CausalLM(nn.Module):
         self.max_model_len = int(config.get("max_position_embeddings", 4096))
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.eos_token_ids = _eos_ids(config.get("eos_token_id"))
+        #: sampling defaults of the checkpoint (``generation_config.json``), filled by the loader
+        self.generation_defaults: dict[str, Any] = {}
 
     # -- construction helpers ------------------------------------------------
     @classmethod
