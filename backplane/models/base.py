@@ -18,6 +18,10 @@ Decoder layers pass ``(hidden, residual)`` along: each layer adds its input to
 the residual stream inside its first norm
 (:meth:`~backplane.models.norm.RMSNorm.add_and_norm`), and rotary ``cos``/``sin``
 are gathered once per forward and handed to every layer.
+
+The elementwise work of the layers (norms, activations, rotary) runs as plain
+torch ops or as Triton kernels (:mod:`backplane.models.fused`); a model starts
+with torch and :meth:`CausalLM.set_fused_ops` switches every layer at once.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
+from backplane.models.fused import resolve_fused_ops
 from backplane.models.linear import MergedLinear
 from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
@@ -126,6 +131,8 @@ class CausalLM(nn.Module):
     ignored_checkpoint_patterns: ClassVar[tuple[str, ...]] = ()
     #: ``(checkpoint prefix, module prefix)`` rewrites applied to checkpoint names
     checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: who runs the layers' fused elementwise work (set by :meth:`set_fused_ops`)
+    fused_ops: str = "torch"
 
     def __init__(self, config: ModelConfig, backends: dict[str, Any]) -> None:
         super().__init__()
@@ -175,6 +182,26 @@ class CausalLM(nn.Module):
                 fams.update(m.families)
         self.families = fams
         self.has_recurrent_state = bool(fams & {"ssm", "delta"})
+
+    def set_fused_ops(self, choice: str) -> str:
+        """Choose who runs the fused elementwise work of every layer (norms, activations, rotary).
+
+        Every module with a ``fused_ops`` attribute (the model's own included)
+        gets the resolved choice; call it before any CUDA graph is captured.
+
+        :param choice: ``"auto"``, ``"torch"`` or ``"triton"`` (see
+            :func:`~backplane.models.fused.resolve_fused_ops`), for the device
+            the model's parameters are on.
+        :return: the implementation now in use, ``"torch"`` or ``"triton"``.
+        :raises ConfigError: for ``"triton"`` where the Triton kernels cannot run.
+        """
+        device = next(self.parameters()).device
+        resolved = resolve_fused_ops(choice, device)
+        for m in self.modules():
+            if isinstance(getattr(type(m), "fused_ops", None), str):
+                m.fused_ops = resolved
+        logger.info("fused elementwise ops: %s (fused_ops=%s, device %s)", resolved, choice, device)
+        return resolved
 
     # -- the step --------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

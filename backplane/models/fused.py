@@ -10,24 +10,124 @@ small region it can fuse into a single kernel:
   add before it;
 * :func:`silu_and_mul`, :func:`act_and_mul` and :func:`relu_squared` — the
   feed-forward activations, gated ones over a fused ``[gate | up]`` projection;
+* :func:`gated_rms_norm` — RMS normalisation gated by ``silu(gate)``, in
+  groups (the Mamba2 and gated-delta mixers);
+* :func:`silu_and_mul`, :func:`act_and_mul`, :func:`apply_activation` and
+  :func:`relu_squared` — the feed-forward activations, gated ones over a fused
+  ``[gate | up]`` projection;
 * :func:`apply_rotary_` and :func:`apply_rotary_interleaved` — rotary position
   embedding with a precomputed ``cos``/``sin``, without concatenation.
 
 Every function keeps the rounding steps of the HF reference implementations
 (the same products and casts, in the same order), so results match them to the
 last bit wherever the underlying kernels do.
+
+Each function takes ``fused_ops``: ``"torch"`` (the default) runs the plain
+torch ops above, which are the reference; ``"triton"`` runs one Triton kernel
+(:mod:`backplane.models.kernels`) when the tensors are on a CUDA device (or on
+the CPU in the Triton interpreter) and of a dtype and shape the kernels take,
+else the torch ops. The layers hold the choice in their ``fused_ops`` attribute;
+:meth:`~backplane.models.base.CausalLM.set_fused_ops` sets it on every layer of
+a model from the engine's ``fused_ops`` setting (:func:`resolve_fused_ops`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from backplane.core.errors import ConfigError
+from backplane.models import kernels
+
+logger = logging.getLogger(__name__)
+
+#: the implementations a layer can run its fused work with
+FUSED_OPS: tuple[str, ...] = ("torch", "triton")
+
+# The kernels module once imported (a cache of the import, not a choice: every
+# call names its implementation). Read as a plain global so that torch.compile
+# traces the dispatch without calling into the import machinery.
+_KERNELS: ModuleType | None = None
+
+
+def load_kernels() -> ModuleType:
+    """Import the Triton kernels (and ``triton``) and return their module.
+
+    :return: :mod:`backplane.models.kernels.elementwise`.
+    :raises ImportError: when ``triton`` cannot be imported.
+    """
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = kernels.load()
+    return _KERNELS
+
+
+def resolve_fused_ops(choice: str, device: torch.device | str) -> str:
+    """Turn a ``fused_ops`` setting into the implementation the layers use on ``device``.
+
+    :param choice: ``"auto"`` (Triton on a CUDA device when ``triton`` imports,
+        else torch), ``"torch"`` or ``"triton"``.
+    :param device: the device of the model's tensors.
+    :return: ``"torch"`` or ``"triton"`` (the kernels are imported for the latter).
+    :raises ConfigError: for ``"triton"`` where the kernels cannot run (no CUDA
+        device, ``triton`` missing), or an unknown choice.
+    """
+    dev = torch.device(device)
+    if choice == "torch":
+        return "torch"
+    if choice not in ("auto", "triton"):
+        raise ConfigError(f"fused_ops: expected one of auto, torch, triton, got {choice!r}")
+    reason = kernels.unavailable_reason(dev)
+    if choice == "auto" and (dev.type != "cuda" or reason is not None):
+        return "torch"
+    if reason is not None:
+        raise ConfigError(
+            f"fused_ops=triton cannot run on device {str(dev)!r}: {reason}; "
+            "set fused_ops to auto or torch"
+        )
+    try:
+        load_kernels()
+    except ImportError as exc:
+        if choice == "auto":
+            logger.warning(
+                "fused_ops=auto: the Triton kernels do not import (%s); using torch", exc
+            )
+            return "torch"
+        raise ConfigError(
+            f"fused_ops=triton: the Triton kernels do not import ({exc}); "
+            "set fused_ops to auto or torch"
+        ) from exc
+    return "triton"
+
+
+def _triton(fused_ops: str, x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
+    """The kernels module when ``fused_ops`` asks for Triton and the tensors allow it, else ``None``.
+
+    :param fused_ops: ``"torch"`` or ``"triton"``.
+    :param x: the main input (its device decides).
+    :param others: further tensors the kernel reads (their dtypes must be supported too).
+    """
+    if fused_ops != "triton":
+        return None
+    k = _KERNELS if _KERNELS is not None else load_kernels()
+    if not x.is_cuda and not (x.device.type == "cpu" and k.INTERPRET):
+        return None
+    if x.dtype not in k.DTYPES or any(t.dtype not in k.DTYPES for t in others):
+        return None
+    return k
+
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool = False,
+    *,
+    fused_ops: str = "torch",
 ) -> torch.Tensor:
     """RMS-normalise the last dimension of ``x``, computing the statistics in float32.
 
@@ -37,8 +137,13 @@ def rms_norm(
     :param zero_centered: ``weight`` stores ``w - 1``: scale by ``1 + weight`` in
         float32 (Qwen3-Next, Qwen3.5); otherwise the normalised value is cast to
         ``x.dtype`` before the scale (Llama and most others).
-    :return: a new ``[..., D]`` tensor in ``x.dtype``.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
+    :return: a new ``[..., D]`` tensor in ``x.dtype`` (zero-centred) or in the
+        promotion of ``weight.dtype`` and ``x.dtype``.
     """
+    k = _triton(fused_ops, x, weight)
+    if k is not None and _norm_fits(k, x, weight):
+        return k.rms_norm(x, weight, eps, zero_centered)
     dtype = x.dtype
     # Casts only where there is something to cast: in float32 they would be no-op calls.
     xf = x if dtype == torch.float32 else x.float()
@@ -52,12 +157,19 @@ def rms_norm(
     return weight * (normed if dtype == torch.float32 else normed.to(dtype))
 
 
+def _norm_fits(k: ModuleType, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The norm kernels take a row of ``x`` in one program and a contiguous weight."""
+    return x.dim() >= 1 and x.shape[-1] <= k.MAX_ROW and weight.is_contiguous()
+
+
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
     zero_centered: bool = False,
+    *,
+    fused_ops: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``x`` to the residual stream and RMS-normalise the sum.
 
@@ -69,43 +181,182 @@ def fused_add_rms_norm(
     :param weight: ``[D]`` norm scale.
     :param eps: added to the mean square.
     :param zero_centered: see :func:`rms_norm`.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (one kernel writes both results).
     :return: ``(normed, new residual)``, both new tensors.
     """
+    k = _triton(fused_ops, x, residual, weight)
+    if (
+        k is not None
+        and x.dtype == residual.dtype
+        and x.shape == residual.shape
+        and _norm_fits(k, x, weight)
+    ):
+        return k.add_rms_norm(x, residual, weight, eps, zero_centered)
     residual = x + residual
     return rms_norm(residual, weight, eps, zero_centered), residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+    *,
+    fused_ops: str = "torch",
+) -> torch.Tensor:
+    """RMS normalisation gated by ``silu(gate)``, over groups of ``group_size`` channels.
+
+    Statistics and the gate are computed in float32; the normalised value is
+    cast to ``x.dtype`` before the weight scales it.
+
+    :param x: ``[..., D]``, ``D`` a multiple of ``group_size``.
+    :param gate: the shape of ``x``.
+    :param weight: ``[D]`` scale.
+    :param eps: added to each group's mean square.
+    :param group_size: channels normalised together (``D`` for one group).
+    :param norm_before_gate: ``True``: ``norm(x) * silu(gate)``, returned in
+        ``x.dtype`` (Qwen3-Next, Qwen3.5); ``False``: ``norm(x * silu(gate))``,
+        returned in the promotion of ``weight.dtype`` and ``x.dtype`` (Mamba2).
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
+    :return: a new ``[..., D]`` tensor.
+    """
+    k = _triton(fused_ops, x, gate, weight)
+    if (
+        k is not None
+        and gate.shape == x.shape
+        and group_size <= k.MAX_ROW
+        and x.shape[-1] % group_size == 0
+        and weight.is_contiguous()
+    ):
+        return k.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
+    dtype = x.dtype
+    xf = x.float()
+    if not norm_before_gate:
+        xf = xf * F.silu(gate.float())
+    shape = xf.shape
+    g = xf.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    xf = g.reshape(shape)
+    if norm_before_gate:
+        out = weight * xf.to(dtype)
+        return (out.float() * F.silu(gate.float())).to(dtype)
+    return weight * xf.to(dtype)
+
+
+def _act_fits(k: ModuleType, x: torch.Tensor) -> bool:
+    return x.dim() >= 1 and x.numel() < 2**31
+
+
+def silu_and_mul(x: torch.Tensor, *, fused_ops: str = "torch") -> torch.Tensor:
     """``silu(gate) * up`` over a fused ``[..., 2I]`` gate/up projection output.
 
     :param x: ``[..., 2I]``, the gate channels first.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
     :return: ``[..., I]``.
     """
+    k = _triton(fused_ops, x)
+    if k is not None and _act_fits(k, x) and x.shape[-1] % 2 == 0:
+        return k.act_and_mul(x, "silu")
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def act_and_mul(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``act(gate) * up`` over a fused ``[..., 2I]`` gate/up projection output.
-
-    :param x: ``[..., 2I]``, the gate channels first.
-    :param act: the activation (:func:`silu_and_mul` is the SiLU case).
-    :return: ``[..., I]``.
-    """
-    gate, up = x.chunk(2, dim=-1)
-    return act(gate) * up
-
-
-def relu_squared(x: torch.Tensor) -> torch.Tensor:
-    """``relu(x) ** 2`` (Nemotron-H's non-gated MLP activation).
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (HF's ``gelu_pytorch_tanh``).
 
     :param x: any tensor.
     :return: a new tensor of the same shape and dtype.
     """
+    return F.gelu(x, approximate="tanh")
+
+
+def relu_squared(x: torch.Tensor, *, fused_ops: str = "torch") -> torch.Tensor:
+    """``relu(x) ** 2`` (Nemotron-H's non-gated MLP activation).
+
+    :param x: any tensor.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
+    :return: a new tensor of the same shape and dtype.
+    """
+    k = _triton(fused_ops, x)
+    if k is not None and _act_fits(k, x):
+        return k.activation(x, "relu2")
     return torch.square(F.relu(x))
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+#: the activations the Triton kernels compute, by function
+_KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], str] = {
+    F.silu: "silu",
+    F.relu: "relu",
+    relu_squared: "relu2",
+    F.gelu: "gelu",
+    gelu_tanh: "gelu_tanh",
+}
+
+
+def act_and_mul(
+    x: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    fused_ops: str = "torch",
+) -> torch.Tensor:
+    """``act(gate) * up`` over a fused ``[..., 2I]`` gate/up projection output.
+
+    :param x: ``[..., 2I]``, the gate channels first.
+    :param act: the activation (:func:`silu_and_mul` is the SiLU case); the
+        Triton kernel computes ``F.silu``, ``F.relu``, :func:`relu_squared`,
+        ``F.gelu`` and :func:`gelu_tanh`, any other runs as torch ops.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
+    :return: ``[..., I]``.
+    """
+    k = _triton(fused_ops, x)
+    name = _KERNEL_ACTS.get(act)
+    if k is not None and name is not None and _act_fits(k, x) and x.shape[-1] % 2 == 0:
+        return k.act_and_mul(x, name)
+    gate, up = x.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def apply_activation(
+    x: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    fused_ops: str = "torch",
+) -> torch.Tensor:
+    """``act(x)``: a non-gated activation (one kernel with Triton, for those :func:`act_and_mul` lists).
+
+    :param x: any tensor.
+    :param act: the activation.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
+    :return: a new tensor of the same shape and dtype.
+    """
+    k = _triton(fused_ops, x)
+    name = _KERNEL_ACTS.get(act)
+    if k is not None and name is not None and _act_fits(k, x):
+        return k.activation(x, name)
+    return act(x)
+
+
+def _rotary_fits(k: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The rotary kernels read ``[T, H, D]`` (unit stride in ``D``) and per-token cos/sin rows."""
+    return (
+        x.dim() == 3
+        and (x.stride(-1) == 1 or x.shape[-1] <= 1)
+        and cos.dtype == sin.dtype == x.dtype
+        and cos.shape == sin.shape
+        and cos.dim() == 3
+        and cos.shape[0] == x.shape[0]
+        and cos.shape[1] == 1
+        and 2 * cos.shape[-1] <= x.shape[-1]
+        and cos.stride(-1) == 1
+        and sin.stride(-1) == 1
+    )
+
+
+def apply_rotary_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused_ops: str = "torch"
+) -> torch.Tensor:
     """Rotate channel pairs ``(i, i + h)`` of ``x`` in place, ``h = cos.shape[-1]``.
 
     ``x[..., :h], x[..., h:2h] <- x1 * cos - x2 * sin, x2 * cos + x1 * sin``;
@@ -116,8 +367,12 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     :param x: ``[T, H, D]`` with ``D >= 2h``; modified in place.
     :param cos: ``[T, 1, h]``, in ``x.dtype``.
     :param sin: ``[T, 1, h]``, in ``x.dtype``.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (one kernel, in place).
     :return: ``x``.
     """
+    k = _triton(fused_ops, x, cos, sin)
+    if k is not None and _rotary_fits(k, x, cos, sin):
+        return k.rotary_(x, cos, sin)
     h = cos.shape[-1]
     x1, x2 = x[..., :h], x[..., h : 2 * h]
     x1_sin = x1 * sin
@@ -126,7 +381,9 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x
 
 
-def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_interleaved(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused_ops: str = "torch"
+) -> torch.Tensor:
     """Rotate channel pairs ``(2i, 2i + 1)`` of ``x`` and return them de-interleaved.
 
     The result holds the rotated first channels of the pairs in ``[..., :h]``
@@ -137,8 +394,12 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     :param x: ``[T, H, D]`` with ``D >= 2h`` (any strides; not modified).
     :param cos: ``[T, 1, h]``, in ``x.dtype``.
     :param sin: ``[T, 1, h]``, in ``x.dtype``.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (one kernel).
     :return: a new contiguous ``[T, H, D]`` tensor.
     """
+    k = _triton(fused_ops, x, cos, sin)
+    if k is not None and _rotary_fits(k, x, cos, sin):
+        return k.rotary_interleaved(x, cos, sin)
     h = cos.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # One strided copy de-interleaves the pairs; the rotation then runs in place.

@@ -3,7 +3,8 @@
 Activations are looked up by their HF config names (:data:`ACTIVATIONS`,
 :func:`activation`); the MoE experts use the same table. Gated blocks compute
 ``gate`` and ``up`` as one matmul and apply the activation with
-:func:`gated_activation`.
+:func:`gated_activation`. The :class:`MLP` runs its activation through
+:mod:`backplane.models.fused` with its ``fused_ops`` choice.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from backplane.core.errors import ConfigError
-from backplane.models.fused import act_and_mul, relu_squared, silu_and_mul
+from backplane.models.fused import (
+    act_and_mul,
+    apply_activation,
+    gelu_tanh,
+    relu_squared,
+    silu_and_mul,
+)
 from backplane.models.linear import MergedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -24,7 +31,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "relu2": relu_squared,
     "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": gelu_tanh,
 }
 
 
@@ -66,6 +73,9 @@ class MLP(nn.Module):
     :param bias: the projections have biases.
     """
 
+    #: ``"torch"`` or ``"triton"``: who runs the activation (:mod:`backplane.models.fused`)
+    fused_ops: str = "torch"
+
     def __init__(
         self,
         hidden_size: int,
@@ -76,20 +86,21 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.gated = gated
+        self.act_fn = activation(act)
         if gated:
-            self.act = gated_activation(act)
             self.gate_up_proj = MergedLinear(
                 hidden_size,
                 [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
                 bias=bias,
             )
         else:
-            self.act = activation(act)
             self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[T, hidden]``."""
         if self.gated:
-            return self.down_proj(self.act(self.gate_up_proj(x)))
-        return self.down_proj(self.act(self.up_proj(x)))
+            h = act_and_mul(self.gate_up_proj(x), self.act_fn, fused_ops=self.fused_ops)
+        else:
+            h = apply_activation(self.up_proj(x), self.act_fn, fused_ops=self.fused_ops)
+        return self.down_proj(h)

@@ -1,15 +1,16 @@
 """RMS normalisation: :class:`RMSNorm` and :class:`GatedRMSNorm` (gated, optionally grouped).
 
-The arithmetic lives in :mod:`backplane.models.fused`.
+The arithmetic lives in :mod:`backplane.models.fused`; each norm's
+``fused_ops`` attribute (``"torch"`` or ``"triton"``, set for the whole model by
+:meth:`~backplane.models.base.CausalLM.set_fused_ops`) says which implementation runs it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from backplane.models.fused import fused_add_rms_norm, rms_norm
+from backplane.models.fused import fused_add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +22,9 @@ class RMSNorm(nn.Module):
         the output is scaled by ``1 + w``.
     """
 
+    #: ``"torch"`` or ``"triton"``: who runs the arithmetic (:mod:`backplane.models.fused`)
+    fused_ops: str = "torch"
+
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
@@ -29,7 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` (any leading shape)."""
-        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered, fused_ops=self.fused_ops)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -40,7 +44,9 @@ class RMSNorm(nn.Module):
         :param residual: the residual stream ``[T, dim]``.
         :return: ``(normed, new residual)``.
         """
-        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+        return fused_add_rms_norm(
+            x, residual, self.weight, self.eps, self.zero_centered, fused_ops=self.fused_ops
+        )
 
     def norm_input(
         self, x: torch.Tensor, residual: torch.Tensor | None
@@ -68,6 +74,9 @@ class GatedRMSNorm(nn.Module):
         (Mamba2 / Nemotron-H).
     """
 
+    #: ``"torch"`` or ``"triton"``: who runs the arithmetic (:mod:`backplane.models.fused`)
+    fused_ops: str = "torch"
+
     def __init__(
         self,
         dim: int,
@@ -82,16 +91,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Normalise ``x`` and gate it with ``gate`` (same shape)."""
-        dtype = x.dtype
-        xf = x.float()
-        if not self.norm_before_gate:
-            xf = xf * F.silu(gate.float())
-        shape = xf.shape
-        g = xf.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        xf = g.reshape(shape)
-        if self.norm_before_gate:
-            out = self.weight * xf.to(dtype)
-            return (out.float() * F.silu(gate.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+        """Normalise ``x`` and gate it with ``gate`` (same shape); see :func:`gated_rms_norm`."""
+        return gated_rms_norm(
+            x,
+            gate,
+            self.weight,
+            self.eps,
+            self.group_size,
+            self.norm_before_gate,
+            fused_ops=self.fused_ops,
+        )

@@ -119,6 +119,9 @@ class RotaryEmbedding(nn.Module):
         written de-interleaved, as HF does, which keeps ``q . k`` unchanged.
     """
 
+    #: ``"torch"`` or ``"triton"``: who runs the rotation (:mod:`backplane.models.fused`)
+    fused_ops: str = "torch"
+
     def __init__(
         self,
         rotary_dim: int,
@@ -178,13 +181,13 @@ class RotaryEmbedding(nn.Module):
         """
         if self.interleaved:
             raise ValueError("an interleaved rotary embedding cannot rotate in place; use rotate()")
-        return apply_rotary_(x, cos, sin)
+        return apply_rotary_(x, cos, sin, fused_ops=self.fused_ops)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Return ``x`` ``[T, H, D]`` rotated with ``cos``/``sin`` from :meth:`cos_sin`."""
         if self.interleaved:
-            return apply_rotary_interleaved(x, cos, sin)
-        return apply_rotary_(x.clone(), cos, sin)
+            return apply_rotary_interleaved(x, cos, sin, fused_ops=self.fused_ops)
+        return apply_rotary_(x.clone(), cos, sin, fused_ops=self.fused_ops)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
