@@ -111,6 +111,7 @@ class Engine:
 
         loaded, all_backends = self._load_model()
         self.model = loaded.model
+        self.model.set_fused_ops(config.fused_ops)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.backends = {f: b for f, b in all_backends.items() if f in self.model.families}
