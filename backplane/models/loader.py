@@ -1,9 +1,15 @@
-"""Load a model from a local directory (or build a preset).
+"""Load a model from a local directory or GGUF file (or build a preset).
 
 A model directory holds ``config.json`` and the weights as ``*.safetensors``,
-either one file or shards listed in ``model.safetensors.index.json``; a
-``tokenizer.json`` is loaded with the ``tokenizers`` library when present and
-``generation_config.json`` contributes end-of-sequence ids. Tensors are read
+either one file or shards listed in ``model.safetensors.index.json``; its
+tokenizer files are read by :func:`~backplane.models.tokenizer.load_hf_tokenizer`
+and ``generation_config.json`` contributes end-of-sequence ids and sampling
+defaults. A ``.gguf`` file (or a directory holding exactly one, and no
+``config.json``) is read by :mod:`backplane.models.gguf`: config, tokenizer,
+chat template and weights all come from the one file, dequantised on the
+target device. Model names are presets (random tiny models) or installed
+checkpoints such as ``smollm2`` (:mod:`backplane.models.presets`).
+Safetensors tensors are read
 through ``safetensors.safe_open`` (memory-mapped, one tensor at a time) and
 copied into a model built directly in the requested dtype on the requested
 device. Weight mapping is strict: a missing or unexpected tensor is an error
@@ -26,8 +32,15 @@ from typing import Any
 import torch
 
 from backplane.core.errors import ConfigError
-from backplane.models.base import CausalLM, ModelConfig, WeightLoadError, build_model
+from backplane.models.base import (
+    CausalLM,
+    MissingConfigKeyError,
+    ModelConfig,
+    WeightLoadError,
+    build_model,
+)
 from backplane.models.registry import model_class
+from backplane.models.tokenizer import TextTokenizer, load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +61,14 @@ class LoadedModel:
     """What :func:`load_model` returns.
 
     :param model: the :class:`~backplane.models.base.CausalLM`, in eval mode.
-    :param tokenizer: a ``tokenizers.Tokenizer`` (``encode(text).ids``,
-        ``decode(ids)``), or ``None`` when the directory has no ``tokenizer.json``.
+    :param tokenizer: a :class:`~backplane.models.tokenizer.TextTokenizer`
+        (``encode(text).ids``, ``decode(ids)``, special tokens, chat template),
+        or ``None`` when the checkpoint has no tokenizer.
     :param config: the model's HF config.
     """
 
     model: CausalLM
-    tokenizer: Any
+    tokenizer: TextTokenizer | None
     config: ModelConfig
 
 
@@ -93,15 +107,41 @@ def resolve_dtype(
 def read_config(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a model directory.
 
-    :raises ConfigError: when it is missing or not valid JSON.
+    :raises ConfigError: when it is missing, not valid JSON, or declares a
+        ``quantization_config`` (see :func:`check_quantization`).
     """
     f = Path(path) / "config.json"
     if not f.is_file():
         raise ConfigError(f"{path} has no config.json; is it a Hugging Face model directory?")
     try:
-        return ModelConfig(json.loads(f.read_text()))
+        config = ModelConfig(json.loads(f.read_text()))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{f} is not valid JSON: {exc}") from None
+    except (TypeError, ValueError):
+        raise ConfigError(f"{f} must hold a JSON object") from None
+    check_quantization(config, f)
+    return config
+
+
+def check_quantization(config: ModelConfig, origin: str | os.PathLike) -> None:
+    """Refuse a quantised checkpoint: backplane loads full-precision safetensors weights.
+
+    A ``quantization_config`` (top level, or in a nested ``text_config``)
+    means the tensors are stored in a form (fp8 with scales, GPTQ, AWQ...)
+    that loading them as plain weights would get wrong.
+
+    :raises ConfigError: naming the file and the quantisation method.
+    """
+    for where, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
+        quant = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if not quant:
+            continue
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"{origin}: {where}quantization_config declares quant_method {method!r}, which "
+            "backplane cannot load (it reads float32/bfloat16/float16 safetensors and GGUF "
+            "files); use the unquantised checkpoint or a GGUF file of the model"
+        )
 
 
 def weight_files(path: str | os.PathLike) -> list[Path]:
@@ -146,48 +186,192 @@ def iter_safetensors(
     handles = []
     total = 0
     for f in files:
-        h = safe_open(str(f), framework="pt", device="cpu")
-        handles.append(h)
+        try:
+            h = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as exc:  # SafetensorError and OSError: the header cannot be read
+            raise _unreadable(f, exc) from None
+        handles.append((f, h))
         total += len(h.keys())
         if origins is not None:
             origins.update(dict.fromkeys(h.keys(), f))
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress or None)
     try:
-        for h in handles:
+        for f, h in handles:
             for name in h.keys():
-                yield name, h.get_tensor(name)
+                try:
+                    tensor = h.get_tensor(name)
+                except Exception as exc:  # the data of this tensor lies past the end of the file
+                    raise _unreadable(f, exc, tensor=name) from None
+                yield name, tensor
                 bar.update(1)
     finally:
         bar.close()
 
 
-def load_tokenizer(path: str | os.PathLike) -> Any:
-    """Load ``tokenizer.json`` with the ``tokenizers`` library, or return ``None``."""
-    f = Path(path) / "tokenizer.json"
+def _unreadable(f: Path, exc: Exception, tensor: str | None = None) -> ConfigError:
+    what = f"tensor {tensor!r}" if tensor else "its header"
+    reason = " ".join(str(exc).split())
+    return ConfigError(
+        f"{f}: cannot read {what} ({type(exc).__name__}: {reason}); the file may be "
+        "truncated or damaged: download it again"
+    )
+
+
+def load_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:
+    """Load the tokenizer of a model directory (see
+    :func:`~backplane.models.tokenizer.load_hf_tokenizer`), or return ``None``."""
+    return load_hf_tokenizer(path)
+
+
+#: generation_config.json keys -> SamplingParams fields
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_generation_config(path: str | os.PathLike) -> tuple[list[int], dict[str, Any]]:
+    """Read ``generation_config.json`` of a model directory.
+
+    :param path: the model directory.
+    :return: its end-of-sequence ids and its sampling defaults as
+        ``SamplingParams`` field names (``temperature=0`` when it does not
+        sample, as transformers then decodes greedily); empty without the file.
+    :raises ConfigError: the file is not valid JSON, naming it.
+    """
+    f = Path(path) / "generation_config.json"
     if not f.is_file():
-        logger.warning("%s has no tokenizer.json; prompts must be given as token ids", path)
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(f))
-
-
-def _generation_eos(path: Path) -> list[int]:
-    f = path / "generation_config.json"
-    if not f.is_file():
-        return []
+        return [], {}
     try:
-        value = json.loads(f.read_text()).get("eos_token_id")
-    except json.JSONDecodeError:
-        return []
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+        data = json.loads(f.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{f} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{f} must hold a JSON object")
+    value = data.get("eos_token_id")
+    eos = (
+        []
+        if value is None
+        else [int(v) for v in value]
+        if isinstance(value, list)
+        else [int(value)]
+    )
+    defaults: dict[str, Any] = {}
+    if not data.get("do_sample", False):
+        defaults["temperature"] = 0.0
+    else:
+        for key, name in _SAMPLING_KEYS.items():
+            if data.get(key) is not None and key != "max_new_tokens":
+                defaults[name] = data[key]
+    if data.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = int(data["max_new_tokens"])
+    return eos, defaults
 
 
 def _looks_like_hub_id(model: str) -> bool:
     parts = model.split("/")
     return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def gguf_file_of(path: Path) -> Path | None:
+    """The GGUF file ``path`` stands for: itself, or the one ``.gguf`` of a directory
+    without ``config.json``; ``None`` for a Hugging Face directory.
+
+    :raises ConfigError: a directory holding several GGUF files (listing them).
+    """
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConfigError(
+            f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found[:5])}); "
+            "pass the one to load as the model"
+        )
+    return found[0] if found else None
+
+
+def _resolve(name: str) -> Path:
+    """The local path a model argument names.
+
+    :raises ConfigError: a hub id, or neither a file, a directory nor a known name.
+    """
+    from backplane.models import presets
+
+    if name in presets.INSTALLED_MODELS:
+        return presets.installed_model_path(name)
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return path
+    if path.is_file():
+        raise ConfigError(
+            f"model {name!r} is a file but not a .gguf file; pass a GGUF file or a Hugging Face "
+            "model directory (config.json + safetensors)"
+        )
+    if _looks_like_hub_id(name):
+        raise ConfigError(
+            f"{name!r} is not a local directory. backplane does not download models: "
+            f"download it first (e.g. `huggingface-cli download {name} --local-dir DIR`) "
+            "and pass the local path"
+        )
+    raise ConfigError(
+        f"model {name!r} is neither a local directory, a .gguf file nor a known name; "
+        f"names: {', '.join(sorted(presets.PRESETS) + sorted(presets.INSTALLED_MODELS))}"
+    )
+
+
+def _model_class(config: ModelConfig, origin: Path) -> type[CausalLM]:
+    """The class of ``config``'s architecture; an unsupported one is named with ``origin``."""
+    try:
+        return model_class(config.get("architectures"))
+    except ConfigError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+
+
+def _build(
+    cls: type[CausalLM],
+    config: ModelConfig,
+    origin: Path,
+    dtype: torch.dtype | str,
+    dev: torch.device,
+    backends: dict[str, Any],
+) -> tuple[CausalLM, ModelConfig]:
+    """Build the empty model; config errors name ``origin``."""
+    try:
+        config = cls.normalize_config(config)
+        torch_dtype = resolve_dtype(dtype, config, dev)
+        logger.info("building %s from %s as %s on %s", cls.__name__, origin, torch_dtype, dev)
+        lm = build_model(cls, config, backends, dtype=torch_dtype, device=dev)
+    except MissingConfigKeyError as exc:
+        raise ConfigError(f"{origin}: lacks the field {exc.key!r}, which the model needs") from None
+    except ConfigError as exc:
+        if str(origin) in str(exc):
+            raise
+        raise ConfigError(f"{origin}: {exc}") from None
+    return lm, config
+
+
+def _load(
+    lm: CausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    origin_of: Any,
+    origin: Path,
+) -> None:
+    """Load ``tensors`` strictly; a faulty tensor is named with the file it came from
+    (``origin_of(tensor name)``), other mismatches with ``origin``."""
+    try:
+        report = lm.load_weights(tensors, strict=True)
+    except WeightLoadError as exc:
+        where = origin_of(exc.tensor) if exc.tensor is not None else None
+        raise WeightLoadError(f"{where or origin}: {exc}", tensor=exc.tensor) from None
+    if report["ignored"]:
+        logger.info(
+            "ignored %d checkpoint tensors (e.g. %s)", len(report["ignored"]), report["ignored"][0]
+        )
 
 
 def load_model(
@@ -198,17 +382,20 @@ def load_model(
     backends: dict[str, Any],
     progress: bool = True,
 ) -> LoadedModel:
-    """Load a model directory or build a preset.
+    """Load a model directory or GGUF file, or build a preset.
 
-    :param model: a local directory (``config.json`` + safetensors) or a preset
-        name (see :data:`backplane.models.presets.PRESETS`).
+    :param model: a local directory (``config.json`` + safetensors, or one
+        ``.gguf`` file), a ``.gguf`` file, a preset name (see
+        :data:`backplane.models.presets.PRESETS`) or an installed checkpoint's
+        name (:data:`backplane.models.presets.INSTALLED_MODELS`, e.g. ``smollm2``).
     :param dtype: torch dtype or name; ``"auto"`` = checkpoint dtype on CUDA, float32 on CPU.
     :param device: where the weights go (``"auto"``: CUDA when available).
     :param backends: ``{family: backend object}`` for the families the model uses.
     :param progress: show a progress bar while reading weights.
     :return: the model, its tokenizer and config.
-    :raises ConfigError: unknown path / preset, hub id, unsupported architecture,
-        or weights that do not match the config.
+    :raises ConfigError: unknown path / name, hub id, unsupported architecture
+        or quantisation, unreadable files, or weights that do not match the
+        config; each names the file and the field or tensor.
     """
     from backplane.models import presets
 
@@ -218,46 +405,43 @@ def load_model(
         return presets.build_preset(
             name, dtype=resolve_dtype(dtype, None, dev), device=dev, backends=backends
         )
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        if _looks_like_hub_id(name):
-            raise ConfigError(
-                f"{name!r} is not a local directory. backplane does not download models: "
-                f"download it first (e.g. `huggingface-cli download {name} --local-dir DIR`) "
-                "and pass the local path"
-            )
-        raise ConfigError(
-            f"model {name!r} is neither a local directory nor a preset; presets: "
-            f"{', '.join(sorted(presets.PRESETS))}"
-        )
+    path = _resolve(name)
+    gguf_path = gguf_file_of(path)
+    if gguf_path is not None:
+        return _load_gguf(gguf_path, dtype=dtype, device=dev, backends=backends, progress=progress)
+    config_file = path / "config.json"
     config = read_config(path)
-    cls = model_class(config.get("architectures"))
-    config = cls.normalize_config(config)
+    cls = _model_class(config, config_file)
     files = weight_files(path)
-    torch_dtype = resolve_dtype(dtype, config, dev)
-    logger.info(
-        "loading %s (%s) from %d file(s) as %s on %s",
-        path,
-        cls.__name__,
-        len(files),
-        torch_dtype,
-        dev,
-    )
-    lm = build_model(cls, config, backends, dtype=torch_dtype, device=dev)
+    lm, config = _build(cls, config, config_file, dtype, dev, backends)
+    logger.info("loading %d weight file(s) from %s", len(files), path)
     origins: dict[str, Path] = {}
-    try:
-        report = lm.load_weights(
-            iter_safetensors(files, progress=progress, origins=origins), strict=True
-        )
-    except WeightLoadError as exc:
-        if exc.tensor not in origins:
-            raise
-        raise WeightLoadError(f"{origins[exc.tensor]}: {exc}", tensor=exc.tensor) from None
-    if report["ignored"]:
-        logger.info(
-            "ignored %d checkpoint tensors (e.g. %s)", len(report["ignored"]), report["ignored"][0]
-        )
-    for eos in _generation_eos(path):
+    _load(lm, iter_safetensors(files, progress=progress, origins=origins), origins.get, path)
+    eos_ids, defaults = read_generation_config(path)
+    for eos in eos_ids:
         if eos not in lm.eos_token_ids:
             lm.eos_token_ids.append(eos)
+    lm.generation_defaults = defaults
     return LoadedModel(model=lm, tokenizer=load_tokenizer(path), config=config)
+
+
+def _load_gguf(
+    path: Path,
+    *,
+    dtype: torch.dtype | str,
+    device: torch.device,
+    backends: dict[str, Any],
+    progress: bool,
+) -> LoadedModel:
+    """Load a GGUF file: config, tokenizer and weights (dequantised on ``device``)."""
+    from backplane.models.gguf import open_gguf_checkpoint
+
+    ckpt = open_gguf_checkpoint(path)
+    cls = _model_class(ckpt.config, path)
+    lm, config = _build(cls, ckpt.config, path, dtype, device, backends)
+
+    def origin_of(tensor: str) -> str:
+        return f"{path}: tensor {ckpt.gguf_name(tensor)!r}"
+
+    _load(lm, ckpt.weights(device=device, progress=progress), origin_of, path)
+    return LoadedModel(model=lm, tokenizer=ckpt.tokenizer, config=config)
