@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from backplane.core.errors import RequestError
-from backplane.engine.sampling import Sampler, SamplingParams, apply_filters, as_params_list
+from backplane.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_filters,
+    as_params_list,
+    exponential_noise,
+)
 
 
 def naive_allowed(row: np.ndarray, p: SamplingParams) -> set[int]:
@@ -152,26 +158,50 @@ def test_seeded_reproducible_and_batch_independent():
     torch.manual_seed(0)
     vocab = 64
     logits = torch.randn(6, vocab)
-    seeded = SamplingParams(temperature=1.0, seed=1234)
-    other = SamplingParams(temperature=1.0)
     sampler = Sampler()
 
-    def draw(params, row_of_seeded):
-        gens = [p.make_generator("cpu") for p in params]
-        toks = []
-        for _ in range(20):
-            toks.append(int(sampler.sample(logits, params, gens)[row_of_seeded]))
-        return toks
+    def draw(logits, params, seeds, row):
+        # the token index advances per draw, as it does per generated token
+        return [
+            int(sampler.sample(logits, params, seeds, np.full(len(params), k))[row])
+            for k in range(20)
+        ]
 
-    a = draw([seeded] + [other] * 5, 0)
+    p = SamplingParams(temperature=1.0)
+    seeds_a = np.array([1234, 5, 6, 7, 8, 9], dtype=np.int64)
+    a = draw(logits, [p] * 6, seeds_a, 0)
     # same seed, different position in the batch and different neighbours
-    params_b = [other, other, SamplingParams(temperature=1.0, top_k=3)] + [other] * 3
-    params_b[3] = seeded
-    logits_b = logits.clone()
+    params_b = [p, p, SamplingParams(temperature=1.0, top_k=3)] + [p] * 3
+    logits_b = torch.randn(6, vocab)
     logits_b[3] = logits[0]
-    gens = [p.make_generator("cpu") for p in params_b]
-    b = [int(sampler.sample(logits_b, params_b, gens)[3]) for _ in range(20)]
-    assert a == b
-    c = draw([SamplingParams(temperature=1.0, seed=99)] + [other] * 5, 0)
-    assert a != c
-    assert SamplingParams(temperature=0.0, seed=1).make_generator("cpu") is None
+    seeds_b = np.array([11, 12, 13, 1234, 14, 15], dtype=np.int64)
+    assert draw(logits_b, params_b, seeds_b, 3) == a
+    # another seed gives another sequence; the same seed at other offsets too
+    assert draw(logits, [p] * 6, np.array([99, 5, 6, 7, 8, 9]), 0) != a
+    shifted = [
+        int(sampler.sample(logits, [p] * 6, seeds_a, np.full(6, k + 1))[0]) for k in range(20)
+    ]
+    assert shifted != a
+
+
+def test_exponential_noise_is_exp1_and_counter_based():
+    n, vocab = 64, 4096
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 - 2**62
+    offsets = torch.arange(n, dtype=torch.int64) % 5
+    e = exponential_noise(seeds, offsets, vocab).double()
+    assert e.shape == (n, vocab) and bool(torch.isfinite(e).all()) and bool((e > 0).all())
+    # Exp(1): mean 1, variance 1, P(E > 1) = 1/e, and rows uncorrelated
+    assert abs(e.mean().item() - 1.0) < 0.01
+    assert abs(e.var().item() - 1.0) < 0.03
+    assert abs((e > 1).double().mean().item() - math.exp(-1)) < 0.005
+    corr = torch.corrcoef(e[:8])
+    assert (corr - torch.eye(8, dtype=corr.dtype)).abs().max() < 0.06
+    # a pure function of (seed, offset, column): recomputing a subset gives the same rows
+    again = exponential_noise(seeds[5:9], offsets[5:9], vocab).double()
+    assert torch.equal(again, e[5:9])
+
+
+def test_seed_must_fit_64_bits():
+    with pytest.raises(RequestError, match="seed"):
+        SamplingParams(seed=2**64)
+    SamplingParams(seed=2**63 - 1)

@@ -3,10 +3,11 @@
 The sampler turns one logits row per sampling sequence into one token per
 row, for the whole batch at once: per-row parameters become small tensors and
 every filter (temperature, top-k, top-p, min-p) is one vectorised pass over
-``[num_rows, vocab]``. The only per-row work is drawing random numbers for rows
-whose request carries a ``seed`` (each such request owns a
-:class:`torch.Generator`, so its tokens do not depend on what else is in the
-batch); unseeded rows share one draw from the global generator.
+``[num_rows, vocab]``. Random numbers come from a counter-based generator
+(:func:`exponential_noise`): a pure function of each row's seed and the index
+of the token it samples, so a seeded request's tokens do not depend on what
+else is in the batch, and sampling needs no host synchronisation and can run
+inside a captured CUDA graph.
 
 Filter semantics (the tests' naive reference follows them exactly):
 
@@ -21,7 +22,7 @@ Filter semantics (the tests' naive reference follows them exactly):
    most likely token's probability.
 
 The remaining logits are sampled with the exponential-race trick
-(``argmax(p / E)`` with ``E ~ Exp(1)``), which needs no host synchronisation.
+(``argmax(p / E)`` with ``E ~ Exp(1)``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
         ):
             raise bad("seed", "must be an integer or None")
+        if self.seed is not None and not (-(2**63) <= int(self.seed) < 2**63):
+            raise bad("seed", "must fit in 64 bits (between -2**63 and 2**63 - 1)")
         stops = self.stop_token_ids
         if stops is None:
             stops = ()
@@ -104,35 +107,148 @@ class SamplingParams:
         """True when the request decodes greedily."""
         return self.temperature == 0.0
 
-    def make_generator(self, device: torch.device | str) -> torch.Generator | None:
-        """Return a generator seeded with :attr:`seed` on ``device`` (``None`` without a seed)."""
-        if self.seed is None or self.is_greedy:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(int(self.seed))
-        return g
+
+#: Mask of the low 32 bits; the counter-based generator works on 32-bit words held in int64.
+_M32 = 0xFFFFFFFF
+#: Multiplier of the 32-bit integer hash (below 2**31, so products of 32-bit words fit in int64).
+_MIX = 0x45D9F3B
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective avalanche hash of 32-bit words stored in an int64 tensor (values stay < 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``Exp(1)`` noise that is a pure function of ``(seed, offset, token)``.
+
+    A counter-based generator instead of a stateful one: row ``i`` of the result
+    depends only on ``seeds[i]`` and ``offsets[i]`` (the index of the token being
+    sampled in its request), so a seeded request draws the same numbers whatever
+    else shares its batch, in any step order, without host synchronisation and
+    inside a captured CUDA graph.
+
+    :param seeds: ``[n]`` int64 per-row seeds (any int64 value).
+    :param offsets: ``[n]`` int64 per-row counters (non-negative).
+    :param vocab: noise columns.
+    :return: ``[n, vocab]`` float32 samples of ``Exp(1)``.
+    """
+    lo = seeds & _M32
+    hi = (seeds >> 32) & _M32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32((offsets & _M32) ^ 0x2545F491)))
+    col = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0))
+    # 24 random bits fill float32's mantissa exactly; +0.5 keeps u inside (0, 1)
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+@dataclass
+class SamplingTensors:
+    """One step's sampling parameters as device tensors (see :meth:`Sampler.prepare`).
+
+    :param temperature: ``[n]`` float32 (0 for greedy rows).
+    :param top_k: ``[n]`` int64 (0 = off), or ``None`` when every row is off.
+    :param top_p: ``[n]`` float32 (1 = off), or ``None``.
+    :param min_p: ``[n]`` float32 (0 = off), or ``None``.
+    :param seeds: ``[n]`` int64 per-row seeds.
+    :param offsets: ``[n]`` int64 index of the token each row samples in its request.
+    :param greedy: ``[n]`` bool, or ``None`` when no row is greedy.
+    :param all_greedy: every row is greedy (only ``argmax`` runs).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    greedy: torch.Tensor | None
+    all_greedy: bool
 
 
 class Sampler:
     """Samples one token per logits row for a whole batch in one vectorised pass.
 
-    Stateless apart from scratch: per-request generators are owned by the
-    caller and passed in per step.
+    Stateless: randomness comes from per-row seeds and counters
+    (:func:`exponential_noise`), which the caller owns (the engine gives every
+    request a seed: its own ``SamplingParams.seed`` or one drawn at admission).
     """
+
+    def prepare(
+        self,
+        params: Sequence[SamplingParams],
+        seeds: np.ndarray | None,
+        offsets: np.ndarray | None,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """Turn per-row parameters into device tensors (host work; no device sync).
+
+        :param params: one :class:`SamplingParams` per row.
+        :param seeds: ``[n]`` int64 per-row seeds; ``None`` draws them from
+            torch's global generator (unreproducible across calls).
+        :param offsets: ``[n]`` int64 per-row token indices; ``None`` is all 0.
+        :param device: where the logits are.
+        :return: the step's :class:`SamplingTensors`.
+        """
+        device = torch.device(device)
+        n = len(params)
+        temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
+        greedy = temps == 0.0
+        all_greedy = bool(greedy.all()) if n else True
+        top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
+        top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
+        min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
+        if seeds is None:
+            seeds = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64).numpy()
+        if offsets is None:
+            offsets = np.zeros(n, dtype=np.int64)
+        return SamplingTensors(
+            temperature=_to_device(temps, device),
+            top_k=_to_device(top_k, device) if (top_k > 0).any() else None,
+            top_p=_to_device(top_p, device) if (top_p < 1.0).any() else None,
+            min_p=_to_device(min_p, device) if (min_p > 0.0).any() else None,
+            seeds=_to_device(np.ascontiguousarray(seeds, dtype=np.int64), device),
+            offsets=_to_device(np.ascontiguousarray(offsets, dtype=np.int64), device),
+            greedy=_to_device(greedy, device) if greedy.any() and not all_greedy else None,
+            all_greedy=all_greedy,
+        )
+
+    def sample_tensors(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """Pick one token per row from prepared parameters; device work only.
+
+        :param logits: ``[n, vocab]`` logits (any float dtype).
+        :param t: from :meth:`prepare` for the same rows.
+        :return: ``[n]`` int64 token ids on ``logits.device``.
+        """
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
+        filtered = apply_filters(logits, t.temperature, t.top_k, t.top_p, t.min_p)
+        probs = torch.softmax(filtered, dim=-1)
+        noise = exponential_noise(t.seeds, t.offsets, probs.shape[-1])
+        sampled = (probs / noise).argmax(dim=-1)
+        if t.greedy is not None:
+            sampled = torch.where(t.greedy, logits.argmax(dim=-1), sampled)
+        return sampled
 
     def sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
+        seeds: np.ndarray | None = None,
+        offsets: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Pick one token per row.
 
         :param logits: ``[num_rows, vocab]`` logits (any float dtype).
         :param params: one :class:`SamplingParams` per row.
-        :param generators: one generator (or ``None``) per row, from
-            :meth:`SamplingParams.make_generator`; rows with ``None`` use the
-            global generator.
+        :param seeds: ``[num_rows]`` int64 per-row seeds (``None``: random ones).
+        :param offsets: ``[num_rows]`` int64 index of the token each row samples
+            in its request (``None``: 0).
         :return: ``[num_rows]`` int64 token ids on ``logits.device``.
         """
         n = logits.shape[0]
@@ -140,31 +256,7 @@ class Sampler:
             raise ValueError(f"got {len(params)} SamplingParams for {n} logits rows")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
-        temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
-        greedy = temps == 0.0
-        if greedy.all():
-            return logits.argmax(dim=-1)
-        top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
-        top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
-        min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
-        filtered = apply_filters(
-            logits,
-            _to_device(temps, logits.device),
-            _to_device(top_k, logits.device) if (top_k > 0).any() else None,
-            _to_device(top_p, logits.device) if (top_p < 1.0).any() else None,
-            _to_device(min_p, logits.device) if (min_p > 0.0).any() else None,
-        )
-        probs = torch.softmax(filtered, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        if generators is not None:
-            for i, g in enumerate(generators):
-                if g is not None:
-                    noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        if greedy.any():
-            greedy_t = _to_device(greedy, logits.device)
-            sampled = torch.where(greedy_t, logits.argmax(dim=-1), sampled)
-        return sampled
+        return self.sample_tensors(logits, self.prepare(params, seeds, offsets, logits.device))
 
 
 def apply_filters(
