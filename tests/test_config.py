@@ -16,7 +16,7 @@ from backplane.engine.sizes import format_size, parse_size
 KEYS = (
     "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, page_size, kv_memory, "
     "num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
-    "fused_ops, seed, debug, backends"
+    "fused_ops, async_scheduling, seed, debug, backends"
 )
 
 

@@ -73,6 +73,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(needs CUDA and triton), torch = plain torch ops, auto (default) = triton on CUDA "
         "when triton imports",
     )
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=sup,
+        help="prepare the next step while the device runs the current one (default: on)",
+    )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")
     group.add_argument(

@@ -19,6 +19,7 @@ Example YAML::
     max_num_tokens: 1024
     kv_memory: 256MiB      # bytes, or a size with a unit; omit for auto
     fused_ops: auto        # auto | torch | triton (the models' elementwise kernels)
+    async_scheduling: true # prepare step N+1 while the device runs step N
     backends:
       attention: auto      # a backend name, or auto
       ssm: torch
@@ -159,6 +160,10 @@ class EngineConfig:
     :param fused_ops: one of :data:`FUSED_OPS_MODES`: the models' fused
         elementwise work (norms, activations, rotary) as Triton kernels or as
         plain torch; checked against the device when the engine builds the model.
+    :param async_scheduling: schedule and prepare the next step while the
+        device runs the current one (its sampled tokens feed the next step on the
+        device); a request that stops costs one wasted token slot, and no token
+        after a stop reaches the user.
     :param seed: seed of the sampling RNG.
     :param debug: extra checks and logging (slower).
     :param backends: backend name or ``auto`` per op family; families left out
@@ -179,6 +184,7 @@ class EngineConfig:
     cuda_graphs: str | None = None
     cuda_graph_buckets: tuple[int, ...] | None = None
     fused_ops: str = "auto"
+    async_scheduling: bool = True
     seed: int = 0
     debug: bool = False
     backends: Mapping[str, str] = field(default_factory=_default_backends)
@@ -509,6 +515,7 @@ _VALIDATORS: dict[str, Any] = {
     "cuda_graphs": lambda v: None if v is None else _choice(v, CUDA_GRAPH_MODES),
     "cuda_graph_buckets": _buckets,
     "fused_ops": lambda v: _choice(v.strip().lower() if isinstance(v, str) else v, FUSED_OPS_MODES),
+    "async_scheduling": _bool,
     "seed": lambda v: _int(v, minimum=0),
     "debug": _bool,
     "backends": _backends,

@@ -155,7 +155,16 @@ class Engine:
         )
         self.runner: ModelRunner = self._build_runner()
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.async_scheduling = bool(config.async_scheduling)
+        # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
+        self._seed_rng = np.random.default_rng(int(config.seed))
+        self._inflight: _Launched | None = None
+        # two pinned buffers for the sampled tokens: step N+1's copy is issued before N's is read
+        self._token_host = [
+            torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            for _ in range(2)
+        ]
+        self._token_flip = 0
         self._requests: dict[str, Any] = {}
         self._ids = itertools.count()
         logger.info(
@@ -321,9 +330,11 @@ class Engine:
         )
         self.scheduler.add_request(req)
         self._requests[rid] = req
-        gen = params.make_generator(self.device)
-        if gen is not None:
-            self._generators[rid] = gen
+        req.user_data = (
+            int(params.seed)
+            if params.seed is not None
+            else int(self._seed_rng.integers(-(2**63), 2**63 - 1, dtype=np.int64))
+        )
         return rid
 
     def get_request(self, request_id: str) -> Any:
@@ -343,12 +354,11 @@ class Engine:
         self.scheduler.abort_request(request_id)
         # finished now; the next step() still reports it (finish_reason "abort")
         self._requests.pop(request_id, None)
-        self._generators.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is queued or running."""
-        return bool(self._requests)
+        """True while any request is queued or running, or a step's tokens are still on the device."""
+        return bool(self._requests) or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -360,17 +370,69 @@ class Engine:
     def step(self) -> list[EngineStepOutput]:
         """Run one engine step.
 
-        :return: one entry per request that got a token or finished this step.
+        With ``async_scheduling`` the step launched here runs on the device
+        while the previous step's tokens are committed: the outputs returned are
+        those of the previous step (and of requests finished meanwhile), so a
+        request's last token arrives one call after it was sampled. Without it,
+        the step's own outputs are returned.
+
+        :return: one entry per request that got a token or finished.
         """
         sched = self.scheduler.schedule()
-        scheduled = sched.scheduled
-        sampled: dict[str, int] = {}
-        if scheduled:
-            inputs = self.runner.prepare_inputs(scheduled)
-            hidden = self.execute(inputs)
-            sampled = self.sample(hidden, inputs, scheduled)
-        self.scheduler.update(sched, sampled)
+        launched = self._launch(sched) if sched.scheduled else None
+        if not self.async_scheduling:
+            if launched is not None:
+                self.scheduler.advance(sched)
+                sampled = self._wait(launched)
+                self.scheduler.commit(sched, sampled)
+            else:
+                sampled = {}
+            return self._collect(sched, sampled)
+        prev, self._inflight = self._inflight, None
+        sampled = {}
+        if prev is not None:
+            sampled = self._wait(prev)
+            self.scheduler.commit(prev.sched, sampled)
+            sampled = {rid: t for rid, t in sampled.items() if self._requests.get(rid) is not None}
+        if launched is not None:
+            # after the previous commit: pages that just became full hash real tokens
+            self.scheduler.advance(sched)
+            self._inflight = launched
         return self._collect(sched, sampled)
+
+    def _launch(self, sched: Any) -> _Launched:
+        """Prepare, run and sample one step on the device; start the tokens' copy to the host."""
+        scheduled = sched.scheduled
+        ib = self.input_batch
+        prev = self._inflight
+        ib.pending_source = prev.tokens if prev is not None else None
+        try:
+            inputs = self.runner.prepare_inputs(scheduled)
+        finally:
+            ib.pending_source = None
+        hidden = self.execute(inputs)
+        reqs = [scheduled[i].request for i in inputs.sample_seqs]
+        tokens = self.sample(hidden, inputs, reqs)
+        n = len(reqs)
+        host = self._token_host[self._token_flip][:n]
+        self._token_flip ^= 1
+        event = None
+        if n:
+            host.copy_(tokens, non_blocking=True)
+            if tokens.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+        for row, r in enumerate(reqs):
+            r.pending_row = row
+        return _Launched(sched, reqs, tokens, host, event)
+
+    @staticmethod
+    def _wait(launched: _Launched) -> dict[str, int]:
+        """The launched step's sampled tokens, once they reached the host."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens = launched.host.tolist()
+        return {r.request_id: t for r, t in zip(launched.reqs, tokens, strict=True)}
 
     @torch.inference_mode()
     def execute(self, inputs: BatchInputs) -> torch.Tensor:
@@ -385,24 +447,25 @@ class Engine:
 
     @torch.inference_mode()
     def sample(
-        self, hidden: torch.Tensor, inputs: BatchInputs, scheduled: Sequence[Any]
-    ) -> dict[str, int]:
-        """Gather the last token of each sampling sequence, compute logits, sample.
+        self, hidden: torch.Tensor, inputs: BatchInputs, reqs: Sequence[Any]
+    ) -> torch.Tensor:
+        """Gather the last token of each sampling sequence, compute logits, sample on the device.
 
-        :return: ``{request_id: token}`` for the sequences that sample this step.
+        :param hidden: the step's hidden states.
+        :param inputs: the step's inputs.
+        :param reqs: the requests of ``inputs.sample_seqs``, in that order.
+        :return: ``[len(reqs)]`` int64 tokens on the device (no host synchronisation).
         """
-        if len(inputs.sample_seqs) == 0:
-            return {}
-        reqs = [scheduled[i].request for i in inputs.sample_seqs]
+        if not reqs:
+            return torch.empty(0, dtype=torch.int64, device=hidden.device)
         last = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(last)
+        n = len(reqs)
+        seeds = np.fromiter((r.user_data for r in reqs), np.int64, n)
+        # the index of the token being sampled: placeholders count, so it is exact in async runs
+        offsets = np.fromiter((r.num_output_tokens for r in reqs), np.int64, n)
         params = [r.sampling_params for r in reqs]
-        gens = None
-        if self._generators:
-            g = self._generators
-            gens = [g.get(r.request_id) for r in reqs]
-        tokens = self.sampler.sample(logits, params, gens).tolist()
-        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        return self.sampler.sample(logits, params, seeds, offsets)
 
     def _collect(self, sched: Any, sampled: dict[str, int]) -> list[EngineStepOutput]:
         outs: dict[str, EngineStepOutput] = {}
@@ -417,8 +480,25 @@ class Engine:
             o.finished = True
             o.finish_reason = req.finish_reason.value if req.finish_reason is not None else None
             self._requests.pop(rid, None)
-            self._generators.pop(rid, None)
         return list(outs.values())
+
+
+@dataclass
+class _Launched:
+    """A step on the device: what was scheduled, which requests sample, and their tokens.
+
+    :param sched: the scheduler's output.
+    :param reqs: the requests that sample, in row order of ``tokens``.
+    :param tokens: ``[len(reqs)]`` int64 sampled tokens on the device.
+    :param host: pinned host copy of ``tokens`` (valid once ``event`` completed).
+    :param event: recorded after the copy (``None`` on CPU).
+    """
+
+    sched: Any
+    reqs: list[Any]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
 
 def _finished_requests(scheduler: Any, sched: Any) -> list[Any]:

@@ -134,6 +134,7 @@ class InputBatch:
             s * 8,  # last_token_indices
             t * 8,  # input_ids
             s * 8,  # logits_indices
+            s * 8,  # pending_src
         ]
         nbytes = -(-sum(x + _ALIGN for x in sizes) // _ALIGN) * _ALIGN
         self._host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -158,6 +159,11 @@ class InputBatch:
         self._copy_event: torch.cuda.Event | None = None
         self._on_cuda = on_cuda
         self._layouts: dict[tuple[int, int, int, int], _Layout] = {}
+        #: The previous step's sampled tokens (``[rows]`` int64 on the device) while
+        #: that step is still running: decode tokens whose request's last token is a
+        #: placeholder (``request.pending_source_row >= 0``) are read from it on the
+        #: device. ``None``: every input token is known on the host.
+        self.pending_source: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -289,6 +295,18 @@ class InputBatch:
         # -- vectorised: every field, straight into the pinned buffer -------------
         layout = self._layout(n, padded, shape.block_table_width)
         h = layout.host
+        num_decode = n - num_prefill
+        pending = None
+        if self.pending_source is not None and num_decode:
+            src = h["pending_src"][:num_decode]
+            src[:] = np.fromiter(
+                (s.request.pending_source_row for s in scheduled[num_prefill:]),
+                np.int64,
+                num_decode,
+            )
+            if (src >= 0).any():
+                pending = src
+
         total_pages = shape.total_pages
         pi_start = layout.page_indices_start
         page_indices = self._host_typed[np.int32][pi_start : pi_start + total_pages]
@@ -319,7 +337,8 @@ class InputBatch:
         if logits_dev is None:
             logits_dev = d["logits_indices"][:num_sample]
             layout.views[-1 - num_sample] = logits_dev
-        num_decode = n - num_prefill
+        if pending is not None:
+            self._fill_pending(d, shape.num_tokens - num_decode, num_decode)
         if mode is not EAGER:
             mode.check(n, num_decode, padded)
         metadata = BatchMetadata(
@@ -344,6 +363,19 @@ class InputBatch:
             sample_seqs=sample_seqs,
         )
 
+    def _fill_pending(self, d: dict[str, torch.Tensor], first_decode_row: int, n: int) -> None:
+        """Overwrite placeholder decode tokens with the previous step's samples, on the device.
+
+        Runs on the compute stream after the step's input copy and before its
+        forward, and after the previous step's sampling: stream order makes the
+        read safe without a host synchronisation.
+        """
+        assert self.pending_source is not None
+        ids = d["input_ids"][first_decode_row : first_decode_row + n]
+        src = d["pending_src"][:n]
+        picked = self.pending_source.index_select(0, src.clamp(min=0))
+        ids.copy_(torch.where(src >= 0, picked, ids))
+
 
 @dataclass
 class _Layout:
@@ -364,6 +396,7 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("input_ids", np.int64, "tok"),
     ("last_token_indices", np.int64, "seq"),
     ("logits_indices", np.int64, "seq"),  # room for all; the step uses a prefix
+    ("pending_src", np.int64, "seq"),  # decode rows: source row of a pending token, or -1
     ("query_start_loc", np.int32, "seq1"),
     ("query_lens", np.int32, "seq"),
     ("cached_lens", np.int32, "seq"),

@@ -135,6 +135,9 @@ class Request:
         "_num_tokens",
         "_token_times",
         "_stop_ids",
+        "_pending",
+        "pending_row",
+        "final_pending",
         "kv_state",
         "scheduled_step",
         "user_data",
@@ -196,6 +199,12 @@ class Request:
         if not sampling_params.ignore_eos:
             stops.update(int(t) for t in eos_token_ids)
         self._stop_ids = frozenset(stops)
+        # Asynchronous steps: the last token may be a placeholder for a token still
+        # being sampled on the device, in row `pending_row` of its step's output.
+        self._pending = False
+        self.pending_row = -1
+        # the placeholder is the request's last token by length: schedule it no more
+        self.final_pending = False
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
@@ -286,14 +295,53 @@ class Request:
             passes one timestamp per step.
         :return: the finish reason if this token ends the request, else ``None``.
         """
+        self.append_placeholder()
+        return self.resolve_placeholder(token_id, now)
+
+    def append_placeholder(self) -> bool:
+        """Reserve the next token's place while its value is still being sampled.
+
+        The placeholder counts as a token (it is the input of the next decode
+        step, which reads its value on the device), so the request can be
+        scheduled again before the sampled token reaches the host.
+
+        :return: ``True`` when this token is the request's last by length
+            (``max_tokens`` or the model length): it must not be scheduled again.
+        :raises RuntimeError: a placeholder is already pending, or the buffer is full.
+        """
         i = self._num_tokens
+        if self._pending:
+            raise RuntimeError(
+                f"request {self.request_id!r} already has a token being sampled; "
+                "resolve it before reserving another"
+            )
         if i >= len(self._tokens):
             raise RuntimeError(
                 f"request {self.request_id!r} already holds {i} tokens, its capacity; "
                 "it should have been finished"
             )
-        self._tokens[i] = token_id
+        self._tokens[i] = 0  # any valid id: the device overwrites it before it is read
         self._num_tokens = i + 1
+        self._pending = True
+        k = i - self._num_prompt
+        self.final_pending = k + 1 >= self.max_tokens or (
+            self.max_model_len is not None and i + 1 >= self.max_model_len
+        )
+        return self.final_pending
+
+    def resolve_placeholder(self, token_id: int, now: float | None = None) -> FinishReason | None:
+        """Write the sampled value of the pending token and say whether the request is done.
+
+        :param token_id: the sampled token.
+        :param now: commit time (default ``time.perf_counter()``).
+        :return: the finish reason if this token ends the request, else ``None``.
+        :raises RuntimeError: no token is pending.
+        """
+        if not self._pending:
+            raise RuntimeError(f"request {self.request_id!r} has no token being sampled")
+        i = self._num_tokens - 1
+        self._tokens[i] = token_id
+        self._pending = False
         t = time.perf_counter() if now is None else now
         k = i - self._num_prompt
         self._token_times[k] = t
@@ -302,11 +350,19 @@ class Request:
         self.stats.last_token_time = t
         if token_id in self._stop_ids:
             return FinishReason.STOP
-        if k + 1 >= self.max_tokens:
-            return FinishReason.LENGTH
-        if self.max_model_len is not None and i + 1 >= self.max_model_len:
+        if self.final_pending:
             return FinishReason.LENGTH
         return None
+
+    @property
+    def has_pending_token(self) -> bool:
+        """The last token is a placeholder whose value is still on the device."""
+        return self._pending
+
+    @property
+    def pending_source_row(self) -> int:
+        """Row of the pending token in its step's sampled tokens, or -1 when none is pending."""
+        return self.pending_row if self._pending else -1
 
     # -- state ----------------------------------------------------------------------------------
 

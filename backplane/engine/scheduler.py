@@ -263,8 +263,8 @@ class Scheduler:
         for req in running:
             if budget == 0:
                 break
-            if req.status is not is_running:
-                continue
+            if req.status is not is_running or req.final_pending:
+                continue  # a token being sampled is its last: nothing more to compute
             c = req.num_computed_tokens
             if req.num_tokens - c != 1:
                 num_prefilling += 1
@@ -385,7 +385,7 @@ class Scheduler:
     # -- commit ---------------------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
-        """Commit a step: advance computed tokens, append sampled tokens, finish requests.
+        """Commit a step whose tokens are known: :meth:`advance`, then :meth:`commit`.
 
         :param output: the step returned by :meth:`schedule`.
         :param sampled: the sampled token of every sequence with
@@ -393,21 +393,54 @@ class Scheduler:
         :return: requests that finished in this update (also reported in the
             next output's ``finished``).
         """
-        now = time.perf_counter()
+        self.advance(output)
+        return self.commit(output, sampled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Account for a launched step before its sampled tokens are known.
+
+        Computed tokens advance (pages that just became full are offered to the
+        prefix cache) and every sequence that samples gets a placeholder token,
+        so the next :meth:`schedule` can run while the step is still on the
+        device. A placeholder that is its request's last token by length keeps
+        the request from being scheduled again.
+
+        :param output: the step returned by :meth:`schedule` and launched since.
+        """
         kv = self.kv
-        done: list[Request] = []
         running = RequestStatus.RUNNING
         # Only pages that just became full are offered to the prefix cache.
         ps = kv.page_size if kv.prefix_caching else 0
         for s in output.scheduled:
             req = s.request
-            if req.status is not running:  # aborted since schedule()
+            if req.status is not running:  # aborted or finished since schedule()
                 continue
             computed = s.num_cached_tokens + s.num_new_tokens
             req.num_computed_tokens = computed
             if ps and computed // ps > req.kv_state.num_registered:
                 kv.on_computed(req)
-            if not s.is_prefill_chunk_final:
+            if s.is_prefill_chunk_final:
+                req.append_placeholder()
+
+    def commit(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Write a step's sampled tokens into its placeholders and finish requests.
+
+        Requests finished or aborted since the step was advanced are skipped
+        (their tokens are dropped); a request preempted since then still gets its
+        token, which it recomputes from on readmission.
+
+        :param output: the step given to :meth:`advance`.
+        :param sampled: the sampled token of every sequence with
+            ``is_prefill_chunk_final`` (request id -> token id).
+        :return: requests that finished (also reported in the next output's ``finished``).
+        """
+        now = time.perf_counter()
+        done: list[Request] = []
+        for s in output.scheduled:
+            req = s.request
+            if not s.is_prefill_chunk_final or not req.has_pending_token:
+                continue
+            if req.status is RequestStatus.FINISHED:
                 continue
             try:
                 token = sampled[req.request_id]
@@ -416,9 +449,12 @@ class Scheduler:
                     f"no sampled token for request {req.request_id!r}, whose step ended its "
                     "prefill or decoded; pass one token per is_prefill_chunk_final sequence"
                 ) from None
-            reason = req.append_token(int(token), now)
+            reason = req.resolve_placeholder(int(token), now)
             if reason is not None:
-                del self._running[req.request_id]
+                if req.status is RequestStatus.RUNNING:
+                    del self._running[req.request_id]
+                else:
+                    self._waiting.remove(req)
                 self._finish(req, reason)
                 done.append(req)
         self.stats.finished += len(done)

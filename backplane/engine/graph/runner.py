@@ -48,6 +48,7 @@ MODES = ("off", "decode", "piecewise", "full_and_piecewise")
 @dataclass
 class _ScratchRequest:
     token_buffer: np.ndarray
+    pending_source_row: int = -1  # its token is never an unresolved placeholder
 
 
 @dataclass
