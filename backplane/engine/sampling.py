@@ -158,15 +158,15 @@ class SamplingTensors:
     :param seeds: ``[n]`` int64 per-row seeds.
     :param offsets: ``[n]`` int64 index of the token each row samples in its request.
     :param greedy: ``[n]`` bool, or ``None`` when no row is greedy.
-    :param all_greedy: every row is greedy (only ``argmax`` runs).
+    :param all_greedy: every row is greedy (only ``argmax`` runs; the tensors are ``None``).
     """
 
-    temperature: torch.Tensor
+    temperature: torch.Tensor | None
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
-    seeds: torch.Tensor
-    offsets: torch.Tensor
+    seeds: torch.Tensor | None
+    offsets: torch.Tensor | None
     greedy: torch.Tensor | None
     all_greedy: bool
 
@@ -203,6 +203,8 @@ class Sampler:
         top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
         top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
         min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
+        if all_greedy:  # argmax only: nothing to copy to the device
+            return SamplingTensors(None, None, None, None, None, None, None, True)
         if seeds is None:
             seeds = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64).numpy()
         if offsets is None:
@@ -227,6 +229,7 @@ class Sampler:
         """
         if t.all_greedy:
             return logits.argmax(dim=-1)
+        assert t.temperature is not None and t.seeds is not None and t.offsets is not None
         filtered = apply_filters(logits, t.temperature, t.top_k, t.top_p, t.min_p)
         probs = torch.softmax(filtered, dim=-1)
         noise = exponential_noise(t.seeds, t.offsets, probs.shape[-1])
