@@ -245,10 +245,6 @@ def gated_rms_norm(
     return weight * xf.to(dtype)
 
 
-def _act_fits(k: ModuleType, x: torch.Tensor) -> bool:
-    return x.dim() >= 1 and x.numel() < 2**31
-
-
 def silu_and_mul(x: torch.Tensor, *, fused_ops: str = "torch") -> torch.Tensor:
     """``silu(gate) * up`` over a fused ``[..., 2I]`` gate/up projection output.
 
@@ -257,7 +253,7 @@ def silu_and_mul(x: torch.Tensor, *, fused_ops: str = "torch") -> torch.Tensor:
     :return: ``[..., I]``.
     """
     k = _triton(fused_ops, x)
-    if k is not None and _act_fits(k, x) and x.shape[-1] % 2 == 0:
+    if k is not None and x.dim() >= 1 and x.shape[-1] % 2 == 0:
         return k.act_and_mul(x, "silu")
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -280,7 +276,7 @@ def relu_squared(x: torch.Tensor, *, fused_ops: str = "torch") -> torch.Tensor:
     :return: a new tensor of the same shape and dtype.
     """
     k = _triton(fused_ops, x)
-    if k is not None and _act_fits(k, x):
+    if k is not None and x.dim() >= 1:
         return k.activation(x, "relu2")
     return torch.square(F.relu(x))
 
@@ -312,7 +308,7 @@ def act_and_mul(
     """
     k = _triton(fused_ops, x)
     name = _KERNEL_ACTS.get(act)
-    if k is not None and name is not None and _act_fits(k, x) and x.shape[-1] % 2 == 0:
+    if k is not None and name is not None and x.dim() >= 1 and x.shape[-1] % 2 == 0:
         return k.act_and_mul(x, name)
     gate, up = x.chunk(2, dim=-1)
     return act(gate) * up
@@ -333,7 +329,7 @@ def apply_activation(
     """
     k = _triton(fused_ops, x)
     name = _KERNEL_ACTS.get(act)
-    if k is not None and name is not None and _act_fits(k, x):
+    if k is not None and name is not None and x.dim() >= 1:
         return k.activation(x, name)
     return act(x)
 

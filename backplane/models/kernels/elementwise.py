@@ -290,6 +290,8 @@ def _rotary_kernel(
 
 
 # -- launchers ------------------------------------------------------------------------------
+# The ``out`` buffers they take must be new contiguous tensors of the result's
+# shape and dtype (tests hand in poisoned ones).
 
 
 def _rows3(x: torch.Tensor) -> torch.Tensor:
@@ -354,18 +356,33 @@ def _launch_rms_norm(
 
 
 def _rms_norm_eager(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=_norm_out_dtype(x, weight, zero_centered), device=x.device)
+    if out is None:
+        dtype = _norm_out_dtype(x, weight, zero_centered)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     _launch_rms_norm(x, None, weight, eps, zero_centered, out, None)
     return out
 
 
 def _add_rms_norm_eager(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    out: torch.Tensor | None = None,
+    res_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(x.shape, dtype=_norm_out_dtype(x, weight, zero_centered), device=x.device)
-    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        dtype = _norm_out_dtype(x, weight, zero_centered)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if res_out is None:
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_rms_norm(x, residual, weight, eps, zero_centered, out, res_out)
     return out, res_out
 
@@ -377,9 +394,12 @@ def _gated_rms_norm_eager(
     eps: float,
     group_size: int,
     norm_before_gate: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     mid = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x.shape, dtype=x.dtype if norm_before_gate else mid, device=x.device)
+    if out is None:
+        dtype = x.dtype if norm_before_gate else mid
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if out.numel() == 0:
         return out
     x3, z3 = _rows3(x), _rows3(gate)
@@ -410,9 +430,12 @@ def _gated_rms_norm_eager(
     return out
 
 
-def _act_eager(x: torch.Tensor, act: str, gated: bool) -> torch.Tensor:
+def _act_eager(
+    x: torch.Tensor, act: str, gated: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     n_cols = x.shape[-1] // 2 if gated else x.shape[-1]
-    out = torch.empty((*x.shape[:-1], n_cols), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n_cols), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     x2 = _rows2(x)
@@ -474,9 +497,10 @@ def _rotary_eager_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
 
 
 def _rotary_interleaved_eager(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_rotary(x, cos, sin, out, interleaved=True)
     return out
 

@@ -1,0 +1,736 @@
+"""The Triton kernels of the fused model functions against the torch functions and float64.
+
+Every kernel of :mod:`backplane.models.kernels.elementwise` is checked on every
+element, in float32 and bfloat16, over several token counts (0 included),
+widths (powers of two and not) and strided inputs, with output buffers
+poisoned with NaN beforehand:
+
+* against the same arithmetic in float64 on the same (upcast) inputs, within a
+  few units in the last place of the dtype;
+* against the torch function of :mod:`backplane.models.fused` it replaces:
+  **bit for bit** where the kernel performs the same rounded operations on the
+  same elements in the same order (the rotary rotations, ReLU and ReLU²-and-mul,
+  the residual sum of the add + norm); where it cannot, within the rounding
+  steps that follow the difference: a norm's mean square is a reduction whose
+  summation order differs (a few float32 units in the last place; in 16-bit
+  dtypes few elements may differ at all, see ``_near_torch``), and exp/erf/tanh
+  (SiLU, GELU) come from another math library (a bound from the roundings).
+
+Then whole tiny models (the presets of four architectures) give the same logits
+with ``fused_ops="triton"`` as with ``"torch"``, the kernels having run.
+
+On a machine without CUDA the checks run in the Triton interpreter, which must
+be switched on before ``triton`` is first imported and would make the Triton
+backends available to every other test of the process: so they run in ONE
+child process (this file executed as a script with ``TRITON_INTERPRET=1``),
+at small shapes, and each pytest test reports one check's result. Run one by
+hand with::
+
+    TRITON_INTERPRET=1 python tests/test_models_fused_triton.py rotary
+
+The same checks run in-process on a CUDA device, at larger shapes, in the
+tests marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KERNEL_CHECKS = (
+    "rms_norm",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "act_and_mul",
+    "activation",
+    "rotary",
+    "rotary_interleaved",
+)
+MODEL_CHECKS = (
+    "model:tiny-llama",
+    "model:tiny-nemotron-h",
+    "model:tiny-qwen3-next",
+    "model:tiny-deepseek-v3",
+)
+CHECKS = KERNEL_CHECKS + MODEL_CHECKS
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# -- the pytest side ----------------------------------------------------------------
+
+if __name__ != "__main__":
+    import pytest
+
+    from backplane.core.errors import ConfigError
+
+    @pytest.fixture(scope="module")
+    def interpret_results() -> dict[str, dict[str, str]]:
+        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
+        pytest.importorskip("triton", reason="triton is not installed")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = Path(tmp) / "results.json"
+            proc = subprocess.run(
+                [sys.executable, __file__, "--json", str(result_file), *CHECKS],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            if not result_file.exists():
+                pytest.fail(
+                    f"interpreter checks crashed (rc={proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+                )
+            return json.loads(result_file.read_text())
+
+    @pytest.mark.parametrize("check", CHECKS)
+    def test_in_interpreter(interpret_results, check):
+        """One check, run on CPU tensors in the Triton interpreter."""
+        res = interpret_results.get(check)
+        assert res is not None, f"check {check} did not report"
+        assert res["status"] == "ok", res["detail"]
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("check", CHECKS)
+    def test_on_gpu(check):
+        """One check, run on a CUDA device at larger shapes."""
+        pytest.importorskip("triton", reason="triton is not installed")
+        if _interpreting():
+            pytest.skip("TRITON_INTERPRET is set: the kernels would not run on the GPU")
+        run_check(check, torch.device("cuda"))
+
+    def test_auto_is_torch_on_cpu_and_triton_there_is_refused():
+        """Without CUDA (and outside the interpreter) ``auto`` means torch and ``triton`` is an error."""
+        if _interpreting():
+            pytest.skip("TRITON_INTERPRET is set: the Triton kernels run on the CPU")
+        from backplane.models.presets import build_preset
+
+        lm = build_preset("tiny-llama", backends=_torch_backends(("attention",))).model
+        assert lm.set_fused_ops("auto") == "torch"
+        assert lm.set_fused_ops("torch") == "torch"
+        with pytest.raises(ConfigError, match="fused_ops=triton cannot run on device 'cpu'") as err:
+            lm.set_fused_ops("triton")
+        assert "set fused_ops to auto or torch" in str(err.value)
+        assert all(m.fused_ops == "torch" for m in _fused_modules(lm))
+
+    def test_engine_applies_the_setting_and_refuses_triton_on_cpu():
+        """The engine hands ``fused_ops`` to its model; ``triton`` on a CPU engine is a ConfigError."""
+        if _interpreting():
+            pytest.skip("TRITON_INTERPRET is set: the Triton kernels run on the CPU")
+        from backplane.engine.config import EngineConfig
+        from backplane.engine.executor import Engine
+
+        cfg = EngineConfig(model="tiny-llama", device="cpu", max_num_seqs=2, max_num_tokens=16)
+        with pytest.raises(ConfigError, match="fused_ops=triton cannot run"):
+            Engine(cfg.merge(fused_ops="triton"))
+        engine = Engine(cfg.merge(fused_ops="auto"))
+        assert engine.model.fused_ops == "torch"
+
+    @pytest.mark.gpu
+    def test_auto_on_cuda_sets_triton_on_every_layer():
+        """On CUDA ``auto`` chooses the kernels for every module that takes a choice; torch undoes it."""
+        pytest.importorskip("triton", reason="triton is not installed")
+        from backplane.models.presets import build_preset
+
+        lm = build_preset(
+            "tiny-qwen3-next",
+            device="cuda",
+            backends=_torch_backends(("attention", "ssm", "delta")),
+        ).model
+        mods = _fused_modules(lm)
+        assert {type(m).__name__ for m in mods} >= {
+            "RMSNorm",
+            "GatedRMSNorm",
+            "MLP",
+            "RotaryEmbedding",
+        }
+        assert lm.set_fused_ops("auto") == "triton"
+        assert all(m.fused_ops == "triton" for m in mods)
+        assert lm.set_fused_ops("torch") == "torch"
+        assert all(m.fused_ops == "torch" for m in mods)
+
+    def test_torch_choice_and_unknown_tensors_never_reach_the_kernels(monkeypatch):
+        """``fused_ops="torch"`` (the default) runs the torch ops without importing the kernels."""
+        from backplane.models import fused
+
+        def fail() -> Any:
+            raise AssertionError("the kernels were loaded")
+
+        monkeypatch.setattr(fused, "load_kernels", fail)
+        monkeypatch.setattr(fused, "_KERNELS", None)
+        x = torch.randn(3, 8)
+        w = torch.ones(8)
+        assert torch.equal(fused.rms_norm(x, w, 1e-6), fused.rms_norm(x, w, 1e-6))
+        fused.silu_and_mul(x)
+        fused.fused_add_rms_norm(x, x, w, 1e-6)
+
+
+# -- the checks (both sides) ----------------------------------------------------------------
+
+
+def _fused_modules(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in lm.modules() if isinstance(getattr(type(m), "fused_ops", None), str)]
+
+
+def _torch_backends(families: tuple[str, ...]) -> dict[str, Any]:
+    from backplane.core.registry import get_registry
+    from backplane.testing.plugin import load_backend
+
+    registry = get_registry()
+    return {fam: load_backend(registry.get(fam, "torch")) for fam in families}
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernels():
+    from backplane.models.fused import load_kernels
+
+    return load_kernels()
+
+
+def _small(device: torch.device) -> bool:
+    """The interpreter runs every program in Python: keep its shapes small."""
+    return device.type == "cpu"
+
+
+def _tokens(device: torch.device) -> tuple[int, ...]:
+    return (0, 1, 7, 33) if _small(device) else (0, 1, 7, 33, 64)
+
+
+def _shapes(device: torch.device, widths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(tokens, width)`` pairs: every pair on a GPU; in the interpreter each token
+    count and each width at least once (and the most tokens with a width not a
+    power of two), which keeps the child process short."""
+    tokens = _tokens(device)
+    if not _small(device):
+        return [(t, w) for t in tokens for w in widths]
+    n = max(len(tokens), len(widths))
+    pairs = [(tokens[i % len(tokens)], widths[i % len(widths)]) for i in range(n)]
+    return pairs + [(tokens[-1], widths[1]), (tokens[1], widths[-1])]
+
+
+def _widths(device: torch.device) -> tuple[int, ...]:
+    return (64, 96, 1536, 2048) if _small(device) else (64, 96, 1536, 2048, 4096, 8192)
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
+
+
+def _strided_rows(t: int, d: int, *, dtype, device, seed: int, scale: float = 1.0):
+    """A ``[t, d]`` view whose rows are strided (columns 3 .. 3 + d of a wider tensor)."""
+    wide = _randn(t, d + 5, dtype=dtype, device=device, seed=seed, scale=scale)
+    return wide[:, 3 : 3 + d]
+
+
+def _poison(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    """Against float64: a few units in the last place of ``dtype``, plus a small absolute slack."""
+    if dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-6}
+    return {"rtol": 2**-6, "atol": 2**-8}
+
+
+def _near_torch(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """A norm against its torch function, whose mean square is summed in another order.
+
+    The float32 statistics differ in their last bits, which moves a result to the
+    neighbouring value of its dtype only where it lies next to a rounding
+    boundary: in float32 every element may be a few units in the last place
+    off; in 16-bit dtypes at most 1% of the elements (plus two) may differ at
+    all, each by at most the roundings after the statistic (the normalised
+    value, its scaled product, the gate's product: one unit each, on both sides).
+    """
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    if want.dtype == torch.float32:
+        _close(name, got, want, {"rtol": 4e-6, "atol": 1e-6})
+        return
+    _close(name, got, want, {"rtol": 6 * _unit(want.dtype), "atol": 1e-5})
+    differ = int((got != want).sum())
+    assert differ <= 0.01 * got.numel() + 2, (
+        f"{name}: {differ} of {got.numel()} elements differ from the torch function"
+    )
+
+
+def _unit(dtype: torch.dtype) -> float:
+    """The unit roundoff of ``dtype`` (half its machine epsilon)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def _within(name: str, got: torch.Tensor, want64: torch.Tensor, bound: torch.Tensor) -> None:
+    """``|got - want64| <= bound`` on every element (a bound from the rounding steps taken)."""
+    assert got.shape == want64.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want64.shape)}"
+    err = (got.double() - want64).abs().cpu()
+    bound = bound.double().cpu() + 1e-30
+    bad = ~(err <= bound)
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} of {got.numel()} elements beyond the rounding bound; "
+        f"worst error {float((err / bound).max()):.3g} x its bound"
+    )
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: dict[str, float]) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    torch.testing.assert_close(
+        got.double().cpu(), want.double().cpu(), **tol, msg=lambda m: f"{name}: {m}"
+    )
+
+
+def _equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    diff = (got != want).sum().item()
+    assert diff == 0, f"{name}: {diff} of {got.numel()} elements differ from the torch function"
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    x64 = x.double()
+    normed = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return normed * ((1.0 + w.double()) if zero_centered else w.double())
+
+
+def _silu64(t: torch.Tensor) -> torch.Tensor:
+    return t / (1 + torch.exp(-t))
+
+
+ACT_REFS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": _silu64,
+    "relu": lambda t: torch.clamp(t, min=0),
+    "relu2": lambda t: torch.clamp(t, min=0) ** 2,
+    "gelu": lambda t: 0.5 * t * (1 + torch.erf(t / math.sqrt(2))),
+    "gelu_tanh": lambda t: (
+        0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
+    ),
+}
+#: activations whose kernel repeats torch's arithmetic exactly (no transcendental function)
+EXACT_ACTS = ("relu", "relu2")
+
+
+def check_rms_norm(device: torch.device) -> None:
+    """Rows of very different scales, strided rows and q-norm-like ``[T, H, d]`` views."""
+    from backplane.models.fused import rms_norm
+
+    k = _kernels()
+    for dtype in DTYPES:
+        for t, d in _shapes(device, _widths(device)):
+            for zc in (False, True):
+                name = f"rms_norm {dtype} T={t} D={d} zero_centered={zc}"
+                x = _strided_rows(t, d, dtype=dtype, device=device, seed=t * 7 + d, scale=2.0)
+                x = x * torch.logspace(-2, 2, t, device=device)[:, None].to(dtype)
+                w = _randn(d, dtype=dtype, device=device, seed=d, scale=0.5)
+                if not zc:
+                    w = w + 1
+                before = x.clone()
+                out = k._rms_norm_eager(x, w, 1e-6, zc, out=_poison(x.shape, dtype, device))
+                assert torch.equal(x, before), f"{name}: input modified"
+                _close(name, out, _rms_ref(x, w, 1e-6, zc), _tol(dtype))
+                _near_torch(name + " vs torch", out, rms_norm(x, w, 1e-6, zc))
+                assert out.dtype == rms_norm(x, w, 1e-6, zc).dtype
+        # per-head norms over strided [T, H, d] views of a fused projection output
+        t, h, d = 5, 6, 96
+        qkv = _randn(t, (h + 4) * d, dtype=dtype, device=device, seed=3)
+        q = qkv[:, : h * d].view(t, h, d)
+        w = _randn(d, dtype=dtype, device=device, seed=4) + 1
+        got = k.rms_norm(q, w, 1e-6, False)
+        _close(f"rms_norm {dtype} [T, H, d] view", got, _rms_ref(q, w, 1e-6, False), _tol(dtype))
+        # weight in float32 under bfloat16 activations: the promotion of the torch function
+        if dtype != torch.float32:
+            wf = w.float()
+            got = k.rms_norm(q, wf, 1e-6, False)
+            want = rms_norm(q, wf, 1e-6, False)
+            assert got.dtype == want.dtype == torch.float32
+            _near_torch(f"rms_norm {dtype} float32 weight vs torch", got, want)
+
+
+def check_add_rms_norm(device: torch.device) -> None:
+    """One kernel writes the normed rows and the new residual; the residual bit for bit."""
+    from backplane.models.fused import fused_add_rms_norm
+
+    k = _kernels()
+    for dtype in DTYPES:
+        for t, d in _shapes(device, _widths(device)):
+            for zc in (False, True):
+                name = f"add_rms_norm {dtype} T={t} D={d} zero_centered={zc}"
+                x = _strided_rows(t, d, dtype=dtype, device=device, seed=t + d)
+                res = _randn(t, d, dtype=dtype, device=device, seed=t + d + 1, scale=4.0)
+                w = _randn(d, dtype=dtype, device=device, seed=d + 2, scale=0.5)
+                x_before, res_before = x.clone(), res.clone()
+                out, new_res = k._add_rms_norm_eager(
+                    x,
+                    res,
+                    w,
+                    1e-6,
+                    zc,
+                    out=_poison(x.shape, dtype, device),
+                    res_out=_poison(x.shape, dtype, device),
+                )
+                assert torch.equal(x, x_before) and torch.equal(res, res_before), (
+                    f"{name}: input modified"
+                )
+                want_out, want_res = fused_add_rms_norm(x, res, w, 1e-6, zc)
+                _equal(name + " residual", new_res, want_res)
+                _close(name + " residual", new_res, x.double() + res.double(), _tol(dtype))
+                _close(name, out, _rms_ref(want_res, w, 1e-6, zc), _tol(dtype))
+                _near_torch(name + " vs torch", out, want_out)
+
+
+def _gated_ref(x, z, w, eps, group, norm_before_gate):
+    x64, gate = x.double(), _silu64(z.double())
+    if not norm_before_gate:
+        x64 = x64 * gate
+    g = x64.unflatten(-1, (-1, group))
+    g = g / torch.sqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    out = g.flatten(-2) * w.double()
+    return out * gate if norm_before_gate else out
+
+
+def check_gated_rms_norm(device: torch.device) -> None:
+    """Both gate orders, one group and several, ``[T, H, d]`` inputs with a strided gate."""
+    from backplane.models.fused import gated_rms_norm
+
+    k = _kernels()
+    widths = (64, 96, 512) if _small(device) else (64, 96, 512, 4096, 8192)
+    for dtype in DTYPES:
+        for t, d in _shapes(device, widths):
+            for nbg, groups in ((True, 1), (False, 1), (False, 4), (True, 2)):
+                group = d // groups
+                name = f"gated_rms_norm {dtype} T={t} D={d} groups={groups} nbg={nbg}"
+                x = _randn(t, d, dtype=dtype, device=device, seed=d + t, scale=2.0)
+                z = _strided_rows(t, d, dtype=dtype, device=device, seed=d + t + 1, scale=3.0)
+                w = _randn(d, dtype=dtype, device=device, seed=d + 2, scale=0.5) + 1
+                want = gated_rms_norm(x, z, w, 1e-5, group, nbg)
+                out = k._gated_rms_norm_eager(
+                    x, z, w, 1e-5, group, nbg, out=_poison(x.shape, want.dtype, device)
+                )
+                _close(name, out, _gated_ref(x, z, w, 1e-5, group, nbg), _tol(dtype))
+                _near_torch(name + " vs torch", out, want)
+        # the delta mixer's layout: [T, heads, head_dim], a strided gate of the same shape
+        t, h, d = 6, 4, 32
+        x = _randn(t, h, d, dtype=dtype, device=device, seed=11)
+        zw = _randn(t, h, 2 * d, dtype=dtype, device=device, seed=12)
+        z = zw[..., d:]
+        w = _randn(d, dtype=dtype, device=device, seed=13) + 1
+        got = k.gated_rms_norm(x, z, w, 1e-6, d, True)
+        want = gated_rms_norm(x, z, w, 1e-6, d, True)
+        _close(
+            f"gated_rms_norm {dtype} [T, H, d]",
+            got,
+            _gated_ref(x, z, w, 1e-6, d, True),
+            _tol(dtype),
+        )
+        _near_torch(f"gated_rms_norm {dtype} [T, H, d] vs torch", got, want)
+    # float32 input (an SSM output) with a bfloat16 weight: the result is promoted
+    x = _randn(5, 64, dtype=torch.float32, device=device, seed=14)
+    z = _randn(5, 64, dtype=torch.bfloat16, device=device, seed=15)
+    w = (_randn(64, dtype=torch.float32, device=device, seed=16) + 1).to(torch.bfloat16)
+    for nbg in (False, True):
+        got = k.gated_rms_norm(x, z, w, 1e-5, 16, nbg)
+        want = gated_rms_norm(x, z, w, 1e-5, 16, nbg)
+        assert got.dtype == want.dtype == torch.float32, (got.dtype, want.dtype)
+        _near_torch(f"gated_rms_norm mixed dtypes nbg={nbg} vs torch", got, want)
+
+
+def check_act_and_mul(device: torch.device) -> None:
+    """Every gated activation over a ``[gate | up]`` row (strided rows)."""
+    from backplane.models.fused import act_and_mul, gelu_tanh, relu_squared
+
+    fns = {"silu": F.silu, "relu": F.relu, "relu2": relu_squared, "gelu": F.gelu}
+    fns["gelu_tanh"] = gelu_tanh
+    k = _kernels()
+    inter = (32, 48, 1536) if _small(device) else (32, 48, 1536, 5632, 14336)
+    for dtype in DTYPES:
+        for t, i in _shapes(device, inter):
+            for act, fn in fns.items():
+                name = f"act_and_mul {act} {dtype} T={t} I={i}"
+                x = _strided_rows(t, 2 * i, dtype=dtype, device=device, seed=i + t, scale=3.0)
+                out = k._act_eager(x, act, True, out=_poison((t, i), dtype, device))
+                g, up = x.double()[:, :i], x.double()[:, i:]
+                want64 = ACT_REFS[act](g) * up
+                # two roundings to dtype (act, product), and the float32
+                # activation's own error, which near a cancellation (GELU
+                # for negative inputs) is absolute, of the size of the input
+                slack = 8 * _unit(torch.float32) * g.abs() * up.abs()
+                _within(name, out, want64, 4 * _unit(dtype) * want64.abs() + slack)
+                want = act_and_mul(x, fn)
+                if act in EXACT_ACTS:
+                    _equal(name, out, want)
+                else:
+                    # exp/erf/tanh of another math library: the same bound around torch's
+                    _within(
+                        name + " vs torch",
+                        out,
+                        want.double(),
+                        4 * _unit(dtype) * want.double().abs() + slack,
+                    )
+        # a leading shape of two dimensions
+        x = _randn(2, 3, 64, dtype=dtype, device=device, seed=5)
+        _equal(
+            "act_and_mul relu2 [2, 3, 64]", k.act_and_mul(x, "relu2"), act_and_mul(x, relu_squared)
+        )
+
+
+def check_activation(device: torch.device) -> None:
+    """Non-gated activations (Nemotron-H's ReLU²) over strided rows."""
+    from backplane.models.fused import relu_squared
+
+    k = _kernels()
+    for dtype in DTYPES:
+        for t, d in _shapes(device, (64, 96, 1536)):
+            for act in ("relu2", "silu"):
+                name = f"activation {act} {dtype} T={t} D={d}"
+                x = _strided_rows(t, d, dtype=dtype, device=device, seed=d + t, scale=3.0)
+                out = k._act_eager(x, act, False, out=_poison((t, d), dtype, device))
+                want64 = ACT_REFS[act](x.double())
+                slack = 8 * _unit(torch.float32) * x.double().abs()
+                _within(name, out, want64, 2 * _unit(dtype) * want64.abs() + slack)
+                if act == "relu2":
+                    _equal(name, out, relu_squared(x))
+                else:
+                    want = F.silu(x).double()
+                    _within(name + " vs torch", out, want, 2 * _unit(dtype) * want.abs() + slack)
+
+
+def _cos_sin(t: int, h: int, dtype, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` laid out as :meth:`RotaryEmbedding.cos_sin` hands them out (strided views)."""
+    ang = _randn(t, h, dtype=torch.float64, device=device, seed=seed, scale=3.0)
+    table = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1).to(dtype)
+    cos, sin = table.unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def _rotate_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64, one channel pair at a time; the pair's outputs go to ``(i, i + h)``.
+
+    :return: ``(rotated, bound)``: the bound on the error of the rotation done
+        with roundings to ``x.dtype`` (each product, then the sum: the unit
+        roundoff times the products' magnitudes, twice, and times the result).
+    """
+    x64, c, s = x.double(), cos.double(), sin.double()
+    h = cos.shape[-1]
+    out = x64.clone()
+    bound = torch.zeros_like(x64)
+    for i, (a, b) in enumerate(pairs):
+        xa, xb = x64[..., a], x64[..., b]
+        out[..., i] = xa * c[..., i] - xb * s[..., i]
+        out[..., i + h] = xb * c[..., i] + xa * s[..., i]
+        mag = (xa * c[..., i]).abs() + (xb * s[..., i]).abs()
+        bound[..., i] = 2 * mag + out[..., i].abs()
+        mag = (xb * c[..., i]).abs() + (xa * s[..., i]).abs()
+        bound[..., i + h] = 2 * mag + out[..., i + h].abs()
+    return out, bound * _unit(x.dtype)
+
+
+def check_rotary(device: torch.device) -> None:
+    """Queries and keys of a fused qkv output rotated in one launch, in place; values untouched."""
+    from backplane.models.fused import apply_rotary_
+
+    k = _kernels()
+    heads = ((4, 2, 64, 64), (4, 2, 64, 32), (3, 1, 96, 96), (2, 2, 16, 4))
+    if not _small(device):
+        heads += ((32, 8, 128, 128), (16, 2, 256, 64))
+    for dtype in DTYPES:
+        for t in _tokens(device):
+            for hq, hk, d, rot in heads:
+                name = f"rotary {dtype} T={t} heads={hq}+{hk} d={d} rot={rot}"
+                qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, device=device, seed=t + d + rot)
+                cos, sin = _cos_sin(t, rot // 2, dtype, device, seed=t + rot)
+                before = qkv.clone()
+                torch_out = qkv.clone()
+                qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)  # rows strided: v follows
+                assert k.rotary_(qk, cos, sin) is qk
+                apply_rotary_(torch_out[:, : (hq + hk) * d].view(t, hq + hk, d), cos, sin)
+                _equal(name, qkv, torch_out)
+                pairs = [(i, i + rot // 2) for i in range(rot // 2)]
+                want, bound = _rotate_ref(
+                    before[:, : (hq + hk) * d].view(t, hq + hk, d), cos, sin, pairs
+                )
+                _within(name, qk, want, bound)
+                assert torch.equal(qkv[:, (hq + hk) * d :], before[:, (hq + hk) * d :]), (
+                    f"{name}: values modified"
+                )
+        # queries alone, heads strided inside each row (an output-gated projection)
+        t, h, d = 5, 3, 32
+        qg = _randn(t, h, 2 * d, dtype=dtype, device=device, seed=9)
+        q, ref = qg[..., :d], qg.clone()
+        cos, sin = _cos_sin(t, d // 2, dtype, device, seed=10)
+        k.rotary_(q, cos, sin)
+        apply_rotary_(ref[..., :d], cos, sin)
+        _equal(f"rotary {dtype} strided heads", qg, ref)
+
+
+def check_rotary_interleaved(device: torch.device) -> None:
+    """Pairs ``(2i, 2i+1)`` of a strided view, written de-interleaved into a poisoned buffer."""
+    from backplane.models.fused import apply_rotary_interleaved
+
+    k = _kernels()
+    for dtype in DTYPES:
+        for t in _tokens(device):
+            for h, nope, rope, extra in ((4, 16, 8, 0), (3, 32, 64, 0), (2, 8, 8, 6)):
+                name = f"rotary_interleaved {dtype} T={t} H={h} rope={rope} extra={extra}"
+                q = _randn(t, h, nope + rope + extra, dtype=dtype, device=device, seed=t + rope)
+                x = q[..., nope:]  # the rotary part of MLA queries: a strided view
+                cos, sin = _cos_sin(t, rope // 2, dtype, device, seed=t + h)
+                before = q.clone()
+                out = k._rotary_interleaved_eager(x, cos, sin, out=_poison(x.shape, dtype, device))
+                assert torch.equal(q, before), f"{name}: input modified"
+                _equal(name, out, apply_rotary_interleaved(x, cos, sin))
+                pairs = [(2 * i, 2 * i + 1) for i in range(rope // 2)]
+                _within(name, out, *_rotate_ref(x, cos, sin, pairs))
+
+
+_KERNEL_FUNCS = (
+    "rms_norm",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "act_and_mul",
+    "activation",
+    "rotary_",
+    "rotary_interleaved",
+)
+#: kernels each preset's forward must have run
+_EXPECTED_CALLS = {
+    "tiny-llama": {"rms_norm", "add_rms_norm", "act_and_mul", "rotary_"},
+    "tiny-nemotron-h": {"rms_norm", "add_rms_norm", "gated_rms_norm", "activation"},
+    "tiny-qwen3-next": {"rms_norm", "add_rms_norm", "gated_rms_norm", "act_and_mul", "rotary_"},
+    "tiny-deepseek-v3": {"rms_norm", "add_rms_norm", "act_and_mul", "rotary_interleaved"},
+}
+_PRESET_FAMILIES = {
+    "tiny-llama": ("attention",),
+    "tiny-nemotron-h": ("attention", "ssm"),
+    "tiny-qwen3-next": ("attention", "ssm", "delta"),
+    "tiny-deepseek-v3": ("mla",),
+}
+
+
+def _forward_logits(lm, backends, device) -> torch.Tensor:
+    """Logits of a ragged prefill of three sequences, then one decode step of each."""
+    from backplane.core.forward_context import forward_context, plan_step
+    from backplane.core.metadata import build_batch_metadata
+
+    page_size = 4
+    lm.allocate_caches(
+        num_pages=16,
+        page_size=page_size,
+        num_slots=5,
+        dtype=next(lm.parameters()).dtype,
+        device=device,
+    )
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 3, 5)]
+    tables = [[1, 2], [3], [4, 5]]
+    logits = []
+    steps = [(prompts, [0, 0, 0]), ([[11], [12], [13]], [7, 3, 5])]
+    for tokens, cached in steps:
+        batch = build_batch_metadata(
+            [len(p) for p in tokens],
+            cached,
+            tables,
+            page_size,
+            state_slots=[1, 2, 3],
+            device=device,
+        )
+        ids = torch.tensor([x for p in tokens for x in p], dtype=torch.int64, device=device)
+        with torch.no_grad(), forward_context(batch, plan_step(backends, batch)):
+            hidden = lm(ids, batch.positions)
+            logits.append(lm.compute_logits(hidden[: batch.num_tokens]))
+    return torch.cat(logits)
+
+
+def check_model(preset: str, device: torch.device) -> None:
+    """The preset's logits with the Triton kernels equal its logits with torch (float32)."""
+    from backplane.models.presets import build_preset
+
+    k = _kernels()
+    backends = _torch_backends(_PRESET_FAMILIES[preset])
+    lm = build_preset(preset, device=device, backends=backends).model
+    assert lm.set_fused_ops("torch") == "torch"
+    want = _forward_logits(lm, backends, device)
+    calls: dict[str, int] = {}
+    originals = {name: getattr(k, name) for name in _KERNEL_FUNCS}
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, fn in originals.items():
+            setattr(k, name, counting(name, fn))
+        assert lm.set_fused_ops("triton") == "triton"
+        got = _forward_logits(lm, backends, device)
+    finally:
+        for name, fn in originals.items():
+            setattr(k, name, fn)
+    missing = _EXPECTED_CALLS[preset] - set(calls)
+    assert not missing, f"{preset}: kernels not run: {sorted(missing)} (ran {calls})"
+    _close(f"{preset} logits", got, want, {"rtol": 1e-4, "atol": 1e-4})
+    assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{preset}: greedy tokens differ"
+
+
+def run_check(check: str, device: torch.device) -> None:
+    """Run one check on ``device``; raise ``AssertionError`` on a mismatch.
+
+    :param check: a name of :data:`CHECKS`.
+    :param device: ``cpu`` (in the interpreter) or ``cuda``.
+    """
+    if check.startswith("model:"):
+        check_model(check.split(":", 1)[1], device)
+        return
+    globals()[f"check_{check}"](device)
+
+
+# -- the child side -------------------------------------------------------------------------
+
+
+def _main(argv: list[str]) -> int:
+    out_file = None
+    if argv[:1] == ["--json"]:
+        out_file, argv = Path(argv[1]), argv[2:]
+    if not _interpreting():
+        print("set TRITON_INTERPRET=1 before running these checks", file=sys.stderr)
+        return 2
+    results: dict[str, dict[str, str]] = {}
+    for check in argv or CHECKS:
+        try:
+            run_check(check, torch.device("cpu"))
+            results[check] = {"status": "ok", "detail": ""}
+        except Exception:  # noqa: BLE001 - every failure is reported to the pytest side
+            results[check] = {"status": "fail", "detail": traceback.format_exc()[-6000:]}
+        print(f"{check}: {results[check]['status']}", file=sys.stderr)
+        if results[check]["status"] != "ok":
+            print(results[check]["detail"], file=sys.stderr)
+    if out_file is not None:
+        out_file.write_text(json.dumps(results))
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(_main(sys.argv[1:]))
