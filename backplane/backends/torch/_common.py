@@ -6,7 +6,11 @@ slicing, so they never synchronise with the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from backplane.core.metadata import BatchMetadata
 
 #: Upper bound on the elements of one float32 score block ``[heads, queries, keys]``
 #: in prefill; longer prompts are processed in query chunks so that memory stays
@@ -14,31 +18,63 @@ import torch
 MAX_SCORE_ELEMENTS = 1 << 26
 
 
-def write_slots(
-    cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, page_size: int
-) -> None:
-    """Write ``values[i]`` to cache slot ``slot_mapping[i]``, skipping ``-1``.
+def slots_known_valid(batch: BatchMetadata) -> bool:
+    """Whether the host says every real token of ``batch`` has a cache slot (none is ``-1``).
 
-    Skipped rows are redirected to slot 0 and rewrite the value already there,
-    so no sequence-visible (or scratch) entry changes, without a data-dependent
+    Only steps that run op by op may trust their host values: a captured decode
+    graph replays whatever was decided while it was captured, so it always
+    takes the general path of :func:`write_slots`.
+
+    :param batch: the step's metadata.
+    :return: ``True`` when the cheap, unmasked write is safe.
+    """
+    if batch.mode.is_decode_graph:
+        return False
+    n = batch.num_tokens
+    return n == 0 or int(batch.host.slot_mapping[:n].min()) >= 0
+
+
+def write_slots(
+    caches: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    *,
+    all_valid: bool = False,
+) -> None:
+    """Write ``values[j][i]`` to slot ``slot_mapping[i]`` of ``caches[j]``, skipping ``-1``.
+
+    The slot arithmetic is done once for every cache. Skipped rows are
+    redirected to slot 0 and rewrite the value already there, so no
+    sequence-visible (or scratch) entry changes, without a data-dependent
     selection (which would need ``nonzero`` and a host synchronisation).
 
-    :param cache: ``[num_pages, page_size, *row]``, possibly a strided view
+    :param caches: each ``[num_pages, page_size, *row]``, possibly a strided view
         (e.g. the K half of a paged KV cache); written in place.
-    :param values: ``[N, *row]``.
+    :param values: one ``[N, *row]`` per cache.
     :param slot_mapping: ``[N]`` integer slots ``page * page_size + offset``, ``-1`` = skip.
     :param page_size: tokens per page.
+    :param all_valid: the caller knows no slot is ``-1`` (see
+        :func:`slots_known_valid`): the rows are written directly, without
+        reading back the entries a skipped row would have preserved.
     """
-    if values.shape[0] == 0:
+    if slot_mapping.shape[0] == 0:
         return
     slots = slot_mapping.to(torch.long)
+    if all_valid:
+        page = torch.div(slots, page_size, rounding_mode="floor")
+        offset = slots - page * page_size
+        for cache, rows in zip(caches, values, strict=True):
+            cache.index_put_((page, offset), rows.to(cache.dtype))
+        return
     valid = slots >= 0
     safe = torch.where(valid, slots, torch.zeros_like(slots))
     page = torch.div(safe, page_size, rounding_mode="floor")
     offset = safe - page * page_size
-    current = cache[page, offset]
-    keep = valid.view(-1, *([1] * (values.dim() - 1)))
-    cache.index_put_((page, offset), torch.where(keep, values.to(cache.dtype), current))
+    for cache, rows in zip(caches, values, strict=True):
+        current = cache[page, offset]
+        keep = valid.view(-1, *([1] * (rows.dim() - 1)))
+        cache.index_put_((page, offset), torch.where(keep, rows.to(cache.dtype), current))
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,10 +85,31 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch
     :param length: tokens to return (``<= len(pages) * page_size``).
     :return: ``[length, *row]`` (a new tensor).
     """
-    rows = cache[pages.to(torch.long)]
+    # index_select copies whole pages; advanced indexing of a strided view goes
+    # element by element and is several times slower on CPU.
+    rows = cache.index_select(0, pages)
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 
 def query_chunk(num_heads: int, num_keys: int) -> int:
     """Return how many query rows to score at once under :data:`MAX_SCORE_ELEMENTS`."""
     return max(1, MAX_SCORE_ELEMENTS // max(1, num_heads * num_keys))
+
+
+def decode_table(batch: BatchMetadata) -> torch.Tensor:
+    """The block-table rows of the decode sequences, as wide as this step needs.
+
+    Op by op, the host lengths hold for this very step, so only the columns of
+    the longest decode sequence are kept. A captured decode graph keeps the whole
+    table: its width is fixed by the engine's persistent buffers, so the graph
+    stays valid as sequences grow (the callers mask keys past each length).
+
+    :param batch: the step's metadata (with at least one decode sequence).
+    :return: ``[num_decode_seqs, pages]`` int page ids (a view of ``batch.block_table``).
+    """
+    first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
+    table = batch.block_table[first : first + nd]
+    if batch.mode.is_decode_graph:
+        return table
+    longest = int(batch.host.seq_lens[first : first + nd].max())
+    return table[:, : -(-longest // batch.page_size)]

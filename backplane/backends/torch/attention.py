@@ -1,4 +1,4 @@
-"""Reference paged attention in plain torch (any device, float32/bfloat16/float16).
+"""Reference paged attention in plain torch (any device, float32/float64/bfloat16/float16).
 
 One cached op, ``backplane_torch::attention``, does a whole layer's step:
 
@@ -6,26 +6,39 @@ One cached op, ``backplane_torch::attention``, does a whole layer's step:
    ``slot_mapping`` (``-1`` rows are skipped), vectorised over all tokens;
 2. attends, causally and optionally within a sliding window, over each
    sequence's cached prefix plus its new tokens, with grouped-query heads
-   (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``):
+   (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``),
+   through ``torch.nn.functional.scaled_dot_product_attention`` (on CPU its
+   fused kernel works block by block and skips the blocks a causal mask hides):
 
-   * prefill/extend sequences: a loop over sequences, each gathering its pages
-     and scoring its queries in bounded chunks;
-   * decode sequences: one vectorised pass over the whole decode batch through
-     the dense ``block_table``, masked by each sequence's length.
+   * prefill/extend sequences: one call per sequence; a fresh prompt attends to
+     its own keys and values as given (no gather from the cache) with
+     ``is_causal``, a sequence with cached context gathers its pages once and
+     passes an explicit position mask;
+   * decode sequences: one call for the whole decode batch, the pages of every
+     sequence gathered with one index op through the dense ``block_table``,
+     each sequence's query heads of one KV head folded into that head's query
+     rows (so grouped heads need no expansion), masked by each sequence's
+     length.
 
-Scores, softmax and the weighted sum run in float32 whatever the activation
+Half-precision inputs attend in float32; float32 and float64 attend in their own
 dtype. Host counts come from ``batch.host``; every index tensor is a device
 tensor of the batch, so the op never synchronises with the device.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from backplane.backends.torch._common import gather_pages, query_chunk, write_slots
+from backplane.backends.torch._common import (
+    decode_table,
+    gather_pages,
+    query_chunk,
+    slots_known_valid,
+    write_slots,
+)
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import AttentionBackend, AttentionLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -40,8 +53,15 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> t
     return allowed
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention runs in: float32 for half types, else the input's own."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def _prefill(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     buf: torch.Tensor,
@@ -49,32 +69,47 @@ def _prefill(
     scale: float,
     sliding_window: int,
 ) -> None:
-    """Attention for the prefill/extend sequences, one sequence at a time."""
+    """Attention for the prefill/extend sequences, one SDPA call per sequence (or query chunk)."""
     host = batch.host
-    _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads = q.shape[1]
+    dtype = _compute_dtype(q.dtype)
+    # The CPU kernel streams over key blocks and never holds a full score matrix;
+    # elsewhere SDPA may fall back to a kernel that does, so queries are chunked.
+    chunked = q.device.type != "cpu"
     for i in range(batch.num_prefill_seqs):
         start, end = int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])
         cached, total = int(host.cached_lens[i]), int(host.seq_lens[i])
         # Keys older than the window of the first query can never be attended to.
         lo = max(0, cached + 1 - sliding_window) if sliding_window > 0 else 0
-        pages = batch.page_indices[int(host.page_indptr[i]) : int(host.page_indptr[i + 1])]
-        keys = gather_pages(k_cache, pages, total)[lo:].float()
-        values = gather_pages(v_cache, pages, total)[lo:].float()
-        k_pos = torch.arange(lo, total, device=q.device)
-        chunk = query_chunk(num_heads, total - lo)
+        if cached == 0 and k.dtype == k_cache.dtype:
+            # A fresh prompt's keys are exactly this step's (just written to the cache).
+            keys, values = k[start:end], v[start:end]
+        else:
+            pages = batch.page_indices[int(host.page_indptr[i]) : int(host.page_indptr[i + 1])]
+            keys = gather_pages(k_cache, pages, total)[lo:]
+            values = gather_pages(v_cache, pages, total)[lo:]
+        # [1, heads, tokens, head_dim] views; SDPA takes them strided
+        keys = keys.to(dtype).transpose(0, 1).unsqueeze(0)
+        values = values.to(dtype).transpose(0, 1).unsqueeze(0)
+        chunk = query_chunk(num_heads, total - lo) if chunked else end - start
         for c0 in range(start, end, chunk):
             c1 = min(end, c0 + chunk)
-            rows = c1 - c0
-            qc = q[c0:c1].float().reshape(rows, num_kv_heads, group, head_dim)
-            q_pos = torch.arange(cached + c0 - start, cached + c1 - start, device=q.device)
-            scores = torch.einsum("lkgd,skd->kgls", qc, keys).mul_(scale)
-            mask = _allowed(q_pos[:, None], k_pos[None, :], sliding_window)
-            scores.masked_fill_(~mask, -math.inf)
-            probs = torch.softmax(scores, dim=-1)
-            o = torch.einsum("kgls,skd->lkgd", probs, values)
-            buf[c0:c1].copy_(o.reshape(rows, num_heads, head_dim))
+            p0, p1 = cached + c0 - start, cached + c1 - start  # query positions [p0, p1)
+            qc = q[c0:c1].to(dtype).transpose(0, 1).unsqueeze(0)
+            # keys past the chunk's last query are never attended to
+            kc, vc = keys[:, :, : p1 - lo], values[:, :, : p1 - lo]
+            if p0 == 0 and sliding_window == 0:
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                q_pos = torch.arange(p0, p1, device=q.device)
+                k_pos = torch.arange(lo, p1, device=q.device)
+                mask = _allowed(q_pos[:, None], k_pos[None, :], sliding_window)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            buf[c0:c1].copy_(o[0].transpose(0, 1))
 
 
 def _decode(
@@ -92,22 +127,29 @@ def _decode(
     _, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # The whole dense table, not just the pages of the longest sequence: its width
-    # is fixed by the engine's persistent input buffers, so a decode step captured
-    # in a CUDA graph stays valid as sequences grow (masking does the rest).
-    table = batch.block_table[first : first + nd].to(torch.long)
-    num_pages = table.shape[1]
-    keys = k_cache[table].reshape(nd, num_pages * page_size, num_kv_heads, head_dim).float()
-    values = v_cache[table].reshape(nd, num_pages * page_size, num_kv_heads, head_dim).float()
+    dtype = _compute_dtype(q.dtype)
+    table = decode_table(batch)
+    num_keys = table.shape[1] * page_size
+    # One gather per cache for the whole batch (index_select copies whole pages,
+    # far faster on CPU than advanced indexing of the strided K/V halves), seen
+    # as [nd, kv_heads, keys, head_dim].
+    flat = table.reshape(-1)
+    keys = k_cache.index_select(0, flat).view(nd, num_keys, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, flat).view(nd, num_keys, num_kv_heads, head_dim)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     seq_lens = batch.seq_lens[first : first + nd].to(device=q.device, dtype=torch.long)
-    k_pos = torch.arange(num_pages * page_size, device=q.device)
+    k_pos = torch.arange(num_keys, device=q.device)
     # The decode query sits at position seq_len - 1; keys past it are other data.
     mask = _allowed((seq_lens - 1)[:, None], k_pos[None, :], sliding_window)
-    qd = q[t0:t1].float().reshape(nd, num_kv_heads, group, head_dim)
-    scores = torch.einsum("nkgd,nskd->nkgs", qd, keys).mul_(scale)
-    scores.masked_fill_(~mask[:, None, None, :], -math.inf)
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("nkgs,nskd->nkgd", probs, values)
+    # One query per sequence: the group's heads become the KV head's query rows.
+    qd = q[t0:t1].to(dtype).reshape(nd, num_kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(
+        qd,
+        keys.to(dtype),
+        values.to(dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    )
     buf[t0:t1].copy_(o.reshape(nd, num_heads, head_dim))
 
 
@@ -142,11 +184,15 @@ def paged_attention(
     buf = output_buffer(out, q.shape, q.dtype, q.device)
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
     page_size = kv_cache.shape[2]
-    slots = batch.slot_mapping[:n]
-    write_slots(k_cache, k[:n], slots, page_size)
-    write_slots(v_cache, v[:n], slots, page_size)
+    write_slots(
+        (k_cache, v_cache),
+        (k[:n], v[:n]),
+        batch.slot_mapping[:n],
+        page_size,
+        all_valid=slots_known_valid(batch),
+    )
     if batch.num_prefill_seqs:
-        _prefill(q, k_cache, v_cache, buf, batch, scale, sliding_window)
+        _prefill(q, k, v, k_cache, v_cache, buf, batch, scale, sliding_window)
     if batch.num_decode_seqs:
         _decode(q, k_cache, v_cache, buf, batch, scale, sliding_window)
     return finish_output(out, buf, n)

@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from backplane.backends.torch._common import gather_pages, query_chunk, write_slots
+from backplane.backends.torch._common import (
+    decode_table,
+    gather_pages,
+    query_chunk,
+    slots_known_valid,
+    write_slots,
+)
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import MLABackend, MLALayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -87,12 +93,10 @@ def _decode(
     t0, t1 = batch.num_prefill_tokens, batch.num_tokens
     page_size = latent_cache.shape[1]
     rank = w_uk.shape[2]
-    # The whole dense table, not just the pages of the longest sequence: its width
-    # is fixed by the engine's persistent input buffers, so a decode step captured
-    # in a CUDA graph stays valid as sequences grow (masking does the rest).
-    table = batch.block_table[first : first + nd].to(torch.long)
+    table = decode_table(batch)
     num_pages = table.shape[1]
-    rows = latent_cache[table].reshape(nd, num_pages * page_size, -1).float()
+    rows = latent_cache.index_select(0, table.reshape(-1))
+    rows = rows.view(nd, num_pages * page_size, -1).float()
     latent, k_pe = rows[..., :rank], rows[..., rank:]
     q_latent = torch.einsum("nhd,hdl->nhl", q_nope[t0:t1].float(), w_uk)
     scores = torch.einsum("nhl,nsl->nhs", q_latent, latent)
@@ -142,8 +146,13 @@ def mla_attention(
     rank = kv_c.shape[1]
     page_size = latent_cache.shape[1]
     slots = batch.slot_mapping[:n]
-    write_slots(latent_cache[..., :rank], kv_c[:n], slots, page_size)
-    write_slots(latent_cache[..., rank:], k_pe[:n], slots, page_size)
+    write_slots(
+        (latent_cache[..., :rank], latent_cache[..., rank:]),
+        (kv_c[:n], k_pe[:n]),
+        slots,
+        page_size,
+        all_valid=slots_known_valid(batch),
+    )
     wk, wv = w_uk.float(), w_uv.float()
     if batch.num_prefill_seqs:
         _prefill(q_nope, q_pe, latent_cache, wk, wv, buf, batch, scale)
