@@ -11,6 +11,9 @@ Example::
     for delta in llm.stream("Hello", SamplingParams(max_tokens=8)):
         print(delta.new_text, end="", flush=True)
 
+    chat = LLM("smollm2")
+    print(chat.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))[0].text)
+
 The engine is driven by whoever calls :meth:`LLM.generate`, :meth:`LLM.stream`
 or :meth:`LLM.step`, on one thread; several streams may be interleaved (each
 step's tokens are routed to the stream that owns the request).
@@ -18,10 +21,11 @@ step's tokens are routed to the stream that owns the request).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +40,9 @@ __all__ = ["LLM", "Prompt", "RequestMetrics", "RequestOutput"]
 
 #: A prompt: text (needs the model's tokenizer), a list of token ids or an int32 array.
 Prompt = str | Sequence[int] | np.ndarray
+
+#: A conversation: ``[{"role": "user", "content": "..."}, ...]``.
+Conversation = Sequence[Mapping[str, Any]]
 
 
 @dataclass
@@ -180,12 +187,14 @@ class LLM:
         """Queue one request; drive it with :meth:`step`, :meth:`generate` or :meth:`stream`.
 
         :param prompt: text, a list of token ids or an int32 array.
-        :param sampling_params: defaults to ``SamplingParams()``.
+        :param sampling_params: defaults to :meth:`default_sampling_params`.
         :param request_id: a unique id (default: generated).
         :return: the request id.
         :raises RequestError: the request is invalid (nothing is queued).
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
         rid = self.engine.add_request(ids, sampling_params, request_id)
         req = self.engine.get_request(rid)
         self._tracked[rid] = _Tracked(req, req.prompt_token_ids.tolist())
@@ -252,6 +261,8 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Any, ids: Sequence[str] | None
     ) -> list[str]:
         plist = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
         params = as_params_list(sampling_params, len(plist))
         if ids is not None and len(ids) != len(plist):
             raise RequestError(f"got {len(ids)} request ids for {len(plist)} prompts")
@@ -283,7 +294,8 @@ class LLM:
 
         :param prompts: one prompt or a list of prompts (text, token-id lists or
             int32 arrays).
-        :param sampling_params: one set for all prompts or one per prompt.
+        :param sampling_params: one set for all prompts or one per prompt;
+            ``None``: :meth:`default_sampling_params`.
         :param request_ids: optional unique ids, one per prompt.
         :return: one :class:`RequestOutput` per prompt.
         :raises RequestError: a prompt is invalid (then none of them is run).
@@ -359,6 +371,68 @@ class LLM:
                     self._tracked.pop(rid, None)
                 self._ready.pop(rid, None)
 
+    # -- chat -----------------------------------------------------------------------------
+
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        """Sampling parameters from the checkpoint's defaults (``generation_config.json``:
+        greedy unless it samples, its temperature / top-k / top-p / min-p and
+        ``max_new_tokens``), overridden by ``fields``.
+
+        :param fields: ``SamplingParams`` fields to set explicitly.
+        :return: the parameters ``generate``, ``stream`` and ``chat`` use when given none.
+        :raises RequestError: an invalid value.
+        """
+        defaults = dict(getattr(self.engine.model, "generation_defaults", None) or {})
+        return SamplingParams(**{**defaults, **fields})
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer conversations: each is rendered with the model's chat template and generated from.
+
+        Generation also stops at the tokenizer's end-of-sequence token (the
+        template's end of turn, e.g. ``<|im_end|>``), as well as at the model's
+        end-of-sequence ids, unless ``ignore_eos`` is set.
+
+        :param messages: one conversation (a list of ``{"role", "content"}``
+            dicts) or a list of conversations.
+        :param sampling_params: one set for all or one per conversation;
+            ``None``: :meth:`default_sampling_params`.
+        :param add_generation_prompt: end each prompt with an open assistant turn.
+        :param chat_template_kwargs: further template variables (``enable_thinking``...).
+        :param request_ids: optional unique ids, one per conversation.
+        :return: one :class:`RequestOutput` per conversation, as :meth:`generate`.
+        :raises RequestError: no tokenizer or chat template, malformed messages,
+            or a template that refuses them.
+        """
+        conversations = _as_conversations(messages)
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so it cannot render a chat")
+        prompts = [
+            self.tokenizer.encode_chat(
+                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            for c in conversations
+        ]
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        params = as_params_list(sampling_params, len(prompts))
+        end_of_turn = self.tokenizer.token_id("eos_token")
+        if end_of_turn is not None:
+            params = [
+                sp
+                if sp.ignore_eos or end_of_turn in sp.stop_token_ids
+                else dataclasses.replace(sp, stop_token_ids=(*sp.stop_token_ids, end_of_turn))
+                for sp in params
+            ]
+        return self.generate(prompts, params, request_ids=request_ids)
+
     @property
     def num_unfinished_requests(self) -> int:
         """Requests queued or running in the engine."""
@@ -384,6 +458,19 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     raise RequestError(
         f"prompts must be a string, a list of token ids, an int32 array or a list of those; "
         f"got {type(prompts).__name__}"
+    )
+
+
+def _as_conversations(messages: Any) -> list[Any]:
+    """One conversation or a list of conversations -> a list of conversations."""
+    if isinstance(messages, (list, tuple)) and messages:
+        if all(isinstance(m, Mapping) for m in messages):
+            return [messages]
+        if all(isinstance(c, (list, tuple)) for c in messages):
+            return list(messages)
+    raise RequestError(
+        'chat() takes a conversation (a non-empty list of {"role": ..., "content": ...} dicts) '
+        f"or a list of conversations; got {type(messages).__name__}"
     )
 
 
