@@ -112,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except BackplaneError as exc:
-        print(f"backplane: error: {exc}", file=sys.stderr)
+        # One line whatever the message holds (a reason quoted from a library may span several).
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"backplane: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("backplane: interrupted", file=sys.stderr)

@@ -19,9 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from prompts",
         description=(
-            "Load a model (a directory with config.json + safetensors, or a preset such as "
-            "tiny-llama, the default) and generate from each prompt. Engine settings come "
-            "from --config FILE, overridden by the flags below."
+            "Load a model (a directory with config.json + safetensors, a .gguf file, an "
+            "installed model such as smollm2, or a preset such as tiny-llama, the default) and "
+            "generate from each prompt, or answer each --chat message with the model's chat "
+            "template. Engine settings come from --config FILE, overridden by the flags below."
         ),
         run=run,
         json_help="print one JSON object per prompt (token_ids, text, finish_reason, ...)",
@@ -41,14 +42,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a prompt given as comma-separated token ids (repeatable)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (16)"
+        "--chat",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a user message, answered through the model's chat template (repeatable)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (0)"
+        "--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (16)"
     )
-    parser.add_argument("--top-k", type=int, default=0, help="top-k filter; 0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1 = off")
-    parser.add_argument("--min-p", type=float, default=0.0, help="min-p filter; 0 = off")
+    model_default = "default: the model's generation_config.json, else"
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature; 0 = greedy ({model_default} 0)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, help=f"top-k filter; 0 = off ({model_default} 0)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, help=f"nucleus filter; 1 = off ({model_default} 1)"
+    )
+    parser.add_argument(
+        "--min-p", type=float, default=None, help=f"min-p filter; 0 = off ({model_default} 0)"
+    )
     parser.add_argument(
         "--sampling-seed", type=int, default=None, metavar="N", help="per-request sampling seed"
     )
@@ -71,32 +89,50 @@ def _parse_token_ids(text: str) -> list[int]:
     return ids
 
 
-def run(args: argparse.Namespace) -> int:
-    """Generate for every prompt and print the results; return 0."""
-    from backplane.api import LLM
-    from backplane.cli.options import config_from_args
-    from backplane.engine.sampling import SamplingParams
-
-    prompts: list[object] = list(args.prompt) + [_parse_token_ids(t) for t in args.prompt_token_ids]
-    if not prompts:
-        raise ConfigError("give at least one --prompt TEXT or --prompt-token-ids 1,2,3")
-    params = SamplingParams(
+def _sampling_params(llm: object, args: argparse.Namespace) -> object:
+    """The flags given, over the model's defaults, over the command's (greedy)."""
+    given = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+    }
+    fields = {k: v for k, v in given.items() if v is not None}
+    model_defaults = getattr(llm.engine.model, "generation_defaults", None) or {}
+    if "temperature" not in fields and "temperature" not in model_defaults:
+        fields["temperature"] = 0.0
+    return llm.default_sampling_params(
         max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
+        **fields,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate for every prompt and chat message and print the results; return 0."""
+    from backplane.api import LLM
+    from backplane.cli.options import config_from_args
+
+    prompts: list[object] = list(args.prompt) + [_parse_token_ids(t) for t in args.prompt_token_ids]
+    chats: list[str] = list(args.chat)
+    if not prompts and not chats:
+        raise ConfigError(
+            "give at least one --prompt TEXT, --prompt-token-ids 1,2,3 or --chat TEXT"
+        )
     llm = LLM(config=config_from_args(args))
-    outputs = llm.generate(prompts, params)
+    params = _sampling_params(llm, args)
+    outputs = llm.generate(prompts, params) if prompts else []
+    if chats:
+        outputs += llm.chat([[{"role": "user", "content": c}] for c in chats], params)
+    shown_prompts: list[object] = prompts + chats
     for i, out in enumerate(outputs):
         if args.json:
             m = out.metrics
             record = {
                 "index": i,
                 "request_id": out.request_id,
+                "chat": i >= len(prompts),
                 "prompt_token_ids": out.prompt_token_ids,
                 "token_ids": out.token_ids,
                 "text": out.text,
@@ -107,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(record), flush=True)
         else:
             shown = out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids))
-            prompt = (
-                prompts[i] if isinstance(prompts[i], str) else f"<{len(out.prompt_token_ids)} ids>"
-            )
+            prompt = shown_prompts[i]
+            if not isinstance(prompt, str):
+                prompt = f"<{len(out.prompt_token_ids)} ids>"
             print(f"[{i}] {prompt!s} -> {shown!s}  ({out.finish_reason})", file=sys.stdout)
     return 0
