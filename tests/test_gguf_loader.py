@@ -1,0 +1,216 @@
+"""GGUF files written from tiny transformers models: every weight, generation, and the errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+import gguf  # noqa: E402
+from gguf_helpers import write_gguf  # noqa: E402
+from test_models_loader import _backends  # noqa: E402
+
+from backplane.core.errors import ConfigError  # noqa: E402
+from backplane.models import load_model  # noqa: E402
+
+
+def _perturb_norms(model) -> None:
+    # norms initialise to one; make them distinct so a misplaced norm shows
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _perturb_norms(model)
+    return model
+
+
+def tiny_qwen3():
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    _perturb_norms(model)
+    return model
+
+
+MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def written(request, tmp_path_factory):
+    arch = request.param
+    model = MODELS[arch]()
+    path = write_gguf(model, tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch)
+    return arch, model, path
+
+
+def _load(path):
+    return load_model(path, dtype=torch.float32, device="cpu", backends=_backends(), progress=False)
+
+
+def test_every_weight_equals_the_transformers_model(written):
+    arch, model, path = written
+    loaded = _load(path)
+    lm = loaded.model
+    targets = lm.weight_targets()
+    state = model.state_dict()
+    checked = 0
+    for name, want in state.items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        dest, index = targets[lm.checkpoint_to_module_name(name)]
+        got = dest if index is None else dest[index]
+        assert torch.equal(got, want), name
+        checked += 1
+    assert checked == len(targets)
+    assert loaded.config.architecture == type(model).__name__
+    assert lm.tie_word_embeddings == model.config.tie_word_embeddings
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([out])).logits[0, -1]
+            out.append(int(logits.argmax()))
+    return out[len(ids) :]
+
+
+def test_greedy_generation_matches_transformers(written):
+    from backplane import LLM, SamplingParams
+
+    arch, model, path = written
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_memory="4MiB", max_num_seqs=4)
+    prompts = [[5, 17, 33, 2, 8], [60, 61, 62]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(model, prompt, 8), arch
+
+
+def test_folder_with_one_gguf_loads_and_two_are_refused(written, tmp_path):
+    arch, model, path = written
+    folder = tmp_path / "one"
+    folder.mkdir()
+    (folder / path.name).symlink_to(path)
+    assert _load(folder).config.architecture == type(model).__name__
+    (folder / "other.gguf").symlink_to(path)
+    with pytest.raises(ConfigError, match="holds 2 GGUF files"):
+        _load(folder)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return tiny_llama()
+
+
+def test_truncated_file_is_named(llama_model, tmp_path):
+    path = write_gguf(llama_model, tmp_path / "t.gguf", "llama")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"t\.gguf.*truncated"):
+        _load(path)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "match"),
+    [
+        ("gemma3", r"general\.architecture 'gemma3' is not supported.*llama, qwen3"),
+        ("deepseek2", r"'deepseek2' is not loaded from GGUF.*DeepseekV3ForCausalLM"),
+    ],
+)
+def test_unknown_architecture_is_named(llama_model, tmp_path, architecture, match):
+    path = write_gguf(llama_model, tmp_path / "a.gguf", "llama", override_architecture=architecture)
+    with pytest.raises(ConfigError, match=match):
+        _load(path)
+
+
+def test_missing_metadata_key_is_named(llama_model, tmp_path):
+    path = write_gguf(llama_model, tmp_path / "m.gguf", "llama", skip_metadata=("block_count",))
+    with pytest.raises(ConfigError, match=r"m\.gguf.*lacks 'llama\.block_count'"):
+        _load(path)
+
+
+def test_shape_mismatch_names_file_and_tensor(llama_model, tmp_path):
+    path = write_gguf(
+        llama_model,
+        tmp_path / "s.gguf",
+        "llama",
+        extra_tensors={"blk.0.attn_norm.weight": np.ones(7, dtype=np.float32)},
+    )
+    with pytest.raises(ConfigError, match=r"s\.gguf: tensor 'blk\.0\.attn_norm\.weight'.*\(7,\)"):
+        _load(path)
+
+
+def test_unsupported_tensor_type_is_named(llama_model, tmp_path):
+    q2k = np.zeros((1, 84), dtype=np.uint8)  # one Q2_K block
+    path = tmp_path / "q.gguf"
+    write_gguf(llama_model, path, "llama")
+    writer = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), "llama")
+    reader = gguf.GGUFReader(str(path))
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") or key.startswith("tokenizer."):
+            value = field.contents()
+            kind = "add_float32" if isinstance(value, float) else "add_uint32"
+            getattr(writer, kind)(key, value)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.add_tensor("extra.weight", q2k, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=r"q2\.gguf: tensor 'extra\.weight' is stored as Q2_K"):
+        _load(tmp_path / "q2.gguf")
+
+
+def test_quantised_file_loads_as_gguf_dequantises_it(llama_model, tmp_path):
+    """Q8_0 weights: the model holds exactly what gguf's reference dequantisation gives."""
+    path = write_gguf(
+        llama_model, tmp_path / "q8.gguf", "llama", tensor_type=gguf.GGMLQuantizationType.Q8_0
+    )
+    lm = _load(path).model
+    targets = lm.weight_targets()
+    from backplane.models.gguf.weights import hf_name, unpermute_rows
+
+    cfg = llama_model.config
+    for t in gguf.GGUFReader(str(path)).tensors:
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        want = want.reshape(tuple(reversed(t.shape.tolist())))
+        if ".attn_q." in t.name or ".attn_k." in t.name:
+            heads = cfg.num_attention_heads if ".attn_q." in t.name else cfg.num_key_value_heads
+            want = unpermute_rows(want, heads)
+        dest, _ = targets[hf_name(t.name)]
+        assert torch.equal(dest, want), t.name
