@@ -69,3 +69,62 @@ def format_size(num_bytes: int) -> str:
             return f"{size:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
         size /= 1024
     return f"{size:.1f} TiB"
+
+
+#: Share of the memory available at start-up that the CPU KV cache may take by default.
+CPU_KV_FRACTION = 0.5
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the OS says are available now (``MemAvailable``), ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_kv_budget(
+    *,
+    page_bytes: int,
+    state_bytes: int,
+    max_num_seqs: int,
+    max_pages_per_seq: int,
+    available: int | None = None,
+    fraction: float = CPU_KV_FRACTION,
+) -> tuple[int, str]:
+    """The default KV memory of a CPU engine: what its limits can use, within a share of RAM.
+
+    Every sequence at full length needs ``max_num_seqs x max_pages_per_seq``
+    pages (plus the scratch page and the recurrent states); more could never be
+    used at once, so that is the budget, unless it exceeds ``fraction`` of the
+    memory available at start-up (the weights are loaded by then).
+
+    :param page_bytes: bytes of one KV page over all paged caches.
+    :param state_bytes: bytes of the recurrent states (fixed by the slot count).
+    :param max_num_seqs: most sequences in one step.
+    :param max_pages_per_seq: pages of one sequence at ``max_model_len``.
+    :param available: available memory in bytes (default: read from the OS;
+        unknown means no cap).
+    :param fraction: the share of ``available`` the budget may take.
+    :return: the budget in bytes and a sentence saying how it was chosen (for the log).
+    """
+    pages = max_num_seqs * max_pages_per_seq + 1
+    needed = state_bytes + pages * page_bytes
+    why = (
+        f"{format_size(needed)} holds max_num_seqs={max_num_seqs} sequences of "
+        f"{max_pages_per_seq} pages (max_model_len) plus the scratch page"
+    )
+    if available is None:
+        available = available_memory()
+    if available is not None:
+        cap = int(available * fraction)
+        if needed > cap:
+            return cap, (
+                f"{why}, capped at {fraction:.0%} of the {format_size(available)} available"
+            )
+        why += f", within {fraction:.0%} of the {format_size(available)} available"
+    return needed, why
