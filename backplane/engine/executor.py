@@ -32,6 +32,7 @@ from backplane.core.layouts import CacheFootprint, TensorSpec, cache_footprint
 from backplane.engine.inputs import BatchInputs, InputBatch
 from backplane.engine.runner import EagerModelRunner, ModelRunner
 from backplane.engine.sampling import Sampler, SamplingParams
+from backplane.engine.sizes import cpu_kv_budget, format_size
 
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
@@ -230,7 +231,9 @@ class Engine:
         elif per_page == 0:  # no paged layers: pages are bookkeeping only
             n = self.max_num_seqs * self.max_pages_per_seq + 1
         else:
-            budget = cfg.kv_memory if cfg.kv_memory is not None else self._default_kv_budget()
+            budget = (
+                cfg.kv_memory if cfg.kv_memory is not None else self._default_kv_budget(footprint)
+            )
             n = int((budget - state_bytes) // per_page)
         if n < 2:
             raise OutOfKVMemoryError(
@@ -240,12 +243,18 @@ class Engine:
             )
         return n
 
-    def _default_kv_budget(self) -> int:
+    def _default_kv_budget(self, footprint: CacheFootprint) -> int:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)
-        # CPU: enough for every sequence at full length, capped at 1 GiB
-        return 1 << 30
+        budget, why = cpu_kv_budget(
+            page_bytes=footprint.page_bytes,
+            state_bytes=footprint.state_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_pages_per_seq=self.max_pages_per_seq,
+        )
+        logger.info("KV memory on cpu: %s (%s)", format_size(budget), why)
+        return budget
 
     def _build_scheduler(self, paged_caches: list[torch.Tensor]) -> Any:
         from backplane.engine.kv_cache.host_tier import HostTier
