@@ -27,7 +27,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# CPU tensors from this size up are allocated as on-demand zero pages (smaller
+# ones come from the allocator's pool, where calloc would gain nothing); the
+# start is aligned for vector loads.
+_LAZY_ZERO_BYTES = 1 << 20
+_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -48,10 +55,20 @@ class TensorSpec:
     def allocate(self, device: torch.device | str) -> torch.Tensor:
         """Allocate the tensor zero-filled on ``device``.
 
+        On the CPU a large tensor takes its memory as zero pages from the OS
+        (``calloc`` through numpy) rather than writing zeros into it: memory is
+        committed only as pages are written, so a KV pool sized for every
+        sequence at full length costs the process only the pages in use.
+
         :param device: where it goes.
         :return: the tensor.
         """
-        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+        nbytes = self.nbytes
+        if torch.device(device).type != "cpu" or nbytes < _LAZY_ZERO_BYTES:
+            return torch.zeros(self.shape, dtype=self.dtype, device=device)
+        raw = torch.from_numpy(np.zeros(nbytes + _ALIGN, dtype=np.uint8))
+        start = -raw.data_ptr() % _ALIGN
+        return raw[start : start + nbytes].view(self.dtype).view(self.shape)
 
     @property
     def nbytes(self) -> int:
