@@ -146,3 +146,28 @@ def test_chat_batch_equals_single_conversations(llm):
     batch = llm.chat(CONVERSATIONS[:2], params)
     for conv, out in zip(CONVERSATIONS[:2], batch, strict=True):
         assert out.token_ids == llm.chat(conv, params)[0].token_ids
+
+
+def test_readme_generate_command_answers():
+    """The command under README.md's "## Generate" runs and answers (a separate process)."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Generate") :]
+    command = re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+    argv = shlex.split(command)
+    assert argv[:2] == ["backplane", "generate"] and "--chat" in argv
+    proc = subprocess.run(
+        [sys.executable, "-m", "backplane.cli", *argv[1:], "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="2"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
