@@ -44,6 +44,11 @@ from backplane.core.families import AttentionBackend, AttentionLayerSpec
 from backplane.core.forward_context import get_forward_context
 from backplane.core.metadata import BatchMetadata
 
+#: Devices whose SDPA kernels stream over key blocks and never hold a whole score
+#: matrix (the CPU kernel); elsewhere SDPA may fall back to a kernel that does, so
+#: prefill queries are scored in chunks of at most ``MAX_SCORE_ELEMENTS`` scores.
+_STREAMING_DEVICES = frozenset({"cpu"})
+
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
     """Causal (and windowed) mask: ``[..., queries, keys]`` from broadcastable positions."""
@@ -73,9 +78,7 @@ def _prefill(
     host = batch.host
     num_heads = q.shape[1]
     dtype = _compute_dtype(q.dtype)
-    # The CPU kernel streams over key blocks and never holds a full score matrix;
-    # elsewhere SDPA may fall back to a kernel that does, so queries are chunked.
-    chunked = q.device.type != "cpu"
+    chunked = q.device.type not in _STREAMING_DEVICES
     for i in range(batch.num_prefill_seqs):
         start, end = int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])
         cached, total = int(host.cached_lens[i]), int(host.seq_lens[i])
