@@ -50,7 +50,7 @@ CASES = {
     "ragged_decode": make_case(
         "ragged_decode",
         [1] * 6,
-        [0, 14, 15, 16, 47, 200],
+        [1, 14, 15, 16, 47, 200],
         page_size=16,
         shuffle_pages=True,
         padding=2,
@@ -78,15 +78,21 @@ def _run(
     dtype: torch.dtype,
     *,
     batch: BatchMetadata | None = None,
+    plan: object = "planned",
 ) -> None:
-    """Run one step into a poisoned out buffer; check every output row, the tail and the cache."""
+    """Run one step into a poisoned out buffer; check every output row, the tail and the cache.
+
+    ``plan`` is what the forward context holds: the backend's own plan of the
+    batch by default, else the given object.
+    """
     batch = batch if batch is not None else case.metadata("cpu")
     inputs = make_attention_inputs(case, layer, dtype, torch.device("cpu"), seed=3)
     out = torch.full(
         (case.padded_num_tokens, layer.num_heads, layer.head_dim), float("nan"), dtype=dtype
     )
     backend = TorchAttentionBackend()
-    with forward_context(batch, {"attention": backend.plan(batch)}):
+    plans = {"attention": backend.plan(batch) if plan == "planned" else plan}
+    with forward_context(batch, plans):
         ret = backend.forward(inputs.q, inputs.k, inputs.v, inputs.kv_cache, layer, out=out)
     assert ret.numel() == 0
     assert_close_to_reference(
@@ -121,6 +127,32 @@ def test_decode_graph_mode(case_name: str) -> None:
     assert _common.decode_table(batch).shape == (nd, wide.block_table.shape[1])
     assert not _common.slots_known_valid(batch)
     _run(case, _layer(9, 3), torch.float64, batch=batch)
+
+
+@pytest.mark.parametrize("case_name", ["ragged_mixed", "ragged_decode"])
+def test_without_or_with_a_foreign_plan(case_name: str) -> None:
+    """No plan, or the plan of another batch, makes the op derive its own from the batch."""
+    case = CASES[case_name]
+    layer = _layer(9, 3, sliding_window=7)
+    _run(case, layer, torch.float64, plan=None)
+    other = CASES["small_pages"].metadata("cpu")
+    _run(case, layer, torch.float64, plan=TorchAttentionBackend().plan(other))
+
+
+def test_plan_shares_masks_and_skips_decode_graphs() -> None:
+    """One mask per (window, dtype) for all layers of a step; a decode graph gets no plan."""
+    batch = CASES["ragged_decode"].metadata("cpu")
+    plan = TorchAttentionBackend().plan(batch)
+    assert isinstance(plan, torch_attention.StepPlan)
+    mask = plan.decode_mask(0, torch.float32)
+    assert plan.decode_mask(0, torch.float32) is mask
+    assert mask.shape == (6, 1, 1, plan.num_keys) and mask.dtype == torch.float32
+    lens = torch.tensor([2, 15, 16, 17, 48, 201])
+    allowed = torch.arange(plan.num_keys)[None, :] < lens[:, None]
+    assert torch.equal(mask[:, 0, 0] == 0, allowed)
+    assert torch.all(mask[:, 0, 0][~allowed] == -torch.inf)
+    graph = dataclasses.replace(batch, mode=StepMode.decode_graph(batch.padded_num_tokens))
+    assert TorchAttentionBackend().plan(graph) is None
 
 
 def test_eager_decode_table_is_trimmed() -> None:

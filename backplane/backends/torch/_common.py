@@ -7,6 +7,7 @@ slicing, so they never synchronise with the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,60 @@ def slots_known_valid(batch: BatchMetadata) -> bool:
     return n == 0 or int(batch.host.slot_mapping[:n].min()) >= 0
 
 
+@dataclass(frozen=True)
+class SlotIndex:
+    """Where each of a step's token rows goes in a paged cache: page and offset.
+
+    :param page: ``[N]`` int64 page of each row.
+    :param offset: ``[N]`` int64 offset in the page.
+    :param valid: ``[N]`` bool, ``False`` for rows to skip (their page and offset
+        point at slot 0); ``None`` when every row is written.
+    """
+
+    page: torch.Tensor
+    offset: torch.Tensor
+    valid: torch.Tensor | None
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, page_size: int, *, all_valid: bool) -> SlotIndex:
+        """Split slots ``page * page_size + offset`` (``-1`` = skip) into pages and offsets.
+
+        :param slot_mapping: ``[N]`` integer slots.
+        :param page_size: tokens per page.
+        :param all_valid: the caller knows no slot is ``-1`` (see
+            :func:`slots_known_valid`): no skip mask is built.
+        :return: the index.
+        """
+        slots = slot_mapping.to(torch.long)
+        valid = None
+        if not all_valid:
+            valid = slots >= 0
+            slots = torch.where(valid, slots, torch.zeros_like(slots))
+        page = torch.div(slots, page_size, rounding_mode="floor")
+        return cls(page, slots - page * page_size, valid)
+
+    def write(self, caches: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Write ``values[j][i]`` to row ``i``'s slot of ``caches[j]``, skipping invalid rows.
+
+        Skipped rows are redirected to slot 0 and rewrite the value already
+        there, so no sequence-visible (or scratch) entry changes, without a
+        data-dependent selection (which would need ``nonzero`` and a host
+        synchronisation).
+
+        :param caches: each ``[num_pages, page_size, *row]``, possibly a strided view
+            (e.g. the K half of a paged KV cache); written in place.
+        :param values: one ``[N, *row]`` per cache.
+        """
+        if self.page.shape[0] == 0:
+            return
+        for cache, rows in zip(caches, values, strict=True):
+            rows = rows.to(cache.dtype)
+            if self.valid is not None:
+                keep = self.valid.view(-1, *([1] * (rows.dim() - 1)))
+                rows = torch.where(keep, rows, cache[self.page, self.offset])
+            cache.index_put_((self.page, self.offset), rows)
+
+
 def write_slots(
     caches: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
@@ -44,10 +99,7 @@ def write_slots(
 ) -> None:
     """Write ``values[j][i]`` to slot ``slot_mapping[i]`` of ``caches[j]``, skipping ``-1``.
 
-    The slot arithmetic is done once for every cache. Skipped rows are
-    redirected to slot 0 and rewrite the value already there, so no
-    sequence-visible (or scratch) entry changes, without a data-dependent
-    selection (which would need ``nonzero`` and a host synchronisation).
+    The slot arithmetic is done once for every cache (see :class:`SlotIndex`).
 
     :param caches: each ``[num_pages, page_size, *row]``, possibly a strided view
         (e.g. the K half of a paged KV cache); written in place.
@@ -58,23 +110,7 @@ def write_slots(
         :func:`slots_known_valid`): the rows are written directly, without
         reading back the entries a skipped row would have preserved.
     """
-    if slot_mapping.shape[0] == 0:
-        return
-    slots = slot_mapping.to(torch.long)
-    if all_valid:
-        page = torch.div(slots, page_size, rounding_mode="floor")
-        offset = slots - page * page_size
-        for cache, rows in zip(caches, values, strict=True):
-            cache.index_put_((page, offset), rows.to(cache.dtype))
-        return
-    valid = slots >= 0
-    safe = torch.where(valid, slots, torch.zeros_like(slots))
-    page = torch.div(safe, page_size, rounding_mode="floor")
-    offset = safe - page * page_size
-    for cache, rows in zip(caches, values, strict=True):
-        current = cache[page, offset]
-        keep = valid.view(-1, *([1] * (rows.dim() - 1)))
-        cache.index_put_((page, offset), torch.where(keep, rows.to(cache.dtype), current))
+    SlotIndex.of(slot_mapping, page_size, all_valid=all_valid).write(caches, values)
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:

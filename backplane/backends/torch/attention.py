@@ -27,17 +27,18 @@ tensor of the batch, so the op never synchronises with the device.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from backplane.backends.torch._common import (
+    SlotIndex,
     decode_table,
     gather_pages,
     query_chunk,
     slots_known_valid,
-    write_slots,
 )
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import AttentionBackend, AttentionLayerSpec
@@ -115,42 +116,80 @@ def _prefill(
             buf[c0:c1].copy_(o[0].transpose(0, 1))
 
 
+class StepPlan:
+    """What every layer's op derives from the step's batch alone, computed once per step.
+
+    The backend's :meth:`TorchAttentionBackend.plan` builds it before the layers
+    run (op by op, so the host values hold for the step); a captured decode graph
+    gets none and each op builds its own inside the graph, from the persistent
+    device tensors. Masks for sliding windows are built on first use and kept.
+
+    :param batch: the step's metadata.
+    :param page_size: tokens per page of the caches.
+    """
+
+    def __init__(self, batch: BatchMetadata, page_size: int) -> None:
+        self.batch = batch
+        self.page_size = page_size
+        n = batch.num_tokens
+        self.slots = SlotIndex.of(
+            batch.slot_mapping[:n], page_size, all_valid=slots_known_valid(batch)
+        )
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        if batch.num_decode_seqs:
+            first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
+            table = decode_table(batch)
+            self.decode_pages = table.reshape(-1)
+            self.num_keys = table.shape[1] * page_size
+            self.seq_lens = batch.seq_lens[first : first + nd].to(torch.long)
+
+    def decode_mask(self, sliding_window: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[nd, 1, 1, keys]`` additive mask (0 or -inf) of the gathered keys of each decode query.
+
+        Additive in the attention dtype rather than boolean: SDPA's CPU kernel
+        would convert a boolean mask on every call.
+        """
+        mask = self._masks.get((sliding_window, dtype))
+        if mask is None:
+            k_pos = torch.arange(self.num_keys, device=self.seq_lens.device)
+            # The decode query sits at position seq_len - 1; keys past it are other data.
+            allowed = _allowed((self.seq_lens - 1)[:, None], k_pos[None, :], sliding_window)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask.masked_fill_(~allowed, -math.inf)
+            mask = self._masks[(sliding_window, dtype)] = mask[:, None, None, :]
+        return mask
+
+
 def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     buf: torch.Tensor,
-    batch: BatchMetadata,
+    plan: StepPlan,
     scale: float,
     sliding_window: int,
 ) -> None:
     """Attention for all decode sequences at once, through the dense block table."""
-    first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
+    batch = plan.batch
+    nd = batch.num_decode_seqs
     t0, t1 = batch.num_prefill_tokens, batch.num_tokens
     _, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     dtype = _compute_dtype(q.dtype)
-    table = decode_table(batch)
-    num_keys = table.shape[1] * page_size
     # One gather per cache for the whole batch (index_select copies whole pages,
     # far faster on CPU than advanced indexing of the strided K/V halves), seen
     # as [nd, kv_heads, keys, head_dim].
-    flat = table.reshape(-1)
-    keys = k_cache.index_select(0, flat).view(nd, num_keys, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, flat).view(nd, num_keys, num_kv_heads, head_dim)
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-    seq_lens = batch.seq_lens[first : first + nd].to(device=q.device, dtype=torch.long)
-    k_pos = torch.arange(num_keys, device=q.device)
-    # The decode query sits at position seq_len - 1; keys past it are other data.
-    mask = _allowed((seq_lens - 1)[:, None], k_pos[None, :], sliding_window)
+    shape = (nd, plan.num_keys, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, plan.decode_pages).view(shape).transpose(1, 2)
+    values = v_cache.index_select(0, plan.decode_pages).view(shape).transpose(1, 2)
     # One query per sequence: the group's heads become the KV head's query rows.
     qd = q[t0:t1].to(dtype).reshape(nd, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(
         qd,
         keys.to(dtype),
         values.to(dtype),
-        attn_mask=mask[:, None, None, :],
+        attn_mask=plan.decode_mask(sliding_window, dtype),
         scale=scale,
     )
     buf[t0:t1].copy_(o.reshape(nd, num_heads, head_dim))
@@ -182,29 +221,42 @@ def paged_attention(
     :param out: optional ``[T, num_heads, head_dim]`` buffer.
     :return: the output, or an empty sentinel when ``out`` is given.
     """
-    batch = get_forward_context().batch
+    ctx = get_forward_context()
+    batch = ctx.batch
     n = batch.num_tokens
     buf = output_buffer(out, q.shape, q.dtype, q.device)
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
     page_size = kv_cache.shape[2]
-    write_slots(
-        (k_cache, v_cache),
-        (k[:n], v[:n]),
-        batch.slot_mapping[:n],
-        page_size,
-        all_valid=slots_known_valid(batch),
-    )
+    plan = ctx.plan("attention")
+    if not (isinstance(plan, StepPlan) and plan.batch is batch and plan.page_size == page_size):
+        plan = StepPlan(batch, page_size)
+    plan.slots.write((k_cache, v_cache), (k[:n], v[:n]))
     if batch.num_prefill_seqs:
         _prefill(q, k, v, k_cache, v_cache, buf, batch, scale, sliding_window)
     if batch.num_decode_seqs:
-        _decode(q, k_cache, v_cache, buf, batch, scale, sliding_window)
+        _decode(q, k_cache, v_cache, buf, plan, scale, sliding_window)
     return finish_output(out, buf, n)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference attention backend: plain torch ops, any device, no planning."""
+    """Reference attention backend: plain torch ops, any device.
+
+    Its plan is the step's :class:`StepPlan` (slot indices, decode pages and
+    masks shared by every layer), except for a captured decode graph.
+    """
 
     name = "torch"
+
+    def plan(self, batch: BatchMetadata) -> StepPlan | None:
+        """Derive the step's slot indices, decode pages and masks once for all layers.
+
+        :param batch: the step's metadata.
+        :return: the plan, or ``None`` for a decode graph (its ops build theirs
+            inside the graph).
+        """
+        if batch.mode.is_decode_graph:
+            return None
+        return StepPlan(batch, batch.page_size)
 
     def forward(
         self,
