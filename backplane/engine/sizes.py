@@ -75,16 +75,44 @@ def format_size(num_bytes: int) -> str:
 CPU_KV_FRACTION = 0.5
 
 
+def _read_int(path: str) -> int | None:
+    """The integer in a one-line file, ``None`` if it is missing or not a number (``max``)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def available_memory() -> int | None:
-    """Bytes of memory the OS says are available now (``MemAvailable``), ``None`` if unknown."""
+    """Bytes of memory this process can still take, ``None`` if unknown.
+
+    The OS's ``MemAvailable``, lowered to what is left under the process's
+    cgroup memory limit when there is one (containers see the host's meminfo).
+    """
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        # cgroup v1 reports "no limit" as a huge number, v2 as "max" (not an int)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            left = max(0, limit - usage)
+            available = left if available is None else min(available, left)
+            break
+    return available
 
 
 def cpu_kv_budget(
