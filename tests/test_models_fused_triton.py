@@ -734,3 +734,18 @@ def _main(argv: list[str]) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     raise SystemExit(_main(sys.argv[1:]))
+
+
+def test_fake_implementations_run_under_fake_tensors():
+    """The fake kernels torch.compile traces with build their outputs like the real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import backplane.models.kernels.elementwise  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.backplane_models
+    with FakeTensorMode():
+        x = torch.empty(5, 3, 16)
+        cs = torch.empty(5, 1, 4)
+        out = ops.rotary_interleaved(x[:, :, :].transpose(0, 1).transpose(0, 1), cs, cs)
+        assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+        assert ops.rotary_(x, cs, cs) is None

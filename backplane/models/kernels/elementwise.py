@@ -579,7 +579,7 @@ def _rotary_interleaved_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 @_rotary_interleaved_op.register_fake
 def _(x, cos, sin):
-    return x.new_empty(x.shape, memory_format=torch.contiguous_format)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 # -- the public functions ---------------------------------------------------------------------
