@@ -137,26 +137,39 @@ class InputBatch:
             s * 8,  # pending_src
         ]
         nbytes = -(-sum(x + _ALIGN for x in sizes) // _ALIGN) * _ALIGN
-        self._host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._host = self._host_t.numpy()
+        host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._dev = (
-            self._host_t
+            host_t
             if self.device.type == "cpu"
             else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         )
-        # typed views of the whole buffers, made once: a section is one slice of these
-        self._host_typed = {
-            np.int32: self._host.view(np.int32),
-            np.int64: self._host.view(np.int64),
-            np.bool_: self._host.view(np.bool_),
-        }
+        # Two host buffers, used in turn, when the device has its own: with
+        # asynchronous steps, step N+1 is packed while step N may still be reading
+        # its host metadata (a backend's plan may copy from it without blocking).
+        # A buffer is reused only two steps later, after its step's tokens arrived.
+        self._host_ts = [host_t] + (
+            [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)]
+            if self._dev is not host_t
+            else []
+        )
+        self._host_typeds = [
+            {
+                np.int32: h.numpy().view(np.int32),
+                np.int64: h.numpy().view(np.int64),
+                np.bool_: h.numpy().view(np.bool_),
+            }
+            for h in self._host_ts
+        ]
+        self._turn = 0
+        self._host_t = host_t
+        self._host_typed = self._host_typeds[0]
         self._dev_typed = {
             np.int32: self._dev.view(torch.int32),
             np.int64: self._dev.view(torch.int64),
             np.bool_: self._dev.view(torch.bool),
         }
-        self._copy_done: torch.cuda.Event | None = None
-        self._copy_event: torch.cuda.Event | None = None
+        # per host buffer: the event after the last copy that read it
+        self._copy_events: list[torch.cuda.Event | None] = [None] * len(self._host_ts)
         self._on_cuda = on_cuda
         self._layouts: dict[tuple[int, int, int, int], _Layout] = {}
         #: The previous step's sampled tokens (``[rows]`` int64 on the device) while
@@ -168,7 +181,7 @@ class InputBatch:
     @property
     def nbytes(self) -> int:
         """Size of the host (and device) buffer in bytes."""
-        return int(self._host.nbytes)
+        return int(self._host_t.numel())
 
     # -- packing ---------------------------------------------------------------
 
@@ -183,7 +196,7 @@ class InputBatch:
         values from the same addresses. Layouts are cached by shape, so a steady
         decode step creates only the ``page_indices`` and ``logits_indices`` views.
         """
-        key = (n, padded, width)
+        key = (n, padded, width, self._turn)
         layout = self._layouts.get(key)
         if layout is not None:
             return layout
@@ -212,10 +225,10 @@ class InputBatch:
         if self._dev is not self._host_t:
             self._dev[:nbytes].copy_(self._host_t[:nbytes], non_blocking=True)
             if self._on_cuda:
-                if self._copy_event is None:
-                    self._copy_event = torch.cuda.Event()
-                self._copy_event.record()
-                self._copy_done = self._copy_event
+                event = self._copy_events[self._turn]
+                if event is None:
+                    event = self._copy_events[self._turn] = torch.cuda.Event()
+                event.record()
 
     # -- the step ---------------------------------------------------------------
 
@@ -241,9 +254,12 @@ class InputBatch:
         :raises ValueError: when the step exceeds the sizes given at startup, a
             sequence's page table is too short, or the batch does not fit ``mode``.
         """
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous step's copy still reads the host buffer
-            self._copy_done = None
+        self._turn = (self._turn + 1) % len(self._host_ts)
+        self._host_t = self._host_ts[self._turn]
+        self._host_typed = self._host_typeds[self._turn]
+        event = self._copy_events[self._turn]
+        if event is not None:
+            event.synchronize()  # that buffer's last copy must have read it
         n = len(scheduled)
         if n > self.max_num_seqs:
             raise ValueError(
