@@ -173,26 +173,46 @@ def test_query_chunks(case_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _run(CASES[case_name], _layer(9, 3, sliding_window=5), torch.float64)
 
 
-def test_write_slots_skips_invalid_rows() -> None:
-    """``-1`` slots leave the cache untouched; ``all_valid`` writes the same rows directly."""
+@pytest.mark.parametrize("layout", ["separate", "kv_halves", "sliced_rows"])
+def test_write_slots_skips_invalid_rows(layout: str) -> None:
+    """``-1`` slots leave the cache untouched; ``all_valid`` writes the same rows directly.
+
+    ``kv_halves`` are the strided K/V views of one paged cache (written through a
+    flat row view); ``sliced_rows`` have non-contiguous rows (the MLA latent
+    slice), written with (page, offset) indexing.
+    """
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(5, 4, 2, 3, generator=gen)
-    v_cache = torch.randn(5, 4, 2, 3, generator=gen)
-    rows_k, rows_v = torch.randn(4, 2, 3, generator=gen), torch.randn(4, 2, 3, generator=gen)
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        if layout == "separate":
+            return torch.randn(5, 4, 2, 3, generator=g), torch.randn(5, 4, 2, 3, generator=g)
+        if layout == "kv_halves":
+            kv = torch.randn(5, 2, 4, 2, 3, generator=g)
+            return kv[:, 0], kv[:, 1]
+        full = torch.randn(5, 4, 2, 5, generator=g)
+        return full[..., :3], full[..., 3:]
+
+    k_cache, v_cache = caches()
+    width = v_cache.shape[-1]
+    rows_k = torch.randn(4, 2, 3, generator=gen)
+    rows_v = torch.randn(4, 2, width, generator=gen)
     slots = torch.tensor([5, -1, 17, 0])
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             expect_k[s // 4, s % 4], expect_v[s // 4, s % 4] = rows_k[i], rows_v[i]
-    masked_k, masked_v = k_cache.clone(), v_cache.clone()
+    masked_k, masked_v = caches()
     _common.write_slots((masked_k, masked_v), (rows_k, rows_v), slots, 4)
     assert torch.equal(masked_k, expect_k) and torch.equal(masked_v, expect_v)
     valid = torch.tensor([0, 2, 3])
-    direct_k, direct_v = k_cache.clone(), v_cache.clone()
+    direct_k, direct_v = caches()
     _common.write_slots(
         (direct_k, direct_v), (rows_k[valid], rows_v[valid]), slots[valid], 4, all_valid=True
     )
     assert torch.equal(direct_k, expect_k) and torch.equal(direct_v, expect_v)
+    # the flat row view is taken exactly where a token's row is contiguous
+    assert (_common._token_rows(direct_k) is None) == (layout == "sliced_rows")
 
 
 def test_slots_known_valid() -> None:
