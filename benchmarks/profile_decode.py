@@ -44,58 +44,10 @@ import numpy as np
 import torch
 
 from backplane import LLM, SamplingParams
+from backplane.cli.latency.shapes import SHAPES
 from backplane.models import presets
 
 logger = logging.getLogger("profile_decode")
-
-# Kept equal to the shapes of `backplane bench latency` (a test checks it).
-LLAMA_1B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-NEMOTRON_H_085B: dict[str, Any] = {
-    "architectures": ["NemotronHForCausalLM"],
-    "model_type": "nemotron_h",
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "hybrid_override_pattern": "M-M-M-M-*-M-M-M-*-M-M-M-",
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "intermediate_size": 8192,
-    "mlp_hidden_act": "relu2",
-    "mamba_num_heads": 64,
-    "mamba_head_dim": 64,
-    "ssm_state_size": 128,
-    "n_groups": 8,
-    "conv_kernel": 4,
-    "chunk_size": 128,
-    "use_conv_bias": True,
-    "use_bias": False,
-    "mlp_bias": False,
-    "attention_bias": False,
-    "layer_norm_epsilon": 1e-5,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-SHAPES: dict[str, dict[str, Any]] = {"llama-1b": LLAMA_1B, "nemotron-h-0.85b": NEMOTRON_H_085B}
 
 KINDS: tuple[str, ...] = (
     "gemm",
