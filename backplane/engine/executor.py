@@ -166,6 +166,9 @@ class Engine:
             for _ in range(2)
         ]
         self._token_flip = 0
+        self._token_events = (
+            [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
+        )
         self._requests: dict[str, Any] = {}
         self._ids = itertools.count()
         logger.info(
@@ -339,7 +342,7 @@ class Engine:
         )
         self.scheduler.add_request(req)
         self._requests[rid] = req
-        req.user_data = (
+        req.sampling_seed = (
             int(params.seed)
             if params.seed is not None
             else int(self._seed_rng.integers(-(2**63), 2**63 - 1, dtype=np.int64))
@@ -423,13 +426,15 @@ class Engine:
         reqs = [scheduled[i].request for i in inputs.sample_seqs]
         tokens = self.sample(hidden, inputs, reqs)
         n = len(reqs)
-        host = self._token_host[self._token_flip][:n]
+        turn = self._token_flip
         self._token_flip ^= 1
+        host = self._token_host[turn][:n]
         event = None
         if n:
             host.copy_(tokens, non_blocking=True)
             if tokens.is_cuda:
-                event = torch.cuda.Event()
+                # reused every other step: the step that last recorded it has been committed
+                event = self._token_events[turn]
                 event.record()
         for row, r in enumerate(reqs):
             r.pending_row = row
@@ -470,7 +475,7 @@ class Engine:
         last = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(last)
         n = len(reqs)
-        seeds = np.fromiter((r.user_data for r in reqs), np.int64, n)
+        seeds = np.fromiter((r.sampling_seed for r in reqs), np.int64, n)
         # the index of the token being sampled: placeholders count, so it is exact in async runs
         offsets = np.fromiter((r.num_output_tokens for r in reqs), np.int64, n)
         params = [r.sampling_params for r in reqs]

@@ -141,6 +141,7 @@ class Request:
         "kv_state",
         "scheduled_step",
         "user_data",
+        "sampling_seed",
     )
 
     def __init__(
@@ -217,6 +218,8 @@ class Request:
         self.scheduled_step = -1
         # Free for the layer above (e.g. the executor's per-request state).
         self.user_data: Any = None
+        # The seed of the request's random draws (set by the engine at admission).
+        self.sampling_seed = 0
 
     # -- tokens -------------------------------------------------------------------------------
 
