@@ -134,7 +134,7 @@ def test_bad_config_is_a_config_error():
 
 def test_stream_text_with_multibyte_characters(llm, monkeypatch):
     """Byte-level tokens split characters; streamed text never shows half a character."""
-    import backplane.api as api
+    import backplane.api.llm as api
 
     monkeypatch.setattr(api, "_metrics", lambda request: None)
     text = "naïve café – 東京"
