@@ -24,19 +24,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from backplane.core.errors import RequestError
+from backplane.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from backplane.core.errors import BackplaneError, RequestError
 from backplane.engine.sampling import SamplingParams, as_params_list
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLM", "Prompt", "RequestMetrics", "RequestOutput"]
+__all__ = ["LLM", "ConcurrentUseError", "Prompt", "RequestMetrics", "RequestOutput"]
 
 #: A prompt: text (needs the model's tokenizer), a list of token ids or an int32 array.
 Prompt = str | Sequence[int] | np.ndarray
@@ -45,53 +47,52 @@ Prompt = str | Sequence[int] | np.ndarray
 Conversation = Sequence[Mapping[str, Any]]
 
 
-@dataclass
-class RequestMetrics:
-    """Timing and cache statistics of one request (seconds, ``time.perf_counter`` clock).
+class ConcurrentUseError(BackplaneError, RuntimeError):
+    """Two threads used one :class:`LLM` at the same time.
 
-    :param arrival_time: when the request was added.
-    :param time_to_first_token: first token time minus arrival (``None`` before it).
-    :param inter_token_latencies: gaps between consecutive generated tokens.
-    :param prompt_tokens_reused: prompt tokens whose KV came from the prefix
-        cache (device or host tier) instead of being computed (summed over
-        re-admissions after preemption).
-    :param num_preemptions: how often the request lost its KV pages.
-    :param finished_time: when it finished (``None`` while running).
+    :class:`LLM` is driven by one thread at a time (calls from different
+    threads one after the other are fine). To serve many callers at once, use
+    :class:`~backplane.api.async_llm.AsyncLLM`, whose one loop drives the
+    engine for every coroutine and thread.
     """
 
-    arrival_time: float
-    time_to_first_token: float | None
-    inter_token_latencies: list[float]
-    prompt_tokens_reused: int
-    num_preemptions: int = 0
-    finished_time: float | None = None
 
+class _ThreadGuard:
+    """Lets one thread at a time into the engine; re-entrant for that thread.
 
-@dataclass
-class RequestOutput:
-    """The state of one request, complete or (while streaming) so far.
-
-    :param request_id: the request's id.
-    :param prompt_token_ids: the prompt.
-    :param token_ids: every generated token so far.
-    :param text: ``token_ids`` decoded (empty without a tokenizer).
-    :param finished: whether generation is over.
-    :param finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
-    :param new_token_ids: tokens added since the previous output of this request
-        (streaming); equals ``token_ids`` in :meth:`LLM.generate` results.
-    :param new_text: text added since the previous output of this request.
-    :param metrics: timing and cache statistics.
+    A second thread is refused with :class:`ConcurrentUseError` instead of
+    waiting: two callers interleaving steps would each consume the other's
+    outputs, so queueing them silently would still be wrong for streams.
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    metrics: RequestMetrics | None = None
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    @contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"LLM.{what} was called from thread {threading.current_thread().name!r} while "
+                "another thread is using this LLM; an LLM serves one thread at a time. Use one "
+                "LLM per thread, serialise the calls with a lock, or use "
+                "backplane.api.AsyncLLM, which serves any number of threads and coroutines"
+            )
+        self._owner, self._depth = me, 1
+        try:
+            yield
+        finally:
+            self._owner, self._depth = None, 0
+            self._lock.release()
 
 
 class _Tracked:
@@ -107,6 +108,7 @@ class _Tracked:
     __slots__ = (
         "request",
         "prompt",
+        "prompt_text",
         "text",
         "token_ids",
         "emitted",
@@ -116,9 +118,10 @@ class _Tracked:
         "read_offset",
     )
 
-    def __init__(self, request: Any, prompt: list[int]) -> None:
+    def __init__(self, request: Any, prompt: list[int], prompt_text: str | None = None) -> None:
         self.request = request
         self.prompt = prompt
+        self.prompt_text = prompt_text
         self.text = ""
         self.token_ids: list[int] = []
         self.emitted = 0
@@ -153,8 +156,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._tracked: dict[str, _Tracked] = {}
         self._ready: dict[str, deque[RequestOutput]] = {}
+        self._guard = _ThreadGuard()
 
     # -- requests -------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (``encode`` / ``decode`` / ``apply_chat_template``).
+
+        :raises RequestError: when the model has none.
+        """
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer; give prompts as token ids")
+        return self.tokenizer
 
     def encode(self, text: str) -> list[int]:
         """Tokenize ``text`` with the model's tokenizer.
@@ -192,12 +205,24 @@ class LLM:
         :return: the request id.
         :raises RequestError: the request is invalid (nothing is queued).
         """
+        text = prompt if isinstance(prompt, str) else None
         ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        return self._add_tokens(ids, sampling_params, request_id, text)
+
+    def _add_tokens(
+        self,
+        ids: Any,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        prompt_text: str | None,
+    ) -> str:
+        """Queue a tokenized prompt (``prompt_text``: what ``RequestOutput.prompt`` shows)."""
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
-        rid = self.engine.add_request(ids, sampling_params, request_id)
-        req = self.engine.get_request(rid)
-        self._tracked[rid] = _Tracked(req, req.prompt_token_ids.tolist())
+        with self._guard("add_request"):
+            rid = self.engine.add_request(ids, sampling_params, request_id)
+            req = self.engine.get_request(rid)
+            self._tracked[rid] = _Tracked(req, req.prompt_token_ids.tolist(), prompt_text)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -206,13 +231,21 @@ class LLM:
 
         :return: ``True`` if the request was still running.
         """
-        return self.engine.abort_request(request_id)
+        with self._guard("abort"):
+            return self.engine.abort_request(request_id)
 
     # -- driving the engine --------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return an incremental output per request that
-        got a token or finished (requests added with :meth:`add_request`)."""
+        got a token or finished (requests added with :meth:`add_request`).
+
+        :raises ConcurrentUseError: another thread is using this LLM.
+        """
+        with self._guard("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outs = []
         for so in self.engine.step():
             t = self._tracked.get(so.request_id)
@@ -245,20 +278,30 @@ class LLM:
                 t.text += new[len(old) :]
                 t.prefix_offset = t.read_offset
                 t.read_offset = len(ids)
+        completion = CompletionOutput(
+            index=0,
+            text=t.text,
+            token_ids=list(t.token_ids),
+            finish_reason=t.reason,
+            stop_reason=_stop_reason(t),
+        )
         return RequestOutput(
             request_id=t.request.request_id,
+            prompt=t.prompt_text,
             prompt_token_ids=t.prompt,
-            token_ids=list(t.token_ids),
-            text=t.text,
+            outputs=[completion],
             finished=t.finished,
-            finish_reason=t.reason,
             new_token_ids=new_ids,
             new_text=t.text[len(before) :] if incremental else t.text,
             metrics=_metrics(t.request),
         )
 
     def _add_all(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: Any, ids: Sequence[str] | None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: Any,
+        ids: Sequence[str] | None,
+        prompt_texts: Sequence[str] | None = None,
     ) -> list[str]:
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -270,7 +313,11 @@ class LLM:
         try:
             for i, (p, sp) in enumerate(zip(plist, params, strict=True)):
                 try:
-                    rid = self.add_request(p, sp, None if ids is None else ids[i])
+                    rid = None if ids is None else ids[i]
+                    if prompt_texts is not None:  # pre-tokenized (chat): keep the rendered text
+                        rid = self._add_tokens(p, sp, rid, prompt_texts[i])
+                    else:
+                        rid = self.add_request(p, sp, rid)
                     self._ready[rid] = deque()  # this call consumes the request's outputs
                     added.append(rid)
                 except RequestError as exc:
@@ -289,6 +336,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         request_ids: Sequence[str] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt and return the finished outputs, in prompt order.
 
@@ -297,17 +345,37 @@ class LLM:
         :param sampling_params: one set for all prompts or one per prompt;
             ``None``: :meth:`default_sampling_params`.
         :param request_ids: optional unique ids, one per prompt.
+        :param use_tqdm: show a progress bar of finished prompts on stderr when
+            there is more than one prompt and stderr is a terminal.
         :return: one :class:`RequestOutput` per prompt.
         :raises RequestError: a prompt is invalid (then none of them is run).
+        :raises ConcurrentUseError: another thread is using this LLM.
         """
-        rids = self._add_all(prompts, sampling_params, request_ids)
+        with self._guard("generate"):
+            return self._generate(prompts, sampling_params, request_ids, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: Any,
+        sampling_params: Any,
+        request_ids: Sequence[str] | None,
+        use_tqdm: bool,
+        prompt_texts: Sequence[str] | None = None,
+    ) -> list[RequestOutput]:
+        rids = self._add_all(prompts, sampling_params, request_ids, prompt_texts)
         final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(rids)) if use_tqdm and len(rids) > 1 else None
         try:
             while len(final) < len(rids):
+                before = len(final)
                 self._drain(rids, final)
+                if bar is not None and len(final) > before:
+                    bar.update(len(final) - before)
                 if len(final) < len(rids):
                     self.step()
         finally:
+            if bar is not None:
+                bar.close()
             for rid in rids:
                 if rid not in final:
                     self.abort(rid)
@@ -348,7 +416,8 @@ class LLM:
         :return: an iterator of incremental outputs (the last one per request has
             ``finished=True``).
         """
-        rids = self._add_all(prompts, sampling_params, request_ids)
+        with self._guard("stream"):
+            rids = self._add_all(prompts, sampling_params, request_ids)
         return self._stream(rids)
 
     def _stream(self, rids: list[str]) -> Iterator[RequestOutput]:
@@ -393,6 +462,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         request_ids: Sequence[str] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Answer conversations: each is rendered with the model's chat template and generated from.
 
@@ -407,31 +477,66 @@ class LLM:
         :param add_generation_prompt: end each prompt with an open assistant turn.
         :param chat_template_kwargs: further template variables (``enable_thinking``...).
         :param request_ids: optional unique ids, one per conversation.
-        :return: one :class:`RequestOutput` per conversation, as :meth:`generate`.
+        :param use_tqdm: as :meth:`generate`.
+        :return: one :class:`RequestOutput` per conversation, as :meth:`generate`
+            (``prompt`` is the rendered conversation).
         :raises RequestError: no tokenizer or chat template, malformed messages,
             or a template that refuses them.
         """
-        conversations = _as_conversations(messages)
+        with self._guard("chat"):
+            conversations = _as_conversations(messages)
+            rendered = [
+                self.render_chat(c, add_generation_prompt, chat_template_kwargs)
+                for c in conversations
+            ]
+            if sampling_params is None:
+                sampling_params = self.default_sampling_params()
+            params = [self.chat_params(sp) for sp in as_params_list(sampling_params, len(rendered))]
+            return self._generate(
+                [ids for _, ids in rendered],
+                params,
+                request_ids,
+                use_tqdm,
+                prompt_texts=[text for text, _ in rendered],
+            )
+
+    def render_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Render one conversation with the chat template and tokenize it.
+
+        :param conversation: ``[{"role": ..., "content": ...}, ...]``.
+        :param add_generation_prompt: end with an open assistant turn.
+        :param chat_template_kwargs: further template variables.
+        :return: the prompt text and its token ids (no special tokens added:
+            the template writes them).
+        :raises RequestError: no tokenizer or template, malformed messages, or a
+            template that refuses them.
+        """
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot render a chat")
-        prompts = [
-            self.tokenizer.encode_chat(
-                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-            )
-            for c in conversations
-        ]
-        if sampling_params is None:
-            sampling_params = self.default_sampling_params()
-        params = as_params_list(sampling_params, len(prompts))
-        end_of_turn = self.tokenizer.token_id("eos_token")
-        if end_of_turn is not None:
-            params = [
-                sp
-                if sp.ignore_eos or end_of_turn in sp.stop_token_ids
-                else dataclasses.replace(sp, stop_token_ids=(*sp.stop_token_ids, end_of_turn))
-                for sp in params
-            ]
-        return self.generate(prompts, params, request_ids=request_ids)
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def chat_params(self, sampling_params: SamplingParams) -> SamplingParams:
+        """``sampling_params`` that also stop at the tokenizer's end of turn (its eos token).
+
+        :param sampling_params: the caller's parameters.
+        :return: the same, with the end-of-turn id added to ``stop_token_ids``
+            unless ``ignore_eos`` is set or it is there already.
+        """
+        end_of_turn = None if self.tokenizer is None else self.tokenizer.token_id("eos_token")
+        sp = sampling_params
+        if end_of_turn is None or sp.ignore_eos or end_of_turn in sp.stop_token_ids:
+            return sp
+        return dataclasses.replace(sp, stop_token_ids=(*sp.stop_token_ids, end_of_turn))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -472,6 +577,21 @@ def _as_conversations(messages: Any) -> list[Any]:
         'chat() takes a conversation (a non-empty list of {"role": ..., "content": ...} dicts) '
         f"or a list of conversations; got {type(messages).__name__}"
     )
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar of finished prompts (``disable=None``: hidden unless stderr is a terminal)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generating", unit="prompt", disable=None, leave=False)
+
+
+def _stop_reason(t: _Tracked) -> int | None:
+    """The stop token that ended a ``"stop"`` finish (``None`` for end-of-sequence or other)."""
+    if t.reason != "stop" or not t.token_ids:
+        return None
+    last = t.token_ids[-1]
+    return last if last in t.request.sampling_params.stop_token_ids else None
 
 
 def _metrics(req: Any) -> RequestMetrics:

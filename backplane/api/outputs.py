@@ -1,0 +1,126 @@
+"""What generation returns: :class:`RequestOutput` with one :class:`CompletionOutput` per sample.
+
+The shape follows vLLM's, so code written for it reads the same fields
+(``out.outputs[0].text``, ``out.prompt_token_ids``, ``finish_reason``,
+``stop_reason``). The fields backplane had before (``out.text``,
+``out.token_ids``, ``out.finish_reason``) stay readable as properties of the
+first completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+
+
+@dataclass
+class RequestMetrics:
+    """Timing and cache statistics of one request (seconds, ``time.perf_counter`` clock).
+
+    :param arrival_time: when the request was added.
+    :param time_to_first_token: first token time minus arrival (``None`` before it).
+    :param inter_token_latencies: gaps between consecutive generated tokens.
+    :param prompt_tokens_reused: prompt tokens whose KV came from the prefix
+        cache (device or host tier) instead of being computed (summed over
+        re-admissions after preemption).
+    :param num_preemptions: how often the request lost its KV pages.
+    :param finished_time: when it finished (``None`` while running).
+    """
+
+    arrival_time: float
+    time_to_first_token: float | None
+    inter_token_latencies: list[float]
+    prompt_tokens_reused: int
+    num_preemptions: int = 0
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    :param index: the sequence's index among the request's samples.
+    :param text: the generated text so far (empty without a tokenizer).
+    :param token_ids: every generated token so far.
+    :param logprobs: per generated token, ``{token_id: logprob}`` of the sampled
+        token and the top ones, when asked for; ``None`` otherwise.
+    :param finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished,
+        ``None`` while running.
+    :param stop_reason: what stopped a ``"stop"`` finish: the stop token id
+        (one of ``SamplingParams.stop_token_ids``), or ``None`` for the model's
+        end-of-sequence token, a length finish or a running sequence.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once this sequence is complete."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request, complete or (while streaming) so far.
+
+    :param request_id: the request's id.
+    :param prompt: the prompt text (the rendered conversation for chat), or
+        ``None`` when the prompt was given as token ids.
+    :param prompt_token_ids: the prompt's tokens.
+    :param outputs: the generated sequences (one per sample).
+    :param finished: whether generation is over.
+    :param prompt_logprobs: per prompt token, ``{token_id: logprob}``, when asked for.
+    :param new_token_ids: tokens of ``outputs[0]`` added since this request's
+        previous output (streaming); equals ``token_ids`` in :meth:`LLM.generate` results.
+    :param new_text: text of ``outputs[0]`` added since the previous output.
+    :param metrics: timing and cache statistics.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    metrics: RequestMetrics | None = None
+
+    # The fields of the single-sequence output backplane returned before (kept for callers).
+
+    @property
+    def text(self) -> str:
+        """``outputs[0].text``."""
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """``outputs[0].token_ids``."""
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``outputs[0].finish_reason``."""
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """``outputs[0].stop_reason``."""
+        return self.outputs[0].stop_reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the output (metrics flattened to their fields)."""
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "outputs": [vars(o).copy() for o in self.outputs],
+            "finished": self.finished,
+            "metrics": None if self.metrics is None else vars(self.metrics).copy(),
+        }
