@@ -1,19 +1,34 @@
 """The Python API: :class:`LLM` (offline and streaming generation over the engine).
 
-The modules: ``llm`` (:class:`LLM`) and ``outputs`` (:class:`RequestOutput`,
+The modules: ``llm`` (:class:`LLM`), ``async_llm`` (:class:`AsyncLLM`: one engine
+loop for many concurrent callers) and ``outputs`` (:class:`RequestOutput`,
 :class:`CompletionOutput`, :class:`RequestMetrics`).
 """
 
 from __future__ import annotations
 
+from backplane.api.async_llm import (
+    AsyncLLM,
+    AsyncRequestStream,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineSnapshot,
+    RequestStream,
+)
 from backplane.api.llm import LLM, ConcurrentUseError, Prompt
 from backplane.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [
+    "AsyncLLM",
+    "AsyncRequestStream",
     "CompletionOutput",
     "ConcurrentUseError",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineSnapshot",
     "LLM",
     "Prompt",
     "RequestMetrics",
     "RequestOutput",
+    "RequestStream",
 ]

@@ -1,0 +1,619 @@
+"""The asynchronous engine front: one loop drives the engine for any number of callers.
+
+Example::
+
+    import asyncio
+    from backplane.api import AsyncLLM
+    from backplane import SamplingParams
+
+    engine = AsyncLLM("smollm2")
+
+    async def main():
+        async for out in engine.generate("The capital of France is", SamplingParams(max_tokens=8)):
+            print(out.new_text, end="", flush=True)
+
+    asyncio.run(main())
+    engine.shutdown()
+
+One background thread (the *engine loop*) owns the :class:`~backplane.api.llm.LLM`:
+it takes submitted requests and aborts from a command queue between steps,
+runs :meth:`LLM.step` while any request is live, and hands each output to the
+stream of the request it belongs to. Coroutines of any event loop submit with
+:meth:`AsyncLLM.add_request` / :meth:`AsyncLLM.generate`; plain threads with
+:meth:`AsyncLLM.submit` / :meth:`AsyncLLM.generate_sync`. A thread rather than
+an asyncio task drives the engine because a step is blocking work: on an
+event loop it would stall every connection for the length of a step.
+
+Closing or cancelling a stream aborts its request: the abort is queued ahead
+of anything else and the engine loop runs it before its next step, freeing the
+request's KV pages and state slot (at most one step after the call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backplane.api.llm import LLM, Conversation, Prompt
+from backplane.api.outputs import RequestOutput
+from backplane.core.errors import BackplaneError, RequestError
+from backplane.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncLLM",
+    "AsyncRequestStream",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineSnapshot",
+    "RequestStream",
+]
+
+
+class EngineDeadError(BackplaneError, RuntimeError):
+    """The engine loop stopped (shut down, or a step failed); no request can run."""
+
+
+class EngineOverloadedError(BackplaneError):
+    """The cap on waiting requests is reached; try again later."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's load, as of the end of the engine loop's last iteration.
+
+    :param running: requests holding KV pages.
+    :param waiting: requests queued for admission.
+    :param kv_pages_used: KV pages held by requests.
+    :param kv_pages_total: usable KV pages.
+    :param prefix_cache_queries: full prompt pages looked up in the prefix cache (total).
+    :param prefix_cache_hits: of those, found (device or host tier).
+    :param steps: engine steps run.
+    :param alive: whether the engine loop is running.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    steps: int = 0
+    alive: bool = True
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries (0 before the first query)."""
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+_DONE = object()
+
+
+class _AsyncSink:
+    """Delivers a request's outputs to an asyncio queue on the submitter's event loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+
+class _ThreadSink:
+    """Delivers a request's outputs to a thread-safe queue."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+
+class AsyncRequestStream:
+    """The outputs of one request, for ``async for``.
+
+    Each item is an incremental :class:`RequestOutput` (``new_text`` /
+    ``new_token_ids`` since the previous one); the last has ``finished=True``.
+    Cancelling the task that iterates it, or :meth:`aclose`, aborts the request.
+
+    :param engine: the engine that runs the request.
+    :param request_id: the request's id.
+    :param sink: where the engine loop delivers its outputs.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, sink: _AsyncSink) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._sink = sink
+        self._done = False
+
+    def __aiter__(self) -> AsyncRequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._sink.queue.get()
+        except BaseException:  # cancelled while waiting: the caller gave up on the request
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it finished (returns at once; see :meth:`AsyncLLM.abort`)."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop iterating; an unfinished request is aborted."""
+        self.abort()
+
+    @property
+    def finished(self) -> bool:
+        """True once the last output was taken (or the stream was closed)."""
+        return self._done
+
+
+class RequestStream:
+    """The outputs of one request, for a plain ``for`` loop on any thread.
+
+    As :class:`AsyncRequestStream`; :meth:`close` (or leaving a ``with`` block)
+    aborts an unfinished request.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, sink: _ThreadSink) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._sink = sink
+        self._done = False
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self._done:
+            raise StopIteration
+        item = self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        """Stop iterating; an unfinished request is aborted."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncLLM:
+    """Serve many concurrent callers from one engine, driven by one background loop.
+
+    :param model: as :class:`LLM` (a preset, ``smollm2``, a directory or a ``.gguf`` file).
+    :param config: an ``EngineConfig`` to start from (optional).
+    :param llm: an already built :class:`LLM` to drive instead of building one
+        (it must not be used directly afterwards).
+    :param max_waiting_requests: refuse new requests with
+        :class:`EngineOverloadedError` while this many wait for admission
+        (``None``: no cap).
+    :param overrides: ``EngineConfig`` fields, as for :class:`LLM`.
+    :raises ConfigError: on an invalid configuration.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: Any = None,
+        llm: LLM | None = None,
+        max_waiting_requests: int | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.llm = llm if llm is not None else LLM(model, config=config, **overrides)
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._commands_lock = threading.Lock()
+        self._cancelled: set[str] = set()  # aborted while their add was still queued
+        self._wake = threading.Event()
+        self._sinks: dict[str, _AsyncSink | _ThreadSink] = {}
+        self._finished_callbacks: list[Callable[[RequestOutput], None]] = []
+        self._ids = itertools.count()
+        self._id_prefix = f"{int(time.time() * 1000):x}"
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._snapshot = EngineSnapshot()
+        self._snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._loop, name="backplane-engine", daemon=True)
+        self._thread.start()
+
+    # -- what callers read --------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (``None`` without one)."""
+        return self.llm.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer; see :meth:`LLM.get_tokenizer`."""
+        return self.llm.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output."""
+        return int(self.llm.engine.max_model_len)
+
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        """See :meth:`LLM.default_sampling_params`."""
+        return self.llm.default_sampling_params(**fields)
+
+    def render_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """See :meth:`LLM.render_chat` (runs on the caller's thread)."""
+        return self.llm.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+
+    def chat_params(self, sampling_params: SamplingParams) -> SamplingParams:
+        """See :meth:`LLM.chat_params`."""
+        return self.llm.chat_params(sampling_params)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's load after the loop's last iteration (any thread)."""
+        return self._snapshot
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the loop stopped (shut down or a step failed)."""
+        return self._dead is None and self._thread.is_alive()
+
+    def add_finished_callback(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Call ``callback(output)`` on the engine loop for every request that finishes
+        (aborted ones included). It must be quick and must not raise."""
+        self._finished_callbacks.append(callback)
+
+    # -- submitting ---------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: Prompt) -> tuple[Any, str | None]:
+        if isinstance(prompt, str):
+            return self.llm.encode(prompt), prompt
+        return prompt, None
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is not None:
+            return str(request_id)
+        return f"{self._id_prefix}-{next(self._ids)}"
+
+    def _submit(self, command: tuple[Any, ...]) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop is not running: {self._dead}")
+        with self._commands_lock:
+            self._commands.append(command)
+        self._wake.set()
+
+    async def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_text: str | None = None,
+    ) -> AsyncRequestStream:
+        """Queue a request and return the stream of its outputs.
+
+        :param prompt: text, a list of token ids or an int32 array.
+        :param sampling_params: defaults to :meth:`default_sampling_params`.
+        :param request_id: a unique id (default: generated).
+        :param prompt_text: what ``RequestOutput.prompt`` shows for a token-id
+            prompt (the rendered conversation of a chat).
+        :return: the request's :class:`AsyncRequestStream`.
+        :raises RequestError: the request is invalid (nothing is queued).
+        :raises EngineOverloadedError: too many requests are waiting.
+        :raises EngineDeadError: the engine loop is not running.
+        """
+        ids, text = self._tokenize(prompt)
+        rid = self._new_id(request_id)
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[None] = loop.create_future()
+        sink = _AsyncSink(loop)
+
+        def done(exc: BaseException | None) -> None:
+            def settle() -> None:
+                if not accepted.done():
+                    if exc is None:
+                        accepted.set_result(None)
+                    else:
+                        accepted.set_exception(exc)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(rid)  # queued after the add: it runs once the request exists
+            raise
+        return AsyncRequestStream(self, rid, sink)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt, yielding incremental outputs (the last finished).
+
+        Leaving the ``async for`` early, or cancelling its task, aborts the request.
+
+        :param prompt: text, a list of token ids or an int32 array.
+        :param sampling_params: defaults to :meth:`default_sampling_params`.
+        :param request_id: a unique id (default: generated).
+        :raises RequestError: the request is invalid.
+        """
+        stream = await self.add_request(prompt, sampling_params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def chat(
+        self,
+        conversation: Conversation,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> AsyncRequestStream:
+        """Queue one conversation, rendered with the chat template (see :meth:`LLM.chat`).
+
+        :return: the request's :class:`AsyncRequestStream`.
+        :raises RequestError: no template, malformed messages, or an invalid request.
+        """
+        text, ids = self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        params = self.chat_params(sampling_params)
+        return await self.add_request(ids, params, request_id, prompt_text=text)
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_text: str | None = None,
+    ) -> RequestStream:
+        """Queue a request from a plain thread; blocks until the engine loop accepted it.
+
+        :return: the request's :class:`RequestStream` (a blocking iterator).
+        :raises RequestError: the request is invalid (nothing is queued).
+        :raises EngineOverloadedError: too many requests are waiting.
+        :raises EngineDeadError: the engine loop is not running.
+        """
+        ids, text = self._tokenize(prompt)
+        rid = self._new_id(request_id)
+        sink = _ThreadSink()
+        accepted = threading.Event()
+        error: list[BaseException] = []
+
+        def done(exc: BaseException | None) -> None:
+            if exc is not None:
+                error.append(exc)
+            accepted.set()
+
+        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done))
+        while not accepted.wait(0.5):
+            if not self._thread.is_alive():
+                raise EngineDeadError("the engine loop stopped before accepting the request")
+        if error:
+            raise error[0]
+        return RequestStream(self, rid, sink)
+
+    def generate_sync(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt from a plain thread; return the finished outputs in order.
+
+        Safe to call from many threads at once: the requests of every caller run
+        in the same engine steps.
+
+        :raises RequestError: a prompt is invalid (the ones already queued are aborted).
+        """
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params: list[SamplingParams | None] = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        streams: list[RequestStream] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                try:
+                    streams.append(self.submit(p, sp))
+                except RequestError as exc:
+                    raise RequestError(f"prompt {i}: {exc}") from None
+            finals = []
+            for s in streams:
+                outs = list(s)  # incremental outputs; the last one is the finished request
+                finals.append(outs[-1])
+            return finals
+        finally:
+            for s in streams:
+                s.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread; returns at once).
+
+        The engine loop runs the abort before its next step: the request's KV
+        pages and state slot are freed then and its stream ends with
+        ``finish_reason == "abort"`` unless it was closed.
+        """
+        if self._dead is None:
+            with self._commands_lock:
+                self._commands.appendleft(("abort", request_id))
+            self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop; streams still open end with :class:`EngineDeadError`."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the engine loop ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        llm = self.llm
+        engine = llm.engine
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._run_commands()
+                if self._stopping:
+                    break
+                # tracked requests without engine work: aborts the next step reports
+                if engine.has_unfinished_requests() or llm._tracked:
+                    self._deliver(llm.step())
+                    self._snapshot = self._take_snapshot()
+                else:
+                    self._snapshot = self._take_snapshot()
+                    self._wake.wait()
+            reason: BaseException = EngineDeadError("the engine was shut down")
+        except BaseException as exc:  # a failed step: the engine's state is not trusted any more
+            logger.exception("the engine loop failed; no more requests can run")
+            reason = EngineDeadError(f"the engine loop failed: {type(exc).__name__}: {exc}")
+        self._dead = reason
+        self._snapshot = EngineSnapshot(alive=False)
+        for rid, sink in list(self._sinks.items()):
+            self._push(sink, reason)
+            self._sinks.pop(rid, None)
+        with self._commands_lock:
+            pending, self._commands = list(self._commands), deque()
+        for cmd in pending:
+            if cmd[0] == "add":
+                cmd[-1](reason)
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._commands_lock:
+                if not self._commands:
+                    return
+                cmd = self._commands.popleft()
+                if cmd[0] == "abort" and cmd[1] not in self.llm._tracked:
+                    # aborts jump the queue: one may overtake the add of its own request
+                    if any(c[0] == "add" and c[3] == cmd[1] for c in self._commands):
+                        self._cancelled.add(cmd[1])
+            if cmd[0] == "abort":
+                rid = cmd[1]
+                self._sinks.pop(rid, None)
+                if self.llm.abort(rid):
+                    logger.debug("request %s aborted", rid)
+                continue
+            _, ids, params, rid, text, sink, done = cmd
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)
+                done(RequestError(f"request {rid!r} was aborted before it started"))
+                continue
+            try:
+                cap = self.max_waiting_requests
+                if cap is not None and len(self.llm.engine.scheduler.waiting) >= cap:
+                    raise EngineOverloadedError(
+                        f"{cap} requests are already waiting for the engine "
+                        "(max_waiting_requests); retry later"
+                    )
+                self.llm._add_tokens(ids, params, rid, text)
+            except BackplaneError as exc:
+                done(exc)
+                continue
+            except Exception as exc:  # a malformed prompt object: the caller's error, not ours
+                done(RequestError(f"request {rid!r}: {type(exc).__name__}: {exc}"))
+                continue
+            self._sinks[rid] = sink
+            done(None)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for out in outs:
+            rid = out.request_id
+            sink = self._sinks.get(rid)
+            if out.finished:
+                self._sinks.pop(rid, None)
+                for cb in self._finished_callbacks:
+                    try:
+                        cb(out)
+                    except Exception:
+                        logger.exception("a finished-request callback failed")
+            if sink is None:
+                continue
+            if isinstance(sink, _AsyncSink):
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
+            else:
+                sink.queue.put(out)
+        # one wake-up per event loop per step, not one per request
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: its callers are gone
+                pass
+
+    @staticmethod
+    def _push(sink: _AsyncSink | _ThreadSink, item: Any) -> None:
+        if isinstance(sink, _AsyncSink):
+            try:
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+            except RuntimeError:
+                pass
+        else:
+            sink.queue.put(item)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        engine = self.llm.engine
+        sched = engine.scheduler
+        kv = engine.kv_manager
+        stats = kv.stats
+        return EngineSnapshot(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_pages_used=int(kv.num_used_pages),
+            kv_pages_total=int(kv.pool.num_usable),
+            prefix_cache_queries=int(stats.lookup_pages),
+            prefix_cache_hits=int(stats.device_hit_pages + stats.host_hit_pages),
+            steps=int(sched.stats.steps),
+            alive=self._dead is None,
+        )
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
