@@ -73,5 +73,27 @@ class RequestError(BackplaneError, ValueError):
     """A request was rejected (empty prompt, bad token ids, too long)."""
 
 
+class InvalidFieldError(RequestError):
+    """One field of a request has a wrong type or a value out of range.
+
+    :param message: what was wrong and what to pass instead.
+    :param field: the field's name (``"top_k"``, ``"prompt_token_ids"``, ``"request_id"``...).
+    """
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the keyword argument is not in ``args``: rebuild with it (pickle, copy)
+        return (_rebuild_field_error, (type(self), self.args, self.field))
+
+
+def _rebuild_field_error(
+    cls: type[InvalidFieldError], args: tuple[Any, ...], field: str
+) -> InvalidFieldError:
+    return cls(*args, field=field)
+
+
 class OutOfKVMemoryError(BackplaneError):
     """The KV cache cannot hold even a single request of the given size."""

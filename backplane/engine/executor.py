@@ -23,15 +23,15 @@ import torch
 from backplane.core.errors import (
     BackendUnavailableError,
     ConfigError,
+    InvalidFieldError,
     OutOfKVMemoryError,
-    RequestError,
 )
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import CacheFootprint, TensorSpec, cache_footprint
 from backplane.engine.inputs import BatchInputs, InputBatch
 from backplane.engine.runner import EagerModelRunner, ModelRunner
-from backplane.engine.sampling import Sampler, SamplingParams
+from backplane.engine.sampling import Sampler, SamplingParams, seed_as_int64
 from backplane.engine.sizes import cpu_kv_budget, format_size
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStepOutput"]
+__all__ = ["Engine", "EngineStepOutput", "check_request_id"]
 
 
 @dataclass
@@ -79,6 +79,24 @@ def _check_paged_flags(
                     "paged; the backend's cache_spec must set paged=True on tensors whose "
                     "first dimension counts KV pages"
                 )
+
+
+def check_request_id(request_id: Any) -> str:
+    """Return a caller's request id, refusing anything but a non-empty string.
+
+    Ids are compared as given: ``123`` and ``"123"`` would be different
+    requests to a caller but the same to a server, so only strings are taken.
+
+    :raises InvalidFieldError: naming ``request_id``.
+    """
+    if not isinstance(request_id, str) or not request_id:
+        hint = f"; pass str({request_id!r})" if isinstance(request_id, int) else ""
+        raise InvalidFieldError(
+            f"request_id must be a non-empty string, got {type(request_id).__name__} "
+            f"{request_id!r}{hint}",
+            field="request_id",
+        )
+    return request_id
 
 
 class Engine:
@@ -316,22 +334,39 @@ class Engine:
     ) -> str:
         """Validate and queue a request.
 
-        :param prompt_token_ids: the prompt (int32 ndarray taken with one memcpy, or a list).
-        :param sampling_params: defaults to ``SamplingParams()``.
-        :param request_id: a unique id (default: generated).
+        Everything is checked before anything changes, so a refused request
+        leaves no trace.
+
+        :param prompt_token_ids: the prompt: a list of ints or an integer ndarray
+            (an int32 one is taken with one memcpy), ids within the vocabulary.
+        :param sampling_params: defaults to ``SamplingParams()``; ``top_k`` and
+            ``stop_token_ids`` must be within the vocabulary.
+        :param request_id: a unique string (default: generated). An id is in use
+            from here until :meth:`step` returned the request's final output
+            (``finished=True``), aborted requests included.
         :return: the request id.
-        :raises RequestError: the request is invalid (it is not queued; others are unaffected).
+        :raises RequestError: the request is invalid (it is not queued; others are
+            unaffected); :class:`~backplane.core.errors.InvalidFieldError` names the field.
         """
         from backplane.engine.request import Request
 
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise RequestError(
-                f"sampling_params must be SamplingParams, got {type(params).__name__}"
+            raise InvalidFieldError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}",
+                field="sampling_params",
             )
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self._requests:
-            raise RequestError(f"request id {rid!r} is already in use; pass a unique request_id")
+        if request_id is None:
+            rid = self._new_request_id()
+        else:
+            rid = check_request_id(request_id)
+            if rid in self._requests:
+                raise InvalidFieldError(
+                    f"request id {rid!r} is already in use (a request keeps its id until step() "
+                    "returned its final output, aborted ones too); pass a unique request_id",
+                    field="request_id",
+                )
+        self._check_params(rid, params)
         req = Request(
             rid,
             prompt_token_ids,
@@ -340,42 +375,68 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
-        self.scheduler.add_request(req)
-        self._requests[rid] = req
         req.sampling_seed = (
-            int(params.seed)
+            seed_as_int64(params.seed)
             if params.seed is not None
             else int(self._seed_rng.integers(-(2**63), 2**63 - 1, dtype=np.int64))
         )
+        self.scheduler.add_request(req)  # the last check (does it fit the KV cache?)
+        self._requests[rid] = req
         return rid
 
+    def _new_request_id(self) -> str:
+        """The next generated id that no caller's request holds."""
+        while True:
+            rid = str(next(self._ids))
+            if rid not in self._requests:
+                return rid
+
+    def _check_params(self, rid: str, params: SamplingParams) -> None:
+        """Check the sampling parameters' limits that depend on the model (the vocabulary)."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise InvalidFieldError(
+                f"request {rid!r}: SamplingParams.top_k={params.top_k} is larger than the "
+                f"vocabulary ({vocab} tokens); use at most {vocab}, or 0 / -1 to turn it off",
+                field="top_k",
+            )
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidFieldError(
+                f"request {rid!r}: SamplingParams.stop_token_ids holds {bad[0]}, outside the "
+                f"vocabulary [0, {vocab}); use this model's tokenizer's ids",
+                field="stop_token_ids",
+            )
+
     def get_request(self, request_id: str) -> Any:
-        """Return the live request object (``None`` once finished and collected)."""
+        """Return the request object (``None`` once its final output was returned by :meth:`step`)."""
         return self._requests.get(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request, freeing its pages and state slot at once.
 
-        The next :meth:`step` reports it as finished with reason ``"abort"``.
+        The next :meth:`step` reports it as finished with reason ``"abort"``;
+        its id stays in use until then.
 
-        :return: ``True`` if the request was live.
+        :param request_id: the id :meth:`add_request` returned (a string).
+        :return: ``True`` if the request was queued or running, ``False`` if no
+            such request is (finished, aborted already, or unknown).
+        :raises InvalidFieldError: ``request_id`` is not a string.
         """
-        req = self._requests.get(request_id)
-        if req is None:
+        req = self._requests.get(check_request_id(request_id))
+        if req is None or req.is_finished:
             return False
-        self.scheduler.abort_request(request_id)
-        # finished now; the next step() still reports it (finish_reason "abort")
-        self._requests.pop(request_id, None)
-        return True
+        return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is queued or running, or a step's tokens are still on the device."""
+        """True while :meth:`step` has something to do: a request queued or running, a final
+        output not yet returned, or a step's tokens still on the device."""
         return bool(self._requests) or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
         """Requests queued or running."""
-        return len(self._requests)
+        return self.scheduler.num_unfinished
 
     # -- the step -----------------------------------------------------------------
 
@@ -404,8 +465,11 @@ class Engine:
         sampled = {}
         if prev is not None:
             sampled = self._wait(prev)
+            # requests aborted since the launch drop their token (commit skips them too)
+            gone = {r.request_id for r in prev.reqs if r.is_finished}
             self.scheduler.commit(prev.sched, sampled)
-            sampled = {rid: t for rid, t in sampled.items() if self._requests.get(rid) is not None}
+            if gone:
+                sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
         if launched is not None:
             # after the previous commit: pages that just became full hash real tokens
             self.scheduler.advance(sched)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from backplane.core.errors import RequestError
+from backplane.core.errors import InvalidFieldError
 
 __all__ = [
     "FinishReason",
@@ -157,22 +157,26 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
+        prompt_token_ids = _as_prompt_array(prompt_token_ids)
         n = _prompt_len(request_id, prompt_token_ids)
         if n == 0:
-            raise RequestError(
-                f"request {request_id!r}: the prompt is empty; give at least one token "
-                "(for text prompts, check that the tokenizer produced tokens)"
+            raise _prompt_error(
+                request_id,
+                "the prompt is empty; give at least one token "
+                "(for text prompts, check that the tokenizer produced tokens)",
             )
         max_tokens = int(sampling_params.max_tokens)
         if max_tokens < 1:
-            raise RequestError(
-                f"request {request_id!r}: max_tokens={max_tokens}; ask for at least one token"
+            raise InvalidFieldError(
+                f"request {request_id!r}: max_tokens={max_tokens}; ask for at least one token",
+                field="max_tokens",
             )
         if max_model_len is not None and n + max_tokens > max_model_len:
-            raise RequestError(
+            raise InvalidFieldError(
                 f"request {request_id!r}: prompt ({n} tokens) + max_tokens ({max_tokens}) = "
                 f"{n + max_tokens} exceeds the model length max_model_len={max_model_len}; "
-                f"shorten the prompt or lower max_tokens to at most {max(max_model_len - n, 0)}"
+                f"shorten the prompt or lower max_tokens to at most {max(max_model_len - n, 0)}",
+                field="max_tokens",
             )
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
@@ -188,9 +192,10 @@ class Request:
                 bad = lo if lo < 0 else hi
                 pos = int(np.argmax(buf[:n] == bad))
                 limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-                raise RequestError(
-                    f"request {request_id!r}: prompt token id {bad} at position {pos} is outside "
-                    f"the vocabulary {limit}; tokenize with this model's tokenizer"
+                raise _prompt_error(
+                    request_id,
+                    f"prompt token id {bad} at position {pos} is outside "
+                    f"the vocabulary {limit}; tokenize with this model's tokenizer",
                 )
         self._tokens = buf
         self._num_prompt = n
@@ -387,31 +392,65 @@ class Request:
         )
 
 
+def _prompt_error(request_id: str, why: str) -> InvalidFieldError:
+    return InvalidFieldError(f"request {request_id!r}: {why}", field="prompt_token_ids")
+
+
 def _prompt_len(request_id: str, prompt: Any) -> int:
     """Length of a prompt given as an ndarray or a sequence, with a clear error otherwise."""
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1:
-            raise RequestError(
-                f"request {request_id!r}: prompt token ids must be 1-D, got shape {prompt.shape}; "
-                "pass one flat array per request"
+            raise _prompt_error(
+                request_id,
+                f"prompt token ids must be 1-D, got shape {prompt.shape}; "
+                "pass one flat array per request",
             )
         if prompt.dtype.kind not in "iu":
-            raise RequestError(
-                f"request {request_id!r}: prompt token ids must be integers, got dtype "
-                f"{prompt.dtype}; convert with .astype(np.int32)"
+            raise _prompt_error(
+                request_id,
+                f"prompt token ids must be integers, got dtype {prompt.dtype}; "
+                "convert with .astype(np.int32)",
             )
         return int(prompt.shape[0])
     if isinstance(prompt, (str, bytes)):
-        raise RequestError(
-            f"request {request_id!r}: got text where token ids were expected; tokenize first"
-        )
+        raise _prompt_error(request_id, "got text where token ids were expected; tokenize first")
     try:
         return len(prompt)
     except TypeError:
-        raise RequestError(
-            f"request {request_id!r}: prompt token ids must be a list or an int32 array, "
-            f"got {type(prompt).__name__}"
+        raise _prompt_error(
+            request_id,
+            "prompt token ids must be a list of ints or an integer array, "
+            f"got {type(prompt).__name__}",
         ) from None
+
+
+def _as_prompt_array(prompt: Any) -> Any:
+    """An array-like prompt (a tensor, ``array.array``) as an ndarray; lists stay lists."""
+    if isinstance(prompt, (np.ndarray, list, tuple, range, str, bytes, bytearray)):
+        return prompt  # text is refused by _prompt_len
+    if hasattr(prompt, "__array__") or isinstance(prompt, memoryview):
+        return np.asarray(prompt)
+    try:  # the buffer protocol (array.array, bytearray is refused by its dtype)
+        return np.asarray(memoryview(prompt))
+    except TypeError:
+        return prompt
+
+
+def _check_token_types(request_id: str, prompt: Any) -> None:
+    """Refuse a sequence holding anything but integers (no silent float or str casts).
+
+    ``set(map(type, ...))`` runs at C speed, so an all-int list costs one pass
+    over its items and the per-item check runs only on the few distinct types.
+    """
+    for t in set(map(type, prompt)):
+        if t is int or (issubclass(t, np.integer) and t is not bool):
+            continue
+        pos, bad = next((i, v) for i, v in enumerate(prompt) if type(v) is t)
+        raise _prompt_error(
+            request_id,
+            f"prompt token id {bad!r} at position {pos} is a {t.__name__}, not an integer; "
+            "pass integer token ids from this model's tokenizer",
+        )
 
 
 def _fill_prompt(request_id: str, buf: np.ndarray, prompt: Any, n: int) -> None:
@@ -420,16 +459,18 @@ def _fill_prompt(request_id: str, buf: np.ndarray, prompt: Any, n: int) -> None:
         if prompt.dtype != np.int32:
             info = np.iinfo(np.int32)
             if n and (int(prompt.min()) < info.min or int(prompt.max()) > info.max):
-                raise RequestError(
-                    f"request {request_id!r}: prompt token ids do not fit in int32; "
-                    "tokenize with this model's tokenizer"
+                raise _prompt_error(
+                    request_id,
+                    "prompt token ids do not fit in int32; tokenize with this model's tokenizer",
                 )
         buf[:n] = prompt  # int32: one memcpy; other ints: one vectorised cast
         return
+    _check_token_types(request_id, prompt)
     try:
         buf[:n] = prompt  # one pass of the list straight into the buffer
     except (OverflowError, ValueError, TypeError) as e:
-        raise RequestError(
-            f"request {request_id!r}: prompt token ids must be integers in the vocabulary "
-            f"({e}); tokenize with this model's tokenizer"
+        raise _prompt_error(
+            request_id,
+            f"prompt token ids must be integers in the vocabulary ({e}); "
+            "tokenize with this model's tokenizer",
         ) from None

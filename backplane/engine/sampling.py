@@ -27,33 +27,140 @@ The remaining logits are sampled with the exponential-race trick
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from backplane.core.errors import RequestError
+from backplane.core.errors import InvalidFieldError, RequestError
+
+#: Temperatures above 0 and below this decode greedily, like ``0``: dividing
+#: logits by a smaller one leaves a single token with all the probability
+#: anyway, and by a tiny one (``1e-39``) overflows float32 to ``inf`` and NaN.
+MIN_TEMPERATURE = 1e-5
+
+#: Largest value of the integer fields the sampler holds in int32 tensors.
+_INT32_MAX = 2**31 - 1
+
+
+class _Invalid(Exception):
+    """Raised by a field rule: ``why`` says what the field must be."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _is_integer(v: Any) -> bool:
+    # exact: bool is an int subclass, but True is not a token count
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _integer(lo: int, hi: int, why: str) -> Callable[[Any], int]:
+    """A rule: an integer (Python or numpy, not bool) in ``[lo, hi]``, returned as ``int``."""
+
+    def rule(v: Any) -> int:
+        if not _is_integer(v) or not lo <= int(v) <= hi:
+            raise _Invalid(why)
+        return int(v)
+
+    return rule
+
+
+def _real(ok: Callable[[float], bool], why: str) -> Callable[[Any], float]:
+    """A rule: a real number (not bool, not a string), finite and ``ok``, returned as ``float``."""
+
+    def rule(v: Any) -> float:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Real, np.floating)):
+            raise _Invalid(why)
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond float's range
+            raise _Invalid(why) from None
+        if not math.isfinite(f) or not ok(f):
+            raise _Invalid(why)
+        return f
+
+    return rule
+
+
+def _boolean(why: str) -> Callable[[Any], bool]:
+    """A rule: ``True`` or ``False`` (``"no"`` and ``1`` are not)."""
+
+    def rule(v: Any) -> bool:
+        if not isinstance(v, (bool, np.bool_)):
+            raise _Invalid(why)
+        return bool(v)
+
+    return rule
+
+
+def _optional(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A rule: ``None``, or what ``inner`` accepts."""
+
+    def rule(v: Any) -> Any:
+        return None if v is None else inner(v)
+
+    return rule
+
+
+def _token_ids(why: str) -> Callable[[Any], tuple[int, ...]]:
+    """A rule: a list, tuple or 1-D integer array of token ids (``None`` = none)."""
+    one = _integer(0, _INT32_MAX, why)
+
+    def rule(v: Any) -> tuple[int, ...]:
+        if v is None:
+            return ()
+        if isinstance(v, np.ndarray):
+            if v.ndim != 1:
+                raise _Invalid(why)
+            v = v.tolist()
+        if not isinstance(v, (list, tuple)):
+            raise _Invalid(why)
+        return tuple(one(t) for t in v)
+
+    return rule
+
+
+def _seed(v: Any) -> int:
+    why = "must be None or an integer from -2**63 to 2**64 - 1 (a signed or unsigned 64-bit seed)"
+    return _integer(-(2**63), 2**64 - 1, why)(v)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request.
 
-    :param max_tokens: most tokens to generate (at least 1).
+    Every field is checked when the object is built (:data:`FIELD_RULES`:
+    exact types, ranges); a bad one raises
+    :class:`~backplane.core.errors.InvalidFieldError` naming it. Values are
+    normalised once: numpy scalars become Python numbers, ``top_k=-1`` becomes
+    ``0``, a temperature below :data:`MIN_TEMPERATURE` becomes ``0`` (greedy),
+    ``stop_token_ids`` a tuple of ints. Limits that depend on the model (``top_k``
+    and stop ids within the vocabulary) are checked when the engine takes the
+    request.
+
+    :param max_tokens: most tokens to generate (an integer >= 1).
     :param temperature: ``0`` is greedy decoding; higher values flatten the
-        distribution.
-    :param top_k: keep only the ``top_k`` most likely tokens; ``0`` (or ``-1``)
-        turns the filter off.
+        distribution. Any finite number >= 0; below :data:`MIN_TEMPERATURE` it
+        is greedy.
+    :param top_k: keep only the ``top_k`` most likely tokens (at most the
+        vocabulary size); ``0`` or ``-1`` turns the filter off.
     :param top_p: nucleus sampling threshold in ``(0, 1]``; ``1`` is off.
     :param min_p: drop tokens less likely than ``min_p`` times the most likely
         one, in ``[0, 1]``; ``0`` is off.
     :param seed: when set, the request's tokens are reproducible regardless of
-        which other requests share its batches.
+        which other requests share its batches: any signed or unsigned 64-bit
+        integer (``s`` and ``s - 2**64`` are the same seed).
     :param stop_token_ids: generation stops after any of these tokens (the
-        token is kept in the output).
-    :param ignore_eos: keep generating after the model's end-of-sequence token.
-    :raises RequestError: on an out-of-range value, naming the field.
+        token is kept in the output); integer ids >= 0.
+    :param ignore_eos: keep generating after the model's end-of-sequence token
+        (``True`` or ``False``).
+    :raises InvalidFieldError: on a value of the wrong type or out of range, naming the field.
     """
 
     max_tokens: int = 16
@@ -66,46 +173,57 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> RequestError:
-            return RequestError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {why}")
-
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):
-            raise bad("max_tokens", "must be an integer")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
-            raise bad("top_k", "must be an integer (0 or -1 turns it off)")
-        if self.top_k < -1:
-            raise bad("top_k", "must be >= 1, or 0/-1 to turn it off")
+        for name, rule in FIELD_RULES.items():
+            value = getattr(self, name)
+            try:
+                checked = rule(value)
+            except _Invalid as exc:
+                raise InvalidFieldError(
+                    f"SamplingParams.{name}={value!r} is invalid: {exc.why}", field=name
+                ) from None
+            if checked is not value:
+                object.__setattr__(self, name, checked)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be in (0, 1]; 1 turns it off")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be in [0, 1]; 0 turns it off")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-        ):
-            raise bad("seed", "must be an integer or None")
-        if self.seed is not None and not (-(2**63) <= int(self.seed) < 2**63):
-            raise bad("seed", "must fit in 64 bits (between -2**63 and 2**63 - 1)")
-        stops = self.stop_token_ids
-        if stops is None:
-            stops = ()
-        try:
-            stops = tuple(int(t) for t in stops)
-        except (TypeError, ValueError):
-            raise bad("stop_token_ids", "must be a sequence of integer token ids") from None
-        if any(t < 0 for t in stops):
-            raise bad("stop_token_ids", "token ids must be >= 0")
-        object.__setattr__(self, "stop_token_ids", stops)
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def is_greedy(self) -> bool:
         """True when the request decodes greedily."""
         return self.temperature == 0.0
+
+
+#: One rule per :class:`SamplingParams` field: it takes the value given and
+#: returns the normalised one, or raises ``_Invalid(why)``. A new field adds a
+#: row here (a test checks that every field has one).
+FIELD_RULES: dict[str, Callable[[Any], Any]] = {
+    "max_tokens": _integer(1, _INT32_MAX, f"must be an integer from 1 to {_INT32_MAX}"),
+    "temperature": _real(
+        lambda t: t >= 0.0,
+        f"must be a finite number >= 0 (0 means greedy, and so does anything below "
+        f"{MIN_TEMPERATURE:g})",
+    ),
+    "top_k": _integer(
+        -1, _INT32_MAX, "must be -1 or 0 (off) or an integer from 1 up to the vocabulary size"
+    ),
+    "top_p": _real(lambda p: 0.0 < p <= 1.0, "must be a number in (0, 1]; 1 turns it off"),
+    "min_p": _real(lambda p: 0.0 <= p <= 1.0, "must be a number in [0, 1]; 0 turns it off"),
+    "seed": _optional(_seed),
+    "stop_token_ids": _token_ids(
+        f"must be a list of integer token ids from 0 to {_INT32_MAX} (or None)"
+    ),
+    "ignore_eos": _boolean("must be True or False"),
+}
+
+
+def seed_as_int64(seed: int) -> int:
+    """The signed 64-bit value of a seed given as a signed or unsigned 64-bit integer.
+
+    :param seed: in ``[-2**63, 2**64)`` (what :class:`SamplingParams` accepts).
+    :return: the same bits read as int64, so ``s`` and ``s - 2**64`` draw the same numbers.
+    """
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 #: Mask of the low 32 bits; the counter-based generator works on 32-bit words held in int64.

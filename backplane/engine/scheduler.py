@@ -229,6 +229,11 @@ class Scheduler:
         return bool(self._requests)
 
     @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self._requests)
+
+    @property
     def running(self) -> list[Request]:
         """Running requests in admission order (a copy)."""
         return list(self._running.values())
