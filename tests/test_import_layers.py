@@ -8,7 +8,8 @@ layer below it, never one above, never a sibling)::
     2  backplane.plugins
     3  backplane.engine
     4  backplane.api, backplane.testing          (siblings: never each other)
-    5  backplane.cli
+    5  backplane.server
+    6  backplane.cli
 
 Every import counts: module level or inside a function, ``import x`` or
 ``from x import y``, relative imports resolved, imports under
@@ -39,7 +40,8 @@ LAYERS: dict[str, int] = {
     "backplane.engine": 3,
     "backplane.api": 4,
     "backplane.testing": 4,
-    "backplane.cli": 5,
+    "backplane.server": 5,
+    "backplane.cli": 6,
 }
 ROOT = "backplane"
 

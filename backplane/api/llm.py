@@ -157,6 +157,10 @@ class LLM:
         self._tracked: dict[str, _Tracked] = {}
         self._ready: dict[str, deque[RequestOutput]] = {}
         self._guard = _ThreadGuard()
+        end_of_turn = None if self.tokenizer is None else self.tokenizer.token_id("eos_token")
+        self._end_ids = frozenset(self.engine.eos_token_ids) | (
+            frozenset() if end_of_turn is None else {end_of_turn}
+        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -283,7 +287,7 @@ class LLM:
             text=t.text,
             token_ids=list(t.token_ids),
             finish_reason=t.reason,
-            stop_reason=_stop_reason(t),
+            stop_reason=_stop_reason(t, self._end_ids),
         )
         return RequestOutput(
             request_id=t.request.request_id,
@@ -586,11 +590,17 @@ def _progress_bar(total: int) -> Any:
     return tqdm(total=total, desc="generating", unit="prompt", disable=None, leave=False)
 
 
-def _stop_reason(t: _Tracked) -> int | None:
-    """The stop token that ended a ``"stop"`` finish (``None`` for end-of-sequence or other)."""
+def _stop_reason(t: _Tracked, end_ids: frozenset[int] = frozenset()) -> int | None:
+    """The stop token that ended a ``"stop"`` finish (``None`` for end-of-sequence or other).
+
+    :param end_ids: the model's end-of-sequence ids and the chat end of turn: a stop
+        on one of those is an end of sequence, as in vLLM.
+    """
     if t.reason != "stop" or not t.token_ids:
         return None
     last = t.token_ids[-1]
+    if last in end_ids:
+        return None
     return last if last in t.request.sampling_params.stop_token_ids else None
 
 

@@ -1,0 +1,480 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one :class:`AsyncLLM`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed
+as server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
+a bad request is a 400 that says what was wrong (never a 500), a missing or
+wrong API key 401, an unknown model 404, a body over the size limit 413, a full
+waiting queue or a stopped engine 503. A request whose client disconnects is
+aborted, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from backplane.api.async_llm import (
+    AsyncLLM,
+    AsyncRequestStream,
+    EngineDeadError,
+    EngineOverloadedError,
+)
+from backplane.api.outputs import RequestOutput
+from backplane.core.errors import BackplaneError, OutOfKVMemoryError, RequestError
+from backplane.server.metrics import CONTENT_TYPE, ServerMetrics
+from backplane.server.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompts,
+    sampling_params,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
+
+#: Default cap on a request body (a prompt of token ids near the model length fits easily).
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON."""
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def _error(message: str, status: int, param: str | None = None, code: str | None = None) -> Any:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+class _BodyLimitAndAuth:
+    """ASGI middleware: the request-body size limit and the API key of ``/v1`` routes.
+
+    The size is checked on ``Content-Length`` before the body is read, and
+    counted while it is read (a chunked body has no length).
+    """
+
+    def __init__(self, app: Any, *, max_body_bytes: int, api_key: str | None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
+                await _error(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                    "with the key the server was started with (--api-key)",
+                    401,
+                    code="invalid_api_key",
+                )(scope, receive, send)
+                return
+        limit = self.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _too_large(limit)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, _too_large_message(limit))
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+def _too_large_message(limit: int) -> str:
+    return (
+        f"the request body is larger than the server's limit of {limit} bytes "
+        "(--max-request-body-bytes); send a shorter prompt"
+    )
+
+
+def _too_large(limit: int) -> Any:
+    return _error(_too_large_message(limit), 413, code="request_too_large")
+
+
+def build_app(
+    engine: AsyncLLM,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """Build the server's FastAPI application.
+
+    :param engine: the engine that runs every request.
+    :param model_name: the name ``/v1/models`` lists and requests must use
+        (a request without ``model`` gets it too).
+    :param api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+    :param max_body_bytes: larger request bodies get 413.
+    :param metrics: the metrics registry (a new one by default).
+    :return: the application (serve it with uvicorn).
+    """
+    app = FastAPI(title="backplane", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = metrics if metrics is not None else ServerMetrics(engine, model_name)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    created = int(time.time())
+    app.add_middleware(_BodyLimitAndAuth, max_body_bytes=max_body_bytes, api_key=api_key)
+
+    # -- errors -------------------------------------------------------------------------------
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Any:
+        errors = exc.errors()
+        parts, param = [], None
+        for e in errors[:5]:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            where = ".".join(loc) or "body"
+            param = param or (loc[0] if loc else None)
+            if e.get("type") == "json_invalid":
+                parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', '')})")
+                param = None
+                break
+            elif e.get("type") == "extra_forbidden":
+                parts.append(f"{where}: unknown field")
+            else:
+                parts.append(f"{where}: {e.get('msg')}")
+        return _error("; ".join(parts) or "invalid request body", 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> Any:
+        code = "request_too_large" if exc.status_code == 413 else None
+        return _error(str(exc.detail), exc.status_code, code=code)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, exc: BadRequest) -> Any:
+        return _error(exc.message, exc.status, exc.param, exc.code)
+
+    @app.exception_handler(BackplaneError)
+    async def _backplane(request: Request, exc: BackplaneError) -> Any:
+        return _engine_error(exc)
+
+    # -- routes -------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.is_alive:
+            return _error("the engine loop is not running", 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Any:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "backplane",
+            "root": str(engine.llm.engine.config.model),
+            "max_model_len": engine.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise BadRequest(
+                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        prompts = completion_prompts(body.prompt)
+        base = engine.default_sampling_params()
+        max_tokens = body.max_tokens if body.max_tokens is not None else base.max_tokens
+        params = sampling_params(body, base, max_tokens=max_tokens)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await _start(
+            [
+                lambda p=p, i=i: engine.add_request(p, params, f"{rid}-{i}")
+                for i, p in enumerate(prompts)
+            ]
+        )
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+
+        def choice(i: int, out: RequestOutput, final: bool) -> dict[str, Any]:
+            return {
+                "index": i,
+                "text": out.text if final else out.new_text,
+                "logprobs": None,
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None,
+            }
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(streams, head, lambda i, out: [choice(i, out, False)], include_usage)
+        outs = await _collect(streams, request)
+        if outs is None:
+            return Response(status_code=499)
+        return JSONResponse(
+            {
+                **head,
+                "choices": [choice(i, o, True) for i, o in enumerate(outs)],
+                "usage": _usage(outs),
+            }
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        messages = chat_messages(body.messages)
+        text, ids = engine.render_chat(
+            messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
+        base = engine.default_sampling_params()
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # as much as the context leaves
+            max_tokens = max(engine.max_model_len - len(ids), 1)
+        params = engine.chat_params(sampling_params(body, base, max_tokens=max_tokens))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await _start(
+            [lambda: engine.add_request(ids, params, f"{rid}-0", prompt_text=text)]
+        )
+        created_at = int(time.time())
+        if body.stream:
+            head = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created_at,
+                "model": model_name,
+            }
+            first = [True]
+
+            def chunks(i: int, out: RequestOutput) -> list[dict[str, Any]]:
+                delta: dict[str, Any] = {}
+                if first[0]:
+                    delta["role"] = "assistant"
+                    first[0] = False
+                if out.new_text or "role" in delta:
+                    delta["content"] = out.new_text
+                return [
+                    {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": out.finish_reason if out.finished else None,
+                        "stop_reason": out.stop_reason if out.finished else None,
+                    }
+                ]
+
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(streams, head, chunks, include_usage)
+        outs = await _collect(streams, request)
+        if outs is None:
+            return Response(status_code=499)
+        head = {"id": rid, "object": "chat.completion", "created": created_at, "model": model_name}
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            for i, o in enumerate(outs)
+        ]
+        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
+
+    return app
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _engine_error(exc: BaseException) -> Any:
+    if isinstance(exc, EngineOverloadedError):
+        return _error(str(exc), 503, code="overloaded")
+    if isinstance(exc, EngineDeadError):
+        return _error(str(exc), 503, code="engine_dead")
+    if isinstance(exc, RequestError | OutOfKVMemoryError):
+        return _error(str(exc), 400, "prompt" if "prompt" in str(exc) else None)
+    return _error(str(exc), 400)
+
+
+async def _start(
+    adds: Sequence[Callable[[], Awaitable[AsyncRequestStream]]],
+) -> list[AsyncRequestStream]:
+    """Queue every request of an HTTP request; all or nothing."""
+    streams: list[AsyncRequestStream] = []
+    try:
+        for i, add in enumerate(adds):
+            try:
+                streams.append(await add())
+            except RequestError as exc:
+                msg = f"prompt {i}: {exc}" if len(adds) > 1 else str(exc)
+                raise RequestError(msg) from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def _merge(streams: list[AsyncRequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncRequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(
+    streams: list[AsyncRequestStream], request: Request
+) -> list[RequestOutput] | None:
+    """The final output of every stream, or ``None`` (all aborted) if the client disconnects."""
+
+    async def gather() -> list[RequestOutput]:
+        finals: list[Any] = [None] * len(streams)
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals[i] = out
+        return finals
+
+    async def disconnected() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    work = asyncio.create_task(gather())
+    watch = asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        for s in streams:
+            s.abort()
+    if work in done:
+        return work.result()
+    logger.info("client disconnected; request %s aborted", streams[0].request_id)
+    return None
+
+
+def _usage(outs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _sse(
+    streams: list[AsyncRequestStream],
+    head: dict[str, Any],
+    choices: Callable[[int, RequestOutput], list[dict[str, Any]]],
+    include_usage: bool,
+) -> StreamingResponse:
+    """A server-sent-event response: one chunk per output that adds text or finishes."""
+
+    async def events() -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in _merge(streams):
+                if out.finished:
+                    finals[i] = out
+                elif not out.new_text:
+                    continue  # tokens that do not make a whole character yet
+                yield _event({**head, "choices": choices(i, out)})
+            if include_usage:
+                usage = _usage([finals[i] for i in sorted(finals)])
+                yield _event({**head, "choices": [], "usage": usage})
+        except BackplaneError as exc:  # the engine stopped mid-stream
+            yield _event(error_body(str(exc), 503))
+        finally:
+            # a client that went away cancels this generator: free its requests' pages
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
