@@ -178,6 +178,8 @@ class Engine:
         # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
         self._seed_rng = np.random.default_rng(int(config.seed))
         self._inflight: _Launched | None = None
+        # tokens committed by an asynchronous step that raised before returning them
+        self._undelivered: dict[str, int] | None = None
         # two pinned buffers for the sampled tokens: step N+1's copy is issued before N's is read
         self._token_host = [
             torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -449,9 +451,29 @@ class Engine:
         request's last token arrives one call after it was sampled. Without it,
         the step's own outputs are returned.
 
+        A step happens whole or not at all. If anything in it raises (input
+        preparation, the forward, sampling, a host-tier copy), every request
+        it touched is restarted from its last committed token (its pages and
+        state slot given up, so no half-advanced recurrent state is used),
+        reports of requests finished earlier are kept for the next call, and
+        the exception propagates. The engine is then consistent: calling
+        :meth:`step` again goes on with the outputs an undisturbed run gives. A
+        request that took part in ``scheduler.max_step_failures`` failed steps
+        is finished with reason ``"error"`` instead (reported by the next call).
+
         :return: one entry per request that got a token or finished.
         """
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
+        flip = self._token_flip
+        prev = self._inflight
+        try:
+            return self._run_step(sched)
+        except BaseException:
+            self._recover(sched, prev, flip)
+            raise
+
+    def _run_step(self, sched: Any) -> list[EngineStepOutput]:
+        """Launch, wait for and commit one scheduled step (see :meth:`step`)."""
         launched = self._launch(sched) if sched.scheduled else None
         if not self.async_scheduling:
             if launched is not None:
@@ -470,11 +492,46 @@ class Engine:
             self.scheduler.commit(prev.sched, sampled)
             if gone:
                 sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
+            # committed: delivered by this call, or by the next one if something below raises
+            self._undelivered = sampled
         if launched is not None:
             # after the previous commit: pages that just became full hash real tokens
             self.scheduler.advance(sched)
             self._inflight = launched
         return self._collect(sched, sampled)
+
+    def _recover(self, sched: Any, prev: _Launched | None, flip: int) -> None:
+        """Undo a step that raised: restart its requests from their committed tokens.
+
+        :param sched: the failed step's scheduler output.
+        :param prev: the asynchronous step that was in flight when it began.
+        :param flip: the token buffer the step began with.
+        """
+        self._token_flip = flip  # the failed launch's buffer is free again
+        failed = [s.request for s in sched.scheduled]
+        if prev is not None and self._inflight is prev:
+            # The launch failed; the step before it is intact. Commit it now: a restarted
+            # request must not be readmitted while its last token is still on the device.
+            self._inflight = None
+            try:
+                sampled = self._wait(prev)
+                gone = {r.request_id for r in prev.reqs if r.is_finished}
+                self.scheduler.commit(prev.sched, sampled)
+                self._undelivered = {r: t for r, t in sampled.items() if r not in gone}
+            except BaseException:
+                logger.exception("the step in flight failed too; restarting its requests")
+                failed = [s.request for s in prev.sched.scheduled] + failed
+        elif prev is not None:
+            # the step in flight was taken for commit and failed (or what ran after it):
+            # its tokens, and the launched step that read them on the device, are lost
+            failed = [s.request for s in prev.sched.scheduled] + failed
+            self._inflight = None
+        # no step is in flight any more: a pending token left on these requests is lost
+        for req in failed:
+            if req.has_pending_token and not req.is_finished:
+                req.drop_placeholder()
+        self.scheduler.keep_reports(sched.finished)
+        self.scheduler.restart(failed)
 
     def _launch(self, sched: Any) -> _Launched:
         """Prepare, run and sample one step on the device; start the tokens' copy to the host."""
@@ -547,8 +604,17 @@ class Engine:
 
     def _collect(self, sched: Any, sampled: dict[str, int]) -> list[EngineStepOutput]:
         outs: dict[str, EngineStepOutput] = {}
+        undelivered, self._undelivered = self._undelivered, None
+        if undelivered is not None and undelivered is not sampled:
+            # committed by a step that raised afterwards: delivered now, first
+            for rid, tok in undelivered.items():
+                outs[rid] = EngineStepOutput(rid, [tok])
         for rid, tok in sampled.items():
-            outs[rid] = EngineStepOutput(rid, [tok])
+            o = outs.get(rid)
+            if o is None:
+                outs[rid] = EngineStepOutput(rid, [tok])
+            else:
+                o.new_token_ids.append(tok)
         # every request the scheduler finished (stopped, length, aborted) this step
         for req in _finished_requests(self.scheduler, sched):
             rid = req.request_id

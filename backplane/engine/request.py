@@ -65,6 +65,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  #: a stop token id or the end-of-sequence token was generated
     LENGTH = "length"  #: ``max_tokens`` reached, or the model length
     ABORT = "abort"  #: aborted by the caller
+    ERROR = "error"  #: every step it took part in failed (see ``Scheduler.max_step_failures``)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Request:
         "scheduled_step",
         "user_data",
         "sampling_seed",
+        "num_failed_steps",
     )
 
     def __init__(
@@ -225,6 +227,8 @@ class Request:
         self.user_data: Any = None
         # The seed of the request's random draws (set by the engine at admission).
         self.sampling_seed = 0
+        # Failed steps this request took part in (each one restarted it from its committed tokens).
+        self.num_failed_steps = 0
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -361,6 +365,18 @@ class Request:
         if self.final_pending:
             return FinishReason.LENGTH
         return None
+
+    def drop_placeholder(self) -> None:
+        """Take back the pending token: its step failed, so its value will never come.
+
+        :raises RuntimeError: no token is pending.
+        """
+        if not self._pending:
+            raise RuntimeError(f"request {self.request_id!r} has no token being sampled")
+        self._num_tokens -= 1
+        self._pending = False
+        self.final_pending = False
+        self.pending_row = -1
 
     @property
     def has_pending_token(self) -> bool:

@@ -141,6 +141,8 @@ class SchedulerStats:
     admitted: int = 0
     finished: int = 0
     aborted: int = 0
+    restarted: int = 0  #: requests restarted after a failed step
+    failed: int = 0  #: requests finished with an error after too many failed steps
 
 
 class Scheduler:
@@ -149,9 +151,19 @@ class Scheduler:
     :param kv: the KV-cache manager (pages, prefix cache, state slots).
     :param max_num_seqs: most sequences per step (and running at once).
     :param max_num_tokens: most new tokens per step (the token budget).
+    :param max_step_failures: a request that took part in this many failed
+        steps is finished with :attr:`FinishReason.ERROR` instead of being
+        restarted again, so a step that keeps failing cannot stall the engine.
     """
 
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_step_failures: int = 3,
+    ) -> None:
         if max_num_seqs < 1 or max_num_tokens < 1:
             raise ConfigError(
                 f"max_num_seqs={max_num_seqs} and max_num_tokens={max_num_tokens} must be >= 1"
@@ -165,6 +177,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_tokens = int(max_num_tokens)
+        self.max_step_failures = max(int(max_step_failures), 1)
         self._requests: dict[str, Request] = {}  # live (not finished)
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # admission order
@@ -345,7 +358,14 @@ class Scheduler:
             budget -= n
         if not claims:
             return budget
-        kv.allocate_claimed(claims)  # phase 2, for the whole batch
+        try:
+            kv.allocate_claimed(claims)  # phase 2, for the whole batch
+        except BaseException:
+            # nothing of the batch was admitted (the manager unwound it): requeue it as it was
+            reqs = [c.request for c in claims]
+            waiting.extendleft(reversed(reqs))
+            self.restart(reqs)  # counts the failure (and ends requests that keep failing)
+            raise
         now = time.perf_counter()
         running = self._running
         for claim in claims:
@@ -464,6 +484,69 @@ class Scheduler:
                 done.append(req)
         self.stats.finished += len(done)
         return done
+
+    # -- failed steps ---------------------------------------------------------------------------
+
+    def restart(self, requests: list[Request]) -> list[Request]:
+        """Take requests of a failed step back to their last committed token.
+
+        Each request gives up its pages and state slot, as in a preemption,
+        and goes back to the front of the waiting queue (in the given order):
+        it recomputes its committed tokens on readmission, so a recurrent state
+        the failed step advanced halfway is never used. Pages it filled in
+        earlier steps stay in the prefix cache. A pending token whose step
+        failed must have been dropped first (:meth:`Request.drop_placeholder`).
+        A request that took part in ``max_step_failures`` failed steps is
+        finished with :attr:`FinishReason.ERROR` instead.
+
+        :param requests: the failed step's requests (finished ones are skipped).
+        :return: the requests finished with an error (reported like any finished one).
+        """
+        seen: set[str] = set()
+        todo = []
+        for req in requests:
+            if req.is_finished or req.request_id in seen:
+                continue
+            seen.add(req.request_id)
+            todo.append(req)
+        self._count_failure(todo)
+        failed = []
+        requeue = []
+        for req in todo:
+            if req.status is RequestStatus.RUNNING:
+                del self._running[req.request_id]
+                self.kv.free(req)
+                req.status = RequestStatus.PREEMPTED
+            else:
+                self._waiting.remove(req)
+            if req.num_failed_steps >= self.max_step_failures:
+                self._finish(req, FinishReason.ERROR)
+                failed.append(req)
+            else:
+                requeue.append(req)
+        self._waiting.extendleft(reversed(requeue))
+        self.stats.restarted += len(requeue)
+        self.stats.failed += len(failed)
+        return failed
+
+    def _count_failure(self, requests: list[Request]) -> None:
+        for req in requests:
+            req.num_failed_steps += 1
+        if requests:
+            logger.warning(
+                "a step failed; restarting %d request(s) from their committed tokens: %s",
+                len(requests),
+                ", ".join(repr(r.request_id) for r in requests[:8]),
+            )
+
+    def keep_reports(self, finished: list[Request]) -> None:
+        """Put back finished requests a failed step had taken out for reporting.
+
+        :param finished: ``SchedulerOutput.finished`` of the step that failed;
+            they are reported by the next :meth:`schedule` or :meth:`pop_finished`.
+        """
+        if finished:
+            self._finished_pending[:0] = finished
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.kv.free(req)

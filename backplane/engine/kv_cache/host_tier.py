@@ -187,12 +187,28 @@ class HostTier:
             src.append(d)
             dst.append(hp)
         if src:
-            self._copy(self.device_caches, self.host_caches, src, dst, to_host=True)
+            try:
+                self._copy(self.device_caches, self.host_caches, src, dst, to_host=True)
+            except BaseException:
+                self._forget(dst)  # their content is unknown now
+                raise
             self.num_offloaded += len(src)
         return len(src)
 
+    def _forget(self, pages: Sequence[int]) -> None:
+        """Turn unclaimed host pages back into free pages holding nothing."""
+        for hp in pages:
+            h = self._page_hash[hp]
+            if h is not None:
+                del self._map[h]
+                self._page_hash[hp] = None
+            self._lru.pop(hp, None)
+            self._free.append(hp)
+
     def onboard(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
         """Copy host pages into (freshly allocated) device pages.
+
+        A copy that raises leaves the host pages as they were (a copy only reads them).
 
         :param host_pages: source host pages (claimed by the caller until this returns).
         :param device_pages: destination device pages.

@@ -340,6 +340,7 @@ class KVCacheManager:
         # prefix shared by several requests of the batch is onboarded once).
         plans: list[tuple[Claim, int, list[int], int]] = []
         pending: dict[int, int] = {}  # hash -> index into the batch's page allocation
+        onboard: list[tuple[int, int]] = []  # (index into the allocation, host page) to copy
         need = 0
         for c in claims:
             st: RequestKV = c.request.kv_state
@@ -359,6 +360,7 @@ class KVCacheManager:
                 j = pending.get(h)
                 if j is None:
                     j = pending[h] = need
+                    onboard.append((j, hp))
                     need += 1
                 slots.append(j)
             if realised < len(c.hits):
@@ -369,14 +371,23 @@ class KVCacheManager:
         self._reserved_pages -= sum(c.reserved_pages for c in claims)
         for c in claims:
             c.reserved_pages = 0
-        if need > self.pool.num_free + prefix.num_evictable:
-            raise RuntimeError(f"admission needs {need} pages beyond its reservation")
-        pages = self._alloc(need).tolist()
+        pages: list[int] = []
+        try:
+            if need > self.pool.num_free + prefix.num_evictable:
+                raise RuntimeError(f"admission needs {need} pages beyond its reservation")
+            pages = self._alloc(need).tolist()
+            # Onboard before any page is registered or handed out: a failed copy
+            # leaves only fresh pages and claims behind, which are undone here.
+            if onboard:
+                host.onboard(  # type: ignore[union-attr]
+                    [hp for _, hp in onboard], [pages[j] for j, _ in onboard]
+                )
+        except BaseException:
+            self._unwind_admission(plans, pages)
+            raise
         # Pass 2: fill the page tables; the first user of an onboarded page owns
         # the allocation's reference, later users of the batch share it.
         owner_done: set[int] = set()
-        onboard_src: list[int] = []
-        onboard_dst: list[int] = []
         for c, realised, slots, start in plans:
             req = c.request
             st = req.kv_state
@@ -396,8 +407,6 @@ class KVCacheManager:
                 else:
                     owner_done.add(j)
                     prefix.register(d, st.hashes[i])
-                    onboard_src.append(c.hits[i][1])
-                    onboard_dst.append(d)
                     onboarded += 1
             cached = realised * ps
             total = self.pages_for(cached + c.num_new_tokens)
@@ -434,9 +443,7 @@ class KVCacheManager:
                 if self.debug:
                     raise AssertionError(msg)
                 logger.error(msg)
-        if onboard_src:
-            host.onboard(onboard_src, onboard_dst)  # type: ignore[union-attr]
-            self.stats.onboarded_pages += len(onboard_src)
+        self.stats.onboarded_pages += len(onboard)
         # Host claims end once the copies out of them are queued (copies run in order).
         for c in claims:
             for d, hp in c.hits:
@@ -445,6 +452,30 @@ class KVCacheManager:
             c.request.kv_state.claim = None
         if self.debug:
             assert self._reserved_pages >= 0 and self._reserved_slots >= 0
+
+    def _unwind_admission(
+        self, plans: list[tuple[Claim, int, list[int], int]], pages: list[int]
+    ) -> None:
+        """Undo a batch admission that failed before any page table was filled.
+
+        The fresh pages go back to the free stack, every claim is given back
+        (device hits kept in pass 1, every host hit) and the state-slot
+        reservations end: the requests hold nothing, as before :meth:`claim`.
+        """
+        if pages:
+            fresh = np.asarray(pages, dtype=np.int32)
+            self.pool.ref_counts[fresh] = 0
+            self.pool.push_free(fresh)
+        for c, realised, _, _ in plans:
+            self._drop_hits(c.hits[:realised])  # the rest was dropped in pass 1
+            for d, hp in c.hits:
+                if d < 0:
+                    self.host.unclaim(hp)  # type: ignore[union-attr]
+            c.hits = []
+            if c.reserved_slot:
+                self._reserved_slots -= 1
+                c.reserved_slot = False
+            c.request.kv_state.claim = None
 
     def _drop_hits(self, hits: list[tuple[int, int]]) -> None:
         """Release device claims of hits that will not be used (host claims end later)."""
@@ -554,7 +585,16 @@ class KVCacheManager:
         evicted = [self.prefix.evict() for _ in range(n)]
         pages = [p for p, _ in evicted]
         if self.host is not None:
-            self.stats.offloaded_pages += self.host.offload(pages, [h for _, h in evicted])
+            try:
+                self.stats.offloaded_pages += self.host.offload(pages, [h for _, h in evicted])
+            except Exception:
+                # The host tier is a cache: losing these pages only costs their
+                # recomputation, so the allocation that evicted them goes on.
+                logger.warning(
+                    "copying %d evicted KV pages to the host tier failed; they are dropped",
+                    n,
+                    exc_info=True,
+                )
         self.pool.push_free(np.asarray(pages, dtype=np.int32))
         self.stats.evicted_pages += n
 
