@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -13,23 +15,27 @@ def generate_eager_and_graphed(
     dtype: str,
     prompt_lens: tuple[int, ...],
     max_tokens: int,
+    params: Any = None,
 ) -> dict[str, list[list[int]]]:
-    """Greedy tokens of the same prompts with ``cuda_graphs`` off and ``full_and_piecewise``.
+    """Tokens of the same prompts with ``cuda_graphs`` off and ``full_and_piecewise``.
 
-    Asserts that no bucket's capture failed (a failed bucket would quietly run eagerly).
+    Asserts that no bucket's capture failed (a failed bucket would quietly run
+    eagerly), sampling graphs included.
 
     :param model: a preset name or model directory.
     :param backends: family -> backend name.
     :param dtype: the model dtype.
     :param prompt_lens: one random prompt of each length.
-    :param max_tokens: tokens generated per prompt.
+    :param max_tokens: tokens generated per prompt (greedy unless ``params`` is given).
+    :param params: ``SamplingParams`` for every prompt, or one per prompt.
     :return: ``{"off": ..., "full_and_piecewise": ...}``, the token ids per prompt.
     """
     from backplane import LLM, SamplingParams
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in prompt_lens]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if params is None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     results = {}
     for mode in ("off", "full_and_piecewise"):
         llm = LLM(
@@ -45,6 +51,7 @@ def generate_eager_and_graphed(
         if mode != "off":
             runner = llm.engine.runner
             assert runner.piecewise.failed == {} and runner.decode.failed == {}
+            assert all(runner.head.has(b) for b in runner.decode.graphs)
         results[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()

@@ -324,7 +324,8 @@ def test_the_step_mode_is_decided_once_and_run_dispatches_on_it(setup, monkeypat
     assert eager.mode == StepMode() and eager.mode.is_eager
 
     calls = []
-    monkeypatch.setattr(runner.decode, "replay", lambda b: calls.append(("decode", b)))
+    # a decode graph returns the hidden states and the logits
+    monkeypatch.setattr(runner.decode, "replay", lambda b: (calls.append(("decode", b)), None))
     monkeypatch.setattr(runner.piecewise, "run", lambda b, *a: calls.append(("piecewise", b)))
     monkeypatch.setattr(runner, "model", lambda ids, pos: calls.append(("eager", len(ids))))
     for inputs in (decode, mixed, eager):

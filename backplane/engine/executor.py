@@ -31,7 +31,7 @@ from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import CacheFootprint, TensorSpec, cache_footprint
 from backplane.engine.inputs import BatchInputs, InputBatch
 from backplane.engine.runner import EagerModelRunner, ModelRunner
-from backplane.engine.sampling import Sampler, SamplingParams, seed_as_int64
+from backplane.engine.sampling import Sampler, SamplingParams, SamplingRows, seed_as_int64
 from backplane.engine.sizes import cpu_kv_budget, format_size
 
 if TYPE_CHECKING:
@@ -172,8 +172,8 @@ class Engine:
             page_size=self.page_size,
             device=self.device,
         )
-        self.runner: ModelRunner = self._build_runner()
         self.sampler = Sampler()
+        self.runner: ModelRunner = self._build_runner()
         self.async_scheduling = bool(config.async_scheduling)
         # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
         self._seed_rng = np.random.default_rng(int(config.seed))
@@ -309,7 +309,7 @@ class Engine:
         """The eager runner, or the CUDA-graph runner (graphs captured now) when enabled."""
         mode = self.config.cuda_graphs_resolved
         if mode == "off" or self.device.type != "cuda":
-            return EagerModelRunner(self.model, self.input_batch)
+            return EagerModelRunner(self.model, self.input_batch, self.sampler)
         from backplane.engine.graph.runner import GraphModelRunner
 
         runner = GraphModelRunner(
@@ -322,6 +322,7 @@ class Engine:
             max_model_len=self.max_model_len,
             page_size=self.page_size,
             token_bucket_sizes=self.config.cuda_graph_buckets,
+            sampler=self.sampler,
         )
         runner.capture()
         return runner
@@ -591,16 +592,12 @@ class Engine:
         :param reqs: the requests of ``inputs.sample_seqs``, in that order.
         :return: ``[len(reqs)]`` int64 tokens on the device (no host synchronisation).
         """
-        if not reqs:
-            return torch.empty(0, dtype=torch.int64, device=hidden.device)
-        last = hidden.index_select(0, inputs.logits_indices)
-        logits = self.model.compute_logits(last)
         n = len(reqs)
         seeds = np.fromiter((r.sampling_seed for r in reqs), np.int64, n)
         # the index of the token being sampled: placeholders count, so it is exact in async runs
         offsets = np.fromiter((r.num_output_tokens for r in reqs), np.int64, n)
-        params = [r.sampling_params for r in reqs]
-        return self.sampler.sample(logits, params, seeds, offsets)
+        rows = SamplingRows([r.sampling_params for r in reqs], seeds, offsets)
+        return self.runner.sample(hidden, inputs, rows)
 
     def _collect(self, sched: Any, sampled: dict[str, int]) -> list[EngineStepOutput]:
         outs: dict[str, EngineStepOutput] = {}

@@ -12,6 +12,9 @@ A :class:`ModelRunner` does two things per step:
 2. :meth:`~ModelRunner.run` runs the model for the prepared step, dispatching on
    its mode. The engine calls it under the forward context (batch metadata
    plus every backend's plan).
+3. :meth:`~ModelRunner.sample` turns the step's hidden states into one token
+   per sampling sequence on the device (LM head and sampler; a graph runner
+   replays both, captured, for decode-graph steps).
 
 :class:`EagerModelRunner` runs every step eagerly;
 :class:`backplane.engine.graph.runner.GraphModelRunner` captures CUDA graphs.
@@ -25,8 +28,37 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
+from backplane.engine.sampling import Sampler, SamplingRows
 
-__all__ = ["EagerModelRunner", "ModelRunner"]
+__all__ = ["EagerModelRunner", "ModelRunner", "sample_eagerly"]
+
+
+def sample_eagerly(
+    model: torch.nn.Module,
+    sampler: Sampler,
+    hidden: torch.Tensor,
+    inputs: BatchInputs,
+    rows: SamplingRows,
+    logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather each sampling sequence's last hidden state, project it to logits, sample.
+
+    :param model: the ``CausalLM`` (its ``compute_logits`` is the LM head).
+    :param sampler: the engine's sampler.
+    :param hidden: the step's hidden states.
+    :param inputs: the step's inputs (``logits_indices`` picks the rows).
+    :param rows: what each sampling sequence samples, in ``logits_indices`` order.
+    :param logits: logits of every hidden row when already computed (a decode
+        graph's output); gathered instead of projecting again.
+    :return: ``[len(rows)]`` int64 tokens on the device (no host synchronisation).
+    """
+    if not len(rows):
+        return torch.empty(0, dtype=torch.int64, device=hidden.device)
+    if logits is not None:
+        logits = logits.index_select(0, inputs.logits_indices)
+    else:
+        logits = model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+    return sampler.sample(logits, rows.params, rows.seeds, rows.offsets)
 
 
 @runtime_checkable
@@ -49,6 +81,16 @@ class ModelRunner(Protocol):
         """
         ...
 
+    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows) -> torch.Tensor:
+        """Sample one token per sampling sequence of the step just run.
+
+        :param hidden: what :meth:`run` returned for ``inputs``.
+        :param inputs: the step's inputs.
+        :param rows: the sampling sequences' parameters, in ``inputs.logits_indices`` order.
+        :return: ``[len(rows)]`` int64 tokens on the device (valid until the next step).
+        """
+        ...
+
     def capture(self) -> None:
         """Capture whatever the runner replays later (once, before the first step)."""
         ...
@@ -63,11 +105,15 @@ class EagerModelRunner:
 
     :param model: the loaded ``CausalLM``.
     :param input_batch: the engine's persistent :class:`~backplane.engine.inputs.InputBatch`.
+    :param sampler: the sampler (default: a new :class:`Sampler`; it is stateless).
     """
 
-    def __init__(self, model: torch.nn.Module, input_batch: InputBatch) -> None:
+    def __init__(
+        self, model: torch.nn.Module, input_batch: InputBatch, sampler: Sampler | None = None
+    ) -> None:
         self.model = model
         self.input_batch = input_batch
+        self.sampler = sampler if sampler is not None else Sampler()
 
     def padded_num_tokens(self, num_tokens: int, num_seqs: int, is_decode_only: bool) -> int:
         """Return the token count to pad a step to (no padding).
@@ -107,6 +153,11 @@ class EagerModelRunner:
         :return: ``[padded_num_tokens, hidden]`` hidden states.
         """
         return self.model(inputs.input_ids, inputs.positions)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows) -> torch.Tensor:
+        """LM head and sampler, op by op (see :func:`sample_eagerly`)."""
+        return sample_eagerly(self.model, self.sampler, hidden, inputs, rows)
 
     def capture(self) -> None:
         """Nothing to capture."""

@@ -315,12 +315,9 @@ class Sampler:
         """
         device = torch.device(device)
         n = len(params)
-        temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
+        temps, top_k, top_p, min_p = param_arrays(params)
         greedy = temps == 0.0
         all_greedy = bool(greedy.all()) if n else True
-        top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
-        top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
-        min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
         if all_greedy:  # argmax only: nothing to copy to the device
             return SamplingTensors(None, None, None, None, None, None, None, True)
         if seeds is None:
@@ -414,7 +411,8 @@ def apply_filters(
         if top_p is not None:
             p = torch.softmax(sorted_x, dim=-1)
             before = p.cumsum(dim=-1) - p  # mass of strictly more likely tokens
-            remove |= before >= top_p.unsqueeze(1)
+            # top_p == 1 is off: a float32 cumsum can reach 1 before the last token
+            remove |= (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
             remove[:, 0] = False
         x = x.scatter(1, order, sorted_x.masked_fill(remove, float("-inf")))
     if min_p is not None:
@@ -422,6 +420,40 @@ def apply_filters(
         threshold = p.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         x = x.masked_fill(p < threshold, float("-inf"))
     return x
+
+
+def param_arrays(
+    params: Sequence[SamplingParams],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The per-row filter values of a batch, as host arrays.
+
+    :param params: one :class:`SamplingParams` per row.
+    :return: ``(temperature float32, top_k int64, top_p float32, min_p float32)``,
+        each ``[len(params)]``; ``top_k`` is 0 where it is off.
+    """
+    n = len(params)
+    temps = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
+    top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=n)
+    top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
+    min_p = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
+    return temps, top_k, top_p, min_p
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """What a step samples: one row per sampling sequence, in logits-row order.
+
+    :param params: each row's :class:`SamplingParams`.
+    :param seeds: ``[n]`` int64 per-row seeds.
+    :param offsets: ``[n]`` int64 index of the token each row samples in its request.
+    """
+
+    params: Sequence[SamplingParams]
+    seeds: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:

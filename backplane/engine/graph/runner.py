@@ -5,7 +5,9 @@
 dispatches on it:
 
 * decode-only step, batch within a captured decode bucket -> the monolithic
-  graph of that bucket, the batch padded with scratch sequences;
+  graph of that bucket (forward and LM head), the batch padded with scratch
+  sequences, then the bucket's captured sampling graph
+  (:class:`~backplane.engine.graph.sampling_head.SamplingHead`);
 * prefill or mixed step within a captured token bucket -> piecewise graphs,
   the tokens padded to the bucket;
 * anything else -> eager.
@@ -38,7 +40,10 @@ from backplane.engine.graph.buckets import decode_buckets, pick_bucket, token_bu
 from backplane.engine.graph.capture import new_pool, pool_bytes
 from backplane.engine.graph.decode import DecodeGraphs
 from backplane.engine.graph.piecewise import PiecewiseGraphs
+from backplane.engine.graph.sampling_head import SamplingHead
 from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
+from backplane.engine.runner import sample_eagerly
+from backplane.engine.sampling import Sampler, SamplingRows
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,7 @@ class GraphModelRunner:
     :param allow_cpu: keep the graph machinery on a CPU device, where "graphs"
         are eager stand-ins; lets the dispatch, padding and capture logic be
         tested without CUDA.
+    :param sampler: the sampler (default: a new, stateless :class:`Sampler`).
     """
 
     def __init__(
@@ -95,6 +101,7 @@ class GraphModelRunner:
         token_bucket_sizes: Sequence[int] | None = None,
         decode_bucket_sizes: Sequence[int] | None = None,
         allow_cpu: bool = False,
+        sampler: Sampler | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"cuda_graphs={mode!r}; expected one of {', '.join(MODES)}")
@@ -112,13 +119,24 @@ class GraphModelRunner:
         self.pool = new_pool() if mode != "off" and self.cuda else None
         self.token_buckets = token_buckets(max_num_tokens, token_bucket_sizes)
         self.decode_buckets = decode_buckets(max_num_seqs, decode_bucket_sizes)
+        self.sampler = sampler if sampler is not None else Sampler()
         self.decode: DecodeGraphs | None = None
+        self.head: SamplingHead | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        # the logits of the last decode-graph replay (for a step sampled eagerly)
+        self._decode_logits: torch.Tensor | None = None
         # read-only padding sequences for decode replays, made once
         self._decode_padding = self._scratch(self.decode_buckets[-1], 1, 1)
         if mode in ("decode", "full_and_piecewise"):
             self.decode = DecodeGraphs(
-                self._forward, self.decode_buckets, self.pool, cuda=self.cuda
+                self._forward_logits, self.decode_buckets, self.pool, cuda=self.cuda
+            )
+            self.head = SamplingHead(
+                self.sampler,
+                self.decode_buckets[-1],
+                input_batch.device,
+                self.pool,
+                cuda=self.cuda,
             )
         if mode in ("piecewise", "full_and_piecewise"):
             ops = [op for b in backends.values() for op in b.dynamic_ops()]
@@ -128,6 +146,13 @@ class GraphModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def _forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # a decode step samples every row: the LM head runs on all of them, in the graph
+        hidden = self.model(input_ids, positions)
+        return hidden, self.model.compute_logits(hidden)
 
     # -- capture ------------------------------------------------------------------
     def _scratch(self, n: int, cached: int, num_pages: int) -> list[_ScratchSeq]:
@@ -176,6 +201,8 @@ class GraphModelRunner:
                 self.piecewise.capture(self._piecewise_inputs, progress=bar)
             if self.decode is not None:
                 self.decode.capture(self._decode_inputs, progress=bar)
+                for bucket, graph in self.decode.graphs.items():
+                    self.head.capture(bucket, graph.outputs[1])
         if self.cuda:
             torch.cuda.synchronize()
         logger.info("CUDA graph pool: %.1f MiB", pool_bytes(self.pool) / 2**20)
@@ -232,8 +259,35 @@ class GraphModelRunner:
         :return: hidden states ``[padded_num_tokens, hidden]`` (valid until the next step).
         """
         mode = inputs.mode
+        self._decode_logits = None
         if mode.is_decode_graph:
-            return self.decode.replay(mode.bucket)
+            hidden, self._decode_logits = self.decode.replay(mode.bucket)
+            return hidden
         if mode.is_piecewise:
             return self.piecewise.run(mode.bucket, inputs.input_ids, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows) -> torch.Tensor:
+        """Sample the step: a decode-graph step replays its bucket's sampling graph.
+
+        Other steps (and a decode-graph step whose sampling graphs failed to
+        capture) run the LM head and sampler op by op; a decode-graph step
+        then reuses the logits its graph already computed.
+
+        :param hidden: what :meth:`run` returned for ``inputs``.
+        :param inputs: the step's inputs.
+        :param rows: the sampling sequences, in ``inputs.logits_indices`` order.
+        :return: ``[len(rows)]`` int64 tokens on the device.
+        """
+        mode = inputs.mode
+        if mode.is_decode_graph and self.head is not None and self.head.has(mode.bucket):
+            # The sampling graph reads logits rows 0..n-1. A decode step keeps its
+            # sequences in order, so the rows that sample (increasing) are exactly
+            # those when the last one is n-1; a 1-token chunk that ends short of
+            # its prompt samples nothing and breaks that.
+            ss = inputs.sample_seqs
+            if len(ss) and int(ss[-1]) == len(ss) - 1:
+                return self.head.sample(mode.bucket, rows)
+        logits = self._decode_logits if mode.is_decode_graph else None
+        return sample_eagerly(self.model, self.sampler, hidden, inputs, rows, logits)
