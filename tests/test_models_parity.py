@@ -314,25 +314,29 @@ def _assert_like_baseline(
 ) -> None:
     """bfloat16: the backend adds little error to what bfloat16 itself costs.
 
-    ``base`` is the all-``torch`` run at the same dtype and device. The mean
-    error may be at most twice the baseline's (plus 0.5% of the logit scale);
-    at most 15% of positions (and never fewer than two: a short sequence would
+    ``base`` is the all-``torch`` run at the same dtype and device. At most
+    15% of positions (and never fewer than two: a short sequence would
     otherwise allow one) may be off by more than twice the baseline's error at
-    that position plus 5% of the scale (a near-tie between two experts can flip
+    that position plus 5% of the scale: a near-tie between two experts can flip
     routing at this precision, and kernels that keep bfloat16 intermediates
-    round differently from the torch backends). A wrong cache read or state
-    slot spoils every later position and fails both.
+    round differently from the torch backends. Over the other positions the
+    mean error may be at most twice the baseline's (plus 0.5% of the logit
+    scale); the outliers are left out of that mean, since one flipped routing
+    decision moves a whole position's logits. A wrong cache read or state slot
+    spoils every later position and fails the outlier count.
     """
     scale = max(want.abs().max().item(), 1.0)
     e_got, e_base = (got - want).abs(), (base - want).abs()
-    mean_got, mean_base = e_got.mean().item(), e_base.mean().item()
     off = e_got.amax(-1) > 2 * e_base.amax(-1) + 5e-2 * scale
-    bad = off.double().mean().item()
+    kept = ~off
+    mean_got = e_got[kept].mean().item() if kept.any() else 0.0
+    mean_base = e_base[kept].mean().item() if kept.any() else 0.0
     allowed = max(2, int(0.15 * off.numel()))
     assert mean_got <= 2 * mean_base + 5e-3 * scale and int(off.sum()) <= allowed, (
-        f"{what} (bfloat16): mean |diff| {mean_got:.3e} vs torch backends {mean_base:.3e}; "
-        f"{bad:.0%} of positions well beyond the torch backends' error "
-        f"(logit scale {scale:.3e})"
+        f"{what} (bfloat16): mean |diff| {mean_got:.3e} vs torch backends {mean_base:.3e} "
+        f"over the {int(kept.sum())} positions within bounds; {int(off.sum())} of "
+        f"{off.numel()} positions (at {off.nonzero().flatten().tolist()}) well beyond the "
+        f"torch backends' error, {allowed} allowed (logit scale {scale:.3e})"
     )
 
 
