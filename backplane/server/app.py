@@ -347,7 +347,10 @@ def _engine_error(exc: BaseException) -> Any:
     if isinstance(exc, EngineDeadError):
         return _error(str(exc), 503, code="engine_dead")
     if isinstance(exc, RequestError | OutOfKVMemoryError):
-        return _error(str(exc), 400, "prompt" if "prompt" in str(exc) else None)
+        field = getattr(exc, "field", None)
+        if field == "prompt_token_ids":
+            field = "prompt"
+        return _error(str(exc), 400, field or ("prompt" if "prompt" in str(exc) else None))
     return _error(str(exc), 400)
 
 

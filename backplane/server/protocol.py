@@ -234,4 +234,5 @@ def sampling_params(
         return dataclasses.replace(base, **values)
     except RequestError as exc:
         m = _FIELD.search(str(exc))
-        raise BadRequest(str(exc), m.group(1) if m else None) from None
+        field = getattr(exc, "field", None) or (m.group(1) if m else None)
+        raise BadRequest(str(exc), field) from None
