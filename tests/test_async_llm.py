@@ -196,3 +196,27 @@ def _fresh_llm():
     from backplane import LLM
 
     return LLM("tiny-llama", **CONFIG)
+
+
+def test_a_failed_step_is_retried_and_the_request_completes(offline):
+    from backplane.api import AsyncLLM
+
+    expected = offline.generate(["survives a failure"], greedy(6))[0].token_ids
+    llm = _fresh_llm()
+    real_step = llm.engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    llm.engine.step = flaky_step
+    eng = AsyncLLM(llm=llm)
+    try:
+        outs = eng.generate_sync(["survives a failure"], greedy(6))
+        assert outs[0].token_ids == expected and calls["n"] > 3
+        assert eng.is_alive
+    finally:
+        eng.shutdown()

@@ -98,7 +98,8 @@ class EngineSnapshot:
         )
 
 
-_DONE = object()
+#: Failed engine steps in a row after which the loop gives up (the engine keeps failing).
+_MAX_FAILED_STEPS = 50
 
 
 class _AsyncSink:
@@ -496,6 +497,7 @@ class AsyncLLM:
     def _loop(self) -> None:
         llm = self.llm
         engine = llm.engine
+        failures = 0
         try:
             while not self._stopping:
                 self._wake.clear()
@@ -504,16 +506,28 @@ class AsyncLLM:
                     break
                 # tracked requests without engine work: aborts the next step reports
                 if engine.has_unfinished_requests() or llm._tracked:
-                    self._deliver(llm.step())
+                    try:
+                        outs = llm.step()
+                    except Exception:
+                        # a failed step is undone by the engine (its requests restart from their
+                        # last committed token; one failing too often finishes with "error")
+                        failures += 1
+                        logger.exception("engine step failed (%d in a row)", failures)
+                        if failures >= _MAX_FAILED_STEPS:
+                            raise
+                        continue
+                    failures = 0
+                    self._deliver(outs)
                     self._snapshot = self._take_snapshot()
                 else:
                     self._snapshot = self._take_snapshot()
                     self._wake.wait()
             reason: BaseException = EngineDeadError("the engine was shut down")
-        except BaseException as exc:  # a failed step: the engine's state is not trusted any more
+        except BaseException as exc:  # the engine keeps failing (or was interrupted): stop
             logger.exception("the engine loop failed; no more requests can run")
             reason = EngineDeadError(f"the engine loop failed: {type(exc).__name__}: {exc}")
         self._dead = reason
+        self._release_all()
         self._snapshot = EngineSnapshot(alive=False)
         for rid, sink in list(self._sinks.items()):
             self._push(sink, reason)
@@ -523,6 +537,19 @@ class AsyncLLM:
         for cmd in pending:
             if cmd[0] == "add":
                 cmd[-1](reason)
+
+    def _release_all(self) -> None:
+        """Abort every live request so the engine holds no pages once the loop ends."""
+        llm = self.llm
+        try:
+            for rid in list(llm._tracked):
+                llm.abort(rid)
+            for _ in range(3):  # collect the abort reports (and a step still in flight)
+                if not (llm.engine.has_unfinished_requests() or llm._tracked):
+                    break
+                llm.step()
+        except Exception:
+            logger.exception("could not abort the live requests while stopping")
 
     def _run_commands(self) -> None:
         while True:

@@ -384,6 +384,7 @@ class LLM:
                 if rid not in final:
                     self.abort(rid)
                 self._ready.pop(rid, None)
+        self._settle()
         results = []
         for rid in rids:
             out = final[rid]
@@ -391,6 +392,20 @@ class LLM:
             out.new_text = out.text
             results.append(out)
         return results
+
+    def _settle(self) -> None:
+        """With no request left, commit a step still in flight and collect abort reports.
+
+        With asynchronous scheduling a step for requests that have just finished
+        may already be launched; committing it (its tokens are dropped) leaves
+        the engine idle, so nothing waits on the device after ``generate`` returns.
+        """
+        for _ in range(2):
+            if self.engine.num_unfinished_requests or not (
+                self.engine.has_unfinished_requests() or self._tracked
+            ):
+                return
+            self._step()
 
     def _drain(self, rids: Iterable[str], final: dict[str, RequestOutput]) -> None:
         for rid in rids:
@@ -443,6 +458,11 @@ class LLM:
                     self.abort(rid)
                     self._tracked.pop(rid, None)
                 self._ready.pop(rid, None)
+            try:
+                with self._guard("stream"):
+                    self._settle()
+            except ConcurrentUseError:
+                pass  # closed while another thread drives the engine: that thread settles it
 
     # -- chat -----------------------------------------------------------------------------
 
