@@ -20,10 +20,10 @@ def llm():
     torch.set_num_threads(prev)
 
 
-def greedy(n=5, **kw):
+def greedy(max_tokens=5, **kw):
     from backplane import SamplingParams
 
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 def test_request_output_has_vllm_fields(llm):
@@ -132,3 +132,123 @@ def test_threads_taking_turns_are_fine(llm):
     for t in threads:
         t.join(30)
     assert got == [expected] * 9
+
+
+# -- stop strings and n --------------------------------------------------------------------------
+
+
+def _pages_used(llm) -> int:
+    return llm.engine.kv_manager.num_used_pages
+
+
+def _a_stop_string(text: str) -> str:
+    """Two printable characters from the middle of ``text`` (the random model writes mostly
+    bytes that are not text)."""
+    for i in range(3, len(text) - 1):
+        if text[i : i + 2].isprintable() and text[i : i + 2].isascii():
+            return text[i : i + 2]
+    raise AssertionError(f"no printable pair in {text!r}")
+
+
+def test_stop_string_trims_the_text_and_frees_the_request(llm):
+    prompt = "xyz 123"
+    full = llm.generate([prompt], greedy(24))[0].text
+    stop = _a_stop_string(full)
+    at = full.find(stop)
+    out = llm.generate([prompt], greedy(24, stop=stop))[0]
+    assert out.text == full[:at] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate([prompt], greedy(24, stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.text == full[: at + len(stop)]
+    assert llm.num_unfinished_requests == 0 and _pages_used(llm) == 0
+
+
+def test_stop_string_streaming_holds_back_partial_matches(llm):
+    full = llm.generate(["xyz 123"], greedy(24))[0].text
+    stop = _a_stop_string(full)
+    expected = full[: full.find(stop)]
+    pieces, last = [], None
+    for delta in llm.stream(["xyz 123"], greedy(24, stop=[stop, "\x00never"])):
+        pieces.append(delta.new_text)
+        last = delta
+        # nothing handed out may ever go past the stop string's start
+        assert expected.startswith("".join(pieces))
+    assert "".join(pieces) == expected == last.text and last.stop_reason == stop
+
+
+def test_stop_string_that_never_matches_changes_nothing(llm):
+    plain = llm.generate(["no match"], greedy(10))[0]
+    out = llm.generate(["no match"], greedy(10, stop=["\x00\x01 nowhere"]))[0]
+    assert out.text == plain.text and out.token_ids == plain.token_ids
+    assert out.finish_reason == "length" and out.stop_reason is None
+
+
+def test_n_samples_share_one_output(llm):
+    from backplane import SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    (out,) = llm.generate(["many"], sp, request_ids=["three"])
+    assert out.request_id == "three" and [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different samples
+    again = llm.generate(["many"], sp)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    # sample j is the seed + j request
+    one = llm.generate(["many"], SamplingParams(max_tokens=6, seed=8, ignore_eos=True))[0]
+    assert one.token_ids == out.outputs[1].token_ids
+    greedy_n = llm.generate(["many"], greedy(4, n=2))[0]
+    assert greedy_n.outputs[0].token_ids == greedy_n.outputs[1].token_ids
+
+
+def test_n_samples_stream_under_the_request_id_and_abort_together(llm):
+    seen = {}
+    for delta in llm.stream(["pair"], greedy(4, n=2), request_ids=["pair"]):
+        assert delta.request_id == "pair"
+        c = delta.outputs[0]
+        seen.setdefault(c.index, []).extend(delta.new_token_ids)
+    assert sorted(seen) == [0, 1] and all(len(v) == 4 for v in seen.values())
+    stream = llm.stream(["pair"], greedy(50, n=2), request_ids=["gone"])
+    next(stream)
+    assert llm.abort("gone")
+    reasons = [d.outputs[0].finish_reason for d in stream if d.finished]
+    assert reasons == ["abort", "abort"]
+    assert llm.num_unfinished_requests == 0 and _pages_used(llm) == 0
+
+
+def test_n_is_refused_by_add_request(llm):
+    from backplane.core.errors import RequestError
+
+    with pytest.raises(RequestError, match="n > 1"):
+        llm.add_request("x", greedy(2, n=2))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("n", 0),
+        ("n", 129),
+        ("n", 2.0),
+        ("n", True),
+        ("stop", ""),
+        ("stop", [""]),
+        ("stop", [1]),
+        ("stop", "x" * 1025),
+        ("stop", {"a"}),
+        ("include_stop_str_in_output", 1),
+        ("include_stop_str_in_output", "yes"),
+    ],
+)
+def test_new_sampling_fields_are_validated(name, value):
+    from backplane import SamplingParams
+    from backplane.core.errors import InvalidFieldError
+
+    with pytest.raises(InvalidFieldError) as info:
+        SamplingParams(**{name: value})
+    assert info.value.field == name and "must be" in str(info.value)
+
+
+def test_new_sampling_fields_normalise():
+    from backplane import SamplingParams
+
+    assert SamplingParams(stop="a").stop == ("a",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=None).stop == () and SamplingParams().n == 1

@@ -172,6 +172,56 @@ def test_streamed_chat_equals_non_streamed(client):
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+# -- stop strings and n ------------------------------------------------------------------------
+
+
+def test_stop_strings_match_offline_streamed_or_not(client, offline):
+    from backplane import SamplingParams
+
+    prompt = PROMPTS[0]
+    exp = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop=["."]))[0]
+    assert exp.finish_reason == "stop" and len(exp.token_ids) < 12
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop="."
+    )
+    (choice,) = r.choices
+    assert choice.text == exp.text and "." not in choice.text
+    assert choice.finish_reason == "stop" and r.usage.completion_tokens == len(exp.token_ids)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=["."], stream=True
+        )
+    )
+    assert streamed == choice.text
+    kept = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=["."],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == choice.text + "."
+
+
+def test_n_samples(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=3, n=2)
+    r = client.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text != r.choices[1].text  # two samples, not one twice
+    assert r.usage.completion_tokens == 12
+    streamed = ["", ""]
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in r.choices]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=1.0, seed=3, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
 # -- many at once --------------------------------------------------------------------------------
 
 
@@ -274,6 +324,10 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "empty"),
     ({"max_tokens": 10**6}, "max_model_len"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
+    ({"n": 1000}, "n"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"presence_penalty": 0.5}, "penalties"),
 ]
 
 

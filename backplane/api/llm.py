@@ -22,6 +22,7 @@ step's tokens are routed to the stream that owns the request).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import numbers
 import threading
@@ -38,7 +39,14 @@ from backplane.engine.sampling import SamplingParams, as_params_list
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLM", "ConcurrentUseError", "Prompt", "RequestMetrics", "RequestOutput"]
+__all__ = [
+    "LLM",
+    "ConcurrentUseError",
+    "Prompt",
+    "RequestMetrics",
+    "RequestOutput",
+    "split_samples",
+]
 
 #: A prompt: text (needs the model's tokenizer), a list of token ids or an int32 array.
 Prompt = str | Sequence[int] | np.ndarray
@@ -102,33 +110,58 @@ class _Tracked:
     few tokens rather than the whole output: ``decode(ids[prefix:read])`` is
     the text already emitted for that window, ``decode(ids[prefix:])`` the
     window with the new tokens; the difference is new text, held back while it
-    ends in an incomplete character (U+FFFD).
+    ends in an incomplete character (U+FFFD). With stop strings, the end of the
+    text that could still become one is held back too (``sent`` counts the
+    characters handed out so far).
     """
 
     __slots__ = (
         "request",
         "prompt",
         "prompt_text",
+        "public_id",
+        "index",
         "text",
         "token_ids",
         "emitted",
+        "sent",
         "finished",
         "reason",
         "prefix_offset",
         "read_offset",
+        "stops",
+        "include_stop",
+        "stop_str",
+        "checked",
     )
 
-    def __init__(self, request: Any, prompt: list[int], prompt_text: str | None = None) -> None:
+    def __init__(
+        self,
+        request: Any,
+        prompt: list[int],
+        prompt_text: str | None = None,
+        *,
+        public_id: str | None = None,
+        index: int = 0,
+    ) -> None:
         self.request = request
         self.prompt = prompt
         self.prompt_text = prompt_text
+        self.public_id = request.request_id if public_id is None else public_id
+        self.index = index
         self.text = ""
         self.token_ids: list[int] = []
         self.emitted = 0
+        self.sent = 0
         self.finished = False
         self.reason: str | None = None
         self.prefix_offset = 0
         self.read_offset = 0
+        params = getattr(request, "sampling_params", None)
+        self.stops: tuple[str, ...] = tuple(getattr(params, "stop", ()) or ())
+        self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
+        self.stop_str: str | None = None
+        self.checked = 0  # characters of text already searched for stop strings
 
 
 class LLM:
@@ -157,6 +190,7 @@ class LLM:
         self._tracked: dict[str, _Tracked] = {}
         self._ready: dict[str, deque[RequestOutput]] = {}
         self._guard = _ThreadGuard()
+        self._sample_ids = itertools.count()
         end_of_turn = None if self.tokenizer is None else self.tokenizer.token_id("eos_token")
         self._end_ids = frozenset(self.engine.eos_token_ids) | (
             frozenset() if end_of_turn is None else {end_of_turn}
@@ -219,14 +253,28 @@ class LLM:
         sampling_params: SamplingParams | None,
         request_id: str | None,
         prompt_text: str | None,
+        *,
+        public_id: str | None = None,
+        index: int = 0,
     ) -> str:
-        """Queue a tokenized prompt (``prompt_text``: what ``RequestOutput.prompt`` shows)."""
+        """Queue a tokenized prompt (``prompt_text``: what ``RequestOutput.prompt`` shows).
+
+        ``public_id`` / ``index``: the request and sample this engine request is
+        one of (``n > 1``); its outputs carry them.
+        """
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
+        if sampling_params.n != 1 and public_id is None:
+            raise RequestError(
+                f"SamplingParams.n={sampling_params.n}: add_request queues one sample; use "
+                "generate, stream or chat for n > 1, or add n requests (seed + j for sample j)"
+            )
         with self._guard("add_request"):
             rid = self.engine.add_request(ids, sampling_params, request_id)
             req = self.engine.get_request(rid)
-            self._tracked[rid] = _Tracked(req, req.prompt_token_ids.tolist(), prompt_text)
+            self._tracked[rid] = _Tracked(
+                req, req.prompt_token_ids.tolist(), prompt_text, public_id=public_id, index=index
+            )
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -236,7 +284,11 @@ class LLM:
         :return: ``True`` if the request was still running.
         """
         with self._guard("abort"):
-            return self.engine.abort_request(request_id)
+            if self.engine.abort_request(request_id):
+                return True
+            # the samples of an n > 1 request
+            samples = [r for r, t in self._tracked.items() if t.public_id == request_id]
+            return any([self.engine.abort_request(r) for r in samples])
 
     # -- driving the engine --------------------------------------------------------------
 
@@ -271,34 +323,67 @@ class LLM:
     def _output(self, t: _Tracked, *, incremental: bool) -> RequestOutput:
         new_ids = t.token_ids[t.emitted :] if incremental else list(t.token_ids)
         t.emitted = len(t.token_ids)
-        before = t.text
-        if t.finished:
-            t.text = self.decode(t.token_ids)  # the exact final text
-        elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
-            ids = t.token_ids
-            old = self.decode(ids[t.prefix_offset : t.read_offset])
-            new = self.decode(ids[t.prefix_offset :])
-            if len(new) > len(old) and not new.endswith("\ufffd"):
-                t.text += new[len(old) :]
-                t.prefix_offset = t.read_offset
-                t.read_offset = len(ids)
+        if t.stop_str is None:  # a matched stop string froze the text
+            if t.finished:
+                t.text = self.decode(t.token_ids)  # the exact final text
+            elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
+                ids = t.token_ids
+                old = self.decode(ids[t.prefix_offset : t.read_offset])
+                new = self.decode(ids[t.prefix_offset :])
+                if len(new) > len(old) and not new.endswith("\ufffd"):
+                    t.text += new[len(old) :]
+                    t.prefix_offset = t.read_offset
+                    t.read_offset = len(ids)
+            if t.stops:
+                self._match_stop(t)
+        visible = len(t.text)
+        if t.stops and not t.finished:  # the end that may still grow into a stop string
+            visible -= _partial_stop(t.text, t.stops)
+        visible = max(min(visible, len(t.text)), min(t.sent, len(t.text)))
+        new_text = t.text[t.sent : visible] if incremental else t.text
+        t.sent = visible
         completion = CompletionOutput(
-            index=0,
+            index=t.index,
             text=t.text,
             token_ids=list(t.token_ids),
             finish_reason=t.reason,
-            stop_reason=_stop_reason(t, self._end_ids),
+            stop_reason=t.stop_str if t.stop_str is not None else _stop_reason(t, self._end_ids),
         )
         return RequestOutput(
-            request_id=t.request.request_id,
+            request_id=t.public_id,
             prompt=t.prompt_text,
             prompt_token_ids=t.prompt,
             outputs=[completion],
             finished=t.finished,
             new_token_ids=new_ids,
-            new_text=t.text[len(before) :] if incremental else t.text,
+            new_text=new_text,
             metrics=_metrics(t.request),
         )
+
+    def _match_stop(self, t: _Tracked) -> None:
+        """Finish ``t`` at the first stop string in its text (trimmed unless it is to be kept).
+
+        Only text not searched before (plus the overlap a stop string may span)
+        is searched. A match ends the request in the engine at once (its pages
+        are freed); the tokens stay in ``token_ids``.
+        """
+        text = t.text
+        start = max(0, t.checked - max(len(s) for s in t.stops) + 1)
+        t.checked = len(text)
+        best: tuple[int, str] | None = None
+        for s in t.stops:
+            p = text.find(s, start)
+            if p != -1 and (best is None or p < best[0]):
+                best = (p, s)
+        if best is None:
+            return
+        p, s = best
+        t.text = text[: p + len(s)] if t.include_stop else text[:p]
+        t.stop_str = s
+        if not t.finished:
+            t.finished = True
+            self.engine.abort_request(t.request.request_id)
+        t.reason = "stop"
 
     def _add_all(
         self,
@@ -306,7 +391,9 @@ class LLM:
         sampling_params: Any,
         ids: Sequence[str] | None,
         prompt_texts: Sequence[str] | None = None,
-    ) -> list[str]:
+    ) -> list[list[str]]:
+        """Queue every prompt (all or nothing); return each prompt's engine request ids
+        (one per sample)."""
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -314,16 +401,32 @@ class LLM:
         if ids is not None and len(ids) != len(plist):
             raise RequestError(f"got {len(ids)} request ids for {len(plist)} prompts")
         added: list[str] = []
+        groups: list[list[str]] = []
         try:
             for i, (p, sp) in enumerate(zip(plist, params, strict=True)):
                 try:
                     rid = None if ids is None else ids[i]
                     if prompt_texts is not None:  # pre-tokenized (chat): keep the rendered text
-                        rid = self._add_tokens(p, sp, rid, prompt_texts[i])
+                        tokens, text = p, prompt_texts[i]
                     else:
-                        rid = self.add_request(p, sp, rid)
-                    self._ready[rid] = deque()  # this call consumes the request's outputs
-                    added.append(rid)
+                        text = p if isinstance(p, str) else None
+                        tokens = self.encode(p) if isinstance(p, str) else p
+                    if sp.n == 1:
+                        samples = [(rid, sp, None, 0)]
+                    else:  # one engine request per sample, reported under the request's id
+                        public = rid if rid is not None else f"n{next(self._sample_ids)}"
+                        samples = [
+                            (f"{public}/{j}", s, public, j) for j, s in enumerate(split_samples(sp))
+                        ]
+                    group = []
+                    for sample_id, s, public, j in samples:
+                        rid = self._add_tokens(
+                            tokens, s, sample_id, text, public_id=public, index=j
+                        )
+                        self._ready[rid] = deque()  # this call consumes the request's outputs
+                        added.append(rid)
+                        group.append(rid)
+                    groups.append(group)
                 except RequestError as exc:
                     raise RequestError(f"prompt {i}: {exc}") from None
         except BaseException:
@@ -332,7 +435,7 @@ class LLM:
                 self._tracked.pop(rid, None)
                 self._ready.pop(rid, None)
             raise
-        return added
+        return groups
 
     def generate(
         self,
@@ -366,7 +469,8 @@ class LLM:
         use_tqdm: bool,
         prompt_texts: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        rids = self._add_all(prompts, sampling_params, request_ids, prompt_texts)
+        groups = self._add_all(prompts, sampling_params, request_ids, prompt_texts)
+        rids = [rid for group in groups for rid in group]
         final: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(rids)) if use_tqdm and len(rids) > 1 else None
         try:
@@ -386,8 +490,10 @@ class LLM:
                 self._ready.pop(rid, None)
         self._settle()
         results = []
-        for rid in rids:
-            out = final[rid]
+        for group in groups:
+            out = final[group[0]]
+            if len(group) > 1:  # the samples of one request, in index order
+                out.outputs = [final[rid].outputs[0] for rid in group]
             out.new_token_ids = list(out.token_ids)
             out.new_text = out.text
             results.append(out)
@@ -436,8 +542,8 @@ class LLM:
             ``finished=True``).
         """
         with self._guard("stream"):
-            rids = self._add_all(prompts, sampling_params, request_ids)
-        return self._stream(rids)
+            groups = self._add_all(prompts, sampling_params, request_ids)
+        return self._stream([rid for group in groups for rid in group])
 
     def _stream(self, rids: list[str]) -> Iterator[RequestOutput]:
         live = set(rids)
@@ -608,6 +714,32 @@ def _progress_bar(total: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generating", unit="prompt", disable=None, leave=False)
+
+
+def _partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string (held back)."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+def split_samples(sp: SamplingParams) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per sample of an ``n > 1`` request (``n == 1``: itself).
+
+    Sample ``j`` of a seeded request uses ``seed + j`` (wrapped to 64 bits), so the
+    samples differ and each is reproducible.
+    """
+    if sp.n == 1:
+        return [sp]
+    out = []
+    for j in range(sp.n):
+        seed = None if sp.seed is None else (sp.seed + j) % 2**64
+        out.append(dataclasses.replace(sp, n=1, seed=seed))
+    return out
 
 
 def _stop_reason(t: _Tracked, end_ids: frozenset[int] = frozenset()) -> int | None:

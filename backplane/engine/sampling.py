@@ -131,6 +131,30 @@ def _seed(v: Any) -> int:
     return _integer(-(2**63), 2**64 - 1, why)(v)
 
 
+#: Most samples one request may ask for (``SamplingParams.n``).
+MAX_N = 128
+
+
+def _stop_strings(why: str) -> Callable[[Any], tuple[str, ...]]:
+    """A rule: a string, or a list / tuple of strings (``None`` = none); each non-empty, short."""
+
+    def one(v: Any) -> str:
+        if not isinstance(v, str) or not v or len(v) > 1024:
+            raise _Invalid(why)
+        return v
+
+    def rule(v: Any) -> tuple[str, ...]:
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            return (one(v),)
+        if not isinstance(v, (list, tuple)):
+            raise _Invalid(why)
+        return tuple(one(s) for s in v)
+
+    return rule
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -160,6 +184,14 @@ class SamplingParams:
         token is kept in the output); integer ids >= 0.
     :param ignore_eos: keep generating after the model's end-of-sequence token
         (``True`` or ``False``).
+    :param n: samples generated for the prompt (1 to :data:`MAX_N`); each is its
+        own engine request (``LLM`` and the server split them; a seeded request's
+        sample ``j`` uses ``seed + j``).
+    :param stop: strings that end generation when they appear in the text
+        (matched across token boundaries, by ``LLM`` / ``AsyncLLM`` on the
+        detokenized text); a string or a list of non-empty strings.
+    :param include_stop_str_in_output: keep the matched stop string at the end
+        of the text (``False``: the text ends before it).
     :raises InvalidFieldError: on a value of the wrong type or out of range, naming the field.
     """
 
@@ -171,6 +203,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         for name, rule in FIELD_RULES.items():
@@ -214,6 +249,12 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
         f"must be a list of integer token ids from 0 to {_INT32_MAX} (or None)"
     ),
     "ignore_eos": _boolean("must be True or False"),
+    "n": _integer(1, MAX_N, f"must be an integer from 1 to {MAX_N}"),
+    "stop": _stop_strings(
+        "must be a non-empty string or a list of non-empty strings of at most 1024 characters "
+        "(or None)"
+    ),
+    "include_stop_str_in_output": _boolean("must be True or False"),
 }
 
 

@@ -33,6 +33,7 @@ from backplane.api.async_llm import (
     EngineDeadError,
     EngineOverloadedError,
 )
+from backplane.api.llm import split_samples
 from backplane.api.outputs import RequestOutput
 from backplane.core.errors import BackplaneError, OutOfKVMemoryError, RequestError
 from backplane.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -238,11 +239,19 @@ def build_app(
         max_tokens = body.max_tokens if body.max_tokens is not None else base.max_tokens
         params = sampling_params(body, base, max_tokens=max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        samples = split_samples(params)
+        # choice i * n + j is sample j of prompt i
         streams = await _start(
             [
-                lambda p=p, i=i: engine.add_request(p, params, f"{rid}-{i}")
+                lambda p=p, sp=sp, k=i * len(samples) + j: engine.add_request(p, sp, f"{rid}-{k}")
                 for i, p in enumerate(prompts)
-            ]
+                for j, sp in enumerate(samples)
+            ],
+            [
+                f"prompt {i}: " if len(prompts) > 1 else ""
+                for i in range(len(prompts))
+                for _ in samples
+            ],
         )
         head = {
             "id": rid,
@@ -288,7 +297,10 @@ def build_app(
         params = engine.chat_params(sampling_params(body, base, max_tokens=max_tokens))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _start(
-            [lambda: engine.add_request(ids, params, f"{rid}-0", prompt_text=text)]
+            [
+                lambda sp=sp, j=j: engine.add_request(ids, sp, f"{rid}-{j}", prompt_text=text)
+                for j, sp in enumerate(split_samples(params))
+            ]
         )
         created_at = int(time.time())
         if body.stream:
@@ -298,13 +310,13 @@ def build_app(
                 "created": created_at,
                 "model": model_name,
             }
-            first = [True]
+            greeted: set[int] = set()
 
             def chunks(i: int, out: RequestOutput) -> list[dict[str, Any]]:
                 delta: dict[str, Any] = {}
-                if first[0]:
+                if i not in greeted:  # each choice's first chunk names the role
                     delta["role"] = "assistant"
-                    first[0] = False
+                    greeted.add(i)
                 if out.new_text or "role" in delta:
                     delta["content"] = out.new_text
                 return [
@@ -356,16 +368,22 @@ def _engine_error(exc: BaseException) -> Any:
 
 async def _start(
     adds: Sequence[Callable[[], Awaitable[AsyncRequestStream]]],
+    labels: Sequence[str] | None = None,
 ) -> list[AsyncRequestStream]:
-    """Queue every request of an HTTP request; all or nothing."""
+    """Queue every request of an HTTP request; all or nothing.
+
+    :param adds: one coroutine factory per engine request.
+    :param labels: what to put before a refused request's message (``"prompt 2: "``).
+    """
     streams: list[AsyncRequestStream] = []
     try:
         for i, add in enumerate(adds):
             try:
                 streams.append(await add())
             except RequestError as exc:
-                msg = f"prompt {i}: {exc}" if len(adds) > 1 else str(exc)
-                raise RequestError(msg) from None
+                if not labels or not labels[i]:
+                    raise
+                raise RequestError(labels[i] + str(exc)) from None
     except BaseException:
         for s in streams:
             s.abort()

@@ -164,8 +164,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 #: Features of OpenAI's / vLLM's API this server refuses (with the reason) rather than ignore.
 def _unsupported(req: _Sampling) -> tuple[str, str] | None:
     checks: list[tuple[bool, str, str]] = [
-        (req.n != 1, "n", "n > 1 is not supported yet; send n separate requests"),
-        (bool(req.stop), "stop", "stop strings are not supported yet; use stop_token_ids"),
         (bool(req.presence_penalty), "presence_penalty", "penalties are not supported yet"),
         (bool(req.frequency_penalty), "frequency_penalty", "penalties are not supported yet"),
         (
@@ -175,11 +173,6 @@ def _unsupported(req: _Sampling) -> tuple[str, str] | None:
         ),
         (bool(req.min_tokens), "min_tokens", "min_tokens is not supported yet"),
         (bool(req.logit_bias), "logit_bias", "logit_bias is not supported"),
-        (
-            req.include_stop_str_in_output,
-            "include_stop_str_in_output",
-            "stop strings are not supported yet",
-        ),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
@@ -228,6 +221,9 @@ def sampling_params(
     }
     values = {k: v for k, v in fields.items() if v is not None}
     values["ignore_eos"] = req.ignore_eos
+    values["n"] = req.n
+    values["stop"] = req.stop
+    values["include_stop_str_in_output"] = req.include_stop_str_in_output
     if req.stop_token_ids:
         values["stop_token_ids"] = tuple(req.stop_token_ids)
     try:
