@@ -1,7 +1,8 @@
 """backplane: an LLM inference engine for hybrid models with plugin kernel backends.
 
 The public surface for plugin authors is :data:`hookimpl` and
-:class:`BackendSpec`; applications use :class:`LLM` and :class:`SamplingParams`.
+:class:`BackendSpec`; applications use :class:`LLM` (offline), :class:`AsyncLLM` (many
+concurrent callers) and :class:`SamplingParams`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from backplane.core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
-__all__ = ["BackendSpec", "LLM", "SamplingParams", "__version__", "hookimpl"]
+__all__ = ["AsyncLLM", "BackendSpec", "LLM", "SamplingParams", "__version__", "hookimpl"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from backplane.api import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from backplane.api.async_llm import AsyncLLM
+
+        return AsyncLLM
     if name == "SamplingParams":
         from backplane.engine.sampling import SamplingParams
 
