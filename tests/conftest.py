@@ -1,4 +1,4 @@
-"""Test-suite configuration: the conformance kit plugin and the ``gpu`` marker."""
+"""Test-suite configuration: the conformance kit plugin, the ``gpu`` marker and the leak check."""
 
 from __future__ import annotations
 
@@ -29,6 +29,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _register_schedulers():
+    """Make every scheduler and engine the tests build known to the leak check."""
+    import leaks
+
+    leaks.install()
+
+
+@pytest.fixture(autouse=True)
+def leak_check(_register_schedulers):
+    """After every test: every scheduler and engine alive holds nothing.
+
+    No request left (queued, running, or finished with its final output not
+    delivered), no step in flight, no page referenced, no state slot, host-tier
+    claim or reservation held. A test that leaves requests behind finishes
+    them (drains or aborts and steps) before it returns.
+    """
+    yield
+    import leaks
+
+    problems = leaks.check_all()
+    if problems:
+        leaks.forget_all()  # report each leak once
+        pytest.fail("leak check: " + "; ".join(problems), pytrace=False)
 
 
 @pytest.fixture
