@@ -356,3 +356,35 @@ def test_cli_tiny_temperature_is_greedy(capsys):
     assert main([*argv, "--temperature", "1e-40", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == greedy
     assert greedy != [0] * 5
+
+
+def test_llm_request_id_rules():
+    from backplane.api import LLM
+
+    llm = LLM(
+        "tiny-llama",
+        device="cpu",
+        max_num_seqs=4,
+        max_num_tokens=32,
+        page_size=4,
+        num_kv_pages=64,
+        backends=TORCH_BACKENDS,
+    )
+    with pytest.raises(InvalidFieldError, match="request_id"):
+        llm.add_request(PROMPT, GREEDY, request_id=123)
+    with pytest.raises(InvalidFieldError, match="request_id"):
+        llm.abort(123)
+    assert llm.num_unfinished_requests == 0
+    llm.add_request(PROMPT, GREEDY, request_id="x")
+    llm.step()
+    assert llm.abort("x")
+    with pytest.raises(InvalidFieldError, match="already in use"):
+        llm.add_request([7, 8, 9], GREEDY, request_id="x")
+    finals = [o for o in llm.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in finals] == [("x", "abort")]
+    llm.add_request([7, 8, 9], GREEDY, request_id="x")
+    outs = []
+    while llm.num_unfinished_requests or llm.engine.has_unfinished_requests():
+        outs += llm.step()
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    assert outs[-1].token_ids == alone([7, 8, 9])
