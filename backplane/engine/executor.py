@@ -47,9 +47,11 @@ class EngineStepOutput:
     """What one step produced for one request.
 
     :param request_id: the request.
-    :param new_token_ids: tokens committed this step (zero or one).
+    :param new_token_ids: tokens committed this step (zero or one; two after a failed
+        asynchronous step, whose committed token comes with the next one).
     :param finished: whether the request is done.
-    :param finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
+    :param finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (its steps
+        kept failing, see :meth:`Engine.step`) once finished.
     """
 
     request_id: str
