@@ -245,6 +245,31 @@ def test_a_step_that_keeps_failing_finishes_its_requests_with_an_error(model):
     assert reasons == {"a": "length"} and len(tokens["a"]) == 4
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-next"])
+def test_a_request_that_always_fails_does_not_take_the_others_with_it(model, async_):
+    """Sampling raises whenever one request is in the batch: it alone ends with "error"."""
+    want_tokens, want_reasons = reference(model, async_)
+    e = make_engine(model, async_scheduling=async_)
+    sample = e.sampler.sample
+    poison = SamplingParams(max_tokens=5, temperature=1.0, seed=666, ignore_eos=True)
+
+    def failing(logits, params, *args, **kwargs):
+        if any(p is poison for p in params):
+            raise Fault("this request breaks every step it is in")
+        return sample(logits, params, *args, **kwargs)
+
+    e.sampler.sample = failing
+    requests = workload()
+    requests.insert(2, ("bad", [9, 8, 7, 6, 5, 4], poison))
+    tokens, reasons, raised = drive(e, requests)
+    assert reasons.pop("bad") == "error" and tokens.pop("bad") == []
+    assert raised >= e.scheduler.max_step_failures
+    assert reasons == want_reasons
+    assert tokens == want_tokens
+    assert_clean(e)
+
+
 # -- the host tier: copies out (offload) and back (onboard) ---------------------------------------
 
 

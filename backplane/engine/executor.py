@@ -460,9 +460,10 @@ class Engine:
         state slot given up, so no half-advanced recurrent state is used),
         reports of requests finished earlier are kept for the next call, and
         the exception propagates. The engine is then consistent: calling
-        :meth:`step` again goes on with the outputs an undisturbed run gives. A
-        request that took part in ``scheduler.max_step_failures`` failed steps
-        is finished with reason ``"error"`` instead (reported by the next call).
+        :meth:`step` again goes on with the outputs an undisturbed run gives.
+        A restarted request runs alone until it commits a token; one in
+        ``scheduler.max_step_failures`` failed steps in a row is finished with
+        reason ``"error"`` instead (reported by the next call).
 
         :return: one entry per request that got a token or finished.
         """

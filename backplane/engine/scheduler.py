@@ -22,6 +22,12 @@ of the waiting queue; on readmission it recomputes prompt + generated tokens
 ("preemption by recompute"). The budget is never exceeded: every token
 scheduled is subtracted from it.
 
+A step that failed restarts its requests (:meth:`Scheduler.restart`, the same
+give-up-and-recompute as a preemption). Each restarted request then runs in a
+step of its own until it commits a token, so a request that breaks every step
+it is in ends with :attr:`FinishReason.ERROR` after ``max_step_failures``
+attempts while the others go on.
+
 Output order (what input preparation relies on, see
 :mod:`backplane.core.metadata`): prefill/extend sequences first, decode
 sequences last, where a *decode* sequence is one that adds exactly one token
@@ -152,8 +158,9 @@ class Scheduler:
     :param max_num_seqs: most sequences per step (and running at once).
     :param max_num_tokens: most new tokens per step (the token budget).
     :param max_step_failures: a request that took part in this many failed
-        steps is finished with :attr:`FinishReason.ERROR` instead of being
-        restarted again, so a step that keeps failing cannot stall the engine.
+        steps in a row (without committing a token) is finished with
+        :attr:`FinishReason.ERROR` instead of being restarted again, so a
+        request that breaks every step cannot stall the engine.
     """
 
     def __init__(
@@ -182,6 +189,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # admission order
         self._finished_pending: list[Request] = []
+        # live requests restarted after a failed step and not yet past a committed token
+        self._suspects: dict[str, Request] = {}
         self._step = 0
         self.stats = SchedulerStats()
 
@@ -271,6 +280,21 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         preempted: list[Request] = []
         running = list(self._running.values())
+        only = None
+        if self._suspects:
+            # A request restarted after a failed step runs alone until it commits a token,
+            # so a request that makes every step fail fails only its own steps.
+            only = next(iter(self._suspects.values()))
+            if only.status is RequestStatus.RUNNING:
+                running = [only]
+            else:
+                if self._waiting[0] is not only:
+                    self._waiting.remove(only)
+                    self._waiting.appendleft(only)
+                budget = self._admit(budget, step, prefills, decodes, limit=1)
+                if prefills or decodes:
+                    running = []
+                # else it does not fit yet: the others run (without it) and make room
 
         # 1. decodes (and one-token final chunks): one token each. This loop is the
         # per-step cost of a decode batch, so it does O(1) plain-attribute work per
@@ -322,7 +346,7 @@ class Scheduler:
                 budget -= n
 
         # 3. admission, first come first served, two-phase.
-        if not preempted:
+        if only is None and not preempted:
             budget = self._admit(budget, step, prefills, decodes)
 
         kv.wait_transfers()
@@ -340,12 +364,19 @@ class Scheduler:
         )
 
     def _admit(
-        self, budget: int, step: int, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]
+        self,
+        budget: int,
+        step: int,
+        prefills: list[ScheduledSeq],
+        decodes: list[ScheduledSeq],
+        limit: int | None = None,
     ) -> int:
         kv = self.kv
         waiting = self._waiting
         claims: list[Claim] = []
         seats = self.max_num_seqs - len(self._running)
+        if limit is not None:
+            seats = min(seats, limit)
         while waiting and budget > 0 and len(claims) < seats:
             req = waiting[0]
             claim = kv.claim(req)  # phase 1
@@ -475,6 +506,9 @@ class Scheduler:
                     "prefill or decoded; pass one token per is_prefill_chunk_final sequence"
                 ) from None
             reason = req.resolve_placeholder(int(token), now)
+            if req.num_failed_steps:  # a step of it went through: no longer suspect
+                req.num_failed_steps = 0
+                self._suspects.pop(req.request_id, None)
             if reason is not None:
                 if req.status is RequestStatus.RUNNING:
                     del self._running[req.request_id]
@@ -496,7 +530,9 @@ class Scheduler:
         the failed step advanced halfway is never used. Pages it filled in
         earlier steps stay in the prefix cache. A pending token whose step
         failed must have been dropped first (:meth:`Request.drop_placeholder`).
-        A request that took part in ``max_step_failures`` failed steps is
+        A restarted request is then scheduled alone until it commits a token
+        (a request that makes every step fail fails only its own steps); one
+        that took part in ``max_step_failures`` failed steps in a row is
         finished with :attr:`FinishReason.ERROR` instead.
 
         :param requests: the failed step's requests (finished ones are skipped).
@@ -524,6 +560,7 @@ class Scheduler:
                 failed.append(req)
             else:
                 requeue.append(req)
+                self._suspects[req.request_id] = req
         self._waiting.extendleft(reversed(requeue))
         self.stats.restarted += len(requeue)
         self.stats.failed += len(failed)
@@ -554,6 +591,7 @@ class Scheduler:
         req.finish_reason = reason
         req.stats.finished_time = time.perf_counter()
         del self._requests[req.request_id]
+        self._suspects.pop(req.request_id, None)
         self._finished_pending.append(req)
 
     def check_invariants(self) -> None:
