@@ -387,3 +387,37 @@ def test_backends_prepare_each_capture_before_its_plan(monkeypatch):
         ("capture", d1, 1, full),
         ("plan", d1),
     ]
+
+
+def test_token_buckets_longer_than_the_model_are_captured():
+    # a 64-token bucket with max_model_len 16 is captured with several scratch sequences
+    engine = Engine(
+        model="tiny-llama",
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_tokens=64,
+        max_model_len=16,
+        page_size=PAGE,
+        num_kv_pages=64,
+        cuda_graphs="off",
+        backends=TORCH_BACKENDS,
+    )
+    runner = GraphModelRunner(
+        engine.model,
+        engine.backends,
+        engine.input_batch,
+        mode="piecewise",
+        max_num_tokens=64,
+        max_num_seqs=8,
+        max_model_len=engine.max_model_len,
+        page_size=engine.page_size,
+        token_bucket_sizes=[8, 32, 64],
+        allow_cpu=True,
+    )
+    runner.capture()
+    assert runner.piecewise.failed == {}
+    assert runner.piecewise.captured == {8, 32, 64}
+    seqs = make_seqs(engine, np.random.default_rng(5), [16, 16, 12], [7, 3])
+    inputs = _compare(engine, runner, seqs, seed=5)
+    assert inputs.metadata.padded_num_tokens == 64

@@ -168,14 +168,28 @@ class GraphModelRunner:
         with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
 
+    def _prefill_scratch(self, bucket: int) -> list[_ScratchSeq]:
+        """Scratch prefill sequences of ``bucket`` tokens in all, none longer than the model.
+
+        A bucket above ``max_model_len`` is captured with several sequences (a
+        real step of that many tokens has several too).
+        """
+        seqs = []
+        left = bucket
+        while left > 0:
+            n = min(left, self.max_model_len)
+            req = _ScratchRequest(np.zeros(n, dtype=np.int32))
+            pages = np.full(-(-n // self.page_size), NULL_PAGE, dtype=np.int32)
+            seqs.append(_ScratchSeq(req, n, 0, pages))
+            left -= n
+        return seqs
+
     @contextlib.contextmanager
     def _piecewise_inputs(self, bucket: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # one scratch prefill sequence of `bucket` tokens on scratch pages
+        # scratch prefill sequences of `bucket` tokens on scratch pages
         mode = StepMode.piecewise(bucket)
-        pages = -(-bucket // self.page_size)
-        req = _ScratchRequest(np.zeros(bucket, dtype=np.int32))
-        seq = _ScratchSeq(req, bucket, 0, np.full(pages, NULL_PAGE, dtype=np.int32))
-        inputs = self.input_batch.prepare([seq], padded_num_tokens=bucket, mode=mode)
+        seqs = self._prefill_scratch(bucket)
+        inputs = self.input_batch.prepare(seqs, padded_num_tokens=bucket, mode=mode)
         with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
 
