@@ -15,7 +15,7 @@ from backplane.engine.sizes import format_size, parse_size
 
 KEYS = (
     "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, page_size, kv_memory, "
-    "num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
+    "gpu_memory_utilization, num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
     "fused_ops, async_scheduling, seed, debug, backends"
 )
 
@@ -337,3 +337,15 @@ def test_to_dict_round_trips(tmp_path):
     cfg = EngineConfig(kv_memory="1GiB", cuda_graph_buckets=[2, 1], backends={"mla": "torch"})
     path = _write(tmp_path, yaml.safe_dump(cfg.to_dict()))
     assert EngineConfig.from_yaml(path) == cfg
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1.5, -0.1, "half", True, None])
+def test_gpu_memory_utilization_is_a_fraction(value):
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=value)
+
+
+def test_gpu_memory_utilization_flag():
+    args = _parser().parse_args(["--gpu-memory-utilization", "0.5"])
+    assert config_from_args(args).gpu_memory_utilization == 0.5
+    assert EngineConfig().gpu_memory_utilization == 0.9

@@ -673,6 +673,25 @@ class LLM:
         """Requests queued or running in the engine."""
         return self.engine.num_unfinished_requests
 
+    def shutdown(self) -> None:
+        """Release the model, caches and graphs (device memory included); idempotent.
+
+        Unfinished requests are dropped. Afterwards a new ``LLM`` in the same
+        process gets the memory back; this one raises
+        :class:`~backplane.core.errors.EngineClosedError` when given work.
+        """
+        self._tracked.clear()
+        self._ready.clear()
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        """``with LLM(...) as llm:`` shuts the engine down when the block ends."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Shut the engine down (see :meth:`shutdown`)."""
+        self.shutdown()
+
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
     """One prompt or a list of prompts -> a list of prompts."""

@@ -41,6 +41,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-memory", default=sup, metavar="SIZE", help="KV cache memory, e.g. 256MiB"
     )
     group.add_argument(
+        "--gpu-memory-utilization",
+        default=sup,
+        metavar="F",
+        help="fraction of the GPU's memory for the engine in all (default 0.9); the KV cache "
+        "gets what weights, activations and graphs leave",
+    )
+    group.add_argument(
         "--num-kv-pages", default=sup, metavar="N", help="exact KV page count (overrides)"
     )
     group.add_argument(

@@ -97,3 +97,7 @@ def _rebuild_field_error(
 
 class OutOfKVMemoryError(BackplaneError):
     """The KV cache cannot hold even a single request of the given size."""
+
+
+class EngineClosedError(BackplaneError):
+    """The engine was shut down: its memory is released and it takes no more work."""

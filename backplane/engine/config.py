@@ -148,7 +148,13 @@ class EngineConfig:
     :param max_model_len: longest prompt + output; ``None`` = the model's limit.
     :param page_size: tokens per KV-cache page.
     :param kv_memory: device memory for the KV cache and recurrent states, bytes
-        or a size string (``"256MiB"``); ``None`` = sized automatically.
+        or a size string (``"256MiB"``); ``None`` = sized automatically (on CUDA
+        from ``gpu_memory_utilization``).
+    :param gpu_memory_utilization: the fraction of the device's total memory the
+        engine may use in all -- weights, the activation peak of a full step
+        (measured by a profiling forward at start), CUDA graphs and the KV cache,
+        which gets what is left; vLLM's name and meaning. Ignored when
+        ``kv_memory`` or ``num_kv_pages`` is given, and on the CPU.
     :param num_kv_pages: exact number of KV pages (overrides ``kv_memory``).
     :param host_kv_memory: pinned host memory for the offload tier of reusable
         KV blocks; ``0`` turns the tier off.
@@ -178,6 +184,7 @@ class EngineConfig:
     max_model_len: int | None = None
     page_size: int = 16
     kv_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_kv_pages: int | None = None
     host_kv_memory: int = 0
     enable_prefix_caching: bool = True
@@ -427,6 +434,17 @@ def _int(value: Any, *, minimum: int, allow_none: bool = False) -> int | None:
     return value
 
 
+def _fraction(value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"expected a number in (0, 1], e.g. 0.9, got {value!r}")
+    return float(value)
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -509,6 +527,7 @@ _VALIDATORS: dict[str, Any] = {
     "max_model_len": lambda v: _int(v, minimum=1, allow_none=True),
     "page_size": lambda v: _int(v, minimum=1),
     "kv_memory": lambda v: None if v is None or v == "auto" else _positive_size(v),
+    "gpu_memory_utilization": lambda v: _fraction(v),
     "num_kv_pages": lambda v: _int(v, minimum=2, allow_none=True),
     "host_kv_memory": parse_size,
     "enable_prefix_caching": _bool,

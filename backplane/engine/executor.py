@@ -11,6 +11,7 @@ token.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections.abc import Sequence
@@ -23,13 +24,22 @@ import torch
 from backplane.core.errors import (
     BackendUnavailableError,
     ConfigError,
+    EngineClosedError,
     InvalidFieldError,
     OutOfKVMemoryError,
 )
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import CacheFootprint, TensorSpec, cache_footprint
+from backplane.engine.graph.buckets import decode_buckets
 from backplane.engine.inputs import BatchInputs, InputBatch
+from backplane.engine.memory import (
+    DeviceMemory,
+    KVBudget,
+    decode_graph_bytes,
+    kv_budget,
+    profile_step_peak,
+)
 from backplane.engine.runner import EagerModelRunner, ModelRunner
 from backplane.engine.sampling import Sampler, SamplingParams, SamplingRows, seed_as_int64
 from backplane.engine.sizes import cpu_kv_budget, format_size
@@ -129,8 +139,12 @@ class Engine:
             )
         self.dtype = config.torch_dtype
         torch.manual_seed(int(config.seed))
+        self._closed = False
+        cuda = self.device.type == "cuda"
+        mem_start = DeviceMemory.read(self.device) if cuda else None
 
         loaded, all_backends = self._load_model()
+        mem_loaded = DeviceMemory.read(self.device) if cuda else None
         self.model = loaded.model
         self.model.set_fused_ops(config.fused_ops)
         self.tokenizer = loaded.tokenizer
@@ -152,9 +166,20 @@ class Engine:
             "num_slots": max(self.num_slots, 1),
             "dtype": self.dtype,
         }
+        self.input_batch = InputBatch(
+            max_num_tokens=self.max_num_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_pages_per_seq=self.max_pages_per_seq,
+            page_size=self.page_size,
+            device=self.device,
+        )
+        self.sampler = Sampler()
         # one description sizes the pool (its specs say what is paged), one allocates it
         sized = self.model.cache_specs(num_pages=2, **cache_kw)
         footprint = cache_footprint(sized)
+        self.kv_budget: KVBudget | None = None
+        if cuda and config.kv_memory is None and config.num_kv_pages is None:
+            self.kv_budget = self._profile_kv_budget(cache_kw, mem_start, mem_loaded)
         self.num_pages = self._size_kv_pages(footprint)
         specs = self.model.cache_specs(num_pages=self.num_pages, **cache_kw)
         _check_paged_flags(sized, specs)
@@ -167,14 +192,6 @@ class Engine:
         self.kv_bytes = self.num_pages * footprint.page_bytes
         self.state_bytes = footprint.state_bytes
         self.scheduler = self._build_scheduler(paged)
-        self.input_batch = InputBatch(
-            max_num_tokens=self.max_num_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_pages_per_seq=self.max_pages_per_seq,
-            page_size=self.page_size,
-            device=self.device,
-        )
-        self.sampler = Sampler()
         self.runner: ModelRunner = self._build_runner()
         self.async_scheduling = bool(config.async_scheduling)
         # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
@@ -261,17 +278,57 @@ class Engine:
             )
             n = int((budget - state_bytes) // per_page)
         if n < 2:
+            how = (
+                f" (KV budget {format_size(self.kv_budget.kv)} = {self.kv_budget.explain()})"
+                if self.kv_budget is not None
+                else ""
+            )
             raise OutOfKVMemoryError(
                 f"the KV memory holds {max(n, 0)} page(s) of {self.page_size} tokens after "
                 f"{state_bytes} bytes of recurrent state; at least 2 are needed (page 0 is "
-                f"scratch), one page takes {per_page} bytes. Raise kv_memory or num_kv_pages"
+                f"scratch), one page takes {per_page} bytes{how}. Raise "
+                f"gpu_memory_utilization, lower max_num_tokens / max_num_seqs, or set "
+                f"kv_memory or num_kv_pages"
             )
         return n
 
+    def _profile_kv_budget(
+        self, cache_kw: dict[str, Any], start: DeviceMemory, loaded: DeviceMemory
+    ) -> KVBudget:
+        """Measure a full step's activation peak and give the KV cache what is left."""
+        activations = profile_step_peak(
+            self.model,
+            self.backends,
+            self.input_batch,
+            self.sampler,
+            max_num_tokens=self.max_num_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            page_size=self.page_size,
+            cache_kw=cache_kw,
+            device=self.device,
+        )
+        graphs = 0
+        mode = self.config.cuda_graphs_resolved
+        if mode in ("piecewise", "full_and_piecewise"):
+            graphs += activations
+        if mode in ("decode", "full_and_piecewise"):
+            buckets = decode_buckets(self.max_num_seqs)
+            graphs += decode_graph_bytes(buckets, self.vocab_size)
+        budget = kv_budget(
+            utilization=self.config.gpu_memory_utilization,
+            start=start,
+            loaded=loaded,
+            now=DeviceMemory.read(self.device),
+            activations=activations,
+            graphs=graphs,
+        )
+        logger.info("KV memory %s = %s", format_size(budget.kv), budget.explain())
+        return budget
+
     def _default_kv_budget(self, footprint: CacheFootprint) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.8)
+        if self.kv_budget is not None:
+            return self.kv_budget.kv
         budget, why = cpu_kv_budget(
             page_bytes=footprint.page_bytes,
             state_bytes=footprint.state_bytes,
@@ -329,6 +386,53 @@ class Engine:
         runner.capture()
         return runner
 
+    # -- lifetime ----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release what the engine holds: model, caches, graphs, buffers; idempotent.
+
+        Unfinished requests are dropped without outputs. Afterwards the device
+        memory the engine allocated is back with the driver (torch's cached
+        blocks are emptied), so another engine can be created in the same
+        process with the same memory; calling :meth:`add_request` or
+        :meth:`step` raises :class:`EngineClosedError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for name in (
+            "_inflight",
+            "runner",
+            "scheduler",
+            "caches",
+            "model",
+            "backends",
+            "input_batch",
+            "sampler",
+            "_token_host",
+            "_token_events",
+            "_undelivered",
+        ):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        self._requests = {}
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        logger.info("engine shut down")
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`shutdown`."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError(
+                "this engine was shut down and takes no more requests; create a new one"
+            )
+
     # -- requests ----------------------------------------------------------------
 
     def add_request(
@@ -353,6 +457,7 @@ class Engine:
         :raises RequestError: the request is invalid (it is not queued; others are
             unaffected); :class:`~backplane.core.errors.InvalidFieldError` names the field.
         """
+        self._check_open()
         from backplane.engine.request import Request
 
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -429,7 +534,7 @@ class Engine:
         :raises InvalidFieldError: ``request_id`` is not a string.
         """
         req = self._requests.get(check_request_id(request_id))
-        if req is None or req.is_finished:
+        if req is None or req.is_finished or self._closed:
             return False
         return self.scheduler.abort_request(request_id)
 
@@ -440,8 +545,8 @@ class Engine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        """Requests queued or running."""
-        return self.scheduler.num_unfinished
+        """Requests queued or running (0 after :meth:`shutdown`)."""
+        return 0 if self._closed else self.scheduler.num_unfinished
 
     # -- the step -----------------------------------------------------------------
 
@@ -467,6 +572,7 @@ class Engine:
 
         :return: one entry per request that got a token or finished.
         """
+        self._check_open()
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
         flip = self._token_flip
         prev = self._inflight

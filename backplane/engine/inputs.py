@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from backplane.core.metadata import EAGER, BatchMetadata, HostBatch, StepMode
+from backplane.core.metadata import EAGER, NULL_PAGE, NULL_SLOT, BatchMetadata, HostBatch, StepMode
 from backplane.core.packing import measure_batch, pack_batch
 
 #: HostBatch fields that live in a fixed section of the buffers (page indices are sized per step)
@@ -426,3 +426,49 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
 )
 
 _ITEMSIZE = {np.int32: 4, np.int64: 8, np.bool_: 1}
+
+
+@dataclass
+class ScratchRequest:
+    """The request of a padding or profiling sequence: only its tokens are read."""
+
+    token_buffer: np.ndarray
+    pending_source_row: int = -1  # its token is never an unresolved placeholder
+
+
+@dataclass
+class ScratchSeq:
+    """A sequence on the scratch page and state slot: graph padding, captures, profiling.
+
+    Its tokens are zeros and every page is ``NULL_PAGE``, so running it touches
+    no live cache data.
+    """
+
+    request: ScratchRequest
+    num_new_tokens: int
+    num_cached_tokens: int
+    page_ids: np.ndarray
+    state_slot: int = NULL_SLOT
+    is_prefill_chunk_final: bool = False
+
+
+def scratch_prefill(num_tokens: int, max_model_len: int, page_size: int) -> list[ScratchSeq]:
+    """Scratch prefill sequences of ``num_tokens`` tokens in all, none longer than the model.
+
+    A step of more tokens than one sequence may hold is built from several
+    sequences, as a real step of that size is.
+
+    :param num_tokens: tokens in all.
+    :param max_model_len: the longest a sequence may be.
+    :param page_size: tokens per KV page.
+    :return: the sequences (each on ``NULL_PAGE`` pages, slot ``NULL_SLOT``).
+    """
+    seqs = []
+    left = num_tokens
+    while left > 0:
+        n = min(left, max_model_len)
+        req = ScratchRequest(np.zeros(n, dtype=np.int32))
+        pages = np.full(-(-n // page_size), NULL_PAGE, dtype=np.int32)
+        seqs.append(ScratchSeq(req, n, 0, pages))
+        left -= n
+    return seqs

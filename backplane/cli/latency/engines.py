@@ -138,6 +138,7 @@ def run_backplane(
                 logger.debug("backplane %s batch %d failed", attention, batch, exc_info=True)
                 entry["batches"].append(failed_row(batch, exc))
     finally:
+        llm.shutdown()
         del llm
         free_device_memory(device)
     return entry

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,37 +34,26 @@ import torch
 from tqdm.auto import tqdm
 
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.metadata import NULL_PAGE, NULL_SLOT, StepMode
+from backplane.core.metadata import NULL_PAGE, StepMode
 from backplane.engine.graph.buckets import decode_buckets, pick_bucket, token_buckets
 from backplane.engine.graph.capture import new_pool, pool_bytes
 from backplane.engine.graph.decode import DecodeGraphs
 from backplane.engine.graph.piecewise import PiecewiseGraphs
 from backplane.engine.graph.sampling_head import SamplingHead
-from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
+from backplane.engine.inputs import (
+    BatchInputs,
+    InputBatch,
+    ScheduledSeqLike,
+    ScratchRequest,
+    ScratchSeq,
+    scratch_prefill,
+)
 from backplane.engine.runner import sample_eagerly
 from backplane.engine.sampling import Sampler, SamplingRows
 
 logger = logging.getLogger(__name__)
 
 MODES = ("off", "decode", "piecewise", "full_and_piecewise")
-
-
-@dataclass
-class _ScratchRequest:
-    token_buffer: np.ndarray
-    pending_source_row: int = -1  # its token is never an unresolved placeholder
-
-
-@dataclass
-class _ScratchSeq:
-    """A padding sequence: one token on top of cached scratch context, on page 0 / slot 0."""
-
-    request: _ScratchRequest
-    num_new_tokens: int
-    num_cached_tokens: int
-    page_ids: np.ndarray
-    state_slot: int = NULL_SLOT
-    is_prefill_chunk_final: bool = False
 
 
 class GraphModelRunner:
@@ -155,10 +143,10 @@ class GraphModelRunner:
         return hidden, self.model.compute_logits(hidden)
 
     # -- capture ------------------------------------------------------------------
-    def _scratch(self, n: int, cached: int, num_pages: int) -> list[_ScratchSeq]:
-        req = _ScratchRequest(np.zeros(cached + 1, dtype=np.int32))
+    def _scratch(self, n: int, cached: int, num_pages: int) -> list[ScratchSeq]:
+        req = ScratchRequest(np.zeros(cached + 1, dtype=np.int32))
         pages = np.full(num_pages, NULL_PAGE, dtype=np.int32)
-        return [_ScratchSeq(req, 1, cached, pages) for _ in range(n)]
+        return [ScratchSeq(req, 1, cached, pages) for _ in range(n)]
 
     @contextlib.contextmanager
     def _decode_inputs(self, bucket: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -168,27 +156,11 @@ class GraphModelRunner:
         with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
 
-    def _prefill_scratch(self, bucket: int) -> list[_ScratchSeq]:
-        """Scratch prefill sequences of ``bucket`` tokens in all, none longer than the model.
-
-        A bucket above ``max_model_len`` is captured with several sequences (a
-        real step of that many tokens has several too).
-        """
-        seqs = []
-        left = bucket
-        while left > 0:
-            n = min(left, self.max_model_len)
-            req = _ScratchRequest(np.zeros(n, dtype=np.int32))
-            pages = np.full(-(-n // self.page_size), NULL_PAGE, dtype=np.int32)
-            seqs.append(_ScratchSeq(req, n, 0, pages))
-            left -= n
-        return seqs
-
     @contextlib.contextmanager
     def _piecewise_inputs(self, bucket: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # scratch prefill sequences of `bucket` tokens on scratch pages
         mode = StepMode.piecewise(bucket)
-        seqs = self._prefill_scratch(bucket)
+        seqs = scratch_prefill(bucket, self.max_model_len, self.page_size)
         inputs = self.input_batch.prepare(seqs, padded_num_tokens=bucket, mode=mode)
         with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
