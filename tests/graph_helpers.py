@@ -53,6 +53,7 @@ def generate_eager_and_graphed(
             assert runner.piecewise.failed == {} and runner.decode.failed == {}
             assert all(runner.head.has(b) for b in runner.decode.graphs)
         results[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
         del llm
         torch.cuda.empty_cache()
     return results

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -193,6 +194,9 @@ class Engine:
         self.state_bytes = footprint.state_bytes
         self.scheduler = self._build_scheduler(paged)
         self.runner: ModelRunner = self._build_runner()
+        # an engine dropped without shutdown() still releases what torch.compile's
+        # process-wide caches would otherwise keep of its graphs (weights, caches)
+        self._release_runner = weakref.finalize(self, self.runner.release)
         self.async_scheduling = bool(config.async_scheduling)
         # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
         self._seed_rng = np.random.default_rng(int(config.seed))
@@ -400,6 +404,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_release_runner"):
+            self._release_runner()
         for name in (
             "_inflight",
             "runner",

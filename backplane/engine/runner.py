@@ -99,6 +99,10 @@ class ModelRunner(Protocol):
         """Device memory the runner holds beyond the model and caches, in bytes."""
         ...
 
+    def release(self) -> None:
+        """Drop everything captured (graphs, pools, compiled code); the runner is done."""
+        ...
+
 
 class EagerModelRunner:
     """Runs every step eagerly: no capture, no padding unless :meth:`padded_num_tokens` asks.
@@ -165,3 +169,6 @@ class EagerModelRunner:
     def memory_report(self) -> dict[str, Any]:
         """No graph memory: ``{"total": 0}``."""
         return {"total": 0}
+
+    def release(self) -> None:
+        """Nothing captured to drop."""

@@ -98,6 +98,14 @@ class StaticSegment(torch.nn.Module):
         graph.replay()
         return self.outputs[bucket]
 
+    def release(self) -> None:
+        """Drop the captured graphs and the references they keep to their inputs."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.static_inputs.clear()
+        self.copy_inputs.clear()
+        self.checked.clear()
+
     def _check_inputs(self, bucket: int, args: tuple[Any, ...]) -> None:
         """At the first replay of a bucket, find inputs that are not where capture saw them.
 
@@ -190,6 +198,11 @@ class DynamicOpSegment(torch.nn.Module):
         self.buffers[bucket] = buf
         return buf
 
+    def release(self) -> None:
+        """Drop the out buffers (they live in the graph pool)."""
+        self.buffers.clear()
+        self._base = None
+
 
 def _rewrite_with_out(module: torch.fx.GraphModule, op: Any) -> torch.fx.GraphModule:
     """Copy ``module`` so that it takes an extra last input, the op's ``out``, and returns it."""
@@ -275,6 +288,15 @@ class PiecewiseCompiler:
         )
         return split
 
+    def release(self) -> None:
+        """Release every segment's graphs and buffers and forget the traced splits."""
+        for split, segments in self.splits:
+            for seg in segments:
+                runner = getattr(split, seg.name, None)
+                if runner is not None and hasattr(runner, "release"):
+                    runner.release()
+        self.splits.clear()
+
 
 class PiecewiseGraphs:
     """Piecewise CUDA graphs of one model forward, per token-count bucket.
@@ -304,8 +326,9 @@ class PiecewiseGraphs:
         # Only the token dimension of the inputs is symbolic (marked at the first
         # capture); everything else, module constants included, is specialised, so
         # no per-call scalar tensors become graph inputs.
-        self.compiled = torch.compile(
-            _own_code(forward), backend=self.compiler, dynamic=None, fullgraph=True
+        self._traced = _own_code(forward)
+        self.compiled: Any = torch.compile(
+            self._traced, backend=self.compiler, dynamic=None, fullgraph=True
         )
         self.captured: set[int] = set()
         self.failed: dict[int, str] = {}
@@ -369,3 +392,30 @@ class PiecewiseGraphs:
             return self.compiled(*args)
         finally:
             self.ctx.enter(GraphPhase.EAGER, None)
+
+    def release(self) -> None:
+        """Release the graphs, and torch.compile's hold on this forward and its backend.
+
+        The segments keep the tensors their graphs read (weights, caches) as
+        static inputs, and torch.compile keeps the backend and the traced code
+        in process-wide caches: without this the model and its caches would
+        outlive the engine.
+        """
+        self.compiler.release()
+        self.captured.clear()
+        try:
+            from torch._dynamo import eval_frame
+
+            torch._dynamo.reset_code(self._traced.__code__)
+            cached = getattr(eval_frame, "cached_backends", {})
+            for key, backend in list(cached.items()):
+                if (
+                    backend is self.compiler
+                    or getattr(backend, "__wrapped__", None) is self.compiler
+                ):
+                    del cached[key]
+        except Exception:  # private torch API: a missing piece only costs memory
+            logger.debug(
+                "could not drop torch.compile's caches of a piecewise forward", exc_info=True
+            )
+        self.compiled = None

@@ -201,6 +201,18 @@ class GraphModelRunner:
             "total": pool_bytes(self.pool),
         }
 
+    def release(self) -> None:
+        """Drop every graph, the sampling graphs and the pool (see :meth:`PiecewiseGraphs.release`)."""
+        if self.piecewise is not None:
+            self.piecewise.release()
+        if self.decode is not None:
+            self.decode.graphs.clear()
+        if self.head is not None:
+            self.head.graphs.clear()
+        self.piecewise = self.decode = self.head = None
+        self._decode_logits = None
+        self.pool = None
+
     # -- per step -----------------------------------------------------------------
     def step_mode(self, num_seqs: int, num_tokens: int, decode_only: bool) -> StepMode:
         """Decide how a step runs: the smallest captured bucket that holds it, else eagerly.
