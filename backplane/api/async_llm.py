@@ -486,7 +486,10 @@ class AsyncLLM:
             self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine loop; streams still open end with :class:`EngineDeadError`."""
+        """Stop the engine loop and release the engine (model, caches, graphs).
+
+        Live requests are aborted; streams still open end with :class:`EngineDeadError`.
+        """
         self._stopping = True
         self._wake.set()
         if self._thread is not threading.current_thread():
@@ -529,6 +532,11 @@ class AsyncLLM:
         self._dead = reason
         self._release_all()
         self._snapshot = EngineSnapshot(alive=False)
+        if self._stopping:  # shut down on purpose: give the model's memory back too
+            try:
+                self.llm.shutdown()
+            except Exception:
+                logger.exception("releasing the engine failed")
         for rid, sink in list(self._sinks.items()):
             self._push(sink, reason)
             self._sinks.pop(rid, None)
