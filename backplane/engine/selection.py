@@ -350,7 +350,9 @@ class BackendSelection:
             "%s backend %r cannot run this model (%s); auto falls back to %r",
             family,
             self.specs[family].name,
-            exc,
+            # the text, not the exception: a kept log record would pin its traceback's
+            # frames (the engine being built, its caches) for as long as it lives
+            str(exc),
             spec.name,
         )
         self.backends[family] = load_backend(spec, registry=self.registry, device=self.device)

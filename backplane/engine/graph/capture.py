@@ -211,7 +211,9 @@ def capture_buckets(
             capture_one(bucket)
         except Exception as exc:
             failed[bucket] = f"{type(exc).__name__}: {exc}"
-            logger.warning("capture of %s %d failed, it will run eagerly: %s", label, bucket, exc)
+            logger.warning(
+                "capture of %s %d failed, it will run eagerly: %s", label, bucket, failed[bucket]
+            )
         grown[bucket] = pool_bytes(pool) - before
         if progress is not None:
             progress.set_postfix_str(f"{label} {bucket}, pool {pool_bytes(pool) / 2**20:.1f} MiB")
