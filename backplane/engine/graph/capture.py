@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ def capture(
         if postprocess_fn is not None:
             postprocess_fn(*inputs)
         return CapturedGraph(_EagerGraph(forward_fn, inputs, outputs), outputs)
-    stream = stream or torch.cuda.Stream()
+    stream = stream or capture_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(num_warmup):
@@ -168,6 +169,20 @@ def capture(
     if postprocess_fn is not None:
         postprocess_fn(*inputs)
     return CapturedGraph(graph, outputs)
+
+
+@functools.cache
+def capture_stream(device: int) -> Any:
+    """The one side stream every capture on ``device`` runs on.
+
+    cuBLAS keeps a workspace per stream it ran on for the life of the process:
+    a new stream per capture would leave one behind for every bucket of every
+    engine ever built.
+
+    :param device: the CUDA device index.
+    :return: the stream.
+    """
+    return torch.cuda.Stream(device=device)
 
 
 def pool_bytes(pool: Any) -> int:
