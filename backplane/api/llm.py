@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from backplane.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from backplane.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from backplane.core.errors import BackplaneError, RequestError
 from backplane.engine.sampling import SamplingParams, as_params_list
 
@@ -133,6 +133,7 @@ class _Tracked:
         "include_stop",
         "stop_str",
         "checked",
+        "logprobs",
     )
 
     def __init__(
@@ -162,6 +163,9 @@ class _Tracked:
         self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
         self.stop_str: str | None = None
         self.checked = 0  # characters of text already searched for stop strings
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            [] if getattr(params, "logprobs", None) is not None else None
+        )
 
 
 class LLM:
@@ -308,6 +312,8 @@ class LLM:
             if t is None:
                 continue
             t.token_ids.extend(so.new_token_ids)
+            if t.logprobs is not None and so.new_logprobs:
+                t.logprobs.extend(self._decoded(d) for d in so.new_logprobs)
             if so.finished:
                 t.finished = True
                 t.reason = so.finish_reason
@@ -346,6 +352,7 @@ class LLM:
             index=t.index,
             text=t.text,
             token_ids=list(t.token_ids),
+            logprobs=None if t.logprobs is None else list(t.logprobs),
             finish_reason=t.reason,
             stop_reason=t.stop_str if t.stop_str is not None else _stop_reason(t, self._end_ids),
         )
@@ -359,6 +366,12 @@ class LLM:
             new_text=new_text,
             metrics=_metrics(t.request),
         )
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """One position's logprobs with each token's text filled in (when there is a tokenizer)."""
+        if self.tokenizer is None:
+            return entry
+        return {tok: Logprob(lp.logprob, lp.rank, self.decode([tok])) for tok, lp in entry.items()}
 
     def _match_stop(self, t: _Tracked) -> None:
         """Finish ``t`` at the first stop string in its text (trimmed unless it is to be kept).

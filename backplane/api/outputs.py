@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+from backplane.engine.sampling import Logprob
+
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 
 
 @dataclass
@@ -44,8 +46,9 @@ class CompletionOutput:
     :param index: the sequence's index among the request's samples.
     :param text: the generated text so far (empty without a tokenizer).
     :param token_ids: every generated token so far.
-    :param logprobs: per generated token, ``{token_id: logprob}`` of the sampled
-        token and the top ones, when asked for; ``None`` otherwise.
+    :param logprobs: per generated token, ``{token_id: Logprob(logprob, rank,
+        decoded_token)}`` of the sampled token and the ``SamplingParams.logprobs``
+        most likely ones (raw model distribution), when asked for; ``None`` otherwise.
     :param finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished,
         ``None`` while running.
     :param stop_reason: what stopped a ``"stop"`` finish: the stop token id
@@ -56,7 +59,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -75,7 +78,8 @@ class RequestOutput:
     :param prompt_token_ids: the prompt's tokens.
     :param outputs: the generated sequences (one per sample).
     :param finished: whether generation is over.
-    :param prompt_logprobs: per prompt token, ``{token_id: logprob}``, when asked for.
+    :param prompt_logprobs: per prompt token, ``{token_id: Logprob}`` (not computed yet:
+        always ``None``).
     :param new_token_ids: tokens of ``outputs[0]`` added since this request's
         previous output (streaming); equals ``token_ids`` in :meth:`LLM.generate` results.
     :param new_text: text of ``outputs[0]`` added since the previous output.
@@ -87,7 +91,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     metrics: RequestMetrics | None = None

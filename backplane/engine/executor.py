@@ -42,7 +42,15 @@ from backplane.engine.memory import (
     profile_step_peak,
 )
 from backplane.engine.runner import EagerModelRunner, ModelRunner
-from backplane.engine.sampling import Sampler, SamplingParams, SamplingRows, seed_as_int64
+from backplane.engine.sampling import (
+    LogitsProcessing,
+    Sampler,
+    SamplingParams,
+    SamplingRows,
+    TokenPairs,
+    logprob_dicts,
+    seed_as_int64,
+)
 from backplane.engine.sizes import cpu_kv_budget, format_size
 
 if TYPE_CHECKING:
@@ -63,12 +71,15 @@ class EngineStepOutput:
     :param finished: whether the request is done.
     :param finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (its steps
         kept failing, see :meth:`Engine.step`) once finished.
+    :param new_logprobs: one ``{token_id: Logprob}`` per new token when the request
+        asks for logprobs (``SamplingParams.logprobs``), else ``None``.
     """
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    new_logprobs: list[Any] | None = None
 
 
 def _check_paged_flags(
@@ -596,6 +607,7 @@ class Engine:
                 self.scheduler.advance(sched)
                 sampled = self._wait(launched)
                 self.scheduler.commit(sched, sampled)
+                _keep_logprobs(launched, sampled)
             else:
                 sampled = {}
             return self._collect(sched, sampled)
@@ -606,6 +618,7 @@ class Engine:
             # requests aborted since the launch drop their token (commit skips them too)
             gone = {r.request_id for r in prev.reqs if r.is_finished}
             self.scheduler.commit(prev.sched, sampled)
+            _keep_logprobs(prev, sampled, gone)
             if gone:
                 sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
             # committed: delivered by this call, or by the next one if something below raises
@@ -633,6 +646,7 @@ class Engine:
                 sampled = self._wait(prev)
                 gone = {r.request_id for r in prev.reqs if r.is_finished}
                 self.scheduler.commit(prev.sched, sampled)
+                _keep_logprobs(prev, sampled, gone)
                 self._undelivered = {r: t for r, t in sampled.items() if r not in gone}
             except BaseException:
                 logger.exception("the step in flight failed too; restarting its requests")
@@ -661,21 +675,30 @@ class Engine:
             ib.pending_source = None
         hidden = self.execute(inputs)
         reqs = [scheduled[i].request for i in inputs.sample_seqs]
-        tokens = self.sample(hidden, inputs, reqs)
+        out = self.sample(hidden, inputs, reqs)
+        tokens = out.tokens
         n = len(reqs)
         turn = self._token_flip
         self._token_flip ^= 1
         host = self._token_host[turn][:n]
         event = None
+        lp_host = None
         if n:
             host.copy_(tokens, non_blocking=True)
+            if out.logprobs is not None:
+                # copied with the tokens, before the event: read when they are
+                pin = tokens.is_cuda
+                lp_host = tuple(
+                    torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
+                    for t in (out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
+                )
             if tokens.is_cuda:
                 # reused every other step: the step that last recorded it has been committed
                 event = self._token_events[turn]
                 event.record()
         for row, r in enumerate(reqs):
             r.pending_row = row
-        return _Launched(sched, reqs, tokens, host, event)
+        return _Launched(sched, reqs, tokens, host, event, lp_host)
 
     @staticmethod
     def _wait(launched: _Launched) -> dict[str, int]:
@@ -697,22 +720,77 @@ class Engine:
             return self.runner.run(inputs)
 
     @torch.inference_mode()
-    def sample(
-        self, hidden: torch.Tensor, inputs: BatchInputs, reqs: Sequence[Any]
-    ) -> torch.Tensor:
+    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, reqs: Sequence[Any]) -> Any:
         """Gather the last token of each sampling sequence, compute logits, sample on the device.
 
         :param hidden: the step's hidden states.
         :param inputs: the step's inputs.
         :param reqs: the requests of ``inputs.sample_seqs``, in that order.
-        :return: ``[len(reqs)]`` int64 tokens on the device (no host synchronisation).
+        :return: a :class:`~backplane.engine.sampling.SamplerOutput`: ``[len(reqs)]`` int64
+            tokens on the device (no host synchronisation), and logprobs where asked.
         """
         n = len(reqs)
+        params = [r.sampling_params for r in reqs]
         seeds = np.fromiter((r.sampling_seed for r in reqs), np.int64, n)
         # the index of the token being sampled: placeholders count, so it is exact in async runs
         offsets = np.fromiter((r.num_output_tokens for r in reqs), np.int64, n)
-        rows = SamplingRows([r.sampling_params for r in reqs], seeds, offsets)
+        lp = np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int64, n)
+        rows = SamplingRows(
+            params,
+            seeds,
+            offsets,
+            processing=self._processing(reqs, params, offsets),
+            num_logprobs=int(lp.max()) if n else -1,
+        )
         return self.runner.sample(hidden, inputs, rows)
+
+    def _processing(
+        self, reqs: Sequence[Any], params: Sequence[SamplingParams], offsets: np.ndarray
+    ) -> LogitsProcessing | None:
+        """The step's penalty and ``min_tokens`` inputs, or ``None`` when no row asks.
+
+        Host work is a few array concatenations over the rows that ask; the
+        counting happens on the device (:func:`~backplane.engine.sampling.apply_processing`).
+        """
+        n = len(reqs)
+        min_tokens = np.fromiter((p.min_tokens for p in params), np.int64, n)
+        suppress_rows = np.flatnonzero(offsets < min_tokens)
+        penalty_rows = np.flatnonzero(np.fromiter((p.has_penalties for p in params), np.bool_, n))
+        if not len(suppress_rows) and not len(penalty_rows):
+            return None
+        suppress = None
+        if len(suppress_rows):
+            stops = [np.fromiter(reqs[i].stop_token_ids, np.int64) for i in suppress_rows]
+            suppress = _pairs(suppress_rows, stops)
+        output = prompt = pending = None
+        if len(penalty_rows):
+            prs = [reqs[i] for i in penalty_rows]
+            # an asynchronous step's token is a placeholder here; its value is on the device
+            has_pending = np.fromiter((r.has_pending_token for r in prs), np.bool_, len(prs))
+            outs = [
+                r.output_token_ids[: r.num_output_tokens - int(p)]
+                for r, p in zip(prs, has_pending, strict=True)
+            ]
+            output = _pairs(np.arange(len(prs)), outs)
+            if has_pending.any():
+                assert self._inflight is not None
+                which = np.flatnonzero(has_pending)
+                src = np.fromiter((prs[i].pending_row for i in which), np.int64, len(which))
+                dev = self._inflight.tokens.device
+                pending = (
+                    torch.from_numpy(which).to(dev),
+                    self._inflight.tokens.index_select(0, torch.from_numpy(src).to(dev)),
+                )
+            rep_on = [i for i, r in enumerate(prs) if r.sampling_params.repetition_penalty != 1.0]
+            if rep_on:
+                prompt = _pairs(np.array(rep_on), [prs[i].prompt_token_ids for i in rep_on])
+        return LogitsProcessing(
+            penalty_rows=penalty_rows if len(penalty_rows) else None,
+            output=output,
+            pending=pending,
+            prompt=prompt,
+            suppress=suppress,
+        )
 
     def _collect(self, sched: Any, sampled: dict[str, int]) -> list[EngineStepOutput]:
         outs: dict[str, EngineStepOutput] = {}
@@ -727,6 +805,12 @@ class Engine:
                 outs[rid] = EngineStepOutput(rid, [tok])
             else:
                 o.new_token_ids.append(tok)
+        for rid, o in outs.items():
+            req = self._requests.get(rid)
+            kept = None if req is None else req.logprobs
+            if kept is not None and o.new_token_ids:
+                # the request keeps one entry per committed token, in order
+                o.new_logprobs = kept[len(kept) - len(o.new_token_ids) :]
         # every request the scheduler finished (stopped, length, aborted) this step
         for req in _finished_requests(self.scheduler, sched):
             rid = req.request_id
@@ -748,6 +832,8 @@ class _Launched:
     :param tokens: ``[len(reqs)]`` int64 sampled tokens on the device.
     :param host: pinned host copy of ``tokens`` (valid once ``event`` completed).
     :param event: recorded after the copy (``None`` on CPU).
+    :param logprobs: host copies of the rows' logprobs (token ids, logprobs, ranks; valid
+        once ``event`` completed), or ``None`` when no row asked.
     """
 
     sched: Any
@@ -755,6 +841,37 @@ class _Launched:
     tokens: torch.Tensor
     host: torch.Tensor
     event: torch.cuda.Event | None
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _pairs(rows: np.ndarray, token_lists: Sequence[np.ndarray]) -> TokenPairs:
+    """Flat ``(row, token)`` pairs: ``rows[i]`` once per token of ``token_lists[i]``."""
+    lens = np.fromiter((len(t) for t in token_lists), np.int64, len(token_lists))
+    tokens = (
+        np.concatenate(token_lists).astype(np.int64, copy=False)
+        if len(token_lists)
+        else np.zeros(0, np.int64)
+    )
+    return TokenPairs(np.repeat(np.asarray(rows, dtype=np.int64), lens), tokens)
+
+
+def _keep_logprobs(
+    launched: _Launched, sampled: dict[str, int], gone: set[str] = frozenset()
+) -> None:
+    """Append each committed token's logprobs to its request (after the tokens reached the host).
+
+    :param launched: the step whose tokens were just committed.
+    :param sampled: the tokens committed, by request id.
+    :param gone: requests aborted since the launch (their token was dropped).
+    """
+    if launched.logprobs is None:
+        return
+    ids, vals, ranks = (t.numpy() for t in launched.logprobs)
+    ks = [r.sampling_params.logprobs for r in launched.reqs]
+    for r, d in zip(launched.reqs, logprob_dicts(ids, vals, ranks, ks), strict=True):
+        rid = r.request_id
+        if d is not None and r.logprobs is not None and rid in sampled and rid not in gone:
+            r.logprobs.append(d)
 
 
 def _finished_requests(scheduler: Any, sched: Any) -> list[Any]:

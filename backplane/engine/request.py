@@ -144,6 +144,7 @@ class Request:
         "user_data",
         "sampling_seed",
         "num_failed_steps",
+        "logprobs",
     )
 
     def __init__(
@@ -229,6 +230,10 @@ class Request:
         self.sampling_seed = 0
         # Failed steps this request took part in (each one restarted it from its committed tokens).
         self.num_failed_steps = 0
+        # one {token_id: Logprob} per committed output token, when the request asks for them
+        self.logprobs: list[Any] | None = (
+            [] if getattr(sampling_params, "logprobs", None) is not None else None
+        )
 
     # -- tokens -------------------------------------------------------------------------------
 

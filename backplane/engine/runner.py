@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
-from backplane.engine.sampling import Sampler, SamplingRows
+from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 
 __all__ = ["EagerModelRunner", "ModelRunner", "sample_eagerly"]
 
@@ -40,7 +40,7 @@ def sample_eagerly(
     inputs: BatchInputs,
     rows: SamplingRows,
     logits: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> SamplerOutput:
     """Gather each sampling sequence's last hidden state, project it to logits, sample.
 
     :param model: the ``CausalLM`` (its ``compute_logits`` is the LM head).
@@ -50,15 +50,16 @@ def sample_eagerly(
     :param rows: what each sampling sequence samples, in ``logits_indices`` order.
     :param logits: logits of every hidden row when already computed (a decode
         graph's output); gathered instead of projecting again.
-    :return: ``[len(rows)]`` int64 tokens on the device (no host synchronisation).
+    :return: ``[len(rows)]`` int64 tokens on the device, with their logprobs where
+        a row asks (no host synchronisation).
     """
     if not len(rows):
-        return torch.empty(0, dtype=torch.int64, device=hidden.device)
+        return SamplerOutput(torch.empty(0, dtype=torch.int64, device=hidden.device))
     if logits is not None:
         logits = logits.index_select(0, inputs.logits_indices)
     else:
         logits = model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-    return sampler.sample(logits, rows.params, rows.seeds, rows.offsets)
+    return sampler.sample_rows(logits, rows)
 
 
 @runtime_checkable
@@ -81,13 +82,16 @@ class ModelRunner(Protocol):
         """
         ...
 
-    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows) -> torch.Tensor:
+    def sample(
+        self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows
+    ) -> SamplerOutput:
         """Sample one token per sampling sequence of the step just run.
 
         :param hidden: what :meth:`run` returned for ``inputs``.
         :param inputs: the step's inputs.
         :param rows: the sampling sequences' parameters, in ``inputs.logits_indices`` order.
-        :return: ``[len(rows)]`` int64 tokens on the device (valid until the next step).
+        :return: ``[len(rows)]`` int64 tokens on the device (valid until the next step)
+            and their logprobs where a row asks.
         """
         ...
 
@@ -159,7 +163,9 @@ class EagerModelRunner:
         return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
-    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows) -> torch.Tensor:
+    def sample(
+        self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows
+    ) -> SamplerOutput:
         """LM head and sampler, op by op (see :func:`sample_eagerly`)."""
         return sample_eagerly(self.model, self.sampler, hidden, inputs, rows)
 

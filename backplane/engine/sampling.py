@@ -134,6 +134,9 @@ def _seed(v: Any) -> int:
 #: Most samples one request may ask for (``SamplingParams.n``).
 MAX_N = 128
 
+#: Most top logprobs one request may ask for per token (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
 
 def _stop_strings(why: str) -> Callable[[Any], tuple[str, ...]]:
     """A rule: a string, or a list / tuple of strings (``None`` = none); each non-empty, short."""
@@ -192,6 +195,19 @@ class SamplingParams:
         detokenized text); a string or a list of non-empty strings.
     :param include_stop_str_in_output: keep the matched stop string at the end
         of the text (``False``: the text ends before it).
+    :param min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this
+        many tokens were generated (an integer from 0 to ``max_tokens``).
+    :param presence_penalty: subtracted once from the logit of every token the
+        output already holds (OpenAI semantics), in ``[-2, 2]``; ``0`` is off.
+    :param frequency_penalty: subtracted from each token's logit once per time the
+        output already holds it, in ``[-2, 2]``; ``0`` is off.
+    :param repetition_penalty: tokens of the prompt or the output have positive
+        logits divided by it and negative ones multiplied by it (HF / vLLM
+        semantics); a finite number > 0, ``1`` is off.
+    :param logprobs: return the log-probability of each sampled token plus the
+        ``logprobs`` most likely ones (0 to :data:`MAX_LOGPROBS`), from the raw
+        model distribution (before penalties, temperature and filters);
+        ``None`` returns none.
     :raises InvalidFieldError: on a value of the wrong type or out of range, naming the field.
     """
 
@@ -206,6 +222,11 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, rule in FIELD_RULES.items():
@@ -218,6 +239,12 @@ class SamplingParams:
                 ) from None
             if checked is not value:
                 object.__setattr__(self, name, checked)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidFieldError(
+                f"SamplingParams.min_tokens={self.min_tokens} is invalid: must be at most "
+                f"max_tokens ({self.max_tokens})",
+                field="min_tokens",
+            )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.temperature < MIN_TEMPERATURE:
@@ -227,6 +254,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request decodes greedily."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 #: One rule per :class:`SamplingParams` field: it takes the value given and
@@ -255,6 +291,17 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
         "(or None)"
     ),
     "include_stop_str_in_output": _boolean("must be True or False"),
+    "min_tokens": _integer(0, _INT32_MAX, "must be an integer from 0 (off) up to max_tokens"),
+    "presence_penalty": _real(
+        lambda v: -2.0 <= v <= 2.0, "must be a number in [-2, 2]; 0 turns it off"
+    ),
+    "frequency_penalty": _real(
+        lambda v: -2.0 <= v <= 2.0, "must be a number in [-2, 2]; 0 turns it off"
+    ),
+    "repetition_penalty": _real(lambda v: v > 0.0, "must be a finite number > 0; 1 turns it off"),
+    "logprobs": _optional(
+        _integer(0, MAX_LOGPROBS, f"must be None or an integer from 0 to {MAX_LOGPROBS}")
+    ),
 }
 
 
@@ -417,6 +464,20 @@ class Sampler:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         return self.sample_tensors(logits, self.prepare(params, seeds, offsets, logits.device))
 
+    def sample_rows(self, logits: torch.Tensor, rows: SamplingRows) -> SamplerOutput:
+        """Process (penalties, ``min_tokens``), sample, and compute logprobs where asked.
+
+        :param logits: ``[len(rows), vocab]`` raw logits.
+        :param rows: the step's rows.
+        :return: tokens, and logprobs of the raw distribution when a row asks.
+        """
+        processed = apply_processing(logits, rows) if rows.processing is not None else logits
+        tokens = self.sample(processed, rows.params, rows.seeds, rows.offsets)
+        lp = None
+        if rows.num_logprobs >= 0 and len(rows):
+            lp = compute_logprobs(logits, tokens, rows.num_logprobs)
+        return SamplerOutput(tokens, lp)
+
 
 def apply_filters(
     logits: torch.Tensor,
@@ -481,20 +542,202 @@ def param_arrays(
 
 
 @dataclass(frozen=True)
+class TokenPairs:
+    """``(row, token)`` pairs of a step's rows, flat: one entry per occurrence.
+
+    :param rows: ``[m]`` int64 row of each pair (a row of the logits being processed).
+    :param tokens: ``[m]`` int64 token id of each pair.
+    """
+
+    rows: np.ndarray
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class LogitsProcessing:
+    """What changes a step's logits before sampling (only built when some row asks).
+
+    :param penalty_rows: ``[m]`` int64 rows with a penalty, or ``None`` when none has one.
+    :param output: ``(i, token)`` per output token of penalty row ``penalty_rows[i]``
+        known on the host (a token may repeat: it is counted).
+    :param pending: the penalty rows' output tokens still on the device (an
+        asynchronous step's): ``(i, token)`` device tensors, or ``None``.
+    :param prompt: ``(i, token)`` per prompt token of penalty row ``penalty_rows[i]``
+        whose ``repetition_penalty`` is on.
+    :param suppress: ``(row, token)`` pairs that cannot be sampled (``min_tokens``).
+    """
+
+    penalty_rows: np.ndarray | None = None
+    output: TokenPairs | None = None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    prompt: TokenPairs | None = None
+    suppress: TokenPairs | None = None
+
+
+@dataclass(frozen=True)
 class SamplingRows:
     """What a step samples: one row per sampling sequence, in logits-row order.
 
     :param params: each row's :class:`SamplingParams`.
     :param seeds: ``[n]`` int64 per-row seeds.
     :param offsets: ``[n]`` int64 index of the token each row samples in its request.
+    :param processing: penalties and ``min_tokens`` suppression, or ``None`` when no row asks.
+    :param num_logprobs: the most top logprobs a row asks for, ``-1`` when none asks.
     """
 
     params: Sequence[SamplingParams]
     seeds: np.ndarray
     offsets: np.ndarray
+    processing: LogitsProcessing | None = None
+    num_logprobs: int = -1
 
     def __len__(self) -> int:
         return len(self.params)
+
+    @property
+    def needs_eager(self) -> bool:
+        """True when a row asks for what the captured sampling graphs do not do."""
+        return self.processing is not None or self.num_logprobs >= 0
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (vLLM's shape).
+
+    :param logprob: natural log of its probability under the raw model distribution.
+    :param rank: 1 for the most likely token, 2 for the next...
+    :param decoded_token: the token's text, when a tokenizer is known.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one step's rows on the device: column 0 is the sampled token.
+
+    :param token_ids: ``[n, 1 + k]`` int64: the sampled token, then the top ``k``.
+    :param logprobs: ``[n, 1 + k]`` float32 log-probabilities of those tokens.
+    :param ranks: ``[n]`` int64 rank of the sampled token.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    """What sampling one step returns.
+
+    :param tokens: ``[n]`` int64 sampled tokens on the device.
+    :param logprobs: their logprobs when some row asked (``None`` otherwise).
+    """
+
+    tokens: torch.Tensor
+    logprobs: LogprobsTensors | None = None
+
+
+def _pair_index(pairs: TokenPairs, vocab: int, device: torch.device) -> torch.Tensor:
+    return _to_device(np.ascontiguousarray(pairs.rows * vocab + pairs.tokens), device)
+
+
+def apply_processing(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Apply the rows' penalties and ``min_tokens`` suppression, vectorised.
+
+    Token counts come from one ``scatter_add_`` of flat ``(row, token)`` pairs
+    into ``[m, vocab]`` for the ``m`` penalty rows only. Order (as vLLM):
+    repetition penalty on prompt and output tokens, then frequency and presence
+    penalties on output tokens, then suppressed tokens set to ``-inf``.
+
+    :param logits: ``[n, vocab]`` logits.
+    :param rows: the rows (``rows.processing`` set).
+    :return: float32 ``[n, vocab]`` processed logits (a new tensor).
+    """
+    x = logits.float().clone()
+    proc = rows.processing
+    if proc is None:
+        return x
+    n, vocab = x.shape
+    device = x.device
+    if proc.penalty_rows is not None and len(proc.penalty_rows):
+        m = len(proc.penalty_rows)
+        params = [rows.params[i] for i in proc.penalty_rows.tolist()]
+        idx = _to_device(np.ascontiguousarray(proc.penalty_rows, dtype=np.int64), device)
+        counts = torch.zeros(m * vocab, dtype=torch.int32, device=device)
+        if proc.output is not None and len(proc.output.rows):
+            flat = _pair_index(proc.output, vocab, device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if proc.pending is not None:
+            prow, ptok = proc.pending
+            flat = prow * vocab + ptok
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        counts = counts.view(m, vocab)
+        sub = x.index_select(0, idx)
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        if (rep != 1.0).any():
+            seen = counts > 0
+            if proc.prompt is not None and len(proc.prompt.rows):
+                seen = seen.view(-1).clone()
+                seen[_pair_index(proc.prompt, vocab, device)] = True
+                seen = seen.view(m, vocab)
+            r = rep.to(device).unsqueeze(1)
+            penalised = torch.where(sub > 0, sub / r, sub * r)
+            sub = torch.where(seen, penalised, sub)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        sub = sub - freq.to(device).unsqueeze(1) * counts.to(torch.float32)
+        sub = sub - pres.to(device).unsqueeze(1) * (counts > 0).to(torch.float32)
+        x = x.index_copy(0, idx, sub)
+    if proc.suppress is not None and len(proc.suppress.rows):
+        x.view(-1)[_pair_index(proc.suppress, vocab, device)] = float("-inf")
+    return x
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsTensors:
+    """Logprobs of the sampled tokens and the top ``k``, from the raw logits.
+
+    :param logits: ``[n, vocab]`` raw model logits.
+    :param tokens: ``[n]`` sampled tokens.
+    :param k: top logprobs per row (the most any row asks for).
+    :return: the step's :class:`LogprobsTensors` (device work only, no host sync).
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, tokens.unsqueeze(1))
+    ranks = (lp > picked).sum(dim=-1) + 1
+    ids, vals = tokens.unsqueeze(1), picked
+    if k > 0:
+        top_vals, top_ids = lp.topk(k, dim=-1)
+        ids = torch.cat([ids, top_ids], dim=1)
+        vals = torch.cat([vals, top_vals], dim=1)
+    return LogprobsTensors(ids, vals, ranks)
+
+
+def logprob_dicts(
+    token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, ks: Sequence[int | None]
+) -> list[dict[int, Logprob] | None]:
+    """Per row, ``{token_id: Logprob}`` of the sampled token and the row's top ``k``.
+
+    :param token_ids: ``[n, 1 + K]`` host copy of :attr:`LogprobsTensors.token_ids`.
+    :param logprobs: ``[n, 1 + K]`` host copy of the logprobs.
+    :param ranks: ``[n]`` ranks of the sampled tokens.
+    :param ks: each row's ``SamplingParams.logprobs`` (``None``: the row gets ``None``).
+    :return: one dict (or ``None``) per row.
+    """
+    out: list[dict[int, Logprob] | None] = []
+    for i, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        ids = token_ids[i].tolist()
+        vals = logprobs[i].tolist()
+        d = {ids[0]: Logprob(vals[0], int(ranks[i]))}
+        for j in range(1, k + 1):
+            d.setdefault(ids[j], Logprob(vals[j], j))
+        out.append(d)
+    return out
 
 
 def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:

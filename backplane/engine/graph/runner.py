@@ -49,7 +49,7 @@ from backplane.engine.inputs import (
     scratch_prefill,
 )
 from backplane.engine.runner import sample_eagerly
-from backplane.engine.sampling import Sampler, SamplingRows
+from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 
 logger = logging.getLogger(__name__)
 
@@ -266,26 +266,34 @@ class GraphModelRunner:
         return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
-    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows) -> torch.Tensor:
+    def sample(
+        self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows
+    ) -> SamplerOutput:
         """Sample the step: a decode-graph step replays its bucket's sampling graph.
 
-        Other steps (and a decode-graph step whose sampling graphs failed to
-        capture) run the LM head and sampler op by op; a decode-graph step
-        then reuses the logits its graph already computed.
+        Other steps (a decode-graph step whose sampling graphs failed to
+        capture, or whose rows ask for penalties, ``min_tokens`` or logprobs,
+        which the captured graphs do not do) run the LM head and sampler op by
+        op; a decode-graph step then reuses the logits its graph already computed.
 
         :param hidden: what :meth:`run` returned for ``inputs``.
         :param inputs: the step's inputs.
         :param rows: the sampling sequences, in ``inputs.logits_indices`` order.
-        :return: ``[len(rows)]`` int64 tokens on the device.
+        :return: ``[len(rows)]`` int64 tokens on the device (and logprobs where asked).
         """
         mode = inputs.mode
-        if mode.is_decode_graph and self.head is not None and self.head.has(mode.bucket):
+        if (
+            mode.is_decode_graph
+            and not rows.needs_eager
+            and self.head is not None
+            and self.head.has(mode.bucket)
+        ):
             # The sampling graph reads logits rows 0..n-1. A decode step keeps its
             # sequences in order, so the rows that sample (increasing) are exactly
             # those when the last one is n-1; a 1-token chunk that ends short of
             # its prompt samples nothing and breaks that.
             ss = inputs.sample_seqs
             if len(ss) and int(ss[-1]) == len(ss) - 1:
-                return self.head.sample(mode.bucket, rows)
+                return SamplerOutput(self.head.sample(mode.bucket, rows))
         logits = self._decode_logits if mode.is_decode_graph else None
         return sample_eagerly(self.model, self.sampler, hidden, inputs, rows, logits)
