@@ -3,6 +3,7 @@ and the engine end to end (sync and async scheduling give the same tokens and lo
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -213,6 +214,12 @@ def test_engine_presence_frequency_penalties_and_logprobs(llm):
             counts[tok] = counts.get(tok, 0) + 1
         if not p.has_penalties:
             assert all(d[t].rank == 1 for t, d in zip(c.token_ids, c.logprobs, strict=True))
+    # to_dict stays JSON-ready with logprobs
+    back = json.loads(json.dumps(outs[0].to_dict()))["outputs"][0]["logprobs"]
+    first = outs[0].outputs[0].logprobs
+    assert [{int(t): v["logprob"] for t, v in pos.items()} for pos in back] == [
+        {t: v.logprob for t, v in pos.items()} for pos in first
+    ]
 
 
 def test_engine_repetition_penalty_sync_equals_async(llm):
@@ -236,3 +243,66 @@ def test_engine_min_tokens_suppresses_stop_ids(llm, async_scheduling):
     out = _generate(llm, PROMPTS[:1], held, async_scheduling)[0]
     assert len(out.token_ids) >= 3
     assert stop not in out.token_ids[:3]
+
+
+class _Head:
+    """A sampling head whose captured graphs exist for every bucket; records replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def has(self, bucket: int) -> bool:
+        return True
+
+    def sample(self, bucket: int, rows: SamplingRows) -> torch.Tensor:
+        self.replays += 1
+        return torch.zeros(len(rows), dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("extra", "replayed"),
+    [
+        ({}, True),
+        ({"logprobs": 0}, False),
+        ({"min_tokens": 2}, False),
+        ({"presence_penalty": 0.5}, False),
+        ({"repetition_penalty": 1.2}, False),
+    ],
+)
+def test_decode_graph_steps_that_need_more_sample_eagerly(extra, replayed):
+    """Rows asking for penalties, min_tokens or logprobs skip the captured sampling graph and
+    sample eagerly from the decode graph's logits."""
+    from types import SimpleNamespace
+
+    from backplane.core.metadata import StepMode
+    from backplane.engine.graph.runner import GraphModelRunner
+
+    runner = GraphModelRunner.__new__(GraphModelRunner)
+    runner.head = _Head()
+    runner.sampler = Sampler()
+    runner.model = None  # the graph's logits are reused: no LM head runs
+    g = torch.Generator().manual_seed(0)
+    runner._decode_logits = torch.randn(4, 30, generator=g)
+    inputs = SimpleNamespace(
+        mode=StepMode.decode_graph(4),
+        sample_seqs=np.arange(3),
+        logits_indices=torch.arange(3),
+    )
+    params = [SamplingParams(temperature=0, **extra)] * 3
+    n = len(params)
+    proc = None
+    if params[0].has_penalties or params[0].min_tokens:
+        proc = LogitsProcessing(suppress=TokenPairs(np.array([0]), np.array([5])))
+    rows = SamplingRows(
+        params,
+        np.zeros(n, np.int64),
+        np.zeros(n, np.int64),
+        processing=proc,
+        num_logprobs=-1 if params[0].logprobs is None else params[0].logprobs,
+    )
+    out = runner.sample(torch.empty(4, 8), inputs, rows)
+    assert runner.head.replays == int(replayed)
+    if not replayed:
+        want = apply_processing(runner._decode_logits[:3], rows).argmax(dim=1)
+        assert out.tokens.tolist() == want.tolist()
+    assert (out.logprobs is not None) == ("logprobs" in extra)

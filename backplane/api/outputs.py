@@ -124,7 +124,14 @@ class RequestOutput:
             "request_id": self.request_id,
             "prompt": self.prompt,
             "prompt_token_ids": list(self.prompt_token_ids),
-            "outputs": [vars(o).copy() for o in self.outputs],
+            "outputs": [_completion_dict(o) for o in self.outputs],
             "finished": self.finished,
             "metrics": None if self.metrics is None else vars(self.metrics).copy(),
         }
+
+
+def _completion_dict(o: CompletionOutput) -> dict[str, Any]:
+    d = vars(o).copy()
+    if o.logprobs is not None:  # Logprob objects as dicts (token-id keys become strings in JSON)
+        d["logprobs"] = [{t: vars(lp).copy() for t, lp in pos.items()} for pos in o.logprobs]
+    return d
