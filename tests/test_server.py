@@ -311,6 +311,118 @@ def test_non_streaming_client_that_goes_away_is_aborted(server):
     )
 
 
+# -- logprobs and penalties ----------------------------------------------------------------------
+
+
+def test_completion_logprobs_match_offline_streamed_or_not(client, offline):
+    from backplane import SamplingParams
+
+    (exp,) = offline.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0, logprobs=3))
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    want = exp.outputs[0]
+    assert out.choices[0].text == want.text
+    assert lp.tokens == [
+        d[t].decoded_token for t, d in zip(want.token_ids, want.logprobs, strict=True)
+    ]
+    assert "".join(lp.tokens) == want.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for got, tok, d, top in zip(
+        lp.token_logprobs, want.token_ids, want.logprobs, lp.top_logprobs, strict=True
+    ):
+        assert got == pytest.approx(d[tok].logprob, abs=1e-3)
+        assert d[tok].rank == 1  # greedy
+        assert len(top) == 3 and max(top.values()) == pytest.approx(got, abs=1e-3)
+        assert top == pytest.approx({v.decoded_token: v.logprob for v in d.values()}, abs=1e-3)
+    chunks = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3, stream=True
+    )
+    streamed: list = []
+    offsets: list = []
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            streamed += c.choices[0].logprobs.token_logprobs
+            offsets += c.choices[0].logprobs.text_offset
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-3)
+    assert offsets == lp.text_offset
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    for c in content:
+        assert c.bytes == list(c.token.encode())
+        assert len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].token == c.token  # greedy: the most likely one
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    ):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-3)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, temperature=0, logprobs=True
+    )
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+    assert (
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+        .choices[0]
+        .logprobs
+        is None
+    )
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, top_logprobs=2)
+
+
+def test_penalties_and_min_tokens_match_offline(client, offline):
+    from backplane import SamplingParams
+
+    prompt = "1, 2, 1, 2, 1, 2, 1, 2,"
+    # SmolLM2 is confident here: weaker penalties leave the greedy text as it is
+    cases = [
+        {"frequency_penalty": 2.0},
+        {"repetition_penalty": 1.5, "presence_penalty": 2.0},
+    ]
+    plain, *expected = offline.generate(
+        [prompt] * 3,
+        [greedy(10)] + [SamplingParams(max_tokens=10, temperature=0, **f) for f in cases],
+    )
+    for fields, exp in zip(cases, expected, strict=True):
+        assert exp.text != plain.text, fields  # the penalty changes what is generated
+        std = {k: v for k, v in fields.items() if k != "repetition_penalty"}
+        extra = {k: v for k, v in fields.items() if k == "repetition_penalty"}
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body=extra, **std
+        )
+        assert out.choices[0].text == exp.text, fields
+    # min_tokens holds back a stop token id: without it the first greedy token would stop at once
+    first = plain.token_ids[0]
+    held = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"stop_token_ids": [first], "min_tokens": 4},
+    )
+    assert held.usage.completion_tokens >= 4
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 
@@ -326,8 +438,11 @@ BAD_COMPLETIONS = [
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"n": 1000}, "n"),
     ({"stop": [""]}, "stop"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"presence_penalty": 0.5}, "penalties"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"),  # more than max_tokens=4
 ]
 
 

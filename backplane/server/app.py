@@ -260,11 +260,19 @@ def build_app(
             "model": model_name,
         }
 
+        offsets: dict[int, int] = {}  # characters of each choice's tokens already sent
+        sent: dict[int, int] = {}  # tokens of each choice whose logprobs were sent
+
         def choice(i: int, out: RequestOutput, final: bool) -> dict[str, Any]:
+            logprobs = None
+            if params.logprobs is not None:
+                ids, entries = _logprobs_since(out, 0 if final else sent.get(i, 0))
+                sent[i] = len(out.outputs[0].token_ids)
+                logprobs, offsets[i] = _completion_logprobs(ids, entries, offsets.get(i, 0))
             return {
                 "index": i,
                 "text": out.text if final else out.new_text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
             }
@@ -311,6 +319,7 @@ def build_app(
                 "model": model_name,
             }
             greeted: set[int] = set()
+            sent: dict[int, int] = {}  # tokens of each choice whose logprobs were sent
 
             def chunks(i: int, out: RequestOutput) -> list[dict[str, Any]]:
                 delta: dict[str, Any] = {}
@@ -319,11 +328,16 @@ def build_app(
                     greeted.add(i)
                 if out.new_text or "role" in delta:
                     delta["content"] = out.new_text
+                logprobs = None
+                if params.logprobs is not None:
+                    ids, entries = _logprobs_since(out, sent.get(i, 0))
+                    sent[i] = len(out.outputs[0].token_ids)
+                    logprobs = _chat_logprobs(ids, entries, params.logprobs)
                 return [
                     {
                         "index": i,
                         "delta": delta,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": out.finish_reason if out.finished else None,
                         "stop_reason": out.stop_reason if out.finished else None,
                     }
@@ -339,7 +353,11 @@ def build_app(
             {
                 "index": i,
                 "message": {"role": "assistant", "content": o.text},
-                "logprobs": None,
+                "logprobs": (
+                    None
+                    if params.logprobs is None
+                    else _chat_logprobs(*_logprobs_since(o, 0), params.logprobs)
+                ),
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
             }
@@ -351,6 +369,60 @@ def build_app(
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+
+def _logprobs_since(out: RequestOutput, start: int) -> tuple[list[int], list[dict[int, Any]]]:
+    """The tokens of ``outputs[0]`` from ``start`` on and their logprobs.
+
+    A stream sends a chunk only when the text grows, so a chunk carries the
+    logprobs of every token since the previous chunk, not only this output's.
+    """
+    c = out.outputs[0]
+    return list(c.token_ids[start:]), list((c.logprobs or [])[start:])
+
+
+def _completion_logprobs(
+    ids: Sequence[int], entries: Sequence[dict[int, Any]], offset: int
+) -> tuple[dict[str, Any], int]:
+    """OpenAI completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset).
+
+    :param offset: characters of the choice's tokens before these.
+    :return: the object, and the offset after these tokens.
+    """
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for tok, d in zip(ids, entries, strict=False):
+        s = d[tok].decoded_token or ""
+        tokens.append(s)
+        token_logprobs.append(d[tok].logprob)
+        # as vLLM: the sampled token and the top k, by text
+        top.append({(v.decoded_token or ""): v.logprob for v in d.values()})
+        text_offset.append(offset)
+        offset += len(s)
+    obj = {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    }
+    return obj, offset
+
+
+def _chat_logprobs(ids: Sequence[int], entries: Sequence[dict[int, Any]], k: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def one(lp: Any) -> dict[str, Any]:
+        s = lp.decoded_token or ""
+        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tok, d in zip(ids, entries, strict=False):
+        ranked = sorted((v for v in d.values() if v.rank is not None and v.rank <= k), key=_rank)
+        content.append({**one(d[tok]), "top_logprobs": [one(v) for v in ranked[:k]]})
+    return {"content": content}
+
+
+def _rank(lp: Any) -> int:
+    return int(lp.rank)
 
 
 def _engine_error(exc: BaseException) -> Any:

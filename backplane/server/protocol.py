@@ -164,27 +164,21 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 #: Features of OpenAI's / vLLM's API this server refuses (with the reason) rather than ignore.
 def _unsupported(req: _Sampling) -> tuple[str, str] | None:
     checks: list[tuple[bool, str, str]] = [
-        (bool(req.presence_penalty), "presence_penalty", "penalties are not supported yet"),
-        (bool(req.frequency_penalty), "frequency_penalty", "penalties are not supported yet"),
-        (
-            req.repetition_penalty not in (None, 1.0),
-            "repetition_penalty",
-            "penalties are not supported yet",
-        ),
-        (bool(req.min_tokens), "min_tokens", "min_tokens is not supported yet"),
         (bool(req.logit_bias), "logit_bias", "logit_bias is not supported"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.logprobs is not None, "logprobs", "logprobs are not supported yet"),
             (req.echo, "echo", "echo is not supported"),
             (req.best_of not in (None, 1), "best_of", "best_of is not supported"),
             (bool(req.suffix), "suffix", "suffix is not supported"),
         ]
     else:
         checks += [
-            (req.logprobs, "logprobs", "logprobs are not supported yet"),
-            (req.top_logprobs is not None, "top_logprobs", "logprobs are not supported yet"),
+            (
+                req.top_logprobs is not None and not req.logprobs,
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            ),
         ]
     for bad, param, why in checks:
         if bad:
@@ -218,6 +212,10 @@ def sampling_params(
         "top_k": req.top_k,
         "min_p": req.min_p,
         "seed": req.seed,
+        "min_tokens": req.min_tokens,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
     }
     values = {k: v for k, v in fields.items() if v is not None}
     values["ignore_eos"] = req.ignore_eos
@@ -226,9 +224,18 @@ def sampling_params(
     values["include_stop_str_in_output"] = req.include_stop_str_in_output
     if req.stop_token_ids:
         values["stop_token_ids"] = tuple(req.stop_token_ids)
+    # completions: logprobs=k; chat: logprobs=true with top_logprobs=k (0 by default)
+    logprobs_field = "logprobs"
+    if isinstance(req, CompletionRequest):
+        values["logprobs"] = req.logprobs
+    elif req.logprobs:
+        values["logprobs"] = req.top_logprobs or 0
+        logprobs_field = "top_logprobs" if req.top_logprobs else "logprobs"
     try:
         return dataclasses.replace(base, **values)
     except RequestError as exc:
         m = _FIELD.search(str(exc))
         field = getattr(exc, "field", None) or (m.group(1) if m else None)
+        if field == "logprobs":
+            field = logprobs_field
         raise BadRequest(str(exc), field) from None
