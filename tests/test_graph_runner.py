@@ -83,6 +83,39 @@ def run_runner(engine: Engine, runner: GraphModelRunner, seqs):
 
 
 TORCH_BACKENDS = {"attention": "torch", "ssm": "torch", "mla": "torch", "delta": "torch"}
+
+
+def build_runner(
+    model: str, device: str, *, max_model_len: int, num_kv_pages: int, mode: str, **buckets
+) -> tuple[Engine, GraphModelRunner]:
+    """An eager engine on torch backends and a graph runner over its model (not captured yet)."""
+    engine = Engine(
+        model=model,
+        device=device,
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_tokens=64,
+        max_model_len=max_model_len,
+        page_size=PAGE,
+        num_kv_pages=num_kv_pages,
+        cuda_graphs="off",
+        backends=TORCH_BACKENDS,
+    )
+    runner = GraphModelRunner(
+        engine.model,
+        engine.backends,
+        engine.input_batch,
+        mode=mode,
+        max_num_tokens=64,
+        max_num_seqs=8,
+        max_model_len=engine.max_model_len,
+        page_size=engine.page_size,
+        allow_cpu=device == "cpu",
+        **buckets,
+    )
+    return engine, runner
+
+
 CPU_MODELS = ["tiny-llama", "tiny-nemotron-h", "tiny-qwen3-next"]
 GPU_MODELS = ["tiny-llama", "tiny-nemotron-h", "tiny-deepseek-v3", "tiny-qwen3-next"]
 
@@ -96,30 +129,14 @@ def setup(request):
     device, model = request.param
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
-    engine = Engine(
-        model=model,
-        device=device,
-        dtype="float32",
-        max_num_seqs=8,
-        max_num_tokens=64,
+    engine, runner = build_runner(
+        model,
+        device,
         max_model_len=64,
-        page_size=PAGE,
         num_kv_pages=160,
-        cuda_graphs="off",
-        backends=TORCH_BACKENDS,
-    )
-    runner = GraphModelRunner(
-        engine.model,
-        engine.backends,
-        engine.input_batch,
         mode="full_and_piecewise",
-        max_num_tokens=64,
-        max_num_seqs=8,
-        max_model_len=engine.max_model_len,
-        page_size=engine.page_size,
         token_bucket_sizes=[16, 32],
         decode_bucket_sizes=[2, 4],
-        allow_cpu=device == "cpu",
     )
     runner.capture()
     # a failed capture silently falls back to eager: here it must not happen
@@ -391,29 +408,13 @@ def test_backends_prepare_each_capture_before_its_plan(monkeypatch):
 
 def test_token_buckets_longer_than_the_model_are_captured():
     # a 64-token bucket with max_model_len 16 is captured with several scratch sequences
-    engine = Engine(
-        model="tiny-llama",
-        device="cpu",
-        dtype="float32",
-        max_num_seqs=8,
-        max_num_tokens=64,
+    engine, runner = build_runner(
+        "tiny-llama",
+        "cpu",
         max_model_len=16,
-        page_size=PAGE,
         num_kv_pages=64,
-        cuda_graphs="off",
-        backends=TORCH_BACKENDS,
-    )
-    runner = GraphModelRunner(
-        engine.model,
-        engine.backends,
-        engine.input_batch,
         mode="piecewise",
-        max_num_tokens=64,
-        max_num_seqs=8,
-        max_model_len=engine.max_model_len,
-        page_size=engine.page_size,
         token_bucket_sizes=[8, 32, 64],
-        allow_cpu=True,
     )
     runner.capture()
     assert runner.piecewise.failed == {}
