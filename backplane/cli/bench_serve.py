@@ -20,73 +20,26 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from backplane.cli.workload import (
+    RequestResult,
+    RequestSpec,
+    arrival_offsets,
+    make_requests,
+    parse_rates,
+    print_table,
+    summarize,
+)
 from backplane.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RequestSpec", "RequestResult", "add_arguments", "make_requests", "run_cli", "summarize"]
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One synthetic request: its prompt token ids and exact output length."""
-
-    prompt_token_ids: list[int]
-    output_len: int
-
-
-@dataclass
-class RequestResult:
-    """What one request measured (seconds from its send)."""
-
-    ok: bool
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    e2e: float | None = None
-    output_tokens: int = 0
-    error: str | None = None
-
-
-def make_requests(
-    n: int,
-    *,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    seed: int,
-    token_id_range: tuple[int, int] = (10, 1000),
-) -> list[RequestSpec]:
-    """The seeded synthetic mix of requests.
-
-    :param n: how many.
-    :param input_len: mean prompt length in tokens.
-    :param output_len: mean output length in tokens.
-    :param range_ratio: lengths are uniform in ``mean * [1 - r, 1 + r]`` (at least 1).
-    :param seed: the random seed (same seed, same requests).
-    :param token_id_range: prompt token ids are drawn from ``[lo, hi)``.
-    :return: ``n`` request specs.
-    """
-    rng = np.random.default_rng(seed)
-
-    def lengths(mean: int) -> np.ndarray:
-        lo = max(1, int(round(mean * (1 - range_ratio))))
-        hi = max(lo, int(round(mean * (1 + range_ratio))))
-        return rng.integers(lo, hi + 1, size=n)
-
-    ins, outs = lengths(input_len), lengths(output_len)
-    lo, hi = token_id_range
-    return [
-        RequestSpec(rng.integers(lo, hi, size=int(i)).tolist(), int(o))
-        for i, o in zip(ins, outs, strict=True)
-    ]
 
 
 async def _one(client: Any, url: str, model: str, spec: RequestSpec) -> RequestResult:
@@ -101,7 +54,7 @@ async def _one(client: Any, url: str, model: str, spec: RequestSpec) -> RequestR
     }
     start = time.perf_counter()
     last = None
-    res = RequestResult(ok=False)
+    res = RequestResult(ok=False, prompt_tokens=len(spec.prompt_token_ids))
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -149,7 +102,7 @@ async def _run_rate(
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    rng = np.random.default_rng(seed)
+    offsets = arrival_offsets(len(specs), rate, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=None) as client:
 
@@ -161,69 +114,13 @@ async def _run_rate(
 
         tasks = []
         start = time.perf_counter()
-        for spec in specs:
+        for spec, offset in zip(specs, offsets, strict=True):
+            wait = start + float(offset) - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(send(spec)))
-            if math.isfinite(rate):  # Poisson arrivals: exponential gaps
-                await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q) * 1e3) if values else None
-
-
-def summarize(rate: float, results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """Percentiles (ms) and throughputs of one rate's results.
-
-    :param rate: the request rate (``inf``: all at once).
-    :param results: one per request.
-    :param duration: wall seconds from the first send to the last response.
-    :return: a JSON-ready row.
-    """
-    ok = [r for r in results if r.ok]
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    itl = [g for r in ok for g in r.itls]
-    e2e = [r.e2e for r in ok if r.e2e is not None]
-    out_tokens = sum(r.output_tokens for r in ok)
-    errors = sorted({r.error for r in results if r.error})
-    return {
-        "rate": rate if math.isfinite(rate) else "inf",
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_token_throughput": out_tokens / duration if duration > 0 else 0.0,
-        "ttft_ms_p50": _pct(ttft, 50),
-        "ttft_ms_p99": _pct(ttft, 99),
-        "itl_ms_p50": _pct(itl, 50),
-        "itl_ms_p99": _pct(itl, 99),
-        "e2e_ms_p50": _pct(e2e, 50),
-        "e2e_ms_p99": _pct(e2e, 99),
-        "errors": errors[:5],
-    }
-
-
-def _parse_rates(text: str) -> list[float]:
-    rates = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            r = math.inf if part in ("inf", "infinite") else float(part)
-        except ValueError:
-            raise ConfigError(
-                f"option --rates: {part!r} is not a number; give requests per second such as "
-                "1,4,16,inf"
-            ) from None
-        if not r > 0:
-            raise ConfigError(f"option --rates: {part} must be > 0 (or inf)")
-        rates.append(r)
-    if not rates:
-        raise ConfigError("option --rates: give at least one rate, e.g. 1,4,inf")
-    return rates
 
 
 def _model_of(url: str, api_key: str | None) -> str:
@@ -240,30 +137,6 @@ def _model_of(url: str, api_key: str | None) -> str:
     if r.status_code != 200:
         raise ConfigError(f"{url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
     return r.json()["data"][0]["id"]
-
-
-def _fmt(v: Any) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    """Print one line per rate."""
-    head = (
-        f"{'rate':>6} {'done':>6} {'fail':>5} {'req/s':>7} {'tok/s':>8} "
-        f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'e2e p50':>9} {'p99':>9}"
-    )
-    print(head + "   (latencies in ms)")
-    for r in rows:
-        print(
-            f"{r['rate']!s:>6} {r['completed']:>6} {r['failed']:>5} "
-            f"{r['request_throughput']:>7.2f} {r['output_token_throughput']:>8.1f} "
-            f"{_fmt(r['ttft_ms_p50']):>9} {_fmt(r['ttft_ms_p99']):>8} "
-            f"{_fmt(r['itl_ms_p50']):>8} {_fmt(r['itl_ms_p99']):>8} "
-            f"{_fmt(r['e2e_ms_p50']):>9} {_fmt(r['e2e_ms_p99']):>9}"
-        )
-    for r in rows:
-        for e in r["errors"]:
-            print(f"rate {r['rate']}: error: {e}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
@@ -355,7 +228,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "backplane bench serve needs httpx; install the bench extra: "
             "pip install 'backplane[bench]'"
         ) from None
-    rates = _parse_rates(args.rates)
+    rates = parse_rates(args.rates, "--rates")
     for name in ("num_requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"option --{name.replace('_', '-')}: must be at least 1")
