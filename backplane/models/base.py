@@ -37,7 +37,7 @@ from torch import nn
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
 from backplane.models.fused import resolve_fused_ops
-from backplane.models.linear import MergedLinear
+from backplane.models.linear import Linear, MergedLinear, dense
 from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         :param hidden_size: the width of the final hidden states ``lm_head`` reads.
         """
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden_size, self.vocab_size, bias=False)
+            self.lm_head = Linear(hidden_size, self.vocab_size, bias=False)
         fams: set[str] = set()
         for m in self.modules():
             if isinstance(m, CachedMixer):
@@ -220,7 +220,7 @@ class CausalLM(nn.Module):
         :return: ``[N, vocab_size]`` logits in float32.
         """
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return dense(hidden, weight).float()
 
     # -- caches ------------------------------------------------------------------
     def cached_layers(self) -> Iterator[tuple[str, CachedMixer]]:

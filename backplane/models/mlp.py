@@ -23,7 +23,7 @@ from backplane.models.fused import (
     relu_squared,
     silu_and_mul,
 )
-from backplane.models.linear import MergedLinear
+from backplane.models.linear import Linear, MergedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -94,8 +94,8 @@ class MLP(nn.Module):
                 bias=bias,
             )
         else:
-            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[T, hidden]``."""

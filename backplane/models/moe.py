@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backplane.core.errors import ConfigError
+from backplane.models.linear import Linear, dense
 from backplane.models.mlp import MLP, activation, gated_activation
 
 
@@ -56,14 +56,14 @@ def moe_experts(
         return out.to(x.dtype)
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-        return F.linear(fn(F.linear(xs, w_in[e])), w_down[e])
+        return dense(fn(dense(xs, w_in[e])), w_down[e])
 
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing:
-        dense = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
-        dense.scatter_add_(1, topk_ids.long(), topk_weights.float())
+        per_expert = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        per_expert.scatter_add_(1, topk_ids.long(), topk_weights.float())
         for e in range(num_experts):
-            out += expert(e, x).float() * dense[:, e : e + 1]
+            out += expert(e, x).float() * per_expert[:, e : e + 1]
         return out.to(x.dtype)
 
     flat_ids = topk_ids.reshape(-1).long()
@@ -181,8 +181,8 @@ class MoE(nn.Module):
         inner_dim = latent_size or hidden_size
         self.latent = latent_size is not None
         if self.latent:
-            self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=bias)
-            self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=bias)
+            self.fc1_latent_proj = Linear(hidden_size, latent_size, bias=bias)
+            self.fc2_latent_proj = Linear(latent_size, hidden_size, bias=bias)
         self.gated = gated
         self.intermediate_size = moe_intermediate_size
         if gated:
@@ -202,7 +202,7 @@ class MoE(nn.Module):
             )
         self.shared_gate = shared_gate and bool(self.shared_name)
         if self.shared_gate:
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     @property
     def experts_in(self) -> torch.Tensor:
@@ -231,7 +231,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(topk_ids [T, k], topk_weights [T, k] float32)`` for ``x`` ``[T, H]``."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = dense(x.float(), self.gate.weight.float())
         if self.router == "softmax":
             probs = torch.softmax(logits, dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)

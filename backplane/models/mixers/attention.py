@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from backplane.core.families import AttentionLayerSpec
-from backplane.models.linear import MergedLinear
+from backplane.models.linear import Linear, MergedLinear
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
@@ -67,7 +66,7 @@ class AttentionMixer(PagedMixer):
         self.qkv_proj = MergedLinear(
             hidden_size, [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)], bias=bias
         )
-        self.o_proj = nn.Linear(
+        self.o_proj = Linear(
             num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias
         )
         self.qk_norm = qk_norm

@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from backplane.core.families import DeltaLayerSpec
-from backplane.models.linear import MergedLinear
+from backplane.models.linear import Linear, MergedLinear
 from backplane.models.mixers.base import ConvStateMixer
 from backplane.models.norm import GatedRMSNorm
 from backplane.models.rotary import RopeCosSin
@@ -70,7 +69,7 @@ class GatedDeltaNetMixer(ConvStateMixer):
             layer_id, conv_kernel, num_v_heads, act=act, name="gated delta net", bias=False
         )
         self.norm = GatedRMSNorm(v_head_dim, norm_eps, norm_before_gate=True)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
         self.state_spec = DeltaLayerSpec(
             layer_id=layer_id,
             num_k_heads=num_k_heads,

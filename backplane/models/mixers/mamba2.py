@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from backplane.core.families import SSMLayerSpec
+from backplane.models.linear import Linear
 from backplane.models.mixers.base import ConvStateMixer
 from backplane.models.norm import GatedRMSNorm
 from backplane.models.rotary import RopeCosSin
@@ -48,15 +49,13 @@ class Mamba2Mixer(ConvStateMixer):
         )
         self.inner = num_heads * head_dim
         self.conv_dim = self.inner + 2 * n_groups * d_state
-        self.in_proj = nn.Linear(
-            hidden_size, self.inner + self.conv_dim + num_heads, bias=proj_bias
-        )
+        self.in_proj = Linear(hidden_size, self.inner + self.conv_dim + num_heads, bias=proj_bias)
         self.init_conv(layer_id, conv_kernel, num_heads, act=act, name="Mamba2", bias=conv_bias)
         self.D = nn.Parameter(torch.empty(num_heads))
         self.norm = GatedRMSNorm(
             self.inner, norm_eps, group_size=self.inner // n_groups, norm_before_gate=False
         )
-        self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias)
+        self.out_proj = Linear(self.inner, hidden_size, bias=proj_bias)
         self.state_spec = SSMLayerSpec(
             layer_id=layer_id,
             nheads=num_heads,

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from backplane.core.families import MLALayerSpec
-from backplane.models.linear import MergedLinear
+from backplane.models.linear import Linear, MergedLinear
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
@@ -63,19 +62,19 @@ class MLAMixer(PagedMixer):
         else:
             q_part = ("q_a_proj", q_lora_rank)
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
         if self.merged:
             self.fused_qkv_a_proj = MergedLinear(
                 hidden_size, [q_part, ("kv_a_proj_with_mqa", kv_a_out)], bias=bias
             )
         else:
-            self.q_proj = nn.Linear(hidden_size, q_part[1], bias=False)
-            self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_a_out, bias=bias)
+            self.q_proj = Linear(hidden_size, q_part[1], bias=False)
+            self.kv_a_proj_with_mqa = Linear(hidden_size, kv_a_out, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.spec = MLALayerSpec(
             layer_id=layer_id,
             num_heads=num_heads,
