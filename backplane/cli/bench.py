@@ -245,12 +245,13 @@ def run_cpu(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench`` sub-command (with its ``cpu``, ``latency`` and ``serve`` benchmarks)."""
+    """Add the ``bench`` sub-command (``cpu``, ``latency``, ``serve`` and ``throughput``)."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (cpu: scheduling + input preparation; latency: decode; serve: a server)",
-        description="Benchmarks of the engine: its host side (cpu), decode latency (latency) and "
-        "a running server under load (serve).",
+        help="benchmarks (cpu: scheduling + input preparation; latency: decode; serve: a "
+        "server; throughput: offline serving in one process)",
+        description="Benchmarks of the engine: its host side (cpu), decode latency (latency), "
+        "a running server under load (serve) and offline serving throughput (throughput).",
     )
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     cpu = sub.add_parser(
@@ -281,6 +282,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     bench_serve.add_arguments(serve_parser)
     serve_parser.set_defaults(func=bench_serve.run_cli)
+    from backplane.cli import throughput
+
+    throughput_parser = sub.add_parser(
+        "throughput",
+        help="offline serving throughput in one process: requests at a rate through AsyncLLM, "
+        "transformers on the same batch, decode-only tok/s against the floor",
+        description=throughput.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    throughput.add_arguments(throughput_parser)
+    throughput_parser.set_defaults(func=throughput.run_cli)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 

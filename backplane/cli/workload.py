@@ -154,6 +154,8 @@ def sharegpt_like_requests(
     max_total_len: int = 2048,
     min_len: int = 4,
     token_id_range: tuple[int, int] = (10, 1000),
+    input_len: int | None = None,
+    output_len: int | None = None,
 ) -> list[RequestSpec]:
     """A seeded synthetic mix shaped like ShareGPT conversations.
 
@@ -162,6 +164,8 @@ def sharegpt_like_requests(
     at most ``max_input_len``, outputs at most ``max_output_len`` and at most
     what ``max_total_len`` leaves after the prompt (vLLM drops such requests
     from the real data set; clipping keeps the count and the seed's meaning).
+    ``input_len`` / ``output_len`` force one side to a fixed length (the
+    limits do not apply to it); the other side keeps its draws.
 
     :param n: how many requests.
     :param seed: the random seed (same seed, same requests).
@@ -170,6 +174,8 @@ def sharegpt_like_requests(
     :param max_total_len: longest prompt + output (e.g. the engine's ``max_model_len``).
     :param min_len: shortest prompt and output.
     :param token_id_range: prompt token ids are drawn from ``[lo, hi)``.
+    :param input_len: every prompt has this many tokens (``None``: the mix).
+    :param output_len: every request produces this many tokens (``None``: the mix).
     :return: ``n`` request specs.
     :raises ValueError: limits that leave no room for a request.
     """
@@ -183,7 +189,14 @@ def sharegpt_like_requests(
         SHAREGPT_INPUT.sample(rng, n), min_len, min(max_input_len, max_total_len - min_len)
     )
     outs = SHAREGPT_OUTPUT.sample(rng, n)
-    outs = np.clip(outs, min_len, np.minimum(max_output_len, max_total_len - ins))
+    if input_len is not None:
+        ins = np.full(n, input_len, dtype=np.int64)
+    if output_len is not None:
+        outs = np.full(n, output_len, dtype=np.int64)
+    else:
+        outs = np.clip(
+            outs, min_len, np.maximum(min_len, np.minimum(max_output_len, max_total_len - ins))
+        )
     return [
         RequestSpec(ids, int(o))
         for ids, o in zip(_token_ids(rng, ins, token_id_range), outs, strict=True)

@@ -23,21 +23,24 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _quiet_missing_tokenizer() -> Iterator[None]:
+def quiet_missing_tokenizer() -> Iterator[None]:
     """The benchmark's folders carry no tokenizer on purpose (no detokenizing in the loop)."""
-    log = logging.getLogger("backplane.models.loader")
+    # the loader and the tokenizer module have both reported it
+    logs = [logging.getLogger(f"backplane.models.{m}") for m in ("loader", "tokenizer")]
 
     def drop(record: logging.LogRecord) -> bool:
         return "tokenizer.json" not in record.getMessage()
 
-    log.addFilter(drop)
+    for log in logs:
+        log.addFilter(drop)
     try:
         yield
     finally:
-        log.removeFilter(drop)
+        for log in logs:
+            log.removeFilter(drop)
 
 
-def _generate_backplane(llm: Any, prompts: list[list[int]], new_tokens: int) -> Generation:
+def generate_backplane(llm: Any, prompts: list[list[int]], new_tokens: int) -> Generation:
     """One timed ``LLM.generate``: ``(ttft s, s per token after the first, tokens)``.
 
     :param llm: the engine's ``LLM``.
@@ -117,7 +120,7 @@ def run_backplane(
     }
     entry: dict[str, Any] = {"engine_settings": dict(overrides), "batches": []}
     t0 = time.perf_counter()
-    with _quiet_missing_tokenizer():
+    with quiet_missing_tokenizer():
         llm = LLM(folder, **overrides)
     entry["startup_s"] = time.perf_counter() - t0
     entry["backends"] = {
@@ -127,10 +130,10 @@ def run_backplane(
         for batch in settings.batch_sizes:
             try:
                 for _ in range(settings.warmup):
-                    _generate_backplane(llm, prompts[batch], n)
+                    generate_backplane(llm, prompts[batch], n)
                 # a temporary: a name bound to it would keep the engine alive past `del llm`
                 runs, tokens = timed_runs(
-                    partial(_generate_backplane, llm, prompts[batch], n), settings.repeats
+                    partial(generate_backplane, llm, prompts[batch], n), settings.repeats
                 )
                 tokens_out[batch] = tokens
                 entry["batches"].append(timing_row(batch, runs, tokens, n))

@@ -69,8 +69,12 @@ def _transformers_notes(notes: list[str]) -> Iterator[None]:
         log.removeHandler(handler)
 
 
-def _generate_transformers(
-    model: Any, input_ids: Any, new_tokens: int, extra: dict[str, Any]
+def generate_transformers(
+    model: Any,
+    input_ids: Any,
+    new_tokens: int,
+    extra: dict[str, Any],
+    attention_mask: Any = None,
 ) -> Generation:
     """One timed ``generate``: ``(ttft s, s per token after the first, new tokens)``.
 
@@ -78,6 +82,8 @@ def _generate_transformers(
     :param input_ids: the batch's prompts, one tensor.
     :param new_tokens: tokens each request generates (no fewer, no more).
     :param extra: more ``generate`` arguments (the static cache and compile config).
+    :param attention_mask: ``0`` over padding (prompts of several lengths, padded
+        on the left); ``None``: every prompt fills its row.
     :return: the times from the streamer, and the new tokens per request.
     """
     import torch
@@ -92,7 +98,7 @@ def _generate_transformers(
     # as users call it (generate runs without autograd by itself)
     out = model.generate(
         input_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -106,6 +112,22 @@ def _generate_transformers(
     per_token = (times[-1] - times[0]) / max(new_tokens - 1, 1)
     tokens = out[:, input_ids.shape[1] :].tolist()
     return times[0] - t0, per_token, tokens
+
+
+def load_transformers_model(folder: str, device: Any, dtype: Any) -> Any:
+    """Load a saved HF folder with ``transformers``, on ``device``, for inference.
+
+    :param folder: the folder (``config.json`` + safetensors).
+    :param device: the ``torch.device``.
+    :param dtype: the ``torch.dtype`` of the weights.
+    :return: the model, in eval mode.
+    :raises ImportError: transformers is not installed.
+    """
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval()
 
 
 def _dynamo_graphs() -> int:
@@ -177,9 +199,7 @@ def run_transformers(
     notes: list[str] = []
     try:
         with _transformers_notes(notes):
-            transformers.utils.logging.disable_progress_bar()
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-            model.to(device).eval()
+            model = load_transformers_model(folder, device, dtype)
     except Exception as exc:
         logger.debug("transformers failed to load %s", folder, exc_info=True)
         for mode in modes:
@@ -215,7 +235,7 @@ def run_transformers(
                     with _transformers_notes(notes):
                         try:
                             for _ in range(warmup):
-                                _generate_transformers(model, input_ids, n, extra)
+                                generate_transformers(model, input_ids, n, extra)
                         except Exception as exc:
                             if mode != "compile" or not extra["compile_config"].fullgraph:
                                 raise
@@ -233,9 +253,9 @@ def run_transformers(
                                 f"fullgraph=True failed: {one_line(exc)}"
                             )
                             for _ in range(warmup):
-                                _generate_transformers(model, input_ids, n, extra)
+                                generate_transformers(model, input_ids, n, extra)
                         runs, tokens = timed_runs(
-                            partial(_generate_transformers, model, input_ids, n, extra),
+                            partial(generate_transformers, model, input_ids, n, extra),
                             settings.repeats,
                         )
                     tokens_out[(mode, batch)] = tokens
