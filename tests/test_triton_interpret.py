@@ -42,7 +42,9 @@ CHECKS = (
     "conv_mixed",
     "ssm_decode",
     "ssm_mixed",
+    "ssm_packed",
     "delta_decode",
+    "delta_decode_in_place",
 )
 
 
@@ -568,6 +570,76 @@ def check_ssm_mixed():
     return "ok", ""
 
 
+def _ssm_against_torch(query_lens, cached_lens, *, chunk_size, use_z, seed, H=4, P=16, N=16, G=2):
+    """The Triton scan and the torch reference backend on one batch: outputs and every slot."""
+    import torch
+
+    from backplane.backends.torch.ssm import TorchSSMBackend
+    from backplane.backends.triton.ssm import TritonSSMBackend
+    from backplane.core.families import SSMLayerSpec
+    from backplane.core.forward_context import forward_context
+
+    torch.manual_seed(seed)
+    layer = SSMLayerSpec(0, H, P, N, G, chunk_size=chunk_size)
+    ps = 4
+    pages = sum(-(-(q + c) // ps) for q, c in zip(query_lens, cached_lens, strict=False)) + 2
+    batch = _batch(query_lens, cached_lens, ps, pages, seed=seed, padded=sum(query_lens) + 3)
+    T = batch.padded_num_tokens
+    x = torch.randn(T, H, P)
+    z = torch.randn(T, H, P) if use_z else None
+    dt = torch.randn(T, H)
+    A, D, dt_bias = -torch.rand(H) - 0.5, torch.randn(H), torch.randn(H) * 0.5
+    B, C = torch.randn(T, G, N), torch.randn(T, G, N)
+    slots = len(query_lens) + 3
+    state = torch.randn(slots, H, P, N)
+    # A slot without an initial state may hold anything: NaN must not leak into the result.
+    for i, cached in enumerate(cached_lens):
+        if cached == 0:
+            state[int(batch.host.state_slots[i])] = float("nan")
+    expect_state = state.clone()
+    expect = torch.full((T, H, P), float("nan"))
+    with forward_context(batch):
+        TorchSSMBackend().scan(x, dt, A, B, C, D, dt_bias, z, expect_state, layer, expect)
+    backend = TritonSSMBackend()
+    got = torch.full((T, H, P), float("nan"))
+    with forward_context(batch, {"ssm": backend.plan(batch)}):
+        sentinel = backend.scan(x, dt, A, B, C, D, dt_bias, z, state, layer, got)
+    assert sentinel.numel() == 0
+    h = batch.host
+    for i in range(batch.num_seqs):
+        a, e = int(h.query_start_loc[i]), int(h.query_start_loc[i + 1])
+        slot = int(h.state_slots[i])
+        _close(f"ssm output of sequence {i}", got[a:e], expect[a:e], atol=1e-4, rtol=1e-4)
+        _close(f"ssm state of sequence {i}", state[slot], expect_state[slot], atol=1e-4, rtol=1e-4)
+    untouched = sorted(set(range(slots)) - {int(s) for s in h.state_slots})
+    if not torch.equal(state[untouched], expect_state[untouched]):
+        raise AssertionError("the scan touched a slot that no sequence owns")
+    if not (got[batch.num_tokens :] == 0).all():
+        raise AssertionError("padding rows are not zero")
+
+
+def check_ssm_packed():
+    """Packed prefill (uneven lengths, initial states on some) plus decodes, vs the torch backend.
+
+    Chunks of 16 tokens: sequences shorter than a chunk, several sequences inside one
+    chunk, sequences starting and ending mid-chunk and spanning several chunks, a
+    one-token prefill; initial states (``cached > 0``) on some, NaN in the slots of
+    the others.
+    """
+    import importlib.util
+
+    reason = _extra_paths()
+    if reason or importlib.util.find_spec("mamba_ssm") is None:
+        return "skip", reason or "mamba-ssm is not importable"
+    _ssm_against_torch(
+        [1, 5, 17, 3, 40, 2, 1, 1], [0, 4, 0, 7, 9, 0, 3, 6], chunk_size=16, use_z=True, seed=6
+    )
+    _ssm_against_torch([7, 21, 1], [3, 0, 0], chunk_size=16, use_z=False, seed=7, G=1, P=8, N=8)
+    # every prefill sequence fresh (no initial-state correction compiled in), one decode
+    _ssm_against_torch([9, 16, 4, 1], [0, 0, 0, 5], chunk_size=16, use_z=True, seed=8)
+    return "ok", ""
+
+
 def check_delta_decode():
     """fla's fused_recurrent_gated_delta_rule through our op (slot gather/scatter) against float64."""
     import importlib.util
@@ -614,6 +686,81 @@ def check_delta_decode():
         _close(f"delta state {i}", state[slot], S, atol=1e-4, rtol=1e-4)
     if not (out[batch.num_tokens :] == 0).all():
         raise AssertionError("padding rows are not zero")
+    return "ok", ""
+
+
+def check_delta_decode_in_place():
+    """Our decode kernel against the torch backend: slots out of order, GQA, NaN-poisoned out.
+
+    Decode-only batches through the op (the interpreter cannot run fla's chunked
+    prefill), with and without the in-kernel L2 norm, one and two value heads per
+    key head, a value dimension split over two blocks; then the kernel alone on
+    float16 rows that are not contiguous.
+    """
+    import torch
+
+    from backplane.backends.torch.delta import TorchDeltaBackend
+    from backplane.backends.triton.delta import TritonDeltaBackend
+    from backplane.backends.triton.delta_decode import delta_decode
+    from backplane.core.families import DeltaLayerSpec
+    from backplane.core.forward_context import forward_context
+
+    cases = [(2, 4, 16, 16, True, 9), (2, 2, 8, 48, False, 10), (1, 4, 16, 64, True, 11)]
+    for hk, hv, dk, dv, l2, seed in cases:
+        torch.manual_seed(seed)
+        layer = DeltaLayerSpec(0, hk, hv, dk, dv, use_qk_l2norm=l2)
+        batch = _batch([1, 1, 1, 1], [3, 7, 1, 12], 4, 12, seed=seed, padded=6)
+        T = batch.padded_num_tokens
+        q, k = torch.randn(T, hk, dk), torch.randn(T, hk, dk)
+        if not l2:  # unnormalised keys: keep the update contractive
+            q, k = q * dk**-0.5, k * dk**-0.5
+        v = torch.randn(T, hv, dv)
+        g = -torch.rand(T, hv)
+        beta = torch.rand(T, hv)
+        state = torch.randn(8, hv, dk, dv)
+        expect_state = state.clone()
+        expect = torch.full((T, hv, dv), float("nan"))
+        with forward_context(batch):
+            TorchDeltaBackend().forward(q, k, v, g, beta, expect_state, layer, expect)
+        got = torch.full((T, hv, dv), float("nan"))
+        with forward_context(batch):
+            sentinel = TritonDeltaBackend().forward(q, k, v, g, beta, state, layer, got)
+        assert sentinel.numel() == 0
+        _close(f"delta decode outputs {seed}", got, expect, atol=1e-5, rtol=1e-5)
+        _close(f"delta decode states {seed}", state, expect_state, atol=1e-5, rtol=1e-5)
+        if not torch.equal(state[0], expect_state[0]) or not torch.equal(
+            state[5:], expect_state[5:]
+        ):
+            raise AssertionError("the decode kernel touched a slot that no sequence owns")
+
+    # float16 activations in strided rows (views of wider projections), float32 state.
+    torch.manual_seed(12)
+    n, hk, hv, dk, dv = 3, 2, 4, 16, 16
+    qkv = torch.randn(n, hk, 3 * dk).half()
+    q, k = qkv[..., :dk], qkv[..., dk : 2 * dk]
+    v = torch.randn(n, hv, 2 * dv).half()[..., :dv]
+    g, beta = -torch.rand(n, hv), torch.rand(n, hv)
+    slots = torch.tensor([4, 1, 3], dtype=torch.int32)
+    state = torch.randn(6, hv, dk, dv)
+    before = state.clone()
+    out = torch.full((n, hv, dv), float("nan"), dtype=torch.float16)
+    delta_decode(q, k, v, g, beta, state, slots, 0.3, True, out)
+    rep = hv // hk
+
+    def l2(x):  # the reference's in-kernel norm, eps 1e-6 under the root
+        x = x.double()
+        return (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(rep, 0)
+
+    for i, slot in enumerate(slots.tolist()):
+        qq, kk = l2(q[i]), l2(k[i])
+        s = before[slot].double() * torch.exp(g[i].double())[:, None, None]
+        pred = torch.einsum("hk,hkv->hv", kk, s)
+        s = s + kk[:, :, None] * (beta[i].double()[:, None] * (v[i].double() - pred))[:, None, :]
+        o = torch.einsum("hk,hkv->hv", qq * 0.3, s)
+        _close(f"float16 delta decode output {i}", out[i], o, atol=2e-3, rtol=2e-3)
+        _close(f"float16 delta decode state {i}", state[slot], s, atol=1e-4, rtol=1e-4)
+    if not torch.equal(state[[0, 2, 5]], before[[0, 2, 5]]):
+        raise AssertionError("the decode kernel touched a slot it was not given")
     return "ok", ""
 
 

@@ -107,8 +107,11 @@ def _adapt_for_interpreter(torch: Any) -> None:
 def load() -> types.SimpleNamespace:
     """Import mamba-ssm's Triton kernels without running its package ``__init__``.
 
-    :return: a namespace with ``selective_state_update`` (decode) and
-        ``mamba_chunk_scan_combined_fwd`` (the forward of
+    :return: a namespace with ``selective_state_update`` (decode), the stages of
+        the chunked scan's forward that the packed prefill composes
+        (``chunk_cumsum_fwd``, ``chunk_state_fwd``, ``state_passing_fwd``,
+        ``bmm_chunk_fwd``, ``chunk_scan_fwd``, ``chunk_state_varlen``) and
+        ``mamba_chunk_scan_combined_fwd`` (the whole forward of
         ``mamba_chunk_scan_combined``, without its autograd wrapper).
     :raises ImportError: mamba-ssm (or einops, which its modules import) is missing.
     """
@@ -135,5 +138,11 @@ def load() -> types.SimpleNamespace:
     ssu, combined = modules
     return types.SimpleNamespace(
         selective_state_update=ssu.selective_state_update,
+        chunk_cumsum_fwd=combined._chunk_cumsum_fwd,
+        chunk_state_fwd=combined._chunk_state_fwd,
+        state_passing_fwd=combined._state_passing_fwd,
+        bmm_chunk_fwd=combined._bmm_chunk_fwd,
+        chunk_scan_fwd=combined._chunk_scan_fwd,
+        chunk_state_varlen=combined.chunk_state_varlen,
         mamba_chunk_scan_combined_fwd=combined._mamba_chunk_scan_combined_fwd,
     )

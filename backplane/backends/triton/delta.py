@@ -9,11 +9,12 @@ One cached op, ``backplane_triton::gated_delta``:
   ``cu_seqlens`` back (which would synchronise); their initial states are gathered from
   the slots (zeros without ``has_initial_state``) and the final states
   scattered back;
-* decode sequences run ``fused_recurrent_gated_delta_rule`` as a batch of
-  length-1 sequences, with the same gather/scatter (fla 0.6 has no in-place
-  slot indexing).
+* decode sequences run our kernel (:mod:`backplane.backends.triton.delta_decode`),
+  one program per (sequence, value head, value block), which reads each
+  sequence's state from its slot and writes it back there: no gather, no
+  scatter, nothing allocated.
 
-Grouped value heads (``num_v_heads > num_k_heads``) are native to both fla
+Grouped value heads (``num_v_heads > num_k_heads``) are native to both
 kernels. States are float32 ``[S, Hv, Dk, Dv]``, fla's ``[N, HV, K, V]`` layout.
 """
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from backplane.backends.triton._common import exact_fp32_dots
+from backplane.backends.triton.delta_decode import delta_decode
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -37,12 +39,10 @@ FLA_CHUNK = 64
 
 @functools.cache
 def _fla() -> types.SimpleNamespace:
-    """Import fla's two gated-delta-rule entry points (once)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    """Import fla's chunked gated delta rule (once)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return types.SimpleNamespace(
-        chunk=chunk_gated_delta_rule, recurrent=fused_recurrent_gated_delta_rule
-    )
+    return types.SimpleNamespace(chunk=chunk_gated_delta_rule)
 
 
 def _plan(batch: BatchMetadata) -> dict:
@@ -114,10 +114,10 @@ def gated_delta(
     plan = ctx.plan("delta")
     if not isinstance(plan, dict):
         plan = _plan(batch)
-    fla = _fla()
     tp = batch.num_prefill_tokens
     pre = plan["prefill"]
     if pre is not None:
+        fla = _fla()
         slots = pre["slots"]
         h0 = torch.where(pre["has_init"][:, None, None, None], state[slots], 0.0)
         with exact_fp32_dots(v.dtype):
@@ -142,27 +142,15 @@ def gated_delta(
     if nd:
         a, b = tp, batch.num_tokens
         np_ = batch.num_prefill_seqs
-        slots = batch.state_slots[np_ : np_ + nd].long()
-        # A batch of nd sequences of length 1: [nd, 1, heads, dim].
-        with exact_fp32_dots(v.dtype):
-            o, ht = fla.recurrent(
-                q[a:b].unsqueeze(1).contiguous(),
-                k[a:b].unsqueeze(1).contiguous(),
-                v[a:b].unsqueeze(1).contiguous(),
-                g=g[a:b].unsqueeze(1).contiguous(),
-                beta=beta[a:b].unsqueeze(1).contiguous(),
-                scale=scale,
-                initial_state=state[slots],
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
-            )
-        buf[a:b].copy_(o[:, 0])
-        state.index_copy_(0, slots, ht.to(state.dtype))
+        delta_decode(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state,
+            batch.state_slots[np_ : np_ + nd], scale, use_qk_l2norm, buf[a:b],
+        )  # fmt: skip
     return finish_output(out, buf, batch.num_tokens)
 
 
 class TritonDeltaBackend(DeltaBackend):
-    """Gated delta rule with fla's chunked (prefill) and fused recurrent (decode) Triton kernels."""
+    """Gated delta rule: fla's chunked kernel (prefill) and our in-place decode kernel."""
 
     name = "triton"
 

@@ -1,4 +1,4 @@
-"""Mamba2 on Triton: our causal-conv kernels, mamba-ssm's scan kernels.
+"""Mamba2 on Triton: our causal-conv and prefill-epilogue kernels, mamba-ssm's scan kernels.
 
 Two cached ops:
 
@@ -12,17 +12,29 @@ Two cached ops:
     no program reads a state another program already overwrote.
 
 ``backplane_triton::ssm_scan``
-    Prefill/extend sequences run ``mamba_chunk_scan_combined``'s forward (the
-    chunked SSD scan). That function takes one initial state per *batch row*
-    only (packed sequences with ``seq_idx`` cannot start from their own
-    states), so the prefill sequences are laid out as rows of a padded batch
-    ``[num_prefill_seqs, max_prefill_len]`` with per-row initial states
-    gathered from the slots (zeros without ``has_initial_state``). ``dt`` is
-    turned into ``softplus(dt + dt_bias)`` here and padded with zeros, so a
-    padding token leaves the state exactly unchanged (``exp(0 * A) = 1`` and
-    ``0 * B x = 0``): the scan's final states are the states after each
-    sequence's last real token, and are scattered back to the slots. The cost
-    is padding work when prefill lengths are very uneven.
+    Prefill/extend sequences are scanned packed, as they lie in the batch: one
+    row of ``num_prefill_tokens`` tokens, no padding and no loop over
+    sequences. mamba-ssm's chunked (SSD) forward stages run over that row with
+    ``seq_idx`` (the batch's per-token sequence ids), which masks every term
+    that would cross a sequence boundary, so each sequence is scanned from a
+    zero state wherever it starts inside a chunk; ``chunk_state_varlen`` then
+    reads each sequence's final state off the chunk-start states (kept in
+    float32) and its own tokens. The scan takes one initial state per row only,
+    so initial states are added afterwards, exactly: the recurrence is linear in
+    its initial state and Mamba2's ``A`` is one scalar per head, so a sequence
+    starting from ``h0`` gets ``exp(dA[t]) * (C[t] . h0[h])`` added to token
+    ``t``'s output and ``exp(dA[last]) * h0`` to its final state, with ``dA`` =
+    ``A`` times the inclusive cumulative ``dt`` inside the sequence (a float64
+    running sum over the packed tokens, so no sequence loses precision to the
+    tokens before it). Two launches of ours finish the prefill:
+    ``_prefill_out_kernel`` (per sequence, token block, head and ``head_dim``
+    block: the initial-state term for sequences with ``has_initial_state``, in
+    float32, then the z gate, written into ``out``) and
+    ``_prefill_state_kernel`` (each final state plus its initial-state term,
+    stored straight into the slot; a separate launch because the first one
+    reads the initial states it overwrites). ``dt`` is turned into
+    ``softplus(dt + dt_bias)`` here (the initial-state terms need it too) and
+    handed to the scan as is.
     Decode sequences run ``selective_state_update`` directly on the state
     cache with the slot indices (``state_batch_indices``), in the tied layout
     (``A``, ``dt``, ``dt_bias``, ``D`` broadcast over ``head_dim`` with stride 0).
@@ -38,7 +50,7 @@ import triton
 import triton.language as tl
 
 from backplane.backends.triton import _mamba_import
-from backplane.backends.triton._common import exact_fp32_dots, next_pow2
+from backplane.backends.triton._common import dot_block, exact_fp32_dots, ieee_dot, next_pow2
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -214,37 +226,271 @@ def causal_conv(
 # -- selective scan -----------------------------------------------------------------------
 
 
-def prefill_layout(batch: BatchMetadata) -> dict[str, torch.Tensor | int] | None:
-    """Device indices that lay the prefill tokens out as a padded ``[seqs, max_len]`` batch.
+@triton.jit
+def _prefill_out_kernel(
+    y_ptr,
+    z_ptr,
+    c_ptr,
+    state_ptr,
+    da_ptr,
+    o_ptr,
+    qsl_ptr,
+    slots_ptr,
+    has_init_ptr,
+    stride_yt,
+    stride_yh,
+    stride_zt,
+    stride_zh,
+    stride_zp,
+    stride_ct,
+    stride_cg,
+    stride_cn,
+    stride_ss,
+    stride_sh,
+    stride_sp,
+    stride_sn,
+    stride_dat,
+    stride_ot,
+    stride_oh,
+    stride_op,
+    P,
+    N,
+    HEADS_PER_GROUP,
+    HAS_Z: tl.constexpr,
+    ANY_INIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One token block x head x ``head_dim`` block of a prefill sequence's output.
+
+    ``y`` is the scan from a zero state; a sequence with an initial state ``h0``
+    adds ``exp(dA[t]) * (C[t] . h0)`` (``dA`` = ``A`` times the sequence's inclusive
+    cumulative ``dt``), then the z gate applies to the sum.
+    """
+    seq = tl.program_id(0)
+    tb = tl.program_id(1)
+    num_pb = tl.cdiv(P, BLOCK_P)
+    h = tl.program_id(2) // num_pb
+    pb = tl.program_id(2) % num_pb
+    start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - start
+    if tb * BLOCK_T < q_len:
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        t_mask = offs_t < q_len
+        p_mask = offs_p < P
+        rows = (start + offs_t).to(tl.int64)
+        mask = t_mask[:, None] & p_mask[None, :]
+        acc = tl.load(
+            y_ptr + rows[:, None] * stride_yt + h * stride_yh + offs_p[None, :],
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
+        if ANY_INIT:
+            if tl.load(has_init_ptr + seq).to(tl.int32) != 0:
+                slot = tl.load(slots_ptr + seq).to(tl.int64)
+                offs_n = tl.arange(0, BLOCK_N)
+                n_mask = offs_n < N
+                g = h // HEADS_PER_GROUP
+                c = tl.load(
+                    c_ptr + rows[:, None] * stride_ct + g * stride_cg + offs_n[None, :] * stride_cn,
+                    mask=t_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                h0 = tl.load(
+                    state_ptr + slot * stride_ss + h * stride_sh
+                    + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn,
+                    mask=p_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                if IEEE:
+                    from_h0 = tl.dot(c, tl.trans(h0), input_precision="ieee")
+                else:
+                    from_h0 = tl.dot(c, tl.trans(h0))
+                da = tl.load(da_ptr + rows * stride_dat + h, mask=t_mask, other=0.0)
+                acc += from_h0 * tl.exp(da)[:, None]
+        if HAS_Z:
+            zv = tl.load(
+                z_ptr + rows[:, None] * stride_zt + h * stride_zh + offs_p[None, :] * stride_zp,
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            acc = acc * zv * tl.sigmoid(zv)
+        tl.store(
+            o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_p[None, :] * stride_op,
+            acc.to(o_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+@triton.jit
+def _prefill_state_kernel(
+    fin_ptr,
+    state_ptr,
+    da_ptr,
+    qsl_ptr,
+    slots_ptr,
+    has_init_ptr,
+    stride_fs,
+    stride_fh,
+    stride_fp,
+    stride_ss,
+    stride_sh,
+    stride_sp,
+    stride_sn,
+    stride_dat,
+    P,
+    N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Store one prefill sequence's final state (one head, one ``head_dim`` block) in its slot.
+
+    The scan's final state from zeros, plus ``exp(dA[last]) * h0`` with an initial state.
+    Each element is read before it is overwritten by the same program.
+    """
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    new = tl.load(
+        fin_ptr + seq * stride_fs + h * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_p[:, None] * stride_sp
+    ptrs += offs_n[None, :] * stride_sn
+    if tl.load(has_init_ptr + seq).to(tl.int32) != 0:
+        last = (tl.load(qsl_ptr + seq + 1) - 1).to(tl.int64)
+        decay = tl.exp(tl.load(da_ptr + last * stride_dat + h))
+        new += decay * tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, new.to(state_ptr.dtype.element_ty), mask=mask)
+
+
+def prefill_plan(batch: BatchMetadata) -> dict[str, int] | None:
+    """Host facts of the packed prefill, shared by every scan layer of a step.
 
     :param batch: the step's metadata.
-    :return: ``None`` without prefill sequences, else ``{"rows", "max_len", "pad_index",
-        "slots", "has_init"}``; ``pad_index[t]`` is the flat padded position of
-        prefill token ``t``.
+    :return: ``None`` without prefill sequences, else ``{"seqs", "tokens",
+        "max_len", "any_init"}`` (``any_init``: some prefill sequence has an
+        initial state).
     """
     n = batch.num_prefill_seqs
     if n == 0:
         return None
-    tp = batch.num_prefill_tokens
-    max_len = int(batch.host.query_lens[:n].max())
-    seq_of = batch.token_seq_ids[:tp].long()
-    local = torch.arange(tp, device=batch.device) - batch.query_start_loc.long()[seq_of]
+    host = batch.host
     return {
-        "rows": n,
-        "max_len": max_len,
-        "pad_index": seq_of * max_len + local,
-        "slots": batch.state_slots[:n].long(),
-        "has_init": batch.has_initial_state[:n],
+        "seqs": n,
+        "tokens": batch.num_prefill_tokens,
+        "max_len": int(host.query_lens[:n].max()),
+        "any_init": bool(host.has_initial_state[:n].any()),
     }
 
 
-def _pad_rows(t: torch.Tensor, layout: dict, rows_shape: tuple[int, int]) -> torch.Tensor:
-    """Scatter the prefill rows of ``t`` into a zero-filled padded batch ``[rows, max_len, ...]``."""
-    n, max_len = rows_shape
-    tp = layout["pad_index"].shape[0]
-    padded = t.new_zeros((n * max_len, *t.shape[1:]))
-    padded.index_copy_(0, layout["pad_index"], t[:tp])
-    return padded.view(n, max_len, *t.shape[1:])
+def _ssm_prefill_blocks(P: int, N: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_P, BLOCK_N)`` of the prefill epilogue (``tl.dot`` needs 16 or more)."""
+    block_n = dot_block(N)
+    block_p = min(dot_block(P), 64 if block_n <= 128 else 32)
+    return 64 if block_n <= 128 else 32, block_p, block_n
+
+
+def packed_prefill(
+    info: dict[str, int],
+    batch: BatchMetadata,
+    x: torch.Tensor,
+    dt_eff: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    chunk_size: int,
+    out: torch.Tensor,
+) -> None:
+    """The chunked scan of every prefill sequence, packed into one row (see the module docstring).
+
+    :param info: :func:`prefill_plan` of the batch.
+    :param batch: the step's metadata.
+    :param x: ``[Tp, H, P]`` the prefill tokens' inputs.
+    :param dt_eff: ``[Tp, H]`` float32 discretised time steps (bias and softplus applied).
+    :param A: ``[H]`` float32.
+    :param B: ``[Tp, G, N]``.
+    :param C: ``[Tp, G, N]``.
+    :param D: ``[H]``.
+    :param z: ``[Tp, H, P]`` gate or ``None``.
+    :param ssm_state: ``[S, H, P, N]`` float32; read (initial states) and written (final states).
+    :param chunk_size: the SSD chunk length.
+    :param out: ``[Tp, H, P]`` rows of the output buffer.
+    """
+    mamba = _mamba_import.load()
+    n, tp = info["seqs"], info["tokens"]
+    H, P = x.shape[1], x.shape[2]
+    G, N = B.shape[1], B.shape[2]
+    qsl = batch.query_start_loc[: n + 1]
+    # The sequence index of every token (prefill tokens come first, so the batch's own
+    # per-token ids are it): the scan restarts from zeros at each sequence's first token.
+    seq_idx = batch.token_seq_ids[:tp].unsqueeze(0)
+    # mamba-ssm's loads need contiguous state dims, and rows or channels of x contiguous.
+    B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (B, C))
+    if x.stride(-1) != 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    x1, B1, C1 = x.unsqueeze(0), B.unsqueeze(0), C.unsqueeze(0)
+    with exact_fp32_dots(x.dtype):
+        dA_cs, dt_c = mamba.chunk_cumsum_fwd(
+            dt_eff.unsqueeze(0), A, chunk_size, dt_limit=(float("-inf"), float("inf"))
+        )
+        states = mamba.chunk_state_fwd(B1, x1, dt_c, dA_cs, seq_idx=seq_idx, states_in_fp32=True)
+        # float32 chunk-start states (mamba-ssm's combined forward keeps them in C's
+        # dtype): the per-sequence final states below are built from them.
+        states, _ = mamba.state_passing_fwd(
+            states.flatten(-2),
+            dA_cs[:, :, :, -1],
+            seq_idx=seq_idx,
+            chunk_size=chunk_size,
+            out_dtype=torch.float32,
+        )
+        states = states.unflatten(-1, (P, N))
+        cb = mamba.bmm_chunk_fwd(C1, B1, chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)
+        y, _ = mamba.chunk_scan_fwd(cb, x1, dt_c, dA_cs, C1, states, D=D, z=None, seq_idx=seq_idx)
+        finals = mamba.chunk_state_varlen(B, x, dt_c[0], dA_cs[0], qsl, states[0])
+    y = y[0]
+    any_init = info["any_init"]
+    if any_init:
+        # A times the inclusive cumulative dt inside each sequence; the running sum over
+        # the packed tokens is taken in float64 so that subtracting a sequence's start
+        # loses nothing when many tokens precede it.
+        cum = dt_eff.double().cumsum(0)
+        starts = qsl[:n].long()
+        before = cum[starts] - dt_eff[starts].double()
+        da = ((cum - before[batch.token_seq_ids[:tp].long()]) * A.double()).float()
+    else:
+        da = dt_eff  # never read
+    block_t, block_p, block_n = _ssm_prefill_blocks(P, N)
+    num_pb = triton.cdiv(P, block_p)
+    zz = z if z is not None else y
+    _prefill_out_kernel[(n, triton.cdiv(info["max_len"], block_t), H * num_pb)](
+        y, zz, C, ssm_state, da, out, qsl, batch.state_slots, batch.has_initial_state,
+        y.stride(0), y.stride(1), zz.stride(0), zz.stride(1), zz.stride(2),
+        C.stride(0), C.stride(1), C.stride(2),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
+        da.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        P, N, H // G,
+        HAS_Z=z is not None, ANY_INIT=any_init, IEEE=ieee_dot(x.dtype),
+        BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n,
+    )  # fmt: skip
+    # A second launch: the outputs above read the initial states this one overwrites.
+    _prefill_state_kernel[(n, H, num_pb)](
+        finals, ssm_state, da, qsl, batch.state_slots, batch.has_initial_state,
+        finals.stride(0), finals.stride(1), finals.stride(2),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
+        da.stride(0), P, N, BLOCK_P=block_p, BLOCK_N=block_n,
+    )  # fmt: skip
 
 
 @cached_op(
@@ -290,31 +536,15 @@ def ssm_scan(
     N = B.shape[-1]
     tp = batch.num_prefill_tokens
     plan = ctx.plan("ssm")
-    layout = plan.get("prefill") if isinstance(plan, dict) else prefill_layout(batch)
-    if layout is not None:
-        rows = (layout["rows"], layout["max_len"])
+    info = plan.get("prefill") if isinstance(plan, dict) else prefill_plan(batch)
+    if info is not None:
         dt_eff = dt[:tp].float() + dt_bias.float()
         if dt_softplus:
             dt_eff = torch.nn.functional.softplus(dt_eff)
-        slots = layout["slots"]
-        init = torch.where(layout["has_init"][:, None, None, None], ssm_state[slots], 0.0).float()
-        with exact_fp32_dots(x.dtype):
-            y, _, _, _, _, final = mamba.mamba_chunk_scan_combined_fwd(
-                _pad_rows(x, layout, rows),
-                _pad_rows(dt_eff, layout, rows),
-                A.float(),
-                _pad_rows(B, layout, rows),
-                _pad_rows(C, layout, rows),
-                int(chunk_size),
-                D=D,
-                z=_pad_rows(z, layout, rows) if z is not None else None,
-                dt_bias=None,
-                initial_states=init,
-                dt_softplus=False,
-                dt_limit=(float("-inf"), float("inf")),
-            )
-        torch.index_select(y.reshape(-1, H, P), 0, layout["pad_index"], out=buf[:tp])
-        ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+        packed_prefill(
+            info, batch, x[:tp], dt_eff, A.float(), B[:tp], C[:tp], D,
+            z[:tp] if z is not None else None, ssm_state, int(chunk_size), buf[:tp],
+        )  # fmt: skip
     nd = batch.num_decode_seqs
     if nd:
         a, b = tp, batch.num_tokens
@@ -343,8 +573,8 @@ class TritonSSMBackend(SSMBackend):
     name = "triton"
 
     def plan(self, batch: BatchMetadata) -> dict:
-        """Build the padded prefill layout once per step (shared by every scan layer)."""
-        return {"prefill": prefill_layout(batch)}
+        """Read the packed prefill's host facts once per step (shared by every scan layer)."""
+        return {"prefill": prefill_plan(batch)}
 
     def conv(
         self,
