@@ -101,6 +101,7 @@ def test_result_has_every_section(fixed):
     assert res["model"]["name"] == "tiny-llama" and res["model"]["params"] > 0
     assert res["engine"]["config"]["max_num_seqs"] == 8  # given: not raised to the decode batch
     assert res["engine"]["backends"]["attention"] == "torch"
+    assert res["engine"]["config"]["enable_prefix_caching"] is False  # rates resend the prompts
     w = res["workload"]
     assert w["num_prompts"] == NUM_PROMPTS and w["mix"] == "fixed"
     assert w["request_rates"] == [50.0, "inf"]

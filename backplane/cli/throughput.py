@@ -31,8 +31,9 @@ One engine, built from the usual engine flags, measured three ways in one run:
 fixed-seed random weights are saved once as a Hugging Face folder that both
 backplane and transformers load, as well as ``smollm2``, a model directory or
 a ``.gguf`` file. When ``--max-num-seqs`` is not given, the engine takes the
-largest decode batch as its sequence limit. ``--seed`` seeds the request mix,
-the arrivals and the engine's sampling.
+largest decode batch as its sequence limit; prefix caching is off unless
+``--prefix-caching`` is given (each rate sends the same prompts again).
+``--seed`` seeds the request mix, the arrivals and the engine's sampling.
 
 Examples::
 
@@ -624,6 +625,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=biggest, max_num_tokens=max(config.max_num_tokens, biggest)
             )
             logger.info("max_num_seqs %d: the largest decode-only batch", biggest)
+    if config.origin("enable_prefix_caching").kind == "default":
+        # every rate (and the warm-up) sends the same prompts again: hits would skip prefills
+        config = config.merge(enable_prefix_caching=False)
     device, dtype = config.torch_device, config.torch_dtype
     seed = int(config.seed)
     result: dict[str, Any] = {"machine": machine_info(device)}
