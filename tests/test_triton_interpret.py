@@ -623,8 +623,8 @@ def check_ssm_packed():
 
     Chunks of 16 tokens: sequences shorter than a chunk, several sequences inside one
     chunk, sequences starting and ending mid-chunk and spanning several chunks, a
-    one-token prefill; initial states (``cached > 0``) on some, NaN in the slots of
-    the others.
+    one-token prefill, a sequence over two token blocks of the epilogue; initial
+    states (``cached > 0``) on some, NaN in the slots of the others.
     """
     import importlib.util
 
@@ -634,14 +634,15 @@ def check_ssm_packed():
     _ssm_against_torch(
         [1, 5, 17, 3, 40, 2, 1, 1], [0, 4, 0, 7, 9, 0, 3, 6], chunk_size=16, use_z=True, seed=6
     )
-    _ssm_against_torch([7, 21, 1], [3, 0, 0], chunk_size=16, use_z=False, seed=7, G=1, P=8, N=8)
+    # more than one 64-token block of the epilogue and of its d_state loop
+    _ssm_against_torch([7, 70, 1], [3, 5, 0], chunk_size=16, use_z=False, seed=7, G=1, P=8, N=80)
     # every prefill sequence fresh (no initial-state correction compiled in), one decode
     _ssm_against_torch([9, 16, 4, 1], [0, 0, 0, 5], chunk_size=16, use_z=True, seed=8)
     return "ok", ""
 
 
 def check_delta_decode():
-    """fla's fused_recurrent_gated_delta_rule through our op (slot gather/scatter) against float64."""
+    """Decode through the op (our in-place kernel, slots out of order) against float64."""
     import importlib.util
 
     reason = _extra_paths()

@@ -116,14 +116,14 @@ def backplane_ssm_backends() -> list[BackendSpec]:
             is_available=_ssm_available,
             priority=PRIORITY,
             capabilities=_caps("z_gate", "n_groups"),
-            description="mamba-ssm chunk scan / state update + Triton causal conv",
+            description="mamba-ssm packed chunk scan / state update + Triton conv, epilogue",
         )
     ]
 
 
 @hookimpl
 def backplane_delta_backends() -> list[BackendSpec]:
-    """Gated delta rule on fla's Triton kernels."""
+    """Gated delta rule: fla's chunked Triton kernel for prefill, our in-place decode kernel."""
     return [
         BackendSpec(
             family="delta",
@@ -132,8 +132,8 @@ def backplane_delta_backends() -> list[BackendSpec]:
             is_available=_delta_available,
             priority=PRIORITY,
             # fla's chunked prefill kernels need a GPU driver even in the interpreter
-            # (autotuning); only the decode kernel runs on CPU, so "cpu" is not claimed.
+            # (autotuning); only our decode kernel runs on CPU, so "cpu" is not claimed.
             capabilities=_caps("qk_l2norm", "grouped_v_heads", interpreter_cpu=False),
-            description="fla chunk_gated_delta_rule / fused_recurrent_gated_delta_rule",
+            description="fla chunk_gated_delta_rule + Triton in-place decode",
         )
     ]

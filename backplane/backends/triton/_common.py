@@ -7,6 +7,7 @@ import functools
 import os
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 _F32_ENV = "TRITON_F32_DEFAULT"
@@ -47,6 +48,33 @@ def device_parallelism(device: torch.device) -> int:
             device.index if device.index is not None else torch.cuda.current_device()
         )
     return 8
+
+
+def sequence_blocks(lens: np.ndarray, block: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The ``(sequence, block within it)`` pairs that cover ragged sequences in blocks of tokens.
+
+    A kernel over the rows of this table runs one program per real block, however
+    uneven the lengths (a grid of ``sequences x blocks of the longest`` would start
+    mostly empty programs). The table is built from host lengths and, on CUDA,
+    copied from pinned memory without blocking, so building it never waits for the
+    device (a device ``repeat_interleave`` or a copy from pageable memory would).
+
+    :param lens: host lengths of the sequences (each at least 1).
+    :param block: tokens per block.
+    :param device: where the table goes.
+    :return: ``(table, source)``: the ``[num_blocks, 2]`` int64 table on ``device``
+        and its host source, which must stay alive until the copy is done.
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    counts = -(-lens // block)
+    seq_ids = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    source = torch.from_numpy(
+        np.stack([seq_ids, np.arange(len(seq_ids), dtype=np.int64) - firsts], 1)
+    )
+    if device.type == "cuda":
+        source = source.pin_memory()
+    return source.to(device, non_blocking=True), source
 
 
 def ieee_dot(dtype: torch.dtype) -> bool:

@@ -26,7 +26,7 @@ import types
 import numpy as np
 import torch
 
-from backplane.backends.triton._common import exact_fp32_dots
+from backplane.backends.triton._common import exact_fp32_dots, sequence_blocks
 from backplane.backends.triton.delta_decode import delta_decode
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
@@ -56,23 +56,15 @@ def _plan(batch: BatchMetadata) -> dict:
     plan: dict = {"prefill": None}
     if n:
         cu_host = batch.host.query_start_loc[: n + 1].astype(np.int64)
-        # fla's chunk index table ([chunk, 2] = (sequence, chunk within it)), built here on
-        # the host: fla would build it from the device cu_seqlens (a repeat_interleave that
+        # fla's chunk index table ([chunk, 2] = (sequence, chunk within it)), built on the
+        # host: fla would build it from the device cu_seqlens (a repeat_interleave that
         # syncs) or copy it from pageable host memory (which syncs too).
-        counts = -(-np.diff(cu_host) // FLA_CHUNK)
-        seq_ids = np.repeat(np.arange(n, dtype=np.int64), counts)
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        host_idx = torch.from_numpy(
-            np.stack([seq_ids, np.arange(len(seq_ids), dtype=np.int64) - starts], 1)
-        )
-        device = batch.device
-        if device.type == "cuda":
-            host_idx = host_idx.pin_memory()
+        chunk_indices, pinned = sequence_blocks(np.diff(cu_host), FLA_CHUNK, batch.device)
         plan["prefill"] = {
             "cu_seqlens": batch.query_start_loc[: n + 1].long(),
             "cu_seqlens_cpu": torch.from_numpy(cu_host),
-            "chunk_indices": host_idx.to(device, non_blocking=True),
-            "pinned": host_idx,  # keeps the pinned source alive until the copy is done
+            "chunk_indices": chunk_indices,
+            "pinned": pinned,  # keeps the pinned source alive until the copy is done
             "slots": batch.state_slots[:n].long(),
             "has_init": batch.has_initial_state[:n],
         }

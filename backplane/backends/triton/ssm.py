@@ -50,7 +50,13 @@ import triton
 import triton.language as tl
 
 from backplane.backends.triton import _mamba_import
-from backplane.backends.triton._common import dot_block, exact_fp32_dots, ieee_dot, next_pow2
+from backplane.backends.triton._common import (
+    dot_block,
+    exact_fp32_dots,
+    ieee_dot,
+    next_pow2,
+    sequence_blocks,
+)
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -234,6 +240,7 @@ def _prefill_out_kernel(
     state_ptr,
     da_ptr,
     o_ptr,
+    blocks_ptr,
     qsl_ptr,
     slots_ptr,
     has_init_ptr,
@@ -267,62 +274,62 @@ def _prefill_out_kernel(
 
     ``y`` is the scan from a zero state; a sequence with an initial state ``h0``
     adds ``exp(dA[t]) * (C[t] . h0)`` (``dA`` = ``A`` times the sequence's inclusive
-    cumulative ``dt``), then the z gate applies to the sum.
+    cumulative ``dt``), then the z gate applies to the sum. Program ``i`` serves
+    block ``blocks[i, 1]`` of sequence ``blocks[i, 0]``.
     """
-    seq = tl.program_id(0)
-    tb = tl.program_id(1)
+    seq = tl.load(blocks_ptr + 2 * tl.program_id(0))
+    tb = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
     num_pb = tl.cdiv(P, BLOCK_P)
-    h = tl.program_id(2) // num_pb
-    pb = tl.program_id(2) % num_pb
+    h = tl.program_id(1) // num_pb
+    pb = tl.program_id(1) % num_pb
     start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - start
-    if tb * BLOCK_T < q_len:
-        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        t_mask = offs_t < q_len
-        p_mask = offs_p < P
-        rows = (start + offs_t).to(tl.int64)
-        mask = t_mask[:, None] & p_mask[None, :]
-        acc = tl.load(
-            y_ptr + rows[:, None] * stride_yt + h * stride_yh + offs_p[None, :],
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
-        if ANY_INIT:
-            if tl.load(has_init_ptr + seq).to(tl.int32) != 0:
-                slot = tl.load(slots_ptr + seq).to(tl.int64)
-                offs_n = tl.arange(0, BLOCK_N)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    t_mask = offs_t < q_len
+    p_mask = offs_p < P
+    rows = (start + offs_t).to(tl.int64)
+    mask = t_mask[:, None] & p_mask[None, :]
+    acc = tl.load(
+        y_ptr + rows[:, None] * stride_yt + h * stride_yh + offs_p[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    if ANY_INIT:
+        if tl.load(has_init_ptr + seq).to(tl.int32) != 0:
+            slot = tl.load(slots_ptr + seq).to(tl.int64)
+            c_rows = c_ptr + rows[:, None] * stride_ct + (h // HEADS_PER_GROUP) * stride_cg
+            h0_rows = state_ptr + slot * stride_ss + h * stride_sh + offs_p[:, None] * stride_sp
+            from_h0 = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < N
-                g = h // HEADS_PER_GROUP
                 c = tl.load(
-                    c_ptr + rows[:, None] * stride_ct + g * stride_cg + offs_n[None, :] * stride_cn,
+                    c_rows + offs_n[None, :] * stride_cn,
                     mask=t_mask[:, None] & n_mask[None, :],
                     other=0.0,
                 ).to(tl.float32)
                 h0 = tl.load(
-                    state_ptr + slot * stride_ss + h * stride_sh
-                    + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn,
+                    h0_rows + offs_n[None, :] * stride_sn,
                     mask=p_mask[:, None] & n_mask[None, :],
                     other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                )
                 if IEEE:
-                    from_h0 = tl.dot(c, tl.trans(h0), input_precision="ieee")
+                    from_h0 += tl.dot(c, tl.trans(h0), input_precision="ieee")
                 else:
-                    from_h0 = tl.dot(c, tl.trans(h0))
-                da = tl.load(da_ptr + rows * stride_dat + h, mask=t_mask, other=0.0)
-                acc += from_h0 * tl.exp(da)[:, None]
-        if HAS_Z:
-            zv = tl.load(
-                z_ptr + rows[:, None] * stride_zt + h * stride_zh + offs_p[None, :] * stride_zp,
-                mask=mask,
-                other=0.0,
-            ).to(tl.float32)
-            acc = acc * zv * tl.sigmoid(zv)
-        tl.store(
-            o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_p[None, :] * stride_op,
-            acc.to(o_ptr.dtype.element_ty),
+                    from_h0 += tl.dot(c, tl.trans(h0))
+            da = tl.load(da_ptr + rows * stride_dat + h, mask=t_mask, other=0.0)
+            acc += from_h0 * tl.exp(da)[:, None]
+    if HAS_Z:
+        zv = tl.load(
+            z_ptr + rows[:, None] * stride_zt + h * stride_zh + offs_p[None, :] * stride_zp,
             mask=mask,
-        )
+            other=0.0,
+        ).to(tl.float32)
+        acc = acc * zv * tl.sigmoid(zv)
+    tl.store(
+        o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_p[None, :] * stride_op,
+        acc.to(o_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -346,17 +353,19 @@ def _prefill_state_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Store one prefill sequence's final state (one head, one ``head_dim`` block) in its slot.
+    """Store one prefill sequence's final state (one head, one ``P x N`` block) in its slot.
 
     The scan's final state from zeros, plus ``exp(dA[last]) * h0`` with an initial state.
     Each element is read before it is overwritten by the same program.
     """
     seq = tl.program_id(0)
     h = tl.program_id(1)
-    pb = tl.program_id(2)
+    num_nb = tl.cdiv(N, BLOCK_N)
+    pb = tl.program_id(2) // num_nb
+    nb = tl.program_id(2) % num_nb
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     new = tl.load(
         fin_ptr + seq * stride_fs + h * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :],
@@ -372,31 +381,38 @@ def _prefill_state_kernel(
     tl.store(ptrs, new.to(state_ptr.dtype.element_ty), mask=mask)
 
 
-def prefill_plan(batch: BatchMetadata) -> dict[str, int] | None:
-    """Host facts of the packed prefill, shared by every scan layer of a step.
+#: Tokens per program of the prefill epilogue (:func:`prefill_plan` tiles sequences by it).
+PREFILL_BLOCK_T = 64
+
+
+def prefill_plan(batch: BatchMetadata) -> dict | None:
+    """Host facts and the token-block table of the packed prefill, shared by every scan layer.
 
     :param batch: the step's metadata.
     :return: ``None`` without prefill sequences, else ``{"seqs", "tokens",
-        "max_len", "any_init"}`` (``any_init``: some prefill sequence has an
-        initial state).
+        "any_init", "blocks", "pinned"}``: ``any_init`` says whether some prefill
+        sequence has an initial state; ``blocks`` is the
+        :func:`~backplane.backends.triton._common.sequence_blocks` table of the
+        prefill sequences in blocks of :data:`PREFILL_BLOCK_T` tokens (``pinned``
+        keeps its host source alive until the copy is done).
     """
     n = batch.num_prefill_seqs
     if n == 0:
         return None
     host = batch.host
+    blocks, pinned = sequence_blocks(host.query_lens[:n], PREFILL_BLOCK_T, batch.device)
     return {
         "seqs": n,
         "tokens": batch.num_prefill_tokens,
-        "max_len": int(host.query_lens[:n].max()),
         "any_init": bool(host.has_initial_state[:n].any()),
+        "blocks": blocks,
+        "pinned": pinned,
     }
 
 
-def _ssm_prefill_blocks(P: int, N: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_P, BLOCK_N)`` of the prefill epilogue (``tl.dot`` needs 16 or more)."""
-    block_n = dot_block(N)
-    block_p = min(dot_block(P), 64 if block_n <= 128 else 32)
-    return 64 if block_n <= 128 else 32, block_p, block_n
+def _ssm_prefill_blocks(P: int, N: int) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_N)`` of the prefill epilogue (``tl.dot`` needs 16 or more)."""
+    return min(dot_block(P), 64), min(dot_block(N), 64)
 
 
 def packed_prefill(
@@ -471,21 +487,22 @@ def packed_prefill(
         da = ((cum - before[batch.token_seq_ids[:tp].long()]) * A.double()).float()
     else:
         da = dt_eff  # never read
-    block_t, block_p, block_n = _ssm_prefill_blocks(P, N)
+    block_p, block_n = _ssm_prefill_blocks(P, N)
     num_pb = triton.cdiv(P, block_p)
     zz = z if z is not None else y
-    _prefill_out_kernel[(n, triton.cdiv(info["max_len"], block_t), H * num_pb)](
-        y, zz, C, ssm_state, da, out, qsl, batch.state_slots, batch.has_initial_state,
+    blocks = info["blocks"]
+    _prefill_out_kernel[(blocks.shape[0], H * num_pb)](
+        y, zz, C, ssm_state, da, out, blocks, qsl, batch.state_slots, batch.has_initial_state,
         y.stride(0), y.stride(1), zz.stride(0), zz.stride(1), zz.stride(2),
         C.stride(0), C.stride(1), C.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         da.stride(0), out.stride(0), out.stride(1), out.stride(2),
         P, N, H // G,
         HAS_Z=z is not None, ANY_INIT=any_init, IEEE=ieee_dot(x.dtype),
-        BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n,
+        BLOCK_T=PREFILL_BLOCK_T, BLOCK_P=block_p, BLOCK_N=block_n,
     )  # fmt: skip
     # A second launch: the outputs above read the initial states this one overwrites.
-    _prefill_state_kernel[(n, H, num_pb)](
+    _prefill_state_kernel[(n, H, num_pb * triton.cdiv(N, block_n))](
         finals, ssm_state, da, qsl, batch.state_slots, batch.has_initial_state,
         finals.stride(0), finals.stride(1), finals.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
