@@ -81,7 +81,7 @@ def test_ssm_packed_prefill_nemotron_h(dtype: torch.dtype, use_z: bool) -> None:
     H, P, N, G, chunk = 32, 64, 128, 8, 128
     layer = SSMLayerSpec(0, H, P, N, G, chunk_size=chunk)
     query_lens = [1, 37, 1000, 5, 129, 300, 2, 64, 1, 1, 1]
-    cached_lens = [4, 0, 60, 0, 17, 0, 9, 3, 20, 7, 300]
+    cached_lens = [0, 0, 60, 0, 17, 0, 9, 3, 20, 7, 300]
     batch = _batch(query_lens, cached_lens, seed=0, num_slots=16)
     T = batch.padded_num_tokens
     gen = torch.Generator(DEV).manual_seed(0)

@@ -530,7 +530,7 @@ def _ssm_ref(x, dt, A, B, C, D, dt_bias, z, state):
 
 
 def check_ssm_mixed():
-    """Chunked prefill with per-sequence initial states (padded rows), plus decodes, vs float64."""
+    """Chunked prefill with per-sequence initial states, plus decodes, against float64."""
     import importlib.util
 
     reason = _extra_paths()
