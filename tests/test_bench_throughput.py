@@ -180,7 +180,7 @@ def test_plot_is_written(fixed):
 
 
 def test_mix_at_a_rate_end_to_end(tmp_path):
-    """The ShareGPT-like mix, seeded by --seed, at a finite rate: transformers says why not."""
+    """The ShareGPT-like mix, seeded by --seed: per-request records in order, no transformers."""
     path = tmp_path / "mix.json"
     rc, printed = _run(
         [
@@ -193,13 +193,13 @@ def test_mix_at_a_rate_end_to_end(tmp_path):
             "--seed",
             "3",
             "--num-prompts",
-            "5",
+            "6",
             "--request-rate",
-            "100",
+            "100,inf",
             "--max-input-len",
             "64",
             "--max-output-len",
-            "6",
+            "32",
             "--warmup-prompts",
             "0",
             "--decode-batch-sizes",
@@ -215,20 +215,22 @@ def test_mix_at_a_rate_end_to_end(tmp_path):
     assert rc == 0
     res = json.loads(path.read_text())
     specs = sharegpt_like_requests(
-        5,
+        6,
         seed=3,
         max_input_len=64,
-        max_output_len=6,
+        max_output_len=32,
         max_total_len=min(2048, TINY_LLAMA_MAX_LEN),
         token_id_range=(0, TINY_LLAMA_VOCAB),
     )
-    detail = res["rates"][0]["requests_detail"]
-    assert [r["prompt_len"] for r in detail] == [len(s.prompt_token_ids) for s in specs]
-    assert [r["output_len"] for r in detail] == [s.output_len for s in specs]
-    assert all(r["output_tokens"] == r["output_len"] for r in detail)
+    for row in res["rates"]:  # records in request order, at a rate and all at once
+        detail = row["requests_detail"]
+        assert [r["prompt_len"] for r in detail] == [len(s.prompt_token_ids) for s in specs]
+        assert [r["output_len"] for r in detail] == [s.output_len for s in specs]
+        assert all(r["output_tokens"] == r["output_len"] for r in detail)
+    assert len({s.output_len for s in specs}) > 1  # so transformers cannot run one batch
     assert res["workload"]["mix"] == "sharegpt-like" and res["workload"]["seed"] == 3
     hf = res["transformers"]
-    assert hf["status"] == "skipped" and "arrive at a rate" in hf["reason"]
+    assert hf["status"] == "skipped" and "output lengths differ" in hf["reason"]
     assert "transformers: skipped" in printed
     # max_num_seqs was not given: the engine takes the largest decode batch
     assert res["engine"]["config"]["max_num_seqs"] == 40

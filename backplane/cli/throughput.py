@@ -246,21 +246,28 @@ def resolve_model(name: str, dtype: Any, workdir: str) -> Model:
 
 
 async def _one_request(
-    engine: Any, spec: RequestSpec, delay: float, records: list[dict[str, Any]], progress: Any
+    engine: Any,
+    spec: RequestSpec,
+    start: float,
+    delay: float,
+    record: dict[str, Any],
+    progress: Any,
 ) -> RequestResult:
-    """Send one request after ``delay`` seconds and time its stream.
+    """Send one request ``delay`` seconds after ``start`` and time its stream.
 
     :param engine: the :class:`~backplane.api.AsyncLLM`.
     :param spec: the request.
+    :param start: the run's start (``time.perf_counter``).
     :param delay: seconds from the run's start to its arrival.
-    :param records: its per-request record is appended here.
+    :param record: filled with the request's lengths, finish reason and times.
     :param progress: a ``tqdm`` bar, advanced when it ends.
     :return: what it measured.
     """
     from backplane.engine.sampling import SamplingParams
 
-    if delay > 0:
-        await asyncio.sleep(delay)
+    wait = start + delay - time.perf_counter()
+    if wait > 0:
+        await asyncio.sleep(wait)
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
     res = RequestResult(ok=False, prompt_tokens=len(spec.prompt_token_ids))
     finish: str | None = None
@@ -287,7 +294,7 @@ async def _one_request(
             res.error = f"finished with {finish!r} after {res.output_tokens} tokens"
     except BackplaneError as exc:
         res.error = one_line(exc)
-    records.append(
+    record.update(
         {
             "prompt_len": len(spec.prompt_token_ids),
             "output_len": spec.output_len,
@@ -313,19 +320,18 @@ async def _run_requests(
     :param rate: requests per second (``inf``: all at once).
     :param seed: the seed of the arrival gaps.
     :param progress: a ``tqdm`` bar or ``None``.
-    :return: each request's result, per-request records in arrival order, and the
+    :return: each request's result and record, in the order of ``specs``, and the
         wall seconds from the first arrival to the last token.
     """
     offsets = arrival_offsets(len(specs), rate, seed)
-    records: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = [{} for _ in specs]
     start = time.perf_counter()
     tasks = [
-        _one_request(engine, spec, float(off), records, progress)
-        for spec, off in zip(specs, offsets, strict=True)
+        _one_request(engine, spec, start, float(off), rec, progress)
+        for spec, off, rec in zip(specs, offsets, records, strict=True)
     ]
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
-    records.sort(key=lambda r: r["arrival_s"])
     return list(results), records, duration
 
 
