@@ -124,10 +124,18 @@ def test_invalid_template_is_a_config_error_naming_the_file(tmp_path):
 def test_generation_config_gives_sampling_defaults_and_eos(tmp_path):
     from backplane import LLM, SamplingParams
 
-    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": 258}
+    gen = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "eos_token_id": 258,
+    }
     llm = LLM(str(_folder(tmp_path / "m", generation=gen)), device="cpu", kv_memory="2MiB")
     params = llm.default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
+    assert params.repetition_penalty == 1.05
     assert llm.default_sampling_params(temperature=0.0).temperature == 0.0
     assert set(llm.engine.eos_token_ids) == {257, 258}
     assert llm.tokenizer.special_tokens["eos_token"] == "<|eos|>"
@@ -137,6 +145,29 @@ def test_generation_config_gives_sampling_defaults_and_eos(tmp_path):
         SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
     )[0]
     assert len(out.token_ids) == 6
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generation_config_penalties_are_defaults_greedy_or_not(tmp_path, do_sample):
+    """repetition_penalty (and presence / frequency penalties where a file has them) change
+    greedy decoding too (transformers applies them either way; vLLM reads them)."""
+    from backplane import SamplingParams
+    from backplane.models.loader import read_generation_config
+
+    gen = {
+        "do_sample": do_sample,
+        "temperature": 0.7,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    _, defaults = read_generation_config(tmp_path)
+    assert defaults["temperature"] == (0.7 if do_sample else 0.0)
+    p = SamplingParams(**defaults)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, 0.25)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": do_sample}))
+    assert "repetition_penalty" not in read_generation_config(tmp_path)[1]
 
 
 def test_folder_without_sampling_in_generation_config_is_greedy(tmp_path):

@@ -223,7 +223,7 @@ def load_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:
     return load_hf_tokenizer(path)
 
 
-#: generation_config.json keys -> SamplingParams fields
+#: generation_config.json keys -> SamplingParams fields (read when it samples)
 _SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -232,6 +232,10 @@ _SAMPLING_KEYS = {
     "max_new_tokens": "max_tokens",
 }
 
+#: generation_config.json keys that change the logits greedy or not (read either way, as
+#: transformers applies ``repetition_penalty`` in greedy decoding too and vLLM reads them)
+_PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
 
 def read_generation_config(path: str | os.PathLike) -> tuple[list[int], dict[str, Any]]:
     """Read ``generation_config.json`` of a model directory.
@@ -239,7 +243,9 @@ def read_generation_config(path: str | os.PathLike) -> tuple[list[int], dict[str
     :param path: the model directory.
     :return: its end-of-sequence ids and its sampling defaults as
         ``SamplingParams`` field names (``temperature=0`` when it does not
-        sample, as transformers then decodes greedily); empty without the file.
+        sample, as transformers then decodes greedily; ``repetition_penalty``,
+        ``presence_penalty`` and ``frequency_penalty`` whether it samples or
+        not); empty without the file.
     :raises ConfigError: the file is not valid JSON, naming it.
     """
     f = Path(path) / "generation_config.json"
@@ -268,6 +274,9 @@ def read_generation_config(path: str | os.PathLike) -> tuple[list[int], dict[str
                 defaults[name] = data[key]
     if data.get("max_new_tokens") is not None:
         defaults["max_tokens"] = int(data["max_new_tokens"])
+    for key in _PENALTY_KEYS:
+        if data.get(key) is not None:
+            defaults[key] = data[key]
     return eos, defaults
 
 
