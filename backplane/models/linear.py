@@ -18,20 +18,17 @@ merged parameter (see :meth:`MergedLinear.checkpoint_slices`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@functools.cache
-def _onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's linear kernel (x86 and Arm builds usually do)."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
+#: Whether this torch build has oneDNN's linear kernel (x86 and Arm builds usually
+#: do). Decided at import: the check cannot run inside a ``torch.compile`` trace.
+_ONEDNN_LINEAR = bool(torch.backends.mkldnn.is_available()) and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,7 +44,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and not torch.is_grad_enabled()
-        and _onednn_linear_available()
+        and _ONEDNN_LINEAR
     ):
         rows = x.reshape(-1, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
