@@ -175,6 +175,36 @@ def test_stop_string_streaming_holds_back_partial_matches(llm):
     assert "".join(pieces) == expected == last.text and last.stop_reason == stop
 
 
+def test_min_tokens_holds_back_stop_strings(llm):
+    """As in vLLM, a stop string does not end the request (nor trim its text) before
+    min_tokens tokens were generated: the search covers the text after the first min_tokens
+    tokens (a match may begin inside it)."""
+    prompt = "xyz 123"
+    plain = llm.generate([prompt], greedy(24))[0]
+    full, ids = plain.text, plain.token_ids
+    stop = _a_stop_string(full)
+    at = full.find(stop)
+    # the fewest tokens whose text holds the first match whole: it must not count
+    k = next(
+        i for i in range(1, len(ids) + 1) if len(llm.decode(ids[:i]).rstrip("\ufffd")) >= at + 2
+    )
+    floor = len(llm.decode(ids[:k]).rstrip("\ufffd"))
+    later = full.find(stop, floor - len(stop) + 1)  # the first match ending after them
+    expected = full if later == -1 else full[:later]
+    out = llm.generate([prompt], greedy(24, stop=[stop], min_tokens=k))[0]
+    assert out.text == expected != full[:at]
+    assert out.finish_reason == ("length" if later == -1 else "stop")
+    assert len(out.token_ids) >= k
+    streamed = "".join(
+        d.new_text for d in llm.stream([prompt], greedy(24, stop=[stop], min_tokens=k))
+    )
+    assert streamed == expected
+    # min_tokens below the match's tokens changes nothing
+    early = llm.generate([prompt], greedy(24, stop=[stop], min_tokens=1))[0]
+    assert early.text == full[:at] or k == 1
+    assert llm.num_unfinished_requests == 0 and _pages_used(llm) == 0
+
+
 def test_stop_string_that_never_matches_changes_nothing(llm):
     plain = llm.generate(["no match"], greedy(10))[0]
     out = llm.generate(["no match"], greedy(10, stop=["\x00\x01 nowhere"]))[0]

@@ -349,6 +349,40 @@ def test_completion_logprobs_match_offline_streamed_or_not(client, offline):
     assert offsets == lp.text_offset
 
 
+def test_completion_prompt_logprobs_match_offline(server, offline):
+    """vLLM's extra field: each choice's prompt_logprobs is None, then per prompt token
+    {token id: {logprob, rank, decoded_token}} of that token and the top k."""
+    from backplane import SamplingParams
+
+    (exp,) = offline.generate(
+        PROMPTS[:1], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    )
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": 2,
+        "temperature": 0,
+        "prompt_logprobs": 2,
+    }
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    got = choice["prompt_logprobs"]
+    assert choice["text"] == exp.text
+    assert len(got) == len(exp.prompt_token_ids) and got[0] is None
+    for pos, want in zip(got[1:], exp.prompt_logprobs[1:], strict=True):
+        assert {int(t) for t in pos} == set(want)
+        for t, v in pos.items():
+            w = want[int(t)]
+            assert v["logprob"] == pytest.approx(w.logprob, abs=1e-3)
+            assert (v["rank"], v["decoded_token"]) == (w.rank, w.decoded_token)
+
+
 def test_chat_logprobs(client):
     out = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
@@ -443,6 +477,9 @@ BAD_COMPLETIONS = [
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens"),  # more than max_tokens=4
+    ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+    ({"extra_body": {"prompt_logprobs": 1}, "stream": True}, "stream"),
 ]
 
 

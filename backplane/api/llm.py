@@ -133,7 +133,9 @@ class _Tracked:
         "include_stop",
         "stop_str",
         "checked",
+        "min_tokens",
         "logprobs",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -163,9 +165,14 @@ class _Tracked:
         self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
         self.stop_str: str | None = None
         self.checked = 0  # characters of text already searched for stop strings
+        # stop strings are not searched in the text of the first min_tokens tokens
+        # (0 once the search has begun)
+        self.min_tokens = int(getattr(params, "min_tokens", 0) or 0)
         self.logprobs: list[dict[int, Logprob]] | None = (
             [] if getattr(params, "logprobs", None) is not None else None
         )
+        # set once the engine delivers them (with the first token)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -314,6 +321,8 @@ class LLM:
             t.token_ids.extend(so.new_token_ids)
             if t.logprobs is not None and so.new_logprobs:
                 t.logprobs.extend(self._decoded(d) for d in so.new_logprobs)
+            if so.prompt_logprobs is not None:
+                t.prompt_logprobs = self._decoded_list(so.prompt_logprobs)
             if so.finished:
                 t.finished = True
                 t.reason = so.finish_reason
@@ -340,7 +349,7 @@ class LLM:
                     t.text += new[len(old) :]
                     t.prefix_offset = t.read_offset
                     t.read_offset = len(ids)
-            if t.stops:
+            if t.stops and len(t.token_ids) > t.min_tokens:
                 self._match_stop(t)
         visible = len(t.text)
         if t.stops and not t.finished:  # the end that may still grow into a stop string
@@ -362,6 +371,7 @@ class LLM:
             prompt_token_ids=t.prompt,
             outputs=[completion],
             finished=t.finished,
+            prompt_logprobs=t.prompt_logprobs,
             new_token_ids=new_ids,
             new_text=new_text,
             metrics=_metrics(t.request),
@@ -373,19 +383,46 @@ class LLM:
             return entry
         return {tok: Logprob(lp.logprob, lp.rank, self.decode([tok])) for tok, lp in entry.items()}
 
+    def _decoded_list(self, entries: list[dict[int, Logprob] | None]) -> list[Any]:
+        """Prompt logprobs with each token's text (each distinct token decoded once)."""
+        if self.tokenizer is None:
+            return entries
+        texts: dict[int, str] = {}
+        out: list[dict[int, Logprob] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            d = {}
+            for tok, lp in entry.items():
+                s = texts.get(tok)
+                if s is None:
+                    s = texts[tok] = self.decode([tok])
+                d[tok] = Logprob(lp.logprob, lp.rank, s)
+            out.append(d)
+        return out
+
     def _match_stop(self, t: _Tracked) -> None:
         """Finish ``t`` at the first stop string in its text (trimmed unless it is to be kept).
 
         Only text not searched before (plus the overlap a stop string may span)
-        is searched. A match ends the request in the engine at once (its pages
-        are freed); the tokens stay in ``token_ids``.
+        is searched. With ``min_tokens``, the search starts once more tokens
+        than that were generated, and a match must end after the text of the
+        first ``min_tokens`` tokens (vLLM's rule). A match ends the request in the
+        engine at once (its pages are freed); the tokens stay in ``token_ids``.
         """
         text = t.text
-        start = max(0, t.checked - max(len(s) for s in t.stops) + 1)
+        if t.min_tokens:
+            # the first search: the text of the first min_tokens tokens is not searched
+            held = self.decode(t.token_ids[: t.min_tokens]).rstrip("\ufffd")
+            t.checked = max(t.checked, min(len(held), len(text)))
+            t.min_tokens = 0
+        start = t.checked
         t.checked = len(text)
         best: tuple[int, str] | None = None
         for s in t.stops:
-            p = text.find(s, start)
+            # a match ending in new text may begin in text searched before
+            p = text.find(s, max(0, start - len(s) + 1))
             if p != -1 and (best is None or p < best[0]):
                 best = (p, s)
         if best is None:
@@ -763,14 +800,16 @@ def split_samples(sp: SamplingParams) -> list[SamplingParams]:
     """One :class:`SamplingParams` per sample of an ``n > 1`` request (``n == 1``: itself).
 
     Sample ``j`` of a seeded request uses ``seed + j`` (wrapped to 64 bits), so the
-    samples differ and each is reproducible.
+    samples differ and each is reproducible. Only sample 0 computes
+    ``prompt_logprobs`` (they are the prompt's, the same for every sample).
     """
     if sp.n == 1:
         return [sp]
     out = []
     for j in range(sp.n):
         seed = None if sp.seed is None else (sp.seed + j) % 2**64
-        out.append(dataclasses.replace(sp, n=1, seed=seed))
+        plp = sp.prompt_logprobs if j == 0 else None
+        out.append(dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=plp))
     return out
 
 

@@ -78,8 +78,11 @@ class RequestOutput:
     :param prompt_token_ids: the prompt's tokens.
     :param outputs: the generated sequences (one per sample).
     :param finished: whether generation is over.
-    :param prompt_logprobs: per prompt token, ``{token_id: Logprob}`` (not computed yet:
-        always ``None``).
+    :param prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: ``None`` for the
+        first prompt token, then per prompt token ``{token_id: Logprob(logprob, rank,
+        decoded_token)}`` of that token (its logprob given the tokens before it) and the
+        ``k`` most likely tokens at its position (raw model distribution); set from the
+        output that brings the first generated token on. ``None`` when not asked for.
     :param new_token_ids: tokens of ``outputs[0]`` added since this request's
         previous output (streaming); equals ``token_ids`` in :meth:`LLM.generate` results.
     :param new_text: text of ``outputs[0]`` added since the previous output.
@@ -126,12 +129,23 @@ class RequestOutput:
             "prompt_token_ids": list(self.prompt_token_ids),
             "outputs": [_completion_dict(o) for o in self.outputs],
             "finished": self.finished,
+            "prompt_logprobs": _logprob_dicts(self.prompt_logprobs),
             "metrics": None if self.metrics is None else vars(self.metrics).copy(),
         }
 
 
+def _logprob_dicts(
+    positions: list[dict[int, Logprob] | None] | None,
+) -> list[dict[int, dict[str, Any]] | None] | None:
+    """Logprob objects as dicts (token-id keys become strings in JSON)."""
+    if positions is None:
+        return None
+    return [
+        None if pos is None else {t: vars(lp).copy() for t, lp in pos.items()} for pos in positions
+    ]
+
+
 def _completion_dict(o: CompletionOutput) -> dict[str, Any]:
     d = vars(o).copy()
-    if o.logprobs is not None:  # Logprob objects as dicts (token-id keys become strings in JSON)
-        d["logprobs"] = [{t: vars(lp).copy() for t, lp in pos.items()} for pos in o.logprobs]
+    d["logprobs"] = _logprob_dicts(o.logprobs)
     return d

@@ -44,6 +44,7 @@ from backplane.engine.memory import (
 from backplane.engine.runner import EagerModelRunner, ModelRunner
 from backplane.engine.sampling import (
     LogitsProcessing,
+    PromptLogprobRows,
     Sampler,
     SamplingParams,
     SamplingRows,
@@ -73,6 +74,10 @@ class EngineStepOutput:
         kept failing, see :meth:`Engine.step`) once finished.
     :param new_logprobs: one ``{token_id: Logprob}`` per new token when the request
         asks for logprobs (``SamplingParams.logprobs``), else ``None``.
+    :param prompt_logprobs: with the request's first token, when it asks for
+        ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then per
+        prompt token ``{token_id: Logprob}`` of that token and the top ones (once;
+        ``None`` in every other output).
     """
 
     request_id: str
@@ -80,6 +85,7 @@ class EngineStepOutput:
     finished: bool = False
     finish_reason: str | None = None
     new_logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 def _check_paged_flags(
@@ -224,6 +230,8 @@ class Engine:
             [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
         )
         self._requests: dict[str, Any] = {}
+        # live requests whose prompt logprobs are not all computed yet
+        self._prompt_lp_reqs: set[Any] = set()
         self._ids = itertools.count()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s pages=%d x %d tokens (%.1f MiB KV), "
@@ -433,6 +441,7 @@ class Engine:
             if hasattr(self, name):
                 setattr(self, name, None)
         self._requests = {}
+        self._prompt_lp_reqs = set()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -509,6 +518,8 @@ class Engine:
         )
         self.scheduler.add_request(req)  # the last check (does it fit the KV cache?)
         self._requests[rid] = req
+        if req.prompt_logprobs is not None and not req.prompt_logprobs.complete:
+            self._prompt_lp_reqs.add(req)
         return rid
 
     def _new_request_id(self) -> str:
@@ -607,7 +618,7 @@ class Engine:
                 self.scheduler.advance(sched)
                 sampled = self._wait(launched)
                 self.scheduler.commit(sched, sampled)
-                _keep_logprobs(launched, sampled)
+                self._keep(launched, sampled)
             else:
                 sampled = {}
             return self._collect(sched, sampled)
@@ -618,7 +629,7 @@ class Engine:
             # requests aborted since the launch drop their token (commit skips them too)
             gone = {r.request_id for r in prev.reqs if r.is_finished}
             self.scheduler.commit(prev.sched, sampled)
-            _keep_logprobs(prev, sampled, gone)
+            self._keep(prev, sampled, gone)
             if gone:
                 sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
             # committed: delivered by this call, or by the next one if something below raises
@@ -646,7 +657,7 @@ class Engine:
                 sampled = self._wait(prev)
                 gone = {r.request_id for r in prev.reqs if r.is_finished}
                 self.scheduler.commit(prev.sched, sampled)
-                _keep_logprobs(prev, sampled, gone)
+                self._keep(prev, sampled, gone)
                 self._undelivered = {r: t for r, t in sampled.items() if r not in gone}
             except BaseException:
                 logger.exception("the step in flight failed too; restarting its requests")
@@ -673,9 +684,10 @@ class Engine:
             inputs = self.runner.prepare_inputs(scheduled)
         finally:
             ib.pending_source = None
+        prompt = self._prompt_rows(scheduled, inputs)
         hidden = self.execute(inputs)
         reqs = [scheduled[i].request for i in inputs.sample_seqs]
-        out = self.sample(hidden, inputs, reqs)
+        out = self.sample(hidden, inputs, reqs, prompt.rows if prompt is not None else None)
         tokens = out.tokens
         n = len(reqs)
         turn = self._token_flip
@@ -687,18 +699,71 @@ class Engine:
             host.copy_(tokens, non_blocking=True)
             if out.logprobs is not None:
                 # copied with the tokens, before the event: read when they are
-                pin = tokens.is_cuda
-                lp_host = tuple(
-                    torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
-                    for t in (out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
-                )
-            if tokens.is_cuda:
-                # reused every other step: the step that last recorded it has been committed
-                event = self._token_events[turn]
-                event.record()
+                lp_host = _to_host(out.logprobs)
+        if prompt is not None and out.prompt_logprobs is not None:
+            prompt.host = _to_host(out.prompt_logprobs)
+        if self.device.type == "cuda" and (n or prompt is not None):
+            # reused every other step: the step that last recorded it has been committed
+            event = self._token_events[turn]
+            event.record()
         for row, r in enumerate(reqs):
             r.pending_row = row
-        return _Launched(sched, reqs, tokens, host, event, lp_host)
+        return _Launched(sched, reqs, tokens, host, event, lp_host, prompt)
+
+    def _keep(
+        self, launched: _Launched, sampled: dict[str, int], gone: set[str] = frozenset()
+    ) -> None:
+        """After a commit: keep the step's logprobs and prompt logprobs in their requests."""
+        _keep_logprobs(launched, sampled, gone)
+        if launched.prompt is not None:
+            _keep_prompt_logprobs(launched, gone)
+            for req, _, _ in launched.prompt.entries:
+                if req.prompt_logprobs.complete:
+                    self._prompt_lp_reqs.discard(req)
+
+    def _prompt_rows(self, scheduled: Sequence[Any], inputs: BatchInputs) -> _PromptLaunch | None:
+        """The step's prompt positions whose logprobs are still wanted, or ``None``.
+
+        A sequence of a request asking for ``prompt_logprobs`` contributes every
+        prompt position of its chunk that predicts a prompt token (the last
+        prompt token predicts the first output, which is sampled as usual) and
+        is not known yet; Python work is per such sequence, rows are numpy ranges.
+        """
+        if not self._prompt_lp_reqs:
+            return None
+        wanted = self._prompt_lp_reqs
+        picked = [i for i, s in enumerate(scheduled) if s.request in wanted]
+        if not picked:
+            return None
+        starts = inputs.first_token_rows(np.asarray(picked, dtype=np.int64))
+        entries: list[tuple[Any, int, int]] = []
+        rows: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        k = 0
+        offset = 0
+        for i, start in zip(picked, starts.tolist(), strict=True):
+            s = scheduled[i]
+            req = s.request
+            state = req.prompt_logprobs
+            c = s.num_cached_tokens
+            lo = max(c, state.done)
+            hi = min(c + s.num_new_tokens, state.num_positions)
+            if hi <= lo:
+                continue
+            rows.append(np.arange(start + lo - c, start + hi - c, dtype=np.int64))
+            targets.append(req.token_buffer[lo + 1 : hi + 1])
+            entries.append((req, lo, offset))
+            offset += hi - lo
+            k = max(k, state.k)
+        if not entries:
+            return None
+        device = inputs.logits_indices.device
+        index = torch.from_numpy(np.concatenate(rows))
+        target = torch.from_numpy(np.concatenate(targets).astype(np.int64))
+        if device.type != "cpu":
+            index = index.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+        return _PromptLaunch(PromptLogprobRows(index, target, k), entries)
 
     @staticmethod
     def _wait(launched: _Launched) -> dict[str, int]:
@@ -720,14 +785,22 @@ class Engine:
             return self.runner.run(inputs)
 
     @torch.inference_mode()
-    def sample(self, hidden: torch.Tensor, inputs: BatchInputs, reqs: Sequence[Any]) -> Any:
+    def sample(
+        self,
+        hidden: torch.Tensor,
+        inputs: BatchInputs,
+        reqs: Sequence[Any],
+        prompt: PromptLogprobRows | None = None,
+    ) -> Any:
         """Gather the last token of each sampling sequence, compute logits, sample on the device.
 
         :param hidden: the step's hidden states.
         :param inputs: the step's inputs.
         :param reqs: the requests of ``inputs.sample_seqs``, in that order.
+        :param prompt: prompt positions whose logprobs the step computes too.
         :return: a :class:`~backplane.engine.sampling.SamplerOutput`: ``[len(reqs)]`` int64
-            tokens on the device (no host synchronisation), and logprobs where asked.
+            tokens on the device (no host synchronisation), logprobs where asked, and the
+            prompt positions' logprobs.
         """
         n = len(reqs)
         params = [r.sampling_params for r in reqs]
@@ -741,6 +814,7 @@ class Engine:
             offsets,
             processing=self._processing(reqs, params, offsets),
             num_logprobs=int(lp.max()) if n else -1,
+            prompt=prompt,
         )
         return self.runner.sample(hidden, inputs, rows)
 
@@ -811,6 +885,10 @@ class Engine:
             if kept is not None and o.new_token_ids:
                 # the request keeps one entry per committed token, in order
                 o.new_logprobs = kept[len(kept) - len(o.new_token_ids) :]
+            plp = None if req is None else req.prompt_logprobs
+            if plp is not None and o.new_token_ids and plp.complete and not plp.delivered:
+                plp.delivered = True
+                o.prompt_logprobs = _prompt_logprob_list(plp)
         # every request the scheduler finished (stopped, length, aborted) this step
         for req in _finished_requests(self.scheduler, sched):
             rid = req.request_id
@@ -820,6 +898,7 @@ class Engine:
             o.finished = True
             o.finish_reason = req.finish_reason.value if req.finish_reason is not None else None
             self._requests.pop(rid, None)
+            self._prompt_lp_reqs.discard(req)
         return list(outs.values())
 
 
@@ -834,6 +913,7 @@ class _Launched:
     :param event: recorded after the copy (``None`` on CPU).
     :param logprobs: host copies of the rows' logprobs (token ids, logprobs, ranks; valid
         once ``event`` completed), or ``None`` when no row asked.
+    :param prompt: the step's prompt-logprob rows, or ``None``.
     """
 
     sched: Any
@@ -842,6 +922,23 @@ class _Launched:
     host: torch.Tensor
     event: torch.cuda.Event | None
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prompt: _PromptLaunch | None = None
+
+
+@dataclass
+class _PromptLaunch:
+    """A step's prompt-logprob rows: what the device computes and where it goes.
+
+    :param rows: the device rows (indices into the hidden states, target tokens).
+    :param entries: ``(request, first prompt position, first row)`` per request, in row
+        order; each request's rows run to the next entry's first row.
+    :param host: host copies of the rows' logprobs (token ids, logprobs, ranks; valid
+        once the step's event completed).
+    """
+
+    rows: PromptLogprobRows
+    entries: list[tuple[Any, int, int]]
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _pairs(rows: np.ndarray, token_lists: Sequence[np.ndarray]) -> TokenPairs:
@@ -853,6 +950,39 @@ def _pairs(rows: np.ndarray, token_lists: Sequence[np.ndarray]) -> TokenPairs:
         else np.zeros(0, np.int64)
     )
     return TokenPairs(np.repeat(np.asarray(rows, dtype=np.int64), lens), tokens)
+
+
+def _to_host(lp: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Start copying :class:`~backplane.engine.sampling.LogprobsTensors` to (pinned) host
+    tensors; they are read once the step's event completed."""
+    pin = lp.token_ids.is_cuda
+    return tuple(
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
+        for t in (lp.token_ids, lp.logprobs, lp.ranks)
+    )
+
+
+def _keep_prompt_logprobs(launched: _Launched, gone: set[str] = frozenset()) -> None:
+    """Store a committed step's prompt logprobs in their requests (by prompt position).
+
+    :param launched: the step just committed (its copies have reached the host).
+    :param gone: requests aborted since the launch.
+    """
+    prompt = launched.prompt
+    if prompt is None or prompt.host is None:
+        return
+    ids, vals, ranks = (t.numpy() for t in prompt.host)
+    ends = [e[2] for e in prompt.entries[1:]] + [len(ranks)]
+    for (req, lo, a), b in zip(prompt.entries, ends, strict=True):
+        if req.request_id in gone:
+            continue
+        req.prompt_logprobs.store(lo, ids[a:b], vals[a:b], ranks[a:b])
+
+
+def _prompt_logprob_list(state: Any) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then one dict per token."""
+    ks = [state.k] * state.num_positions
+    return [None, *logprob_dicts(state.token_ids, state.logprobs, state.ranks, ks)]
 
 
 def _keep_logprobs(

@@ -62,6 +62,9 @@ class BatchInputs:
     :param sample_seqs: host indices (into the scheduled list as given to
         :meth:`InputBatch.prepare`) of the sequences that sample this step, in
         the order of ``logits_indices``.
+    :param order: the packing order (``order[j]`` is the index, in the list given
+        to :meth:`InputBatch.prepare`, of the ``j``-th packed sequence), or
+        ``None`` when it is the given order.
     """
 
     metadata: BatchMetadata
@@ -69,6 +72,21 @@ class BatchInputs:
     positions: torch.Tensor
     logits_indices: torch.Tensor
     sample_seqs: np.ndarray
+    order: np.ndarray | None = None
+
+    def first_token_rows(self, seqs: np.ndarray) -> np.ndarray:
+        """The flat token row of the first new token of each of ``seqs``.
+
+        :param seqs: indices into the scheduled list as given to :meth:`InputBatch.prepare`.
+        :return: int64 rows of the step's hidden states (host; valid with the step).
+        """
+        qsl = self.metadata.host.query_start_loc
+        seqs = np.asarray(seqs, dtype=np.int64)
+        if self.order is not None:
+            packed = np.empty(len(self.order), dtype=np.int64)
+            packed[self.order] = np.arange(len(self.order))
+            seqs = packed[seqs]
+        return qsl[seqs].astype(np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -377,6 +395,7 @@ class InputBatch:
             positions=d["positions"],
             logits_indices=logits_dev,
             sample_seqs=sample_seqs,
+            order=perm,
         )
 
     def _fill_pending(self, d: dict[str, torch.Tensor], first_decode_row: int, n: int) -> None:

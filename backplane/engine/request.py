@@ -27,6 +27,7 @@ from backplane.core.errors import InvalidFieldError
 
 __all__ = [
     "FinishReason",
+    "PromptLogprobs",
     "Request",
     "RequestStats",
     "RequestStatus",
@@ -105,6 +106,60 @@ class RequestStats:
         return self.reused_tokens + self.onboarded_tokens
 
 
+class PromptLogprobs:
+    """The prompt logprobs of one request, filled chunk by chunk (``SamplingParams.prompt_logprobs``).
+
+    Row ``p`` holds what the logits at prompt position ``p`` say of prompt token
+    ``p + 1``: column 0 that token, then the ``k`` most likely ones. Rows are
+    written by position, so a chunk computed again (after a preemption or a
+    failed step) writes the same rows; ``done`` counts the leading rows known.
+
+    :param num_prompt: prompt tokens of the request.
+    :param k: top logprobs per position.
+    """
+
+    __slots__ = ("k", "token_ids", "logprobs", "ranks", "done", "delivered")
+
+    def __init__(self, num_prompt: int, k: int) -> None:
+        m = max(num_prompt - 1, 0)
+        self.k = k
+        self.token_ids = np.zeros((m, 1 + k), dtype=np.int64)
+        self.logprobs = np.zeros((m, 1 + k), dtype=np.float32)
+        self.ranks = np.zeros(m, dtype=np.int64)
+        self.done = 0
+        #: the engine handed the finished list out (with the request's first token)
+        self.delivered = False
+
+    @property
+    def num_positions(self) -> int:
+        """Prompt positions with logprobs (every prompt token but the first)."""
+        return len(self.ranks)
+
+    @property
+    def complete(self) -> bool:
+        """Every position is known."""
+        return self.done >= len(self.ranks)
+
+    def store(
+        self, lo: int, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray
+    ) -> None:
+        """Write rows ``lo .. lo + len(ranks)`` (host copies of one step's rows; extra top
+        columns, asked for by another request of the step, are dropped).
+
+        :param lo: the first prompt position written.
+        :param token_ids: ``[r, >= 1 + k]`` int64.
+        :param logprobs: ``[r, >= 1 + k]`` float32.
+        :param ranks: ``[r]`` int64 ranks of column 0.
+        """
+        hi = lo + len(ranks)
+        c = 1 + self.k
+        self.token_ids[lo:hi] = token_ids[:, :c]
+        self.logprobs[lo:hi] = logprobs[:, :c]
+        self.ranks[lo:hi] = ranks
+        if lo <= self.done:
+            self.done = max(self.done, hi)
+
+
 class Request:
     """A generation request.
 
@@ -145,6 +200,7 @@ class Request:
         "sampling_seed",
         "num_failed_steps",
         "logprobs",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -233,6 +289,11 @@ class Request:
         # one {token_id: Logprob} per committed output token, when the request asks for them
         self.logprobs: list[Any] | None = (
             [] if getattr(sampling_params, "logprobs", None) is not None else None
+        )
+        # the prompt's logprobs, when the request asks for them
+        k = getattr(sampling_params, "prompt_logprobs", None)
+        self.prompt_logprobs: PromptLogprobs | None = (
+            None if k is None else PromptLogprobs(n, int(k))
         )
 
     # -- tokens -------------------------------------------------------------------------------
@@ -392,6 +453,13 @@ class Request:
     def pending_source_row(self) -> int:
         """Row of the pending token in its step's sampled tokens, or -1 when none is pending."""
         return self.pending_row if self._pending else -1
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Take no prefix-cache hits: the request still needs logits of prompt positions
+        (``prompt_logprobs``), so its whole prompt is computed (its pages are still
+        offered to the prefix cache once computed)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
 
     # -- state ----------------------------------------------------------------------------------
 

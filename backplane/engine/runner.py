@@ -28,9 +28,22 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
-from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
+from backplane.engine.sampling import (
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingRows,
+    compute_logprobs,
+)
 
 __all__ = ["EagerModelRunner", "ModelRunner", "sample_eagerly"]
+
+
+#: Bytes of float32 logits one LM-head pass over prompt-logprob rows may make: a long
+#: prompt chunk's rows go through the LM head and ``log_softmax`` in slices of at most
+#: ``PROMPT_LOGITS_BYTES // (vocab * 4)`` rows, so the step's peak stays near what the
+#: memory profile measured (the sampling rows' logits) whatever the chunk's length.
+PROMPT_LOGITS_BYTES = 256 * 2**20
 
 
 def sample_eagerly(
@@ -43,6 +56,11 @@ def sample_eagerly(
 ) -> SamplerOutput:
     """Gather each sampling sequence's last hidden state, project it to logits, sample.
 
+    Prompt positions whose logprobs are asked for (``rows.prompt``) join the
+    same gather behind the sampling rows; their logits give the prompt
+    logprobs (``log_softmax`` in float32, ``topk``), in slices when there are
+    many (:data:`PROMPT_LOGITS_BYTES`).
+
     :param model: the ``CausalLM`` (its ``compute_logits`` is the LM head).
     :param sampler: the engine's sampler.
     :param hidden: the step's hidden states.
@@ -51,15 +69,53 @@ def sample_eagerly(
     :param logits: logits of every hidden row when already computed (a decode
         graph's output); gathered instead of projecting again.
     :return: ``[len(rows)]`` int64 tokens on the device, with their logprobs where
-        a row asks (no host synchronisation).
+        a row asks, and the prompt logprobs (no host synchronisation).
     """
-    if not len(rows):
-        return SamplerOutput(torch.empty(0, dtype=torch.int64, device=hidden.device))
-    if logits is not None:
-        logits = logits.index_select(0, inputs.logits_indices)
-    else:
-        logits = model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-    return sampler.sample_rows(logits, rows)
+    prompt = rows.prompt
+    n = len(rows)
+    m = 0 if prompt is None else len(prompt)
+    empty = torch.empty(0, dtype=torch.int64, device=hidden.device)
+    if not m:
+        if not n:
+            return SamplerOutput(empty)
+        if logits is not None:
+            logits = logits.index_select(0, inputs.logits_indices)
+        else:
+            logits = model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return sampler.sample_rows(logits, rows)
+    assert prompt is not None
+    # one gather: the sampling rows, then the prompt rows
+    index = torch.cat([inputs.logits_indices, prompt.indices])
+    src = logits if logits is not None else hidden
+    gathered = src.index_select(0, index)
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return x if logits is not None else model.compute_logits(x)
+
+    vocab = logits.shape[-1] if logits is not None else int(model.vocab_size)
+    block = max(1, PROMPT_LOGITS_BYTES // (4 * vocab))
+    if n + m <= block:  # the common case: one LM-head pass over every row
+        projected = head(gathered)
+        out = sampler.sample_rows(projected[:n], rows) if n else SamplerOutput(empty)
+        lps = [compute_logprobs(projected[n:], prompt.targets, prompt.k)]
+    else:  # slice by slice: each slice's logits are freed before the next is made
+        out = sampler.sample_rows(head(gathered[:n]), rows) if n else SamplerOutput(empty)
+        lps = [
+            compute_logprobs(
+                head(gathered[n + s : n + s + block]), prompt.targets[s : s + block], prompt.k
+            )
+            for s in range(0, m, block)
+        ]
+    out.prompt_logprobs = (
+        lps[0]
+        if len(lps) == 1
+        else LogprobsTensors(
+            torch.cat([p.token_ids for p in lps]),
+            torch.cat([p.logprobs for p in lps]),
+            torch.cat([p.ranks for p in lps]),
+        )
+    )
+    return out
 
 
 @runtime_checkable

@@ -208,6 +208,11 @@ class SamplingParams:
         ``logprobs`` most likely ones (0 to :data:`MAX_LOGPROBS`), from the raw
         model distribution (before penalties, temperature and filters);
         ``None`` returns none.
+    :param prompt_logprobs: return, for every prompt token after the first, its
+        log-probability given the tokens before it plus the ``prompt_logprobs``
+        most likely tokens at that position (0 to :data:`MAX_LOGPROBS`; raw model
+        distribution); ``None`` returns none. Such a request computes its whole
+        prompt (it takes no prefix-cache hits), as in vLLM.
     :raises InvalidFieldError: on a value of the wrong type or out of range, naming the field.
     """
 
@@ -227,6 +232,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, rule in FIELD_RULES.items():
@@ -300,6 +306,9 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
     ),
     "repetition_penalty": _real(lambda v: v > 0.0, "must be a finite number > 0; 1 turns it off"),
     "logprobs": _optional(
+        _integer(0, MAX_LOGPROBS, f"must be None or an integer from 0 to {MAX_LOGPROBS}")
+    ),
+    "prompt_logprobs": _optional(
         _integer(0, MAX_LOGPROBS, f"must be None or an integer from 0 to {MAX_LOGPROBS}")
     ),
 }
@@ -575,6 +584,28 @@ class LogitsProcessing:
 
 
 @dataclass(frozen=True)
+class PromptLogprobRows:
+    """The prompt positions of a step whose logprobs are asked for (``prompt_logprobs``).
+
+    Each is a hidden row of the step (a prompt token of a prefill chunk) whose
+    logits give the logprobs of the prompt token after it. The rows join the
+    step's logits gather behind the sampling rows; only they and the sampling
+    rows go through the LM head.
+
+    :param indices: ``[m]`` int64 flat token rows of the step's hidden states (device).
+    :param targets: ``[m]`` int64 the prompt token each row predicts (device).
+    :param k: top logprobs per row (the most any of the step's requests asks for).
+    """
+
+    indices: torch.Tensor
+    targets: torch.Tensor
+    k: int
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+
+@dataclass(frozen=True)
 class SamplingRows:
     """What a step samples: one row per sampling sequence, in logits-row order.
 
@@ -583,6 +614,7 @@ class SamplingRows:
     :param offsets: ``[n]`` int64 index of the token each row samples in its request.
     :param processing: penalties and ``min_tokens`` suppression, or ``None`` when no row asks.
     :param num_logprobs: the most top logprobs a row asks for, ``-1`` when none asks.
+    :param prompt: prompt positions whose logprobs the step computes too, or ``None``.
     """
 
     params: Sequence[SamplingParams]
@@ -590,6 +622,7 @@ class SamplingRows:
     offsets: np.ndarray
     processing: LogitsProcessing | None = None
     num_logprobs: int = -1
+    prompt: PromptLogprobRows | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -597,7 +630,7 @@ class SamplingRows:
     @property
     def needs_eager(self) -> bool:
         """True when a row asks for what the captured sampling graphs do not do."""
-        return self.processing is not None or self.num_logprobs >= 0
+        return self.processing is not None or self.num_logprobs >= 0 or self.prompt is not None
 
 
 @dataclass(frozen=True)
@@ -634,10 +667,13 @@ class SamplerOutput:
 
     :param tokens: ``[n]`` int64 sampled tokens on the device.
     :param logprobs: their logprobs when some row asked (``None`` otherwise).
+    :param prompt_logprobs: logprobs of the step's :class:`PromptLogprobRows`, in their
+        order (column 0 is the prompt token each row predicts), or ``None``.
     """
 
     tokens: torch.Tensor
     logprobs: LogprobsTensors | None = None
+    prompt_logprobs: LogprobsTensors | None = None
 
 
 def _pair_index(pairs: TokenPairs, vocab: int, device: torch.device) -> torch.Tensor:
@@ -697,10 +733,14 @@ def apply_processing(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsTensors:
-    """Logprobs of the sampled tokens and the top ``k``, from the raw logits.
+    """Logprobs of the given tokens and the top ``k``, from the raw logits.
+
+    ``log_softmax`` in float32 over every row at once, one ``gather`` and one
+    ``topk``: used for sampled tokens and for prompt tokens alike.
 
     :param logits: ``[n, vocab]`` raw model logits.
-    :param tokens: ``[n]`` sampled tokens.
+    :param tokens: ``[n]`` the tokens whose logprob and rank column 0 holds (the sampled
+        ones, or the prompt token each row predicts).
     :param k: top logprobs per row (the most any row asks for).
     :return: the step's :class:`LogprobsTensors` (device work only, no host sync).
     """

@@ -269,13 +269,16 @@ def build_app(
                 ids, entries = _logprobs_since(out, 0 if final else sent.get(i, 0))
                 sent[i] = len(out.outputs[0].token_ids)
                 logprobs, offsets[i] = _completion_logprobs(ids, entries, offsets.get(i, 0))
-            return {
+            c = {
                 "index": i,
                 "text": out.text if final else out.new_text,
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
             }
+            if final:
+                c["prompt_logprobs"] = None
+            return c
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -283,13 +286,13 @@ def build_app(
         outs = await _collect(streams, request)
         if outs is None:
             return Response(status_code=499)
-        return JSONResponse(
-            {
-                **head,
-                "choices": [choice(i, o, True) for i, o in enumerate(outs)],
-                "usage": _usage(outs),
-            }
-        )
+        choices = [choice(i, o, True) for i, o in enumerate(outs)]
+        if params.prompt_logprobs is not None:
+            # every choice of a prompt shows the prompt's logprobs (its sample 0 computed them)
+            n = len(samples)
+            for i, c in enumerate(choices):
+                c["prompt_logprobs"] = _prompt_logprobs(outs[i - i % n].prompt_logprobs)
+        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -405,6 +408,22 @@ def _completion_logprobs(
         "text_offset": text_offset,
     }
     return obj, offset
+
+
+def _prompt_logprobs(positions: Sequence[dict[int, Any] | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` of a completion choice: ``None`` for the first prompt
+    token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` per prompt token."""
+    if positions is None:
+        return None
+    return [
+        None
+        if d is None
+        else {
+            str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+            for t, v in d.items()
+        }
+        for d in positions
+    ]
 
 
 def _chat_logprobs(ids: Sequence[int], entries: Sequence[dict[int, Any]], k: int) -> dict[str, Any]:

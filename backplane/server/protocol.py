@@ -89,6 +89,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -171,6 +172,11 @@ def _unsupported(req: _Sampling) -> tuple[str, str] | None:
             (req.echo, "echo", "echo is not supported"),
             (req.best_of not in (None, 1), "best_of", "best_of is not supported"),
             (bool(req.suffix), "suffix", "suffix is not supported"),
+            (
+                req.prompt_logprobs is not None and req.stream,
+                "prompt_logprobs",
+                "prompt_logprobs is not available with stream=true (as in vLLM)",
+            ),
         ]
     else:
         checks += [
@@ -228,6 +234,7 @@ def sampling_params(
     logprobs_field = "logprobs"
     if isinstance(req, CompletionRequest):
         values["logprobs"] = req.logprobs
+        values["prompt_logprobs"] = req.prompt_logprobs
     elif req.logprobs:
         values["logprobs"] = req.top_logprobs or 0
         logprobs_field = "top_logprobs" if req.top_logprobs else "logprobs"

@@ -273,8 +273,12 @@ class GraphModelRunner:
 
         Other steps (a decode-graph step whose sampling graphs failed to
         capture, or whose rows ask for penalties, ``min_tokens`` or logprobs,
-        which the captured graphs do not do) run the LM head and sampler op by
-        op; a decode-graph step then reuses the logits its graph already computed.
+        or that holds prompt-logprob rows, which the captured graphs do not do)
+        run the LM head and sampler op by op; a decode-graph step then reuses the
+        logits its graph already computed (its graph projects every row, so a
+        one-token prompt chunk's row is there too). A piecewise step's graphs end
+        at the hidden states: its sampling rows and prompt-logprob rows are
+        gathered and projected here, eagerly, in one pass.
 
         :param hidden: what :meth:`run` returned for ``inputs``.
         :param inputs: the step's inputs.

@@ -244,7 +244,9 @@ class KVCacheManager:
         """Phase 1: claim every cached page (device or host) matching the request's prefix.
 
         At most ``(num_tokens - 1) // page_size`` pages are matched: the last
-        token is always computed, so a full hit still produces logits.
+        token is always computed, so a full hit still produces logits. A request
+        that needs the logits of its prompt (``request.skips_prefix_cache``:
+        prompt logprobs) matches none.
 
         :param request: a waiting (or preempted) request holding no pages.
         :return: the claim; give it to :meth:`reserve` then :meth:`allocate_claimed`,
@@ -255,7 +257,7 @@ class KVCacheManager:
             raise RuntimeError(f"request {request.request_id!r} already holds or claimed pages")
         hits: list[tuple[int, int]] = []
         limit = 0
-        if self.prefix_caching:
+        if self.prefix_caching and not request.skips_prefix_cache:
             limit = (request.num_tokens - 1) // self.page_size
             hashes = st.hashes
             hash_pages(request.token_buffer, self.page_size, hashes, limit)
