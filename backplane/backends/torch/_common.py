@@ -163,6 +163,29 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 
+def gather_kv_pages(
+    kv_cache: torch.Tensor, pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather whole pages of a paged KV cache, keys and values at once.
+
+    :param kv_cache: ``[num_pages, 2, page_size, *row]`` (keys at ``[:, 0]``,
+        values at ``[:, 1]``).
+    :param pages: page ids (any shape; flattened in order), device tensor.
+    :return: ``(keys, values)``, each ``[pages.numel() * page_size, *row]``, contiguous.
+    """
+    pages = pages.reshape(-1)
+    if kv_cache.is_contiguous():
+        # Whole pages as flat rows: index_select of a 2-D contiguous tensor copies
+        # each row in one block, where the strided K or V half of a page is gathered
+        # element by element (about 50x slower on CPU for decode-sized gathers).
+        rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, pages)
+        rows = rows.view(-1, *kv_cache.shape[1:])
+    else:
+        rows = kv_cache.index_select(0, pages)
+    row = kv_cache.shape[3:]
+    return rows[:, 0].reshape(-1, *row), rows[:, 1].reshape(-1, *row)
+
+
 def query_chunk(num_heads: int, num_keys: int) -> int:
     """Return how many query rows to score at once under :data:`MAX_SCORE_ELEMENTS`."""
     return max(1, MAX_SCORE_ELEMENTS // max(1, num_heads * num_keys))

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from backplane.backends.torch._common import (
     SlotIndex,
     decode_table,
-    gather_pages,
+    gather_kv_pages,
     query_chunk,
     slots_known_valid,
 )
@@ -68,8 +68,7 @@ def _prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     buf: torch.Tensor,
     batch: BatchMetadata,
     scale: float,
@@ -85,13 +84,13 @@ def _prefill(
         cached, total = int(host.cached_lens[i]), int(host.seq_lens[i])
         # Keys older than the window of the first query can never be attended to.
         lo = max(0, cached + 1 - sliding_window) if sliding_window > 0 else 0
-        if cached == 0 and k.dtype == k_cache.dtype:
+        if cached == 0 and k.dtype == kv_cache.dtype:
             # A fresh prompt's keys are exactly this step's (just written to the cache).
             keys, values = k[start:end], v[start:end]
         else:
             pages = batch.page_indices[int(host.page_indptr[i]) : int(host.page_indptr[i + 1])]
-            keys = gather_pages(k_cache, pages, total)[lo:]
-            values = gather_pages(v_cache, pages, total)[lo:]
+            keys, values = gather_kv_pages(kv_cache, pages)
+            keys, values = keys[lo:total], values[lo:total]
         # [1, heads, tokens, head_dim] views; SDPA takes them strided
         keys = keys.to(dtype).transpose(0, 1).unsqueeze(0)
         values = values.to(dtype).transpose(0, 1).unsqueeze(0)
@@ -162,8 +161,7 @@ class StepPlan:
 
 def _decode(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     buf: torch.Tensor,
     plan: StepPlan,
     scale: float,
@@ -174,15 +172,13 @@ def _decode(
     nd = batch.num_decode_seqs
     t0, t1 = batch.num_prefill_tokens, batch.num_tokens
     _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     dtype = _compute_dtype(q.dtype)
-    # One gather per cache for the whole batch (index_select copies whole pages,
-    # far faster on CPU than advanced indexing of the strided K/V halves), seen
-    # as [nd, kv_heads, keys, head_dim].
+    # One gather of whole pages for the whole batch, seen as [nd, kv_heads, keys, head_dim].
     shape = (nd, plan.num_keys, num_kv_heads, head_dim)
-    keys = k_cache.index_select(0, plan.decode_pages).view(shape).transpose(1, 2)
-    values = v_cache.index_select(0, plan.decode_pages).view(shape).transpose(1, 2)
+    keys, values = gather_kv_pages(kv_cache, plan.decode_pages)
+    keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
     # One query per sequence: the group's heads become the KV head's query rows.
     qd = q[t0:t1].to(dtype).reshape(nd, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(
@@ -232,9 +228,9 @@ def paged_attention(
         plan = StepPlan(batch, page_size)
     plan.slots.write((k_cache, v_cache), (k[:n], v[:n]))
     if batch.num_prefill_seqs:
-        _prefill(q, k, v, k_cache, v_cache, buf, batch, scale, sliding_window)
+        _prefill(q, k, v, kv_cache, buf, batch, scale, sliding_window)
     if batch.num_decode_seqs:
-        _decode(q, k_cache, v_cache, buf, plan, scale, sliding_window)
+        _decode(q, kv_cache, buf, plan, scale, sliding_window)
     return finish_output(out, buf, n)
 
 
