@@ -3,13 +3,85 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+#: The kinds of step a backend's measured speed is given for: ``prefill`` (prompt
+#: tokens, chunked prefill and extend) and ``decode`` (one new token per sequence).
+STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
 
 
 def _always_available() -> tuple[bool, str]:
     return True, ""
+
+
+@dataclass(frozen=True)
+class Speed:
+    """What one backend measured on one device class: throughput per step kind.
+
+    Figures are throughputs, higher is faster, in tokens per second of the
+    reference workload that ``source`` names. ``auto`` compares them only with
+    the figures of other backends of the same family on the same device class,
+    so a plugin measures its backends against the others on one workload.
+
+    :param prefill: tokens per second of prefill steps; ``None`` when not measured.
+    :param decode: tokens per second of decode steps; ``None`` when not measured.
+    :param source: the benchmark the figures come from (command, shape, device,
+        where the results are written up), shown when ``auto`` uses them.
+    """
+
+    prefill: float | None = None
+    decode: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for kind in STEP_KINDS:
+            value = getattr(self, kind)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Speed.{kind} must be a number of tokens/s, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"Speed.{kind} must be a positive number, got {value!r}")
+            object.__setattr__(self, kind, float(value))
+
+    def figure(self, kind: str) -> float | None:
+        """Return the figure of one step kind.
+
+        :param kind: ``"prefill"`` or ``"decode"``.
+        :return: tokens per second, or ``None`` when that kind was not measured.
+        """
+        if kind not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {kind!r}; the kinds are: {', '.join(STEP_KINDS)}")
+        return getattr(self, kind)
+
+
+def _speed_table(value: Any) -> dict[str, Speed]:
+    """Normalise ``BackendSpec.speed``: ``{device class: Speed or mapping}`` to ``Speed``s."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"speed must map a device class to its figures, got {value!r}")
+    table: dict[str, Speed] = {}
+    for device_class, figures in value.items():
+        if not isinstance(device_class, str) or not device_class:
+            raise TypeError(
+                f"speed: a device class must be a name like 'sm90', got {device_class!r}"
+            )
+        if isinstance(figures, Mapping):
+            unknown = set(figures) - {*STEP_KINDS, "source"}
+            if unknown:
+                raise ValueError(
+                    f"speed[{device_class!r}]: unknown keys {sorted(unknown)}; "
+                    f"use {', '.join(STEP_KINDS)} and source"
+                )
+            figures = Speed(**figures)
+        elif not isinstance(figures, Speed):
+            raise TypeError(
+                f"speed[{device_class!r}] must be a Speed or a mapping, got {figures!r}"
+            )
+        table[device_class] = figures
+    return table
 
 
 @dataclass(frozen=True)
@@ -29,6 +101,11 @@ class BackendSpec:
     :param capabilities: free-form feature tags (``"sliding_window"``,
         ``"cuda_graph"``, ``"cpu"``...) that tests and selection can gate on.
     :param description: one line shown by ``backplane backends``.
+    :param speed: measured figures per device class (``"sm90"`` for compute
+        capability 9.0, ``"sm80"``, ``"cpu"``): a :class:`Speed`, or a mapping with
+        ``prefill``, ``decode`` and ``source``. Under ``auto`` they rank the
+        backends that can run, before ``priority``; a device class without
+        figures leaves the choice to ``priority``.
     :param plugin: the name of the plugin that registered the spec; filled in
         by the plugin manager, never by the plugin.
     """
@@ -41,10 +118,23 @@ class BackendSpec:
     capabilities: frozenset[str] = field(default_factory=frozenset)
     description: str = ""
     plugin: str | None = None
+    # not hashed: a dict is not hashable, and specs are hashed (cached loads)
+    speed: Mapping[str, Speed] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.capabilities, frozenset):
             object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        object.__setattr__(self, "speed", _speed_table(self.speed))
+
+    def figure(self, device_class: str | None, kind: str) -> float | None:
+        """Return the measured throughput of one step kind on one device class.
+
+        :param device_class: ``"sm90"``, ``"cpu"``...; ``None`` (unknown) has no figures.
+        :param kind: ``"prefill"`` or ``"decode"``.
+        :return: tokens per second, or ``None`` when not measured there.
+        """
+        speed = self.speed.get(device_class) if device_class is not None else None
+        return speed.figure(kind) if speed is not None else None
 
     def availability(self) -> tuple[bool, str]:
         """Return ``(available, reason)``, turning an exception into a reason.

@@ -1,14 +1,17 @@
 """Choosing the backend of each op family: the one home of backend selection.
 
 * :func:`select_backend` turns one configured value into a spec: a backend
-  name must be installed and able to run on the device; ``auto`` takes the
-  highest-priority backend that can, and logs why each other one lost.
+  name must be installed and able to run on the device; ``auto`` ranks the
+  backends that can by their measured decode speed on the device's class
+  (:func:`device_class_of`, ``BackendSpec.speed``), then by priority, takes the
+  first, and logs why, with the figures compared, and why each other one lost.
 * :func:`select_backends` does that for the families a model uses, from an
   :class:`~backplane.engine.config.EngineConfig` (errors name the file and
   key, or the flag, the value came from).
 * :func:`load_backend` makes the backend object of a spec, and hands a backend
-  that ``needs_fallback`` the backend that runs what it does not, chosen like
-  ``auto`` among the other backends of its family.
+  that ``needs_fallback`` the backend that runs what it does not (its prefill),
+  chosen like ``auto`` among the other backends of its family but ranked by
+  their measured prefill speed.
 * :class:`BackendSelection` holds the backends of one engine and replaces a
   backend chosen by ``auto`` that cannot run one of the model's layers (it
   raised :class:`~backplane.core.errors.UnsupportedLayerError`) with the next
@@ -44,6 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEVICE_TAGS",
     "BackendSelection",
+    "device_class_of",
     "load_backend",
     "runs_on",
     "select_backend",
@@ -76,33 +80,111 @@ def runs_on(spec: BackendSpec, device: str | None) -> tuple[bool, str]:
     return spec.availability()
 
 
+def device_class_of(device: str | None) -> str | None:
+    """Name the class of ``device`` that backends' measured figures are given for.
+
+    :param device: the device the engine runs on (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+    :return: ``"smXY"`` for a CUDA device of compute capability X.Y (``"sm90"`` for
+        H100 and H200, ``"sm80"`` for A100), ``"cpu"`` for the CPU, the device type
+        for other devices, ``"cuda"`` when the CUDA device cannot be asked (no
+        driver, a ROCm build: no figures match it) and ``None`` for ``None``.
+    """
+    if device is None:
+        return None
+    device_type, _, index = device.partition(":")
+    if device_type != "cuda":
+        return device_type
+    import torch
+
+    # ROCm builds answer through torch.cuda with gfx numbers that are not sm classes
+    if getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return "cuda"
+    try:
+        major, minor = torch.cuda.get_device_capability(int(index) if index else None)
+    except (AssertionError, RuntimeError, ValueError):  # an index this machine lacks
+        return "cuda"
+    return f"sm{major}{minor}"
+
+
 def _registry(registry: BackendRegistry | None) -> BackendRegistry:
     return registry if registry is not None else get_registry()
 
 
+def _tok_s(value: float) -> str:
+    """A figure as logged: whole tokens per second, a few digits below 100."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def _auto(
-    registry: BackendRegistry, family: str, device: str | None, exclude: Collection[str] = ()
-) -> tuple[list[BackendSpec], list[str]]:
+    registry: BackendRegistry,
+    family: str,
+    device: str | None,
+    exclude: Collection[str] = (),
+    *,
+    device_class: str | None = None,
+    kind: str = "decode",
+) -> tuple[list[BackendSpec], list[str], str]:
     """Rank the backends of ``family`` the way ``auto`` does.
 
-    :return: the backends that can run here, best first, and for every other
+    The backends that can run here are ranked by their ``kind`` figure on
+    ``device_class``, fastest first; those without one follow, and priority
+    (then name: the registry's order) decides among equal figures and among
+    backends without figures.
+
+    :return: the backends that can run here, best first; for every other
         backend (``exclude`` left out), in registry order, why the first one
-        beat it.
+        beat it; and why the first one was chosen (the figures compared and
+        their source, or its priority).
     """
     ranked = [spec for spec in registry.backends(family) if spec.name not in exclude]
     verdicts = [(spec, *runs_on(spec, device)) for spec in ranked]
-    usable = [spec for spec, ok, _ in verdicts if ok]
+    figures = {spec.name: spec.figure(device_class, kind) for spec in ranked}
+    # a stable sort: equal figures (and no figures) keep the registry's priority order
+    usable = sorted(
+        (spec for spec, ok, _ in verdicts if ok),
+        key=lambda spec: (figures[spec.name] is None, -(figures[spec.name] or 0.0)),
+    )
+    if not usable:
+        return usable, [f"{spec.name} (unavailable: {reason})" for spec, _, reason in verdicts], ""
+    best = usable[0]
+    best_figure = figures[best.name]
+    where = f"tok/s on {device_class}"
     lost: list[str] = []
     for spec, ok, reason in verdicts:
+        value = figures[spec.name]
         if not ok:
             lost.append(f"{spec.name} (unavailable: {reason})")
-        elif spec is usable[0]:
+        elif spec is best:
             continue
-        elif spec.priority == usable[0].priority:
+        elif best_figure is not None and value is None:
+            lost.append(f"{spec.name} (no {kind} figure on {device_class})")
+        elif best_figure is not None and value is not None and value != best_figure:
+            lost.append(f"{spec.name} ({kind} {_tok_s(value)} < {_tok_s(best_figure)} {where})")
+        elif spec.priority == best.priority:
             lost.append(f"{spec.name} (same priority {spec.priority}; ties go by name)")
         else:
-            lost.append(f"{spec.name} (priority {spec.priority} < {usable[0].priority})")
-    return usable, lost
+            lost.append(f"{spec.name} (priority {spec.priority} < {best.priority})")
+    why = f"plugin {best.plugin}, priority {best.priority}"
+    if best_figure is None or device_class is None:
+        return usable, lost, why
+    rival = usable[1] if len(usable) > 1 and figures[usable[1].name] is not None else None
+    if rival is None:
+        why += f"; {kind} {_tok_s(best_figure)} {where}, the only {kind} figure there"
+    else:
+        rival_figure = figures[rival.name] or 0.0
+        why += f"; {kind} {_tok_s(best_figure)} vs {rival.name} {_tok_s(rival_figure)} {where}"
+        if rival_figure == best_figure:
+            why += ", a tie broken by priority"
+    sources = {
+        spec.name: spec.speed[device_class].source
+        for spec in (best, rival)
+        if spec is not None and spec.speed[device_class].source
+    }
+    if len(set(sources.values())) == 1:
+        why += f", from {next(iter(sources.values()))}"
+    elif sources:
+        why += ", from " + " and ".join(f"{name}: {text}" for name, text in sources.items())
+    return usable, lost, why
 
 
 def select_backend(
@@ -111,14 +193,19 @@ def select_backend(
     *,
     registry: BackendRegistry | None = None,
     device: str | None = None,
+    device_class: str | None = None,
 ) -> BackendSpec:
     """Choose the backend of ``family`` from one configured value.
 
     :param family: the op family.
-    :param name: a backend name, or ``"auto"`` for the highest-priority one
-        that can run here (the reasons the others lost are logged at INFO).
+    :param name: a backend name, or ``"auto"`` for the one that can run here
+        with the best measured decode figure on the device class, or, among
+        backends without one, the highest priority (what was chosen, the figures
+        compared and the reasons the others lost are logged at INFO).
     :param registry: the registry to choose from (the process-wide one if ``None``).
     :param device: the device the engine runs on; see :func:`runs_on`.
+    :param device_class: the class the figures are looked up for (``"sm90"``);
+        ``None`` derives it from ``device`` (:func:`device_class_of`).
     :return: the chosen spec.
     :raises UnknownBackendError: the family, or the named backend, is unknown;
         the message lists the installed backends and the plugins that failed.
@@ -136,23 +223,23 @@ def select_backend(
                 backend=name,
             )
         return spec
-    usable, lost = _auto(registry, family, device)
+    if device_class is None:
+        device_class = device_class_of(device)
+    usable, lost, why = _auto(registry, family, device, device_class=device_class)
     if not usable:
         raise BackendUnavailableError(
             f"no available {family} backend: "
             + ("; ".join(lost) if lost else registry.installed_hint(family)),
             family=family,
         )
-    chosen = usable[0]
     logger.info(
-        "%s backend: auto chose %s (plugin %s, priority %d)%s",
+        "%s backend: auto chose %s (%s)%s",
         family,
-        chosen.name,
-        chosen.plugin,
-        chosen.priority,
+        usable[0].name,
+        why,
         "; others: " + ", ".join(lost) if lost else "",
     )
-    return chosen
+    return usable[0]
 
 
 def _naming_the_source(exc: BackplaneError, prefix: str) -> BackplaneError:
@@ -193,6 +280,7 @@ def select_backends(
                 f"unknown op family {family!r}; the families are: {', '.join(FAMILIES)}"
             )
     device = config.device_type
+    klass = device_class_of(config.device_resolved)
     chosen: dict[str, BackendSpec] = {}
     for family in FAMILIES:
         name = config.backends.get(family, "auto")
@@ -200,7 +288,9 @@ def select_backends(
             continue
         try:
             if family in wanted:
-                spec = select_backend(family, name, registry=registry, device=device)
+                spec = select_backend(
+                    family, name, registry=registry, device=device, device_class=klass
+                )
                 chosen[family] = spec
                 if name != "auto":
                     logger.info("%s backend: %s (configured)", family, spec.name)
@@ -220,27 +310,37 @@ def load_backend(
     *,
     registry: BackendRegistry | None = None,
     device: str | None = None,
+    device_class: str | None = None,
 ) -> Backend:
     """Make the backend object of ``spec``, with its fallback when it needs one.
 
     A backend whose ``needs_fallback`` is true receives, through
     ``set_fallback``, the backend ``auto`` would choose among the other
-    backends of its family that can run on ``device``.
+    backends of its family that can run on ``device``, ranked by their
+    *prefill* figures (the fallback runs the prefill the backend hands over).
 
     :param spec: a selected spec (see :func:`select_backend`).
     :param registry: the registry to choose a fallback from (the process-wide
         one if ``None``).
     :param device: the device the engine runs on; see :func:`runs_on`.
+    :param device_class: the class the figures are looked up for; ``None``
+        derives it from ``device`` (:func:`device_class_of`).
     :return: an instance of the family's base class in :mod:`backplane.core.families`.
     :raises BackendUnavailableError: ``load`` failed, or the backend needs a
         fallback and no other backend of the family can run here.
     :raises PluginError: ``load`` produced an object of the wrong family.
     """
-    return _load(spec, _registry(registry), device, taken=set())
+    if device_class is None:
+        device_class = device_class_of(device)
+    return _load(spec, _registry(registry), device, device_class, taken=set())
 
 
 def _load(
-    spec: BackendSpec, registry: BackendRegistry, device: str | None, taken: set[str]
+    spec: BackendSpec,
+    registry: BackendRegistry,
+    device: str | None,
+    device_class: str | None,
+    taken: set[str],
 ) -> Backend:
     """:func:`load_backend`, never choosing a fallback among ``taken`` (those already in use)."""
     from backplane.core.families import FAMILY_BASES
@@ -266,16 +366,27 @@ def _load(
             f"backplane.core.families.{base.__name__}"
         )
     if backend.needs_fallback:
-        backend.set_fallback(_fallback_for(spec, registry, device, {*taken, spec.name}))
+        backend.set_fallback(
+            _fallback_for(spec, registry, device, device_class, {*taken, spec.name})
+        )
     return backend
 
 
 def _fallback_for(
-    spec: BackendSpec, registry: BackendRegistry, device: str | None, taken: set[str]
+    spec: BackendSpec,
+    registry: BackendRegistry,
+    device: str | None,
+    device_class: str | None,
+    taken: set[str],
 ) -> Backend:
-    """Load the backend that runs what ``spec``'s backend does not (``auto`` among the others)."""
+    """Load the backend that runs what ``spec``'s backend does not (``auto`` among the others).
+
+    What a backend hands over is its prefill, so the others rank by their prefill figures.
+    """
     family = spec.family
-    usable, lost = _auto(registry, family, device, exclude=taken)
+    usable, lost, why = _auto(
+        registry, family, device, exclude=taken, device_class=device_class, kind="prefill"
+    )
     if not usable:
         raise BackendUnavailableError(
             f"{family} backend {spec.name!r} (plugin {spec.plugin}) runs part of its work on "
@@ -287,15 +398,14 @@ def _fallback_for(
         )
     chosen = usable[0]
     logger.info(
-        "%s backend %s delegates what it does not run to %s (plugin %s, priority %d)%s",
+        "%s backend %s delegates what it does not run to %s (%s)%s",
         family,
         spec.name,
         chosen.name,
-        chosen.plugin,
-        chosen.priority,
+        why,
         "; others: " + ", ".join(lost) if lost else "",
     )
-    return _load(chosen, registry, device, taken)
+    return _load(chosen, registry, device, device_class, taken)
 
 
 class BackendSelection:
@@ -317,16 +427,22 @@ class BackendSelection:
         self.config = config
         self.registry = _registry(registry)
         self.device = config.device_type
+        #: The class of the engine's device that measured figures are looked up for.
+        self.device_class = device_class_of(config.device_resolved)
         #: The spec of each selected family's backend.
         self.specs: dict[str, BackendSpec] = select_backends(
             config, families, registry=self.registry
         )
         #: ``{family: backend object}``, updated by :meth:`replace`.
         self.backends: dict[str, Any] = {
-            family: load_backend(spec, registry=self.registry, device=self.device)
-            for family, spec in self.specs.items()
+            family: self._load(spec) for family, spec in self.specs.items()
         }
         self._tried = {family: {spec.name} for family, spec in self.specs.items()}
+
+    def _load(self, spec: BackendSpec) -> Any:
+        return load_backend(
+            spec, registry=self.registry, device=self.device, device_class=self.device_class
+        )
 
     def replace(self, exc: BackendUnavailableError) -> bool:
         """Replace the backend ``exc`` is about with the next one ``auto`` would choose.
@@ -341,7 +457,13 @@ class BackendSelection:
         family = exc.family
         if family not in self.backends or self.config.backends.get(family, "auto") != "auto":
             return False
-        usable, _ = _auto(self.registry, family, self.device, exclude=self._tried[family])
+        usable, _, _ = _auto(
+            self.registry,
+            family,
+            self.device,
+            exclude=self._tried[family],
+            device_class=self.device_class,
+        )
         if not usable:
             return False
         spec = usable[0]
@@ -355,6 +477,6 @@ class BackendSelection:
             str(exc),
             spec.name,
         )
-        self.backends[family] = load_backend(spec, registry=self.registry, device=self.device)
+        self.backends[family] = self._load(spec)
         self.specs[family] = spec
         return True

@@ -16,14 +16,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from backplane.core.backend_spec import BackendSpec
+from backplane.core.backend_spec import BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
 from backplane.plugins._availability import cuda_reason, module_missing
 
 #: Priority of the FlashInfer backends: above the Triton backends (50) and the
-#: torch references (0), so ``auto`` picks FlashInfer's attention, MLA and
-#: SSM-decode kernels wherever they can run (see docs/benchmarks/flashinfer.md).
+#: torch references (0), so where no measured figures decide (see below),
+#: ``auto`` picks FlashInfer's attention, MLA and SSM-decode kernels wherever
+#: they can run (see docs/benchmarks/flashinfer.md).
 PRIORITY = 60
+
+# -- measured speed, per device class (tokens/s; auto ranks the backends by them) --------------
+# Keep these next to the Triton plugin's (backplane/plugins/triton.py): auto compares the
+# figures of one family on one device class, so both come from the same runs.
+
+#: Attention on Hopper (H100/H200). Decode: ``backplane bench latency --shapes llama-1b``, H200,
+#: CUDA graphs, batch 1: 1.403 ms per token (1.618 at batch 8, 2.671 at batch 64), slower than
+#: Triton's decode, so ``auto`` chooses Triton attention there. Prefill: an older throughput run
+#: of 32 prompts x 512 tokens, to be re-measured.
+ATTENTION_SPEED: dict[str, Speed] = {
+    "sm90": Speed(
+        prefill=7899.0,
+        decode=1000 / 1.403,
+        source=(
+            "bench latency, llama-1b shape, H200, CUDA graphs, batch 1 for decode "
+            "(docs/benchmarks/latency.md), 32 prompts x 512 tokens for prefill "
+            "(an older measurement, to be re-measured)"
+        ),
+    )
+}
 #: The delta backend replaces only the prefill kernel (and only on Hopper); it
 #: ranks just above the Triton (fla) backend, whose decode kernel it shares.
 DELTA_PRIORITY = 55
@@ -89,6 +110,7 @@ def backplane_attention_backends() -> list[BackendSpec]:
                 "FlashInfer BatchPrefill/BatchDecode paged-KV wrappers + append_paged_kv_cache; "
                 "planned once per step, CUDA-graph decode wrappers per bucket"
             ),
+            speed=ATTENTION_SPEED,
         )
     ]
 

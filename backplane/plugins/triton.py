@@ -14,12 +14,31 @@ Availability, per family:
 
 from __future__ import annotations
 
-from backplane.core.backend_spec import BackendSpec
+from backplane.core.backend_spec import BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
 from backplane.plugins._availability import cuda_reason, module_missing, triton_interpret
 
 #: Above the torch reference backends (0), below vendor libraries that may claim more.
 PRIORITY = 50
+
+# -- measured speed, per device class (tokens/s; auto ranks the backends by them) --------------
+# Keep these next to the FlashInfer plugin's (backplane/plugins/flashinfer.py): auto compares
+# the figures of one family on one device class, so both come from the same runs.
+
+#: Attention on Hopper (H100/H200). Decode: ``backplane bench latency --shapes llama-1b``, H200,
+#: CUDA graphs, batch 1: 1.049 ms per token (1.238 at batch 8, 1.770 at batch 64).
+#: Prefill: an older throughput run of 32 prompts x 512 tokens, to be re-measured.
+ATTENTION_SPEED: dict[str, Speed] = {
+    "sm90": Speed(
+        prefill=3274.0,
+        decode=1000 / 1.049,
+        source=(
+            "bench latency, llama-1b shape, H200, CUDA graphs, batch 1 for decode "
+            "(docs/benchmarks/latency.md), 32 prompts x 512 tokens for prefill "
+            "(an older measurement, to be re-measured)"
+        ),
+    )
+}
 
 _BASE_CAPS = frozenset({"cuda", "float32", "bfloat16", "float16", "cuda_graph"})
 
@@ -85,6 +104,7 @@ def backplane_attention_backends() -> list[BackendSpec]:
             priority=PRIORITY,
             capabilities=_caps("gqa", "sliding_window"),
             description="Triton paged attention: ragged prefill/extend, split-KV decode",
+            speed=ATTENTION_SPEED,
         )
     ]
 
