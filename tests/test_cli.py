@@ -14,7 +14,7 @@ import backplane.cli as cli
 from backplane.core.errors import ConfigError
 from backplane.core.hookspecs import FAMILIES
 
-JSON_KEYS = {"family", "name", "plugin", "available", "reason", "priority"}
+JSON_KEYS = {"family", "name", "plugin", "available", "reason", "priority", "speed"}
 
 
 def _run(*args: str, pythonpath: str | None = None, env: dict[str, str] | None = None):
@@ -158,14 +158,31 @@ def test_backends_table(capsys, quiet_logging):
         "PLUGIN",
         "AVAILABLE",
         "PRIORITY",
+        "TOK/S",
+        "ON",
+        lines[0].split()[7],
         "DESCRIPTION",
         "/",
         "REASON",
     ]
     torch_attention = [
-        line.split()[:5] for line in lines[1:] if line.split()[:2] == ["attention", "torch"]
+        line.split()[:6] for line in lines[1:] if line.split()[:2] == ["attention", "torch"]
     ]
-    assert torch_attention == [["attention", "torch", "torch", "yes", "0"]]
+    assert torch_attention == [["attention", "torch", "torch", "yes", "0", "-"]]
+
+
+def test_backends_table_shows_the_figures_of_a_device_class(capsys, quiet_logging):
+    """The in-tree attention figures for sm90 appear in the table (sm90: Triton decodes faster)."""
+    assert cli.main(["backends", "--family", "attention", "--device-class", "sm90"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[5:8] == ["TOK/S", "ON", "sm90"]
+    cells = {line.split()[1]: line.split()[5:9] for line in lines[1:]}
+    assert cells["triton"] == ["decode", "953,", "prefill", "3274"]
+    assert cells["flashinfer"] == ["decode", "713,", "prefill", "7899"]
+    assert cells["torch"][0] == "-"
+    assert cli.main(["backends", "--family", "attention", "--device-class", "sm61"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.split()[5] == "-" for line in lines[1:])
 
 
 # -- plugins ----------------------------------------------------------------------------------

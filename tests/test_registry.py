@@ -391,6 +391,7 @@ def test_matrix_rows_and_a_raising_availability_check():
             priority=3,
             capabilities={"cuda", "fp8"},
             description="broken check",
+            speed={"sm90": {"decode": 120, "source": "bench x"}},
         ),
         BackendSpec(family="attention", name="a", load="pkg.mod:Other"),
     ]
@@ -407,6 +408,7 @@ def test_matrix_rows_and_a_raising_availability_check():
             "capabilities": ["cuda", "fp8"],
             "description": "broken check",
             "load": "pkg.mod:Cls",
+            "speed": {"sm90": {"prefill": None, "decode": 120.0, "source": "bench x"}},
         },
         {
             "family": "attention",
@@ -418,9 +420,40 @@ def test_matrix_rows_and_a_raising_availability_check():
             "capabilities": [],
             "description": "",
             "load": "pkg.mod:Other",
+            "speed": {},
         },
     ]
     json.dumps(rows)  # serialisable for --json
+
+
+def test_speed_figures_are_checked_and_normalised():
+    """``speed`` takes ``Speed``s or mappings; the spec stays hashable and comparable."""
+    from backplane.core.backend_spec import Speed
+
+    spec = BackendSpec(
+        family="attention",
+        name="s",
+        load="x:y",
+        speed={"sm90": {"prefill": 7899, "decode": 713.5, "source": "bench y"}},
+    )
+    assert spec.speed == {"sm90": Speed(prefill=7899.0, decode=713.5, source="bench y")}
+    assert (spec.figure("sm90", "prefill"), spec.figure("sm90", "decode")) == (7899.0, 713.5)
+    assert spec.figure("sm80", "decode") is None and spec.figure(None, "decode") is None
+    same = BackendSpec(
+        family="attention", name="s", load="x:y", speed={"sm90": Speed(7899, 713.5, "bench y")}
+    )
+    assert same == spec and hash(same) == hash(spec)
+    assert spec.with_plugin("p").speed == spec.speed
+    with pytest.raises(ValueError, match="unknown keys \\['latency'\\]"):
+        BackendSpec(family="attention", name="s", load="x:y", speed={"sm90": {"latency": 1.0}})
+    with pytest.raises(ValueError, match="positive"):
+        Speed(decode=-3.0)
+    with pytest.raises(TypeError, match="tokens/s"):
+        Speed(prefill="fast")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="device class"):
+        BackendSpec(family="attention", name="s", load="x:y", speed={90: Speed(decode=1.0)})
+    with pytest.raises(ValueError, match="unknown step kind"):
+        Speed(decode=1.0).figure("verify")
 
 
 def test_get_registry_is_cached_until_refresh(monkeypatch):

@@ -347,7 +347,9 @@ class BackendRegistry:
 
         :param family: restrict to one family; ``None`` lists all.
         :return: dicts with ``family``, ``name``, ``plugin``, ``available``,
-            ``reason``, ``priority``, ``capabilities``, ``description``, ``load``.
+            ``reason``, ``priority``, ``capabilities``, ``description``, ``load``
+            and ``speed`` (``{device class: {"prefill", "decode", "source"}}``, the
+            measured figures ``auto`` ranks by; ``{}`` when none were declared).
         """
         rows = []
         for spec in self.backends(family):
@@ -363,6 +365,14 @@ class BackendRegistry:
                     "capabilities": sorted(spec.capabilities),
                     "description": spec.description,
                     "load": spec.load if isinstance(spec.load, str) else repr(spec.load),
+                    "speed": {
+                        device_class: {
+                            "prefill": figures.prefill,
+                            "decode": figures.decode,
+                            "source": figures.source,
+                        }
+                        for device_class, figures in spec.speed.items()
+                    },
                 }
             )
         return rows
