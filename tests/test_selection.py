@@ -449,3 +449,238 @@ def test_the_families_are_listed_once():
     assert tuple(FAMILY_BASES) == hookspecs.FAMILIES
     assert all(FAMILY_BASES[f].family == f for f in hookspecs.FAMILIES)
     assert tuple(EngineConfig().backends) == hookspecs.FAMILIES
+
+
+# -- measured speed per device class ----------------------------------------------------------
+
+SRC = "bench latency, shape s, device d"
+
+
+def _timed(name: str, priority: int, family: str = "attention", load=_Attn, **figures):
+    """A spec with ``sm90`` figures (``decode=``, ``prefill=``), none elsewhere."""
+    speed = {"sm90": {**figures, "source": SRC}} if figures else {}
+    return BackendSpec(family=family, name=name, load=load, priority=priority, speed=speed)
+
+
+def _speed_registry() -> BackendRegistry:
+    return _registry(
+        _timed("vendor", 60, decode=700.0, prefill=7900.0),
+        _timed("ours", 50, decode=950.0, prefill=3300.0),
+        _timed("plain", 0),
+        BackendSpec(
+            family="attention",
+            name="fastest_but_absent",
+            load=_Attn,
+            priority=70,
+            is_available=lambda: (False, "not installed"),
+            speed={"sm90": {"decode": 5000.0}},
+        ),
+    )
+
+
+def test_auto_ranks_by_the_decode_figure_of_the_device_class_and_says_why(caplog):
+    reg = _speed_registry()
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        chosen = select_backend("attention", "auto", registry=reg, device_class="sm90")
+    assert chosen.name == "ours"
+    assert caplog.messages[-1] == (
+        "attention backend: auto chose ours (plugin p, priority 50; decode 950 vs vendor 700 "
+        f"tok/s on sm90, from {SRC}); others: fastest_but_absent (unavailable: not installed), "
+        "vendor (decode 700 < 950 tok/s on sm90), plain (no decode figure on sm90)"
+    )
+
+
+def test_a_device_class_without_figures_leaves_auto_to_priority(caplog):
+    reg = _speed_registry()
+    for device_class in ("sm80", "cpu", None):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+            chosen = select_backend("attention", "auto", registry=reg, device_class=device_class)
+        assert chosen.name == "vendor", device_class
+        assert caplog.messages[-1] == (
+            "attention backend: auto chose vendor (plugin p, priority 60); others: "
+            "fastest_but_absent (unavailable: not installed), ours (priority 50 < 60), "
+            "plain (priority 0 < 60)"
+        )
+
+
+def test_equal_figures_go_by_priority_and_a_lone_figure_beats_priority(caplog):
+    reg = _registry(
+        _timed("low", 1, decode=800.0), _timed("high", 9, decode=800.0), _timed("top", 99)
+    )
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        assert select_backend("attention", registry=reg, device_class="sm90").name == "high"
+    assert caplog.messages[-1] == (
+        "attention backend: auto chose high (plugin p, priority 9; decode 800 vs low 800 tok/s "
+        f"on sm90, a tie broken by priority, from {SRC}); others: top (no decode figure on "
+        "sm90), low (priority 1 < 9)"
+    )
+    lone = _registry(_timed("measured", 1, decode=12.5), _timed("top", 99))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        assert select_backend("attention", registry=lone, device_class="sm90").name == "measured"
+    assert caplog.messages[-1] == (
+        "attention backend: auto chose measured (plugin p, priority 1; decode 12.5 tok/s on "
+        f"sm90, the only decode figure there, from {SRC}); others: top (no decode figure on sm90)"
+    )
+
+
+def test_an_explicit_choice_wins_over_the_figures(caplog):
+    reg = _speed_registry()
+    assert select_backend("attention", "vendor", registry=reg, device_class="sm90").name == "vendor"
+    # from a configuration: the engine's device class comes from its device
+    cpu_timed = [
+        BackendSpec(
+            family="attention",
+            name=name,
+            load=_Attn,
+            priority=priority,
+            speed={"cpu": {"decode": decode, "source": SRC}},
+        )
+        for name, priority, decode in (("slow", 9, 10.0), ("quick", 1, 20.0))
+    ]
+    reg = _registry(*cpu_timed)
+    assert (
+        BackendSelection(EngineConfig(device="cpu"), ["attention"], registry=reg)
+        .specs["attention"]
+        .name
+        == "quick"
+    )
+    configured = BackendSelection(
+        EngineConfig(device="cpu", backends={"attention": "slow"}), ["attention"], registry=reg
+    )
+    assert configured.specs["attention"].name == "slow"
+    # and a configured backend is never replaced by a faster one
+    exc = UnsupportedLayerError("head_dim 8 is too small", family="attention", backend="slow")
+    assert not configured.replace(exc)
+
+
+def test_replacing_an_auto_choice_follows_the_figures():
+    reg = _registry(
+        *[
+            BackendSpec(
+                family="attention",
+                name=name,
+                load=_Attn,
+                priority=priority,
+                speed={"cpu": {"decode": decode}} if decode else {},
+            )
+            for name, priority, decode in (("a", 1, 30.0), ("b", 2, 20.0), ("c", 3, None))
+        ]
+    )
+    selection = BackendSelection(EngineConfig(device="cpu"), ["attention"], registry=reg)
+    assert selection.device_class == "cpu" and selection.specs["attention"].name == "a"
+    assert selection.replace(UnsupportedLayerError("no", family="attention", backend="a"))
+    assert selection.specs["attention"].name == "b"
+    assert selection.replace(UnsupportedLayerError("no", family="attention", backend="b"))
+    assert selection.specs["attention"].name == "c"
+
+
+class _NamedScan(_Scan):
+    """An SSM backend that carries the name of the spec it was loaded from."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_the_fallback_is_ranked_by_its_prefill_figure(caplog):
+    reg = _registry(
+        _timed("partial", 90, family="ssm", load=_Partial, decode=900.0, prefill=10.0),
+        # the best decoder prefills slowest: the fallback runs prefill, so it loses
+        _timed(
+            "decoder",
+            50,
+            family="ssm",
+            load=lambda: _NamedScan("decoder"),
+            decode=800.0,
+            prefill=100.0,
+        ),
+        _timed(
+            "prefiller",
+            5,
+            family="ssm",
+            load=lambda: _NamedScan("prefiller"),
+            decode=80.0,
+            prefill=3000.0,
+        ),
+        _timed("plain", 60, family="ssm", load=lambda: _NamedScan("plain")),
+    )
+    spec = select_backend("ssm", "auto", registry=reg, device_class="sm90")
+    assert spec.name == "partial"
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        backend = load_backend(spec, registry=reg, device="cpu", device_class="sm90")
+    assert isinstance(backend, _Partial) and backend.fallback.name == "prefiller"
+    assert caplog.messages[-1] == (
+        "ssm backend partial delegates what it does not run to prefiller (plugin p, priority 5; "
+        f"prefill 3000 vs decoder 100 tok/s on sm90, from {SRC}); others: plain (no prefill "
+        "figure on sm90), decoder (prefill 100 < 3000 tok/s on sm90)"
+    )
+    # without figures for the device class, the fallback goes by priority as before
+    assert load_backend(spec, registry=reg, device="cpu").fallback.name == "plain"
+
+
+def test_device_class_of(monkeypatch):
+    import torch
+
+    from backplane.engine.selection import device_class_of
+
+    assert (device_class_of("cpu"), device_class_of(None)) == ("cpu", None)
+    asked = []
+
+    def capability(index=None):
+        asked.append(index)
+        return (9, 0) if index in (None, 0) else (8, 6)
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert [device_class_of(d) for d in ("cuda", "cuda:0", "cuda:1")] == ["sm90", "sm90", "sm86"]
+    assert asked == [None, 0, 1]
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert device_class_of("cuda") == "cuda"  # ROCm: no sm class
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_class_of("cuda:1") == "cuda"
+
+
+def _fake_gpu(monkeypatch, capability: tuple[int, int]) -> BackendRegistry:
+    """The real plugins, with triton, flashinfer and a CUDA device of ``capability`` faked."""
+    import torch
+
+    from backplane.plugins import flashinfer as fi_plugin
+    from backplane.plugins import triton as triton_plugin
+
+    for plugin in (fi_plugin, triton_plugin):
+        monkeypatch.setattr(plugin, "module_missing", lambda name: None)
+        monkeypatch.setattr(plugin, "cuda_reason", lambda: None)
+    monkeypatch.setattr(fi_plugin, "_capability", lambda: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    return BackendRegistry()
+
+
+def test_real_plugins_on_sm90_auto_chooses_triton_attention(monkeypatch, caplog):
+    """The shipped figures: on sm90 Triton decodes faster than FlashInfer, so auto takes it."""
+    reg = _fake_gpu(monkeypatch, (9, 0))
+    names = {s.name for s in reg.backends("attention") if s.availability()[0]}
+    assert {"triton", "flashinfer"} <= names
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        specs = select_backends(EngineConfig(device="cuda"), ["attention", "mla"], registry=reg)
+    assert specs["attention"].name == "triton"
+    line = next(m for m in caplog.messages if m.startswith("attention backend: auto chose"))
+    assert "decode 953 vs flashinfer 713 tok/s on sm90, from bench latency" in line
+    # no figures for MLA: priority decides, as before
+    assert specs["mla"].name == "flashinfer"
+    named = select_backends(
+        EngineConfig(device="cuda", backends={"attention": "flashinfer"}),
+        ["attention"],
+        registry=reg,
+    )
+    assert named["attention"].name == "flashinfer"
+
+
+def test_real_plugins_without_figures_for_the_device_class_keep_priority(monkeypatch):
+    reg = _fake_gpu(monkeypatch, (8, 0))
+    specs = select_backends(EngineConfig(device="cuda"), ["attention"], registry=reg)
+    assert specs["attention"].name == "flashinfer"
