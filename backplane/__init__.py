@@ -1,20 +1,28 @@
 """backplane: an LLM inference engine for hybrid models with plugin kernel backends.
 
-The public surface for plugin authors is :data:`hookimpl` and
-:class:`BackendSpec`; applications use :class:`LLM` (offline), :class:`AsyncLLM` (many
-concurrent callers) and :class:`SamplingParams`.
+The public surface for plugin authors is :data:`hookimpl`, :class:`BackendSpec`
+and :class:`Speed` (a backend's measured figures); applications use :class:`LLM`
+(offline), :class:`AsyncLLM` (many concurrent callers) and :class:`SamplingParams`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from backplane.core.backend_spec import BackendSpec
+from backplane.core.backend_spec import BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncLLM", "BackendSpec", "LLM", "SamplingParams", "__version__", "hookimpl"]
+__all__ = [
+    "AsyncLLM",
+    "BackendSpec",
+    "LLM",
+    "SamplingParams",
+    "Speed",
+    "__version__",
+    "hookimpl",
+]
 
 
 def __getattr__(name: str) -> Any:
