@@ -133,6 +133,7 @@ _NAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "aten::matmul",
             "aten::einsum",
             "aten::mm",
+            "mkldnn::_linear_pointwise",
             "aten::addmm",
             "aten::bmm",
             "aten::baddbmm",
@@ -215,6 +216,9 @@ _STACK_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("/attention.py", "/mla.py")),
     ("ssm", ("/ssm.py", "/delta.py", "mamba")),
 )
+
+#: Operator namespaces of the CPU ops counted (projections run ``mkldnn::`` ops on CPU).
+_CPU_OP_PREFIXES = ("aten::", "mkldnn::")
 
 #: The profiler range around each decode step.
 STEP_RANGE = "decode_step"
@@ -319,7 +323,8 @@ def _python_stack(event: Any) -> list[str]:
 
 def _kernel_events(events: Any, on_cuda: bool) -> list[tuple[str, float, list[str] | None]]:
     """``(name, microseconds, stack)`` of every device kernel, or on a CPU of every
-    ``aten`` op called from Python (its time includes the ops it calls)."""
+    operator (``aten::`` or ``mkldnn::``) called from Python (its time includes the ops
+    it calls)."""
     from torch.autograd import DeviceType
 
     out: list[tuple[str, float, list[str] | None]] = []
@@ -331,8 +336,8 @@ def _kernel_events(events: Any, on_cuda: bool) -> list[tuple[str, float, list[st
                 out.append((e.name, float(e.time_range.elapsed_us()), None))
         elif (
             e.device_type == DeviceType.CPU
-            and e.name.startswith("aten::")
-            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+            and e.name.startswith(_CPU_OP_PREFIXES)
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith(_CPU_OP_PREFIXES))
         ):
             out.append((e.name, float(e.cpu_time_total), _python_stack(e)))
     return out
