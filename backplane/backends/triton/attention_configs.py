@@ -97,7 +97,7 @@ def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: tor
 
     Enough splits to fill the device (about two programs per SM), but no more
     than one split per 128 keys of the longest context (host value), and at
-    most :data:`MAX_KV_SPLITS`. The kernel derives each split's range from the
+    most :data:`MAX_KV_SPLITS`, rounded down to a power of two. The kernel derives each split's range from the
     sequence length on the device, so any value is correct for any lengths
     (a decode graph captured with one value replays correctly for others).
     """
@@ -106,4 +106,7 @@ def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: tor
         return 1
     want = triton.cdiv(device_parallelism(device), max(n * programs_per_split, 1))
     by_len = triton.cdiv(max(batch.max_seq_len, 1), 128)
-    return int(max(1, min(want, by_len, MAX_KV_SPLITS)))
+    splits = int(max(1, min(want, by_len, MAX_KV_SPLITS)))
+    # A power of two: the count is a compile-time constant of the kernel, so
+    # free values would compile a new variant for nearly every mixed step.
+    return 1 << (splits.bit_length() - 1)

@@ -287,7 +287,10 @@ def _chunk_tile(
     return _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASK != 0, IEEE)
 
 
-@triton.jit
+# Counts that change from step to step are not specialised on (Triton would
+# compile a variant for 1 and for multiples of 16), so a serving mix of step
+# shapes does not stall on compiles.
+@triton.jit(do_not_specialize=["num_rows"])
 def _prefill_kernel(
     q_ptr,
     qpe_ptr,
@@ -526,7 +529,7 @@ def _prefill_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "first_tok"])
 def _decode_kernel(
     q_ptr,
     qpe_ptr,
