@@ -1,10 +1,12 @@
-"""Test-suite configuration: the conformance kit plugin, the ``gpu`` marker and the leak check."""
+"""Test-suite configuration: the conformance kit plugin, the ``gpu`` marker, the leak check
+and the one-thread fixture."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
 
 # The conformance kit's pytest plugin (``--backplane-backend``, backend
 # parametrisation); loaded only when this checkout has it.
@@ -55,6 +57,16 @@ def leak_check(_register_schedulers):
     if problems:
         leaks.forget_all()  # report each leak once
         pytest.fail("leak check: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module: its tiny matmuls run fastest single-threaded and do
+    not fight over shared CI cores (modules opt in with ``pytest.mark.usefixtures``)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 
 
 @pytest.fixture

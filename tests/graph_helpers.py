@@ -1,4 +1,5 @@
-"""Shared by the GPU tests that compare an engine with and without CUDA graphs."""
+"""Shared by the tests of the CUDA-graph runner: building one over an engine, and
+comparing an engine with and without graphs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,38 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from backplane.engine.graph.runner import GraphModelRunner
+
+
+def graph_runner_for(
+    engine: Any,
+    *,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    mode: str = "full_and_piecewise",
+    **kwargs: Any,
+) -> GraphModelRunner:
+    """A graph runner over an existing engine's model, backends and input batch (not captured).
+
+    :param engine: the :class:`~backplane.engine.executor.Engine` whose model it runs.
+    :param max_num_tokens: the runner's token budget.
+    :param max_num_seqs: its sequence budget.
+    :param mode: the CUDA-graph mode.
+    :param kwargs: further ``GraphModelRunner`` arguments (buckets, ``allow_cpu``, ``sampler``).
+    :return: the runner.
+    """
+    return GraphModelRunner(
+        engine.model,
+        engine.backends,
+        engine.input_batch,
+        mode=mode,
+        max_num_tokens=max_num_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=engine.max_model_len,
+        page_size=engine.page_size,
+        **kwargs,
+    )
 
 
 def generate_eager_and_graphed(

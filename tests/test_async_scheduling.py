@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from backplane.core.hookspecs import FAMILIES
 from backplane.engine.executor import Engine
@@ -21,12 +20,7 @@ from backplane.engine.sampling import SamplingParams
 TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model: str, async_scheduling: bool, **kw) -> Engine:

@@ -19,12 +19,7 @@ TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")
 AUTO_BACKENDS = dict.fromkeys(FAMILIES, "auto")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model: str = "tiny-llama", **kw) -> Engine:

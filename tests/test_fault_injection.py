@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from backplane.core.hookspecs import FAMILIES
 from backplane.engine.executor import Engine
@@ -25,12 +24,7 @@ class Fault(RuntimeError):
     """The injected error."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model: str, **kw) -> Engine:

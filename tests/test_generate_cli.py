@@ -8,17 +8,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from backplane.cli import main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def api_greedy(prompts, n, model="tiny-llama"):

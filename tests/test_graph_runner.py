@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from graph_helpers import generate_eager_and_graphed
+from graph_helpers import generate_eager_and_graphed, graph_runner_for
 
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import StepMode
@@ -101,17 +101,8 @@ def build_runner(
         cuda_graphs="off",
         backends=TORCH_BACKENDS,
     )
-    runner = GraphModelRunner(
-        engine.model,
-        engine.backends,
-        engine.input_batch,
-        mode=mode,
-        max_num_tokens=64,
-        max_num_seqs=8,
-        max_model_len=engine.max_model_len,
-        page_size=engine.page_size,
-        allow_cpu=device == "cpu",
-        **buckets,
+    runner = graph_runner_for(
+        engine, mode=mode, max_num_tokens=64, max_num_seqs=8, allow_cpu=device == "cpu", **buckets
     )
     return engine, runner
 

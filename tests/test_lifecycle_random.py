@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from leaks import assert_idle
 
 from backplane.core.hookspecs import FAMILIES
@@ -23,12 +22,7 @@ TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")
 STATES = ("waiting", "prefill", "decode", "preempted", "pending", "aborted", "unknown")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model: str, **kw) -> Engine:

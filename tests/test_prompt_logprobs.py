@@ -38,12 +38,7 @@ ATOL = 1e-4
 TIE = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +348,7 @@ def test_graph_runner_paths_give_the_same_prompt_logprobs(tiny):
     """Through the graph runner (piecewise prefill and decode-graph steps, CPU stand-ins):
     prompt rows join the eager gather after a piecewise forward, and a decode-graph step's
     one-token prompt chunks are read from the graph's logits."""
-    from backplane.engine.graph.runner import GraphModelRunner
+    from graph_helpers import graph_runner_for
 
     model, path = tiny
     ps = prompts(7, (3, 4, 5, 30))
@@ -362,15 +357,10 @@ def test_graph_runner_paths_give_the_same_prompt_logprobs(tiny):
     ]
     with make_llm(path, max_num_tokens=8) as m:
         e = m.engine
-        e.runner = GraphModelRunner(
-            e.model,
-            e.backends,
-            e.input_batch,
-            mode="full_and_piecewise",
+        e.runner = graph_runner_for(
+            e,
             max_num_tokens=8,
             max_num_seqs=4,
-            max_model_len=e.max_model_len,
-            page_size=e.page_size,
             token_bucket_sizes=[8],
             decode_bucket_sizes=[4],
             allow_cpu=True,

@@ -27,12 +27,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 9, 13, 2, 77, 31]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model: str = "tiny-llama", **kw) -> Engine:
