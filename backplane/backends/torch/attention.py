@@ -37,6 +37,7 @@ from backplane.backends.torch._common import (
     SlotIndex,
     decode_table,
     gather_kv_pages,
+    kv_page_rows,
     query_chunk,
     slots_known_valid,
 )
@@ -139,6 +140,7 @@ class StepPlan:
             first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
             table = decode_table(batch)
             self.decode_pages = table.reshape(-1)
+            self.decode_rows = kv_page_rows(self.decode_pages)
             self.num_keys = table.shape[1] * page_size
             self.seq_lens = batch.seq_lens[first : first + nd].to(torch.long)
 
@@ -177,7 +179,7 @@ def _decode(
     dtype = _compute_dtype(q.dtype)
     # One gather of whole pages for the whole batch, seen as [nd, kv_heads, keys, head_dim].
     shape = (nd, plan.num_keys, num_kv_heads, head_dim)
-    keys, values = gather_kv_pages(kv_cache, plan.decode_pages)
+    keys, values = gather_kv_pages(kv_cache, plan.decode_pages, plan.decode_rows)
     keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
     # One query per sequence: the group's heads become the KV head's query rows.
     qd = q[t0:t1].to(dtype).reshape(nd, num_kv_heads, group, head_dim)
