@@ -289,8 +289,10 @@ def _chunk_tile(
 
 # Counts that change from step to step are not specialised on (Triton would
 # compile a variant for 1 and for multiples of 16), so a serving mix of step
-# shapes does not stall on compiles.
-@triton.jit(do_not_specialize=["num_rows"])
+# shapes does not stall on compiles. The block table's row stride is one of
+# them: outside captured graphs the table is as wide as the step's longest
+# sequence needs.
+@triton.jit(do_not_specialize=["num_rows", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     qpe_ptr,
@@ -529,7 +531,8 @@ def _prefill_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["first_seq", "first_tok"])
+# see _prefill_kernel for the counts left unspecialised
+@triton.jit(do_not_specialize=["first_seq", "first_tok", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     qpe_ptr,
