@@ -35,7 +35,11 @@ from backplane.core.packing import measure_batch, pack_batch
 
 #: HostBatch fields that live in a fixed section of the buffers (page indices are sized per step)
 _SECTION_FIELDS = tuple(f.name for f in dataclasses.fields(HostBatch) if f.name != "page_indices")
-_ALIGN = 8  # every section starts 8-byte aligned so typed device views are legal
+# Every section starts 16-byte aligned: typed device views need 8, and JIT
+# kernels (Triton) specialise on whether each pointer is 16-byte aligned, so an
+# alignment that varied with the step's shape compiled a new kernel variant
+# for it mid-serving.
+_ALIGN = 16
 
 
 class ScheduledSeqLike(Protocol):
