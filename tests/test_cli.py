@@ -177,8 +177,8 @@ def test_backends_table_shows_the_figures_of_a_device_class(capsys, quiet_loggin
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[5:8] == ["TOK/S", "ON", "sm90"]
     cells = {line.split()[1]: line.split()[5:9] for line in lines[1:]}
-    assert cells["triton"] == ["decode", "953,", "prefill", "3274"]
-    assert cells["flashinfer"] == ["decode", "713,", "prefill", "7899"]
+    assert cells["triton"] == ["decode", "953,", "prefill", "16537"]
+    assert cells["flashinfer"] == ["decode", "713,", "prefill", "14075"]
     assert cells["torch"][0] == "-"
     assert cli.main(["backends", "--family", "attention", "--device-class", "sm61"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -32,19 +32,38 @@ PRIORITY = 60
 
 #: Attention on Hopper (H100/H200). Decode: ``backplane bench latency --shapes llama-1b``, H200,
 #: CUDA graphs, batch 1: 1.403 ms per token (1.618 at batch 8, 2.671 at batch 64), slower than
-#: Triton's decode, so ``auto`` chooses Triton attention there. Prefill: an older throughput run
-#: of 32 prompts x 512 tokens, to be re-measured.
+#: Triton's decode, so ``auto`` chooses Triton attention there. Prefill: ``backplane bench
+#: throughput --model llama-1b``, 32 prompts x 512 tokens + 128, all at once, output tokens/s.
 ATTENTION_SPEED: dict[str, Speed] = {
     "sm90": Speed(
-        prefill=7899.0,
+        prefill=14075.0,
         decode=1000 / 1.403,
         source=(
-            "bench latency, llama-1b shape, H200, CUDA graphs, batch 1 for decode "
-            "(docs/benchmarks/latency.md), 32 prompts x 512 tokens for prefill "
-            "(an older measurement, to be re-measured)"
+            "H200, llama-1b shape: bench latency at batch 1 with CUDA graphs for decode "
+            "(docs/benchmarks/latency.md), bench throughput of 32 prompts x 512 tokens for "
+            "prefill (docs/benchmarks/throughput.md)"
         ),
     )
 }
+
+#: Where the per-op figures of MLA and SSM come from (the Triton plugin's come from the same run).
+OP_SOURCE = (
+    "benchmarks/bench_ops_flashinfer.py, H200, bfloat16, one layer's op through the family "
+    "contract: decode batch 64 (MLA at 4096 tokens of context), prefill of one 4096-token "
+    "prompt (docs/benchmarks/flashinfer.md)"
+)
+
+#: MLA on Hopper, DeepSeek-V3 layer at 16 heads: decode 180.2 us, prefill 617.2 us.
+MLA_SPEED: dict[str, Speed] = {
+    "sm90": Speed(prefill=4096 / 617.2e-6, decode=64 / 180.2e-6, source=OP_SOURCE)
+}
+
+#: Mamba2 on Hopper, Nemotron-H layer: decode 216.6 us; its prefill is the Triton
+#: backend's (delegated), measured 900.2 us through this backend.
+SSM_SPEED: dict[str, Speed] = {
+    "sm90": Speed(prefill=4096 / 900.2e-6, decode=64 / 216.6e-6, source=OP_SOURCE)
+}
+
 #: The delta backend replaces only the prefill kernel (and only on Hopper); it
 #: ranks just above the Triton (fla) backend, whose decode kernel it shares.
 DELTA_PRIORITY = 55
@@ -130,6 +149,7 @@ def backplane_mla_backends() -> list[BackendSpec]:
                 "FlashInfer BatchMLAPagedAttentionWrapper (weights absorbed, prefill and decode) + "
                 "append_paged_mla_kv_cache; kv_lora_rank 512 and rope 64 only"
             ),
+            speed=MLA_SPEED,
         )
     ]
 
@@ -149,6 +169,7 @@ def backplane_ssm_backends() -> list[BackendSpec]:
                 "decode: flashinfer.mamba.selective_state_update (tied Mamba2 layout); "
                 "prefill scan and causal conv: the Triton backend when available, else torch"
             ),
+            speed=SSM_SPEED,
         )
     ]
 

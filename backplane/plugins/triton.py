@@ -27,18 +27,40 @@ PRIORITY = 50
 
 #: Attention on Hopper (H100/H200). Decode: ``backplane bench latency --shapes llama-1b``, H200,
 #: CUDA graphs, batch 1: 1.049 ms per token (1.238 at batch 8, 1.770 at batch 64).
-#: Prefill: an older throughput run of 32 prompts x 512 tokens, to be re-measured.
+#: Prefill: ``backplane bench throughput --model llama-1b``, 32 prompts x 512 tokens + 128,
+#: all at once, output tokens/s (docs/benchmarks/throughput.md).
 ATTENTION_SPEED: dict[str, Speed] = {
     "sm90": Speed(
-        prefill=3274.0,
+        prefill=16537.0,
         decode=1000 / 1.049,
         source=(
-            "bench latency, llama-1b shape, H200, CUDA graphs, batch 1 for decode "
-            "(docs/benchmarks/latency.md), 32 prompts x 512 tokens for prefill "
-            "(an older measurement, to be re-measured)"
+            "H200, llama-1b shape: bench latency at batch 1 with CUDA graphs for decode "
+            "(docs/benchmarks/latency.md), bench throughput of 32 prompts x 512 tokens for "
+            "prefill (docs/benchmarks/throughput.md)"
         ),
     )
 }
+
+#: Where the per-op figures of MLA and SSM come from (tokens per second of one layer's op).
+OP_SOURCE = (
+    "benchmarks/bench_ops_flashinfer.py, H200, bfloat16, one layer's op through the family "
+    "contract: decode batch 64 (MLA at 4096 tokens of context), prefill of one 4096-token "
+    "prompt (docs/benchmarks/flashinfer.md)"
+)
+
+#: MLA on Hopper, DeepSeek-V3 layer at 16 heads: decode 424.3 us, prefill 3357.0 us.
+MLA_SPEED: dict[str, Speed] = {
+    "sm90": Speed(prefill=4096 / 3357.0e-6, decode=64 / 424.3e-6, source=OP_SOURCE)
+}
+
+#: Mamba2 on Hopper, Nemotron-H layer: decode 293.0 us, prefill 850.4 us.
+SSM_SPEED: dict[str, Speed] = {
+    "sm90": Speed(prefill=4096 / 850.4e-6, decode=64 / 293.0e-6, source=OP_SOURCE)
+}
+
+# The delta family ships no figures: the FlashInfer delta backend decodes with the same
+# kernel family (decode measured 340.7 us here against 344.2 us there, a tie within the
+# noise), so priority decides, and it prefers FlashInfer's faster prefill.
 
 _BASE_CAPS = frozenset({"cuda", "float32", "bfloat16", "float16", "cuda_graph"})
 
@@ -121,6 +143,7 @@ def backplane_mla_backends() -> list[BackendSpec]:
             priority=PRIORITY,
             capabilities=_caps(),
             description="Triton MLA: weight-absorbed prefill and split-KV decode on the latent cache",
+            speed=MLA_SPEED,
         )
     ]
 
@@ -137,6 +160,7 @@ def backplane_ssm_backends() -> list[BackendSpec]:
             priority=PRIORITY,
             capabilities=_caps("z_gate", "n_groups"),
             description="mamba-ssm packed chunk scan / state update + Triton conv, epilogue",
+            speed=SSM_SPEED,
         )
     ]
 
