@@ -1,4 +1,4 @@
-"""Decode-size projections: cuBLAS (``F.linear``) against a Triton GEMV, per shape.
+"""Decode-size projections: cuBLAS (``F.linear``, with cuBLAS and with cuBLASLt) against a Triton GEMV, per shape.
 
 The candidate kernel lives here, not in the package: it gives each program a
 few output rows and streams their weight rows in ``BLOCK_K`` chunks (autotuned
@@ -206,11 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     logger.info(
-        "%-8s %4s %9s %9s %7s %7s %8s",
+        "%-8s %4s %9s %9s %7s %9s %7s %7s %8s",
         "shape",
         "rows",
         "floor us",
         "cublas",
+        "%bw",
+        "cublasLt",
         "%bw",
         "triton",
         "%bw",
@@ -231,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             floor = nbytes / bw * 1e6
             t_cublas = time_calls(lambda w, x=x: F.linear(x, w), weights)
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                lt_err = (F.linear(x, weights[0]).float() - want).abs().max().item()
+                t_lt = time_calls(lambda w, x=x: F.linear(x, w), weights)
+            finally:
+                torch.backends.cuda.preferred_blas_library("cublas")
             t_triton = time_calls(lambda w, x=x: gemv(x, w), weights)
             results.append(
                 {
@@ -240,16 +248,20 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": m,
                     "floor_us": floor,
                     "cublas_us": t_cublas,
+                    "cublaslt_us": t_lt,
+                    "cublaslt_max_abs_diff": lt_err,
                     "triton_us": t_triton,
                 }
             )
             logger.info(
-                "%-8s %4d %9.2f %9.2f %6.0f%% %7.2f %6.0f%%",
+                "%-8s %4d %9.2f %9.2f %6.0f%% %9.2f %6.0f%% %7.2f %6.0f%%",
                 name,
                 m,
                 floor,
                 t_cublas,
                 100 * floor / t_cublas,
+                t_lt,
+                100 * floor / t_lt,
                 t_triton,
                 100 * floor / t_triton,
             )
