@@ -214,3 +214,82 @@ def test_quantised_file_loads_as_gguf_dequantises_it(llama_model, tmp_path):
             want = unpermute_rows(want, heads)
         dest, _ = targets[hf_name(t.name)]
         assert torch.equal(dest, want), t.name
+
+
+def _llama3_scaled(factor_rope: dict) -> tuple:
+    """A tiny Llama with Llama 3.1's rope scaling, and the rope_freqs llama.cpp writes for it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_parameters=factor_rope,
+        tie_word_embeddings=False,
+        initializer_range=0.15,  # peaked logits, so positions matter
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _perturb_norms(model)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    default = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    # llama.cpp's converter stores the divisor of each default frequency
+    return model, (default / scaled).numpy().astype(np.float32)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_rope_freqs_tensor_gives_llama3_scaling(tmp_path):
+    from backplane import LLM, SamplingParams
+
+    model, factors = _llama3_scaled(LLAMA3_ROPE)
+    assert (factors > 1.01).any() and (factors == 1.0).any()  # scaled, smoothed and kept pairs
+    path = write_gguf(
+        model, tmp_path / "l31.gguf", "llama", extra_tensors={"rope_freqs.weight": factors}
+    )
+    loaded = _load(path)
+    assert loaded.config["rope_parameters"]["rope_type"] == "freq_factors"
+    assert "rope_freqs.weight" not in dict(loaded.model.named_parameters())
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_memory="4MiB", max_num_seqs=2)
+    prompt = [
+        int(t) for t in torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(4))
+    ]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
+
+    def reference(m) -> torch.Tensor:
+        with torch.no_grad():
+            logp = torch.log_softmax(m(torch.tensor([prompt])).logits[0].double(), -1)
+        return logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+    want = reference(model)
+    torch.testing.assert_close(ours.double(), want, rtol=0, atol=2e-4)
+    # the scaling matters for this model: the default rope gives other logprobs
+    plain = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{**model.config.to_dict(), "rope_parameters": None})
+    ).eval()
+    assert plain.config.rope_parameters["rope_type"] == "default"
+    plain.load_state_dict(model.state_dict())
+    assert (reference(plain) - want).abs().max() > 1e-2
+
+
+def test_rope_freqs_of_the_wrong_length_is_refused(tmp_path):
+    model, factors = _llama3_scaled(LLAMA3_ROPE)
+    bad = write_gguf(
+        model, tmp_path / "bad.gguf", "llama", extra_tensors={"rope_freqs.weight": factors[:-1]}
+    )
+    with pytest.raises(ConfigError, match="freq_factors has 7 entries"):
+        _load(bad)

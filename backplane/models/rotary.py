@@ -37,7 +37,10 @@ def rope_inv_freq(
     """Compute the inverse frequencies of a rotary embedding (float32, CPU).
 
     Supports the rope types ``default``, ``linear``, ``llama3`` and ``yarn``
-    with the parameter names of HF ``rope_parameters``.
+    with the parameter names of HF ``rope_parameters``, and ``freq_factors``:
+    the default frequencies each divided by its entry of ``freq_factors`` (one
+    per rotated pair), how GGUF files store scaled rope (llama.cpp's
+    ``rope_freqs`` tensor, e.g. Llama 3.1's ``llama3`` scaling).
 
     :param dim: the number of rotated channels (even).
     :param params: ``rope_theta``, ``rope_type`` and the type's parameters.
@@ -52,6 +55,14 @@ def rope_inv_freq(
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / float(params["factor"]), 1.0
+    if rope_type == "freq_factors":
+        factors = torch.tensor([float(f) for f in params["freq_factors"]], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ConfigError(
+                f"rope freq_factors has {factors.numel()} entries; the rotary embedding of "
+                f"{dim} channels needs {inv_freq.numel()}"
+            )
+        return inv_freq / factors, 1.0
     if rope_type == "llama3":
         factor = float(params["factor"])
         low = float(params["low_freq_factor"])
@@ -93,7 +104,8 @@ def rope_inv_freq(
         inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
         return inv_freq, float(attention_factor)
     raise ConfigError(
-        f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn"
+        f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn, "
+        "freq_factors"
     )
 
 

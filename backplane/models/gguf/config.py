@@ -14,6 +14,7 @@ from typing import Any
 
 from backplane.core.errors import ConfigError
 from backplane.models.base import ModelConfig
+from backplane.models.gguf.dequant import dequantize
 from backplane.models.gguf.reader import GGUFFile
 
 
@@ -71,9 +72,33 @@ def gguf_architecture(file: GGUFFile) -> GGUFArchitecture:
     )
 
 
+#: the GGUF tensor of per-frequency rope divisors (llama.cpp's name); read into the config
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def _rope_freqs(file: GGUFFile) -> list[float] | None:
+    """The per-pair frequency divisors of the ``rope_freqs.weight`` tensor, if the file has one."""
+    tensor = next((t for t in file.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if tensor is None:
+        return None
+    try:
+        values = dequantize(tensor.raw("cpu"), tensor.ggml_type, tensor.shape)
+    except ConfigError as exc:
+        raise ConfigError(f"{file.path}: tensor {ROPE_FREQS_TENSOR!r}: {exc}") from None
+    return [float(v) for v in values.reshape(-1).tolist()]
+
+
 def _rope_parameters(file: GGUFFile, arch: str) -> dict[str, Any]:
     theta = float(file.get(f"{arch}.rope.freq_base", 10000.0))
     kind = file.get(f"{arch}.rope.scaling.type", "none")
+    factors = _rope_freqs(file)
+    if factors is not None:
+        if kind not in ("none", ""):
+            raise ConfigError(
+                f"{file.path}: both {arch}.rope.scaling.type {kind!r} and a "
+                f"{ROPE_FREQS_TENSOR!r} tensor; backplane reads one rope scaling"
+            )
+        return {"rope_type": "freq_factors", "rope_theta": theta, "freq_factors": factors}
     if kind in ("none", ""):
         return {"rope_type": "default", "rope_theta": theta}
     factor = file.get(f"{arch}.rope.scaling.factor")
@@ -101,11 +126,6 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     spec = gguf_architecture(file)
     arch = file.architecture
     names = file.tensor_names()
-    if "rope_freqs.weight" in names:
-        raise ConfigError(
-            f"{file.path}: tensor 'rope_freqs.weight' (per-frequency rope factors, e.g. Llama 3.1 "
-            "scaling) is not supported from GGUF files; load the model's Hugging Face folder"
-        )
     hidden = int(file.require(f"{arch}.embedding_length"))
     heads = int(file.require(f"{arch}.attention.head_count"))
     kv_heads = file.get(f"{arch}.attention.head_count_kv", heads)

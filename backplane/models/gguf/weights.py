@@ -16,7 +16,7 @@ import torch
 
 from backplane.core.errors import ConfigError
 from backplane.models.base import ModelConfig
-from backplane.models.gguf.config import GGUFArchitecture
+from backplane.models.gguf.config import ROPE_FREQS_TENSOR, GGUFArchitecture
 from backplane.models.gguf.dequant import GGML_TYPES, dequantize, supported_types
 from backplane.models.gguf.reader import GGUFFile
 
@@ -123,6 +123,8 @@ def iter_gguf_weights(
     for t in tqdm(
         file.tensors, desc="loading weights", unit="tensor", disable=not progress or None
     ):
+        if t.name == ROPE_FREQS_TENSOR:
+            continue  # read into the config's rope parameters, not a weight
         try:
             value = dequantize(t.raw(device), t.ggml_type, t.shape)
         except ConfigError as exc:
