@@ -126,6 +126,7 @@ def test_no_attention_kernel_compiles_after_start_up() -> None:
         max_model_len=2048,
         max_num_seqs=16,
         max_num_tokens=1024,
+        kv_memory="512MiB",  # whatever other tests of the process still hold
         backends={"attention": "triton"},
     )
     try:
