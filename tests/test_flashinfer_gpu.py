@@ -225,6 +225,10 @@ def test_attention_no_host_sync() -> None:
     batch, _, q, k, v, cache, keys, vals = _attn_inputs(query, cached, layer, 16, BF16)
     out = torch.empty_like(q)
     plan = backend.plan(batch)
+    # FlashInfer queries the device once, on the first call in the process; the
+    # claim is about every call after it (what a serving step makes)
+    with forward_context(batch, {"attention": plan}):
+        backend.forward(q, k, v, cache, layer, out=torch.empty_like(q))
     torch.cuda.synchronize()
     with forward_context(batch, {"attention": plan}), no_host_sync(DEV):
         backend.forward(q, k, v, cache, layer, out=out)
