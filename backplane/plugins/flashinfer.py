@@ -19,6 +19,7 @@ from collections.abc import Callable
 from backplane.core.backend_spec import BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
 from backplane.plugins._availability import cuda_reason, module_missing
+from backplane.plugins._measured import LLAMA_1B_SOURCE, op_speed
 
 #: Priority of the FlashInfer backends: above the Triton backends (50) and the
 #: torch references (0), so where no measured figures decide (see below),
@@ -27,8 +28,9 @@ from backplane.plugins._availability import cuda_reason, module_missing
 PRIORITY = 60
 
 # -- measured speed, per device class (tokens/s; auto ranks the backends by them) --------------
-# Keep these next to the Triton plugin's (backplane/plugins/triton.py): auto compares the
-# figures of one family on one device class, so both come from the same runs.
+# Keep these next to the Triton plugin's (backplane/plugins/triton.py): auto compares
+# the figures of one family on one device class, so both come from the runs that
+# backplane/plugins/_measured.py describes.
 
 #: Attention on Hopper (H100/H200). Decode: ``backplane bench latency --shapes llama-1b``, H200,
 #: CUDA graphs, batch 1: 1.403 ms per token (1.618 at batch 8, 2.671 at batch 64), slower than
@@ -38,31 +40,16 @@ ATTENTION_SPEED: dict[str, Speed] = {
     "sm90": Speed(
         prefill=14075.0,
         decode=1000 / 1.403,
-        source=(
-            "H200, llama-1b shape: bench latency at batch 1 with CUDA graphs for decode "
-            "(docs/benchmarks/latency.md), bench throughput of 32 prompts x 512 tokens for "
-            "prefill (docs/benchmarks/throughput.md)"
-        ),
+        source=LLAMA_1B_SOURCE,
     )
 }
 
-#: Where the per-op figures of MLA and SSM come from (the Triton plugin's come from the same run).
-OP_SOURCE = (
-    "benchmarks/bench_ops_flashinfer.py, H200, bfloat16, one layer's op through the family "
-    "contract: decode batch 64 (MLA at 4096 tokens of context), prefill of one 4096-token "
-    "prompt (docs/benchmarks/flashinfer.md)"
-)
-
 #: MLA on Hopper, DeepSeek-V3 layer at 16 heads: decode 180.2 us, prefill 617.2 us.
-MLA_SPEED: dict[str, Speed] = {
-    "sm90": Speed(prefill=4096 / 617.2e-6, decode=64 / 180.2e-6, source=OP_SOURCE)
-}
+MLA_SPEED: dict[str, Speed] = {"sm90": op_speed(prefill_us=617.2, decode_us=180.2)}
 
 #: Mamba2 on Hopper, Nemotron-H layer: decode 216.6 us; its prefill is the Triton
 #: backend's (delegated), measured 900.2 us through this backend.
-SSM_SPEED: dict[str, Speed] = {
-    "sm90": Speed(prefill=4096 / 900.2e-6, decode=64 / 216.6e-6, source=OP_SOURCE)
-}
+SSM_SPEED: dict[str, Speed] = {"sm90": op_speed(prefill_us=900.2, decode_us=216.6)}
 
 #: The delta backend replaces only the prefill kernel (and only on Hopper); it
 #: ranks just above the Triton (fla) backend, whose decode kernel it shares.

@@ -17,13 +17,15 @@ from __future__ import annotations
 from backplane.core.backend_spec import BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
 from backplane.plugins._availability import cuda_reason, module_missing, triton_interpret
+from backplane.plugins._measured import LLAMA_1B_SOURCE, op_speed
 
 #: Above the torch reference backends (0), below vendor libraries that may claim more.
 PRIORITY = 50
 
 # -- measured speed, per device class (tokens/s; auto ranks the backends by them) --------------
 # Keep these next to the FlashInfer plugin's (backplane/plugins/flashinfer.py): auto compares
-# the figures of one family on one device class, so both come from the same runs.
+# the figures of one family on one device class, so both come from the runs that
+# backplane/plugins/_measured.py describes.
 
 #: Attention on Hopper (H100/H200). Decode: ``backplane bench latency --shapes llama-1b``, H200,
 #: CUDA graphs, batch 1: 1.049 ms per token (1.238 at batch 8, 1.770 at batch 64).
@@ -33,30 +35,15 @@ ATTENTION_SPEED: dict[str, Speed] = {
     "sm90": Speed(
         prefill=16537.0,
         decode=1000 / 1.049,
-        source=(
-            "H200, llama-1b shape: bench latency at batch 1 with CUDA graphs for decode "
-            "(docs/benchmarks/latency.md), bench throughput of 32 prompts x 512 tokens for "
-            "prefill (docs/benchmarks/throughput.md)"
-        ),
+        source=LLAMA_1B_SOURCE,
     )
 }
 
-#: Where the per-op figures of MLA and SSM come from (tokens per second of one layer's op).
-OP_SOURCE = (
-    "benchmarks/bench_ops_flashinfer.py, H200, bfloat16, one layer's op through the family "
-    "contract: decode batch 64 (MLA at 4096 tokens of context), prefill of one 4096-token "
-    "prompt (docs/benchmarks/flashinfer.md)"
-)
-
 #: MLA on Hopper, DeepSeek-V3 layer at 16 heads: decode 424.3 us, prefill 3357.0 us.
-MLA_SPEED: dict[str, Speed] = {
-    "sm90": Speed(prefill=4096 / 3357.0e-6, decode=64 / 424.3e-6, source=OP_SOURCE)
-}
+MLA_SPEED: dict[str, Speed] = {"sm90": op_speed(prefill_us=3357.0, decode_us=424.3)}
 
 #: Mamba2 on Hopper, Nemotron-H layer: decode 293.0 us, prefill 850.4 us.
-SSM_SPEED: dict[str, Speed] = {
-    "sm90": Speed(prefill=4096 / 850.4e-6, decode=64 / 293.0e-6, source=OP_SOURCE)
-}
+SSM_SPEED: dict[str, Speed] = {"sm90": op_speed(prefill_us=850.4, decode_us=293.0)}
 
 # The delta family ships no figures: the FlashInfer delta backend decodes with the same
 # kernel family (decode measured 340.7 us here against 344.2 us there, a tie within the
