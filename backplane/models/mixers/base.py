@@ -8,6 +8,7 @@ activations are ``[T, ...]`` with ``T`` the padded token count, and the batch
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -110,9 +111,23 @@ class ConvStateMixer(CachedMixer):
         self.conv1d.bias = nn.Parameter(torch.empty(conv_dim)) if bias else None
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         self.A_log = nn.Parameter(torch.empty(num_heads))
+        # -exp(A_log) in float32, derived once the weights are final (NaN until then,
+        # so a forward before finalize_weights cannot pass for a correct one)
+        self.register_buffer(
+            "neg_exp_a", torch.full((num_heads,), math.nan, dtype=torch.float32), persistent=False
+        )
         self.conv_spec = ConvLayerSpec(
             layer_id=layer_id, conv_dim=conv_dim, kernel_size=conv_kernel, activation="silu"
         )
+
+    def finalize_weights(self) -> None:
+        """Derive ``neg_exp_a`` = ``-exp(A_log)`` (float32) from the loaded ``A_log``.
+
+        Every step reads the per-head decay rate; computing it here saves two
+        kernels per layer and step.
+        """
+        with torch.no_grad():
+            self.neg_exp_a.copy_(-torch.exp(self.A_log.detach().float()))
 
     def cache_specs(
         self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype

@@ -110,7 +110,7 @@ class GatedDeltaNetMixer(ConvStateMixer):
         mixed = self.conv(mixed)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        g = self.neg_exp_a * F.softplus(a.float() + self.dt_bias.float())
         o = self.state_backend.forward(
             q.reshape(t, self.nk, self.dk).contiguous(),
             k.reshape(t, self.nk, self.dk).contiguous(),

@@ -82,7 +82,7 @@ class Mamba2Mixer(ConvStateMixer):
         y = self.state_backend.scan(
             xs.reshape(t, self.num_heads, self.head_dim).contiguous(),
             dt.contiguous(),
-            -torch.exp(self.A_log.float()),
+            self.neg_exp_a,
             B.reshape(t, self.n_groups, self.d_state).contiguous(),
             C.reshape(t, self.n_groups, self.d_state).contiguous(),
             self.D,
