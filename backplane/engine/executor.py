@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from backplane.engine.sampling import (
     seed_as_int64,
 )
 from backplane.engine.sizes import cpu_kv_budget, format_size
+from backplane.engine.warmup import warmup_steps
 
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
@@ -422,10 +424,6 @@ class Engine:
         skipped: the shape it stands for then compiles on first use, or fails
         there with the same error.
         """
-        import time
-
-        from backplane.engine.warmup import warmup_steps
-
         steps = warmup_steps(
             max_num_tokens=self.max_num_tokens,
             max_num_seqs=self.max_num_seqs,
