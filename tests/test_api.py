@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from backplane.core.errors import ConfigError, RequestError
+from backplane.core.errors import ConfigError, InvalidFieldError, RequestError
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,10 @@ def test_closing_a_stream_aborts_its_requests(llm):
 def test_bad_prompt_rejects_the_whole_call(llm):
     with pytest.raises(RequestError, match="prompt 1"):
         llm.generate(["fine", []], greedy())
+    # the error keeps its type and the field it names
+    with pytest.raises(InvalidFieldError, match=r"^prompt 1: ") as exc:
+        llm.generate([[1, 2], [1, 10**9]], greedy())
+    assert exc.value.field == "prompt_token_ids"
     with pytest.raises(RequestError, match="one per prompt"):
         llm.generate(["a", "b"], [greedy()])
     with pytest.raises(RequestError):

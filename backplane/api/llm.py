@@ -478,7 +478,9 @@ class LLM:
                         group.append(rid)
                     groups.append(group)
                 except RequestError as exc:
-                    raise RequestError(f"prompt {i}: {exc}") from None
+                    # name the prompt, keeping the error's type and fields (InvalidFieldError.field)
+                    exc.args = (f"prompt {i}: {exc}", *exc.args[1:])
+                    raise
         except BaseException:
             for rid in added:  # all or nothing: drop what this call queued
                 self.abort(rid)
