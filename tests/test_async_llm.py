@@ -76,6 +76,16 @@ def test_concurrent_coroutines_match_offline(engine, offline):
     wait_idle(engine)
 
 
+def test_a_rejected_prompt_keeps_its_error_type_and_field(engine):
+    from backplane.core.errors import InvalidFieldError
+
+    with pytest.raises(InvalidFieldError, match=r"^prompt 1: ") as exc:
+        engine.generate_sync([[1, 2], [1, 10**9]], greedy(3))
+    assert exc.value.field == "prompt_token_ids"
+    wait_idle(engine)
+    assert engine.generate_sync(["still serving"], greedy(2))[0].finish_reason == "length"
+
+
 def test_threads_share_the_engine(engine, offline):
     expected = {
         p: o.token_ids for p, o in zip(PROMPTS, offline.generate(PROMPTS, greedy(5)), strict=True)

@@ -463,7 +463,9 @@ class AsyncLLM:
                 try:
                     streams.append(self.submit(p, sp))
                 except RequestError as exc:
-                    raise RequestError(f"prompt {i}: {exc}") from None
+                    # name the prompt, keeping the error's type and fields (InvalidFieldError.field)
+                    exc.args = (f"prompt {i}: {exc}", *exc.args[1:])
+                    raise
             finals = []
             for s in streams:
                 outs = list(s)  # incremental outputs; the last one is the finished request
