@@ -25,9 +25,10 @@ def _perturb_norms(model) -> None:
                 p.add_(torch.randn_like(p) * 0.1)
 
 
-def tiny_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+def tiny_llama(seed: int = 0, **overrides):
+    """A two-layer Llama with perturbed norms; ``overrides`` change its config."""
+    torch.manual_seed(seed)
+    fields = dict(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
@@ -39,7 +40,8 @@ def tiny_llama():
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
+    model.eval()
     _perturb_norms(model)
     return model
 
@@ -220,21 +222,9 @@ def _llama3_scaled(factor_rope: dict) -> tuple:
     """A tiny Llama with Llama 3.1's rope scaling, and the rope_freqs llama.cpp writes for it."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_parameters=factor_rope,
-        tie_word_embeddings=False,
-        initializer_range=0.15,  # peaked logits, so positions matter
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    _perturb_norms(model)
+    # peaked logits (a wide initialisation), so positions matter
+    model = tiny_llama(3, attention_bias=False, rope_parameters=factor_rope, initializer_range=0.15)
+    cfg = model.config
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     default = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

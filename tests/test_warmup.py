@@ -21,17 +21,22 @@ LIMITS = [
 ]
 
 
-@pytest.mark.parametrize("limits", LIMITS, ids=lambda d: "-".join(map(str, d.values())))
-def test_warmup_steps_fit_the_engine_limits(limits: dict) -> None:
-    steps = warmup_steps(**limits)
-    assert steps
-    batch = InputBatch(
+def _input_batch(limits: dict) -> InputBatch:
+    """A CPU input batch sized as an engine with these limits sizes its own."""
+    return InputBatch(
         max_num_tokens=limits["max_num_tokens"],
         max_num_seqs=limits["max_num_seqs"],
         max_pages_per_seq=-(-limits["max_model_len"] // limits["page_size"]),
         page_size=limits["page_size"],
         device=torch.device("cpu"),
     )
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=lambda d: "-".join(map(str, d.values())))
+def test_warmup_steps_fit_the_engine_limits(limits: dict) -> None:
+    steps = warmup_steps(**limits)
+    assert steps
+    batch = _input_batch(limits)
     for seqs in steps:
         assert 1 <= len(seqs) <= limits["max_num_seqs"]
         assert sum(s.num_new_tokens for s in seqs) <= limits["max_num_tokens"]
@@ -51,13 +56,7 @@ def test_warmup_steps_fit_the_engine_limits(limits: dict) -> None:
 @pytest.mark.parametrize("limits", LIMITS, ids=lambda d: "-".join(map(str, d.values())))
 def test_every_metadata_tensor_is_16_byte_aligned_whatever_the_step_shape(limits: dict) -> None:
     """Kernels specialise on 16-byte alignment: it must not change from step to step."""
-    batch = InputBatch(
-        max_num_tokens=limits["max_num_tokens"],
-        max_num_seqs=limits["max_num_seqs"],
-        max_pages_per_seq=-(-limits["max_model_len"] // limits["page_size"]),
-        page_size=limits["page_size"],
-        device=torch.device("cpu"),
-    )
+    batch = _input_batch(limits)
     for seqs in warmup_steps(**limits):
         inputs = batch.prepare(seqs)
         meta = inputs.metadata
