@@ -475,6 +475,18 @@ class ScratchSeq:
     is_prefill_chunk_final: bool = False
 
 
+def scratch_seq(new: int, cached: int, page_size: int) -> ScratchSeq:
+    """A scratch sequence adding ``new`` tokens to ``cached`` ones (one new token = a decode).
+
+    :param new: tokens this step.
+    :param cached: tokens already in the (scratch) cache.
+    :param page_size: tokens per page.
+    """
+    total = cached + new
+    pages = np.full(-(-total // page_size), NULL_PAGE, dtype=np.int32)
+    return ScratchSeq(ScratchRequest(np.zeros(total, dtype=np.int32)), new, cached, pages)
+
+
 def scratch_prefill(num_tokens: int, max_model_len: int, page_size: int) -> list[ScratchSeq]:
     """Scratch prefill sequences of ``num_tokens`` tokens in all, none longer than the model.
 
@@ -490,8 +502,6 @@ def scratch_prefill(num_tokens: int, max_model_len: int, page_size: int) -> list
     left = num_tokens
     while left > 0:
         n = min(left, max_model_len)
-        req = ScratchRequest(np.zeros(n, dtype=np.int32))
-        pages = np.full(-(-n // page_size), NULL_PAGE, dtype=np.int32)
-        seqs.append(ScratchSeq(req, n, 0, pages))
+        seqs.append(scratch_seq(n, 0, page_size))
         left -= n
     return seqs

@@ -20,10 +20,7 @@ cache warm, they take milliseconds.
 
 from __future__ import annotations
 
-import numpy as np
-
-from backplane.core.metadata import NULL_PAGE
-from backplane.engine.inputs import ScratchRequest, ScratchSeq
+from backplane.engine.inputs import ScratchSeq, scratch_seq
 
 #: Prompt lengths that reach every prefill tile class of the attention kernels
 #: (tiny <= 32 < short <= 64 < medium < 2048 <= long; 4096 adds the
@@ -32,18 +29,6 @@ PREFILL_LENGTHS = (16, 48, 128, 2048, 4096)
 
 #: Context length that gives a decode sequence one key split; each doubling doubles it.
 KEYS_PER_SPLIT = 128
-
-
-def scratch_seq(new: int, cached: int, page_size: int) -> ScratchSeq:
-    """A scratch sequence adding ``new`` tokens to ``cached`` ones (one new token = a decode).
-
-    :param new: tokens this step.
-    :param cached: tokens already in the (scratch) cache.
-    :param page_size: tokens per page.
-    """
-    total = cached + new
-    pages = np.full(-(-total // page_size), NULL_PAGE, dtype=np.int32)
-    return ScratchSeq(ScratchRequest(np.zeros(total, dtype=np.int32)), new, cached, pages)
 
 
 def warmup_steps(
