@@ -239,7 +239,9 @@ class AttentionBackend(Backend):
 
         :param q: ``[T, num_heads, head_dim]``, RoPE already applied.
         :param k: ``[T, num_kv_heads, head_dim]``, RoPE already applied.
-        :param v: ``[T, num_kv_heads, head_dim]``.
+        :param v: ``[T, num_kv_heads, head_dim]``. ``q``, ``k`` and ``v`` may be
+            views of one fused projection's rows (any row stride, unit stride in
+            ``head_dim``): a backend copies them only where its kernels need it.
         :param kv_cache: the layer's paged KV cache (written at ``slot_mapping``).
         :param layer: the layer's constants.
         :param out: optional ``[T, num_heads, head_dim]`` buffer (out-buffer contract).

@@ -21,7 +21,7 @@ Class attributes set the shapes for backends with restrictions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import pytest
@@ -31,6 +31,7 @@ from backplane.core import layouts
 from backplane.core.families import AttentionLayerSpec
 from backplane.core.layouts import TensorSpec
 from backplane.testing.batches import BatchCase
+from backplane.testing.checks import assert_close_to_reference
 from backplane.testing.paged import PagedBackendTests
 from backplane.testing.plugin import require_feature
 
@@ -253,6 +254,45 @@ class AttentionBackendTests(PagedBackendTests):
         heads, kv_heads = self.gqa_shapes[shape]
         case = self.get_case(case_name)
         self.check_against_reference(backend, case, self.layer(heads, kv_heads), dtype, device)
+
+    @pytest.mark.parametrize("case_name", ["mixed", "decode", "page_crossing"])
+    def test_fused_projection_views(
+        self,
+        backend: Any,
+        backend_capabilities: Any,
+        case_name: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """``q``, ``k`` and ``v`` as views into one fused projection's rows.
+
+        A model computes queries, keys and values with one GEMM and hands the
+        backend strided views of its ``[T, (H + 2 Hkv) * D]`` output (unit
+        stride in the head dimension, heads adjacent within a row); the
+        backend must read them as they lie, copying only where its kernels need it.
+        """
+        case = self.get_case(case_name)
+        gqa = backend_capabilities is not None and "gqa" in backend_capabilities
+        layer = self.layer(*self.gqa_shapes[0]) if gqa else self.layer()
+        self.check_cache_spec(backend, case, layer, dtype)
+        batch = case.metadata(device)
+        inputs = self.make_inputs(case, layer, dtype, device)
+        t, h, hk, d = inputs.q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        fused = torch.cat([x.reshape(t, -1) for x in (inputs.q, inputs.k, inputs.v)], dim=1)
+        q, k, v = fused.split([h * d, hk * d, hk * d], dim=1)
+        views = replace(inputs, q=q.view(t, h, d), k=k.view(t, hk, d), v=v.view(t, hk, d))
+        assert not views.q.is_contiguous() or t == 1
+        out = self.run_step(backend, batch, views, layer)
+        assert_close_to_reference(
+            out[: case.num_tokens],
+            self.reference(case, inputs, layer),
+            dtype,
+            msg=f"case {case.name}, fused-projection views",
+        )
+        assert torch.equal(self.cache(views).cpu(), inputs.expected_cache), (
+            f"case {case.name}: the KV cache after a step on fused-projection views differs "
+            "from the expected contents"
+        )
 
     @pytest.mark.parametrize("window_index", [0, 1], ids=["w0", "w1"])
     @pytest.mark.parametrize("case_name", ["mixed", "page_crossing", "chunked_prefill"])

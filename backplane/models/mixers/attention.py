@@ -110,9 +110,9 @@ class AttentionMixer(PagedMixer):
             else:
                 # Queries and keys are adjacent in every row of qkv: one call rotates both.
                 self.rotary.rotate_(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos, sin)
-        o = self.backend.forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), self.cache("kv_cache"), self.spec
-        )
+        # Views of the fused projection's rows: backends read them as they lie
+        # (the kit's fused-projection test holds every backend to it).
+        o = self.backend.forward(q, k, v, self.cache("kv_cache"), self.spec)
         if gate is not None:
             o = o.reshape(t, h, d) * torch.sigmoid(gate)
         return self.o_proj(o.reshape(t, h * d))
