@@ -82,21 +82,25 @@ def dense(
         of ``weight`` (which may then be a placeholder of the same shape).
     :return: ``[..., out_features]`` in ``x``'s dtype.
     """
-    if packed is not None:
-        rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-        return y.view(*x.shape[:-1], weight.shape[0])
-    if (
+    if packed is None and not (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and not torch.is_grad_enabled()
         and _ONEDNN_LINEAR
     ):
-        rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-        return y.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+    # oneDNN's kernel takes a matrix: the models' [tokens, features] inputs go
+    # as they are (each reshape is a dispatched call, per projection and step).
+    if x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(
+            x, weight if packed is None else packed, bias, "none", [], ""
+        )
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(
+        rows, weight if packed is None else packed, bias, "none", [], ""
+    )
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):

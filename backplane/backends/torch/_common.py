@@ -7,7 +7,7 @@ slicing, so they never synchronise with the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,9 @@ class SlotIndex:
     page: torch.Tensor
     offset: torch.Tensor
     valid: torch.Tensor | None
+    #: flat row index per rows-per-page count, built by the first :meth:`write`
+    #: and reused by every later layer of the step
+    _flat: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, slot_mapping: torch.Tensor, page_size: int, *, all_valid: bool) -> SlotIndex:
@@ -81,9 +84,10 @@ class SlotIndex:
         """
         if self.page.shape[0] == 0:
             return
-        flat_index: dict[int, torch.Tensor] = {}
+        flat_index = self._flat
         for cache, rows in zip(caches, values, strict=True):
-            rows = rows.to(cache.dtype)
+            if rows.dtype != cache.dtype:
+                rows = rows.to(cache.dtype)
             flat = _token_rows(cache)
             if flat is not None:
                 # One index into a [rows, row_numel] view of the cache's memory: a

@@ -181,12 +181,17 @@ def _decode(
     shape = (nd, plan.num_keys, num_kv_heads, head_dim)
     keys, values = gather_kv_pages(kv_cache, plan.decode_pages, plan.decode_rows)
     keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
     # One query per sequence: the group's heads become the KV head's query rows.
-    qd = q[t0:t1].to(dtype).reshape(nd, num_kv_heads, group, head_dim)
+    qd = q[t0:t1]
+    if qd.dtype != dtype:
+        qd = qd.to(dtype)
+    qd = qd.reshape(nd, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(
         qd,
-        keys.to(dtype),
-        values.to(dtype),
+        keys,
+        values,
         attn_mask=plan.decode_mask(sliding_window, dtype),
         scale=scale,
     )
