@@ -134,7 +134,10 @@ def setup(request):
     assert runner.piecewise.failed == {} and runner.decode.failed == {}
     assert runner.piecewise.captured == set(runner.token_buckets)
     assert set(runner.decode.graphs) == set(runner.decode_buckets)
-    return engine, runner
+    yield engine, runner
+    # Module-scoped: release graphs and caches before the next model's engine sizes itself.
+    runner.release()
+    engine.shutdown()
 
 
 def _compare(engine, runner, seqs, seed):
