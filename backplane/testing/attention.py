@@ -255,21 +255,27 @@ class AttentionBackendTests(PagedBackendTests):
         case = self.get_case(case_name)
         self.check_against_reference(backend, case, self.layer(heads, kv_heads), dtype, device)
 
+    @pytest.mark.parametrize("layout", ["qkv", "gated_q"])
     @pytest.mark.parametrize("case_name", ["mixed", "decode", "page_crossing"])
     def test_fused_projection_views(
         self,
         backend: Any,
         backend_capabilities: Any,
         case_name: str,
+        layout: str,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         """``q``, ``k`` and ``v`` as views into one fused projection's rows.
 
         A model computes queries, keys and values with one GEMM and hands the
-        backend strided views of its ``[T, (H + 2 Hkv) * D]`` output (unit
-        stride in the head dimension, heads adjacent within a row); the
-        backend must read them as they lie, copying only where its kernels need it.
+        backend strided views of its output (unit stride in the head
+        dimension): ``qkv`` rows ``[q heads | k heads | v heads]``, heads
+        adjacent; ``gated_q`` rows whose query heads each carry a gate of
+        ``head_dim`` after them (``[q0 g0 q1 g1 ... | k | v]``, as gated
+        attention projects them), so query heads are ``2 * head_dim`` apart.
+        The backend must read them as they lie, copying only where its kernels
+        need it.
         """
         case = self.get_case(case_name)
         gqa = backend_capabilities is not None and "gqa" in backend_capabilities
@@ -278,9 +284,13 @@ class AttentionBackendTests(PagedBackendTests):
         batch = case.metadata(device)
         inputs = self.make_inputs(case, layer, dtype, device)
         t, h, hk, d = inputs.q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        fused = torch.cat([x.reshape(t, -1) for x in (inputs.q, inputs.k, inputs.v)], dim=1)
-        q, k, v = fused.split([h * d, hk * d, hk * d], dim=1)
-        views = replace(inputs, q=q.view(t, h, d), k=k.view(t, hk, d), v=v.view(t, hk, d))
+        q_part = inputs.q
+        if layout == "gated_q":
+            q_part = torch.cat([inputs.q, torch.full_like(inputs.q, float("nan"))], dim=-1)
+        fused = torch.cat([x.reshape(t, -1) for x in (q_part, inputs.k, inputs.v)], dim=1)
+        q, k, v = fused.split([q_part[0].numel(), hk * d, hk * d], dim=1)
+        q = q.view(t, h, -1)[..., :d]
+        views = replace(inputs, q=q, k=k.view(t, hk, d), v=v.view(t, hk, d))
         assert not views.q.is_contiguous() or t == 1
         out = self.run_step(backend, batch, views, layer)
         assert_close_to_reference(
