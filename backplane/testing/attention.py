@@ -31,7 +31,6 @@ from backplane.core import layouts
 from backplane.core.families import AttentionLayerSpec
 from backplane.core.layouts import TensorSpec
 from backplane.testing.batches import BatchCase
-from backplane.testing.checks import assert_close_to_reference
 from backplane.testing.paged import PagedBackendTests
 from backplane.testing.plugin import require_feature
 
@@ -280,29 +279,19 @@ class AttentionBackendTests(PagedBackendTests):
         case = self.get_case(case_name)
         gqa = backend_capabilities is not None and "gqa" in backend_capabilities
         layer = self.layer(*self.gqa_shapes[0]) if gqa else self.layer()
-        self.check_cache_spec(backend, case, layer, dtype)
-        batch = case.metadata(device)
-        inputs = self.make_inputs(case, layer, dtype, device)
-        t, h, hk, d = inputs.q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        q_part = inputs.q
-        if layout == "gated_q":
-            q_part = torch.cat([inputs.q, torch.full_like(inputs.q, float("nan"))], dim=-1)
-        fused = torch.cat([x.reshape(t, -1) for x in (q_part, inputs.k, inputs.v)], dim=1)
-        q, k, v = fused.split([q_part[0].numel(), hk * d, hk * d], dim=1)
-        q = q.view(t, h, -1)[..., :d]
-        views = replace(inputs, q=q, k=k.view(t, hk, d), v=v.view(t, hk, d))
-        assert not views.q.is_contiguous() or t == 1
-        out = self.run_step(backend, batch, views, layer)
-        assert_close_to_reference(
-            out[: case.num_tokens],
-            self.reference(case, inputs, layer),
-            dtype,
-            msg=f"case {case.name}, fused-projection views",
-        )
-        assert torch.equal(self.cache(views).cpu(), inputs.expected_cache), (
-            f"case {case.name}: the KV cache after a step on fused-projection views differs "
-            "from the expected contents"
-        )
+
+        def as_fused_views(inputs: AttentionInputs) -> AttentionInputs:
+            t, h, hk, d = inputs.q.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+            q_part = inputs.q
+            if layout == "gated_q":
+                q_part = torch.cat([inputs.q, torch.full_like(inputs.q, float("nan"))], dim=-1)
+            fused = torch.cat([x.reshape(t, -1) for x in (q_part, inputs.k, inputs.v)], dim=1)
+            q, k, v = fused.split([q_part[0].numel(), hk * d, hk * d], dim=1)
+            q = q.view(t, h, -1)[..., :d]
+            assert not q.is_contiguous() or t == 1
+            return replace(inputs, q=q, k=k.view(t, hk, d), v=v.view(t, hk, d))
+
+        self.check_against_reference(backend, case, layer, dtype, device, relayout=as_fused_views)
 
     @pytest.mark.parametrize("window_index", [0, 1], ids=["w0", "w1"])
     @pytest.mark.parametrize("case_name", ["mixed", "page_crossing", "chunked_prefill"])

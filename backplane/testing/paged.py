@@ -10,6 +10,7 @@ inputs, ``forward`` call and float64 reference through the hooks below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
@@ -158,6 +159,7 @@ class PagedBackendTests(BackendTestsBase):
         dtype: torch.dtype,
         device: torch.device,
         table_width: int | None = None,
+        relayout: Callable[[Any], Any] | None = None,
     ) -> None:
         """Run ``case`` and compare the output and the cache with the reference.
 
@@ -167,11 +169,13 @@ class PagedBackendTests(BackendTestsBase):
         :param dtype: activation and cache dtype.
         :param device: where the step runs.
         :param table_width: pad the block table to this many columns (default: as narrow as fits).
+        :param relayout: turns the kit's inputs into those the step gets: the
+            same values in another memory layout (e.g. strided views), sharing the cache.
         """
         self.check_cache_spec(backend, case, layer, dtype)
         batch = case.metadata(device, table_width=table_width)
         inputs = self.make_inputs(case, layer, dtype, device)
-        out = self.run_step(backend, batch, inputs, layer)
+        out = self.run_step(backend, batch, inputs if relayout is None else relayout(inputs), layer)
         expected_shape = self.out_shape(case, layer)
         assert tuple(out.shape) == expected_shape, (
             f"output shape {tuple(out.shape)} != {expected_shape}"
