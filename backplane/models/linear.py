@@ -92,15 +92,11 @@ def dense(
         return F.linear(x, weight, bias)
     # oneDNN's kernel takes a matrix: the models' [tokens, features] inputs go
     # as they are (each reshape is a dispatched call, per projection and step).
-    if x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(
-            x, weight if packed is None else packed, bias, "none", [], ""
-        )
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.ops.mkldnn._linear_pointwise(
-        rows, weight if packed is None else packed, bias, "none", [], ""
-    )
-    return y.view(*x.shape[:-1], weight.shape[0])
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, x.shape[-1])
+    w = weight if packed is None else packed
+    y = torch.ops.mkldnn._linear_pointwise(rows, w, bias, "none", [], "")
+    return y if flat else y.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
