@@ -364,7 +364,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Append this step's keys/values to ``kv_cache`` and attend (see the family contract)."""
         self._check(layer, q.dtype)
         key = _LayerKey.of(layer, q.dtype)
-        return torch.ops.backplane_flashinfer.attention(
+        return _attention_op(
             q,
             k,
             v,

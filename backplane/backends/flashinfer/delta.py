@@ -137,7 +137,7 @@ class FlashInferDeltaBackend(DeltaBackend):
     ) -> torch.Tensor:
         """The gated delta rule per sequence (family contract)."""
         self._check(layer, q.dtype)
-        return torch.ops.backplane_flashinfer.delta(
+        return _delta_op(
             q,
             k,
             v,

@@ -253,7 +253,7 @@ class FlashInferMLABackend(MLABackend):
     ) -> torch.Tensor:
         """Append the latent and rotary key to the cache and attend (family contract)."""
         self._check(layer, q_nope.dtype)
-        return torch.ops.backplane_flashinfer.mla(
+        return _mla_op(
             q_nope,
             q_pe,
             kv_c,

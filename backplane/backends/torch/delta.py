@@ -209,9 +209,7 @@ class TorchDeltaBackend(DeltaBackend):
                 f"num_v_heads={layer.num_v_heads} must be a multiple of "
                 f"num_k_heads={layer.num_k_heads}"
             )
-        return torch.ops.backplane_torch.gated_delta_rule(
-            q, k, v, g, beta, state, layer.q_scale, layer.use_qk_l2norm, out
-        )
+        return gated_delta_rule(q, k, v, g, beta, state, layer.q_scale, layer.use_qk_l2norm, out)
 
     def dynamic_ops(self) -> tuple[Any, ...]:
         """The custom op this backend calls."""

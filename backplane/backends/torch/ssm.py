@@ -307,9 +307,7 @@ class TorchSSMBackend(SSMBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``backplane_torch::causal_conv1d`` (see :meth:`SSMBackend.conv`)."""
-        return torch.ops.backplane_torch.causal_conv1d(
-            x, weight, bias, conv_state, layer.activation, out
-        )
+        return causal_conv1d(x, weight, bias, conv_state, layer.activation, out)
 
     def scan(
         self,
@@ -326,7 +324,7 @@ class TorchSSMBackend(SSMBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``backplane_torch::ssm_scan`` (see :meth:`SSMBackend.scan`)."""
-        return torch.ops.backplane_torch.ssm_scan(
+        return ssm_scan(
             x, dt, A, B, C, D, dt_bias, z, ssm_state, layer.dt_softplus, layer.chunk_size, out
         )
 

@@ -104,7 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append this step's keys/values and attend; see :meth:`AttentionBackend.forward`."""
-        return torch.ops.backplane_triton.attention(
+        return paged_attention(
             q, k, v, kv_cache, int(layer.sliding_window), float(layer.softmax_scale), out
         )
 

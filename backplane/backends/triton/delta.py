@@ -162,7 +162,7 @@ class TritonDeltaBackend(DeltaBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The gated delta rule; see :meth:`DeltaBackend.forward`."""
-        return torch.ops.backplane_triton.gated_delta(
+        return gated_delta(
             q, k, v, g, beta, state, float(layer.q_scale), bool(layer.use_qk_l2norm), out
         )
 

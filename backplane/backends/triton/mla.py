@@ -102,7 +102,7 @@ class TritonMLABackend(MLABackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append the latent and attend; see :meth:`MLABackend.forward`."""
-        return torch.ops.backplane_triton.mla(
+        return latent_attention(
             q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv, float(layer.scale), out
         )
 

@@ -605,9 +605,7 @@ class TritonSSMBackend(SSMBackend):
         """Causal conv with state; see :meth:`SSMBackend.conv`."""
         if layer.activation not in ("silu", ""):
             raise ValueError(f"unsupported conv activation {layer.activation!r} (silu or none)")
-        return torch.ops.backplane_triton.causal_conv(
-            x, weight, bias, conv_state, layer.activation == "silu", out
-        )
+        return causal_conv(x, weight, bias, conv_state, layer.activation == "silu", out)
 
     def scan(
         self,
@@ -624,7 +622,7 @@ class TritonSSMBackend(SSMBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Selective scan; see :meth:`SSMBackend.scan`."""
-        return torch.ops.backplane_triton.ssm_scan(
+        return ssm_scan(
             x, dt, A, B, C, D, dt_bias, z, ssm_state,
             bool(layer.dt_softplus), int(layer.chunk_size), out,
         )  # fmt: skip
