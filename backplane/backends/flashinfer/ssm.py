@@ -12,9 +12,10 @@ What runs where
 FlashInfer's kernel wants Mamba2's *tied* layout: ``A`` as ``(nheads, head_dim,
 d_state)`` with strides ``(1, 0, 0)``, ``D`` and ``dt_bias`` as ``(nheads, head_dim)``
 with strides ``(1, 0)`` and the dtype of ``dt``, and ``dt`` with stride 0 along
-``head_dim``. These are ``expand`` views of the per-head parameters; ``dt`` of the
-decode rows (``[num_decode, nheads]``, tiny) is cast to float32 so that ``D`` and
-``dt_bias`` keep full precision.
+``head_dim``. These are ``expand`` views of the per-head parameters. The kernel
+widens ``dt``, ``D`` and ``dt_bias`` to float32 as it loads them, so when the three
+share a dtype they are passed as they are; otherwise all three are cast to float32
+(``dt`` of the decode rows is tiny, ``[num_decode, nheads]``).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class FlashInferSSMBackend(SSMBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal depthwise conv with state, on the fallback backend (family contract)."""
-        return torch.ops.backplane_flashinfer.ssm_conv(
+        return _ssm_conv_op(
             x,
             weight,
             bias,
@@ -200,7 +201,7 @@ class FlashInferSSMBackend(SSMBackend):
     ) -> torch.Tensor:
         """Selective scan: prefill on the fallback, decode on FlashInfer (family contract)."""
         self._check(layer, x.dtype)
-        return torch.ops.backplane_flashinfer.ssm_scan(
+        return _ssm_scan_op(
             x,
             dt,
             A,
@@ -308,8 +309,11 @@ def _ssm_scan_op(
         from flashinfer.mamba import selective_state_update
 
         np_ = batch.num_prefill_seqs
-        # dt, D and dt_bias must share a dtype; float32 keeps dt_bias exact (dt is tiny).
-        wdt = torch.float32
+        # dt, D and dt_bias share one dtype in the kernel, which widens each value
+        # to float32 as it loads it: when the three already agree (the model's
+        # dtype) they go in as they are, else all three are cast to float32. Either
+        # way the kernel sees the same values; the first saves three casts per layer.
+        wdt = dt.dtype if D.dtype == dt_bias.dtype == dt.dtype else torch.float32
         dec = slice(npt, n)
         xd = x[dec]
         if xd.stride(-1) != 1 or xd.stride(1) != head_dim:
