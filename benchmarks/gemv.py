@@ -7,7 +7,9 @@ On an H200 it beat cuBLAS only for the 2048x2048 projection at one row (see
 docs/benchmarks/latency.md), so the models keep ``F.linear``.
 
 For each projection of the ~1.1B Llama shape (qkv 3072x2048, o 2048x2048,
-gate_up 16384x2048, down 2048x8192, LM head 32000x2048) at 1 and 8 rows, both
+gate_up 16384x2048, down 2048x8192, LM head 32000x2048; ``--model
+nemotron-h-0.85b`` takes that shape's Mamba2, MLP and attention projections)
+at 1 and 8 rows, both
 implementations are timed as CUDA-graph replays of back-to-back calls, cycling
 through enough copies of the weight that none is read from L2 (more than 256 MiB
 in all), and each figure is set against the projection's own bandwidth floor
@@ -16,7 +18,7 @@ reduction). The Triton results are checked against cuBLAS's first.
 
 Run on the GPU machine::
 
-    python benchmarks/gemv.py [--rows 1,8] [--json out.json]
+    python benchmarks/gemv.py [--model nemotron-h-0.85b] [--rows 1,8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,13 +35,25 @@ import triton.language as tl
 
 logger = logging.getLogger("gemv")
 
-SHAPES = {
-    "qkv": (3072, 2048),
-    "o": (2048, 2048),
-    "gate_up": (16384, 2048),
-    "down": (2048, 8192),
-    "lm_head": (32000, 2048),
+MODELS: dict[str, dict[str, tuple[int, int]]] = {
+    "llama-1b": {
+        "qkv": (3072, 2048),
+        "o": (2048, 2048),
+        "gate_up": (16384, 2048),
+        "down": (2048, 8192),
+        "lm_head": (32000, 2048),
+    },
+    # Mamba2 in_proj: z (4096) + x, B, C (4096 + 2 * 8 * 128) + dt (64 heads)
+    "nemotron-h-0.85b": {
+        "in_proj": (10304, 2048),
+        "out_proj": (2048, 4096),
+        "up": (8192, 2048),
+        "down": (2048, 8192),
+        "qkv": (3072, 2048),
+        "lm_head": (32000, 2048),
+    },
 }
+"""The ``(out, in)`` shapes of each model shape's projections (see ``backplane bench latency``)."""
 
 
 #: the most input rows the kernel takes (the rows are held in registers)
@@ -196,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="1,8", help="input rows (1..8), comma-separated")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-1b", help="projection shapes")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton",
         "%bw",
     )
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in MODELS[args.model].items():
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         weights = [
