@@ -92,20 +92,28 @@ def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, 
         return
 
 
+KEYS_PER_SPLIT = 64
+"""The fewest keys a decode split is given. At one sequence and a short context the
+splits are latency-bound (one page walk each); on an H200, Llama-1B's layer
+(32/8 heads of 64) at 576 keys took 6.5 us per layer with 8 splits of 72 keys
+against 7.7 us with 4 of 144 (``benchmarks/decode_splits.py``)."""
+
+
 def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: torch.device) -> int:
     """Pick how many key splits each decode sequence gets.
 
     Enough splits to fill the device (about two programs per SM), but no more
-    than one split per 128 keys of the longest context (host value), and at
-    most :data:`MAX_KV_SPLITS`, rounded down to a power of two. The kernel derives each split's range from the
-    sequence length on the device, so any value is correct for any lengths
-    (a decode graph captured with one value replays correctly for others).
+    than one split per :data:`KEYS_PER_SPLIT` keys of the longest context (host
+    value), and at most :data:`MAX_KV_SPLITS`, rounded down to a power of two.
+    The kernel derives each split's range from the sequence length on the
+    device, so any value is correct for any lengths (a decode graph captured
+    with one value replays correctly for others).
     """
     n = batch.num_decode_seqs
     if n == 0:
         return 1
     want = triton.cdiv(device_parallelism(device), max(n * programs_per_split, 1))
-    by_len = triton.cdiv(max(batch.max_seq_len, 1), 128)
+    by_len = triton.cdiv(max(batch.max_seq_len, 1), KEYS_PER_SPLIT)
     splits = int(max(1, min(want, by_len, MAX_KV_SPLITS)))
     # A power of two: the count is a compile-time constant of the kernel, so
     # free values would compile a new variant for nearly every mixed step.
