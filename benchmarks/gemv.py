@@ -1,10 +1,16 @@
-"""Decode-size projections: cuBLAS (``F.linear``, with cuBLAS and with cuBLASLt) against a Triton GEMV, per shape.
+"""Decode-size projections: cuBLAS (``F.linear``, with cuBLAS and with cuBLASLt) against Triton GEMVs, per shape.
 
-The candidate kernel lives here, not in the package: it gives each program a
-few output rows and streams their weight rows in ``BLOCK_K`` chunks (autotuned
-tile sizes), the input rows broadcast against them, accumulating in float32.
-On an H200 it beat cuBLAS only for the 2048x2048 projection at one row (see
-docs/benchmarks/latency.md), so the models keep ``F.linear``.
+Two Triton kernels:
+
+* a candidate that lives here, not in the package: it gives each program a
+  few output rows and streams their weight rows in ``BLOCK_K`` chunks
+  (autotuned tile sizes), the input rows broadcast against them, accumulating
+  in float32. On an H200 it beat cuBLAS only for the 2048x2048 projection at
+  one row (see docs/benchmarks/latency.md);
+* at one row, the package's split-K kernel
+  (:mod:`backplane.models.kernels.gemv`), with the launch its ``plan`` picks
+  and over a grid of tiles and split counts (the figures ``plan`` is drawn
+  from).
 
 For each projection of the ~1.1B Llama shape (qkv 3072x2048, o 2048x2048,
 gate_up 16384x2048, down 2048x8192, LM head 32000x2048; ``--model
@@ -33,6 +39,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from backplane.models.kernels.gemv import gemv as splitk_gemv
+from backplane.models.kernels.gemv import plan as splitk_plan
+
 logger = logging.getLogger("gemv")
 
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -55,6 +64,9 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
 }
 """The ``(out, in)`` shapes of each model shape's projections (see ``backplane bench latency``)."""
 
+
+#: (block_n, block_k) tiles the split-K kernel is also timed with, at 1..8 splits
+SPLITK_TILES = ((16, 256), (32, 256), (8, 512), (16, 512))
 
 #: the most input rows the kernel takes (the rows are held in registers)
 MAX_ROWS = 8
@@ -255,6 +267,21 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 torch.backends.cuda.preferred_blas_library("cublas")
             t_triton = time_calls(lambda w, x=x: gemv(x, w), weights)
+            splitk: dict[str, float] = {}
+            if m == 1:
+                sk_err = (splitk_gemv(x, weights[0]).float() - want).abs().max().item()
+                if sk_err / max(want.abs().max().item(), 1e-6) > 2e-2:
+                    logger.error("%s: the split-K kernel differs from cuBLAS by %.3g", name, sk_err)
+                    return 1
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                planned = splitk_plan(n, k, sms)
+                launches = {(bn, bk, sk) for bn, bk in SPLITK_TILES for sk in (1, 2, 4, 8)}
+                for launch in sorted(launches | ({planned} if planned else set())):
+                    splitk[str(launch)] = time_calls(
+                        lambda w, x=x, launch=launch: splitk_gemv(x, w, launch=launch), weights
+                    )
+                # where the plan leaves the weight to cuBLAS, the model runs cuBLAS
+                splitk["plan"] = splitk[str(planned)] if planned else t_cublas
             results.append(
                 {
                     "shape": name,
@@ -266,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cublaslt_us": t_lt,
                     "cublaslt_max_abs_diff": lt_err,
                     "triton_us": t_triton,
+                    "splitk_us": splitk,
                 }
             )
             logger.info(
@@ -280,6 +308,18 @@ def main(argv: list[str] | None = None) -> int:
                 t_triton,
                 100 * floor / t_triton,
             )
+            if splitk:
+                best = min((v, key) for key, v in splitk.items())
+                logger.info(
+                    "%-8s split-K: planned %s %.2f us (%.0f%%), best %.2f us (%.0f%%) at %s",
+                    name,
+                    planned or "(cuBLAS)",
+                    splitk["plan"],
+                    100 * floor / splitk["plan"],
+                    best[0],
+                    100 * floor / best[0],
+                    best[1],
+                )
         del weights
         torch.cuda.empty_cache()
     if args.json:

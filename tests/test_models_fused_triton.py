@@ -34,6 +34,7 @@ tests marked ``gpu``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -58,6 +59,7 @@ KERNEL_CHECKS = (
     "activation",
     "rotary",
     "rotary_interleaved",
+    "gemv",
 )
 MODEL_CHECKS = (
     "model:tiny-llama",
@@ -625,6 +627,85 @@ _PRESET_FAMILIES = {
     "tiny-qwen3-next": ("attention", "ssm", "delta"),
     "tiny-deepseek-v3": ("mla",),
 }
+
+
+def _gemv_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ref: torch.Tensor):
+    """The rounding bound of a float32-accumulated row product rounded once to ``x.dtype``.
+
+    The interpreter's casts to 16-bit types truncate instead of rounding: twice the unit there.
+    """
+    k = x.shape[-1]
+    absdot = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    last = _unit(x.dtype) * (2 if x.device.type == "cpu" and x.dtype != torch.float32 else 1)
+    return last * ref.abs() + 2 * k * _unit(torch.float32) * absdot
+
+
+def check_gemv(device: torch.device) -> None:
+    """The one-row split-K product: every element within its rounding bound of float64, for
+    planned and forced launches (splits that do and do not divide ``K``, ragged row blocks),
+    with and without bias, from a strided row; repeated calls are bit-identical (the arrival
+    counters reset); on CUDA, CUDA-graph replays match eager calls and ``Linear`` routes
+    one-row inputs through the kernel only where :func:`plan` chooses it."""
+    from backplane.models.kernels import load_gemv
+
+    gemv = load_gemv()
+    if _small(device):
+        shapes = [(40, 1000), (33, 512), (17, 300), (64, 2048)]
+        launches = [None, (16, 256, 1), (8, 64, 4), (16, 128, 3)]
+        dtypes = (torch.float32, torch.bfloat16)
+    else:
+        shapes = [(2048, 8192), (2048, 4096), (3072, 2048), (10304, 2048), (5, 7), (33, 3000)]
+        launches = [None, (16, 256, 1), (8, 512, 1), (16, 256, 4), (8, 64, 3), (32, 128, 8)]
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    seed = 0
+    for (n, k), dtype, launch in itertools.product(shapes, dtypes, launches):
+        seed += 1
+        x = _strided_rows(1, k, dtype=dtype, device=device, seed=seed)
+        w = _randn(n, k, dtype=dtype, device=device, seed=seed + 1000, scale=k**-0.5)
+        b = _randn(n, dtype=dtype, device=device, seed=seed + 2000)
+        for bias in (None, b):
+            name = f"gemv {n}x{k} {dtype} launch={launch} bias={bias is not None}"
+            got = gemv.gemv(x, w, bias, launch=launch)
+            assert got.shape == (1, n) and got.dtype == dtype, name
+            ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            _within(name, got, ref, _gemv_bound(x, w, bias, ref))
+            _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
+    if device.type != "cuda":
+        return
+    from backplane.models.linear import Linear
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for n, k in ((2048, 8192), (2048, 2048), (16384, 2048)):
+        lin = Linear(k, n, bias=True).to(device, torch.bfloat16)
+        lin.fused_ops = "triton"
+        x = _randn(1, k, dtype=torch.bfloat16, device=device, seed=n + k)
+        with torch.inference_mode():
+            got = lin(x)
+            planned = gemv.plan(n, k, sms)
+            if planned is None:
+                _equal(f"Linear {n}x{k} (cuBLAS)", got, F.linear(x, lin.weight, lin.bias))
+            else:
+                _equal(
+                    f"Linear {n}x{k} (kernel)",
+                    got,
+                    gemv.gemv(x, lin.weight, lin.bias, launch=planned),
+                )
+            x2 = _randn(2, k, dtype=torch.bfloat16, device=device, seed=7)
+            _equal(f"Linear {n}x{k} two rows", lin(x2), F.linear(x2, lin.weight, lin.bias))
+    # Captured with one input, replayed with others: the counters left at zero by
+    # each launch let every replay merge its own partials.
+    w = _randn(2048, 8192, dtype=torch.bfloat16, device=device, seed=3, scale=8192**-0.5)
+    static_x = torch.zeros(1, 8192, dtype=torch.bfloat16, device=device)
+    launch = (16, 256, 4)
+    gemv.gemv(static_x, w, launch=launch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = gemv.gemv(static_x, w, launch=launch)
+    for s in range(3):
+        x = _randn(1, 8192, dtype=torch.bfloat16, device=device, seed=100 + s)
+        static_x.copy_(x)
+        graph.replay()
+        _equal(f"gemv graph replay {s}", static_y.clone(), gemv.gemv(x, w, launch=launch))
 
 
 def _forward_logits(lm, backends, device) -> torch.Tensor:

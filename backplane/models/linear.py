@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backplane.models import kernels
+
 #: Whether this torch build has oneDNN's linear kernel (x86 and Arm builds usually
 #: do). Decided at import: the check cannot run inside a ``torch.compile`` trace.
 _ONEDNN_LINEAR = bool(torch.backends.mkldnn.is_available()) and hasattr(
@@ -100,14 +102,57 @@ def dense(
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose product runs through :func:`dense` (same parameters, same checkpoint names)."""
+    """``nn.Linear`` whose product runs through :func:`dense` (same parameters, same checkpoint names).
+
+    With ``fused_ops = "triton"`` (set by
+    :meth:`~backplane.models.base.CausalLM.set_fused_ops`), a one-row input on a
+    CUDA device runs the split-K kernel of :mod:`backplane.models.kernels.gemv`
+    where that kernel is faster than cuBLAS for the weight's shape (batch-1
+    decode of tall and small projections; see
+    :func:`~backplane.models.kernels.gemv.plan`). Traced and compiled calls
+    keep :func:`dense`.
+    """
 
     #: the weight in oneDNN's blocked layout, once :meth:`pack` has run
     packed_weight: torch.Tensor | None = None
+    #: ``"torch"`` or ``"triton"``: who runs one-row products on CUDA
+    fused_ops: str = "torch"
+    #: the split-K launch for this weight once decided (``()``: cuBLAS is as fast)
+    _gemv_launch: tuple[int, ...] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Project ``x``; see :func:`dense`."""
+        """Project ``x``; see :func:`dense` and the class docstring."""
+        if (
+            self.fused_ops == "triton"
+            and not torch.compiler.is_compiling()
+            and x.is_cuda
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and x.stride(-1) == 1
+            and not torch.is_grad_enabled()
+        ):
+            launch = self._gemv_launch
+            if launch is None:
+                launch = self._gemv_launch = self._plan_gemv(x)
+            if launch:
+                return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch)
         return dense(x, self.weight, self.bias, self.packed_weight)
+
+    def _plan_gemv(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS."""
+        w = self.weight
+        if (
+            self.packed_weight is not None
+            or w.dtype != x.dtype
+            or w.stride(-1) != 1
+            or (self.bias is not None and not self.bias.is_contiguous())
+        ):
+            return ()
+        gemv = kernels.load_gemv()
+        if x.dtype not in gemv.DTYPES:
+            return ()
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return gemv.plan(w.shape[0], w.shape[1], sms) or ()
 
     def pack(self, rows: int, *, release: bool) -> bool:
         """Pack the weight for CPU inference (see :func:`pack_weight`).

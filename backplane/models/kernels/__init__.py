@@ -1,8 +1,9 @@
-"""Triton kernels for the models' fused elementwise work.
+"""Triton kernels for the models' fused elementwise work and one-row projections.
 
-The kernels (:mod:`.elementwise`) import ``triton``; this package does not, so
-the models import cleanly without it. :func:`unavailable_reason` says whether
-the kernels can run on a device, and :func:`load` imports them.
+The kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
+does not, so the models import cleanly without it. :func:`unavailable_reason`
+says whether the kernels can run on a device, :func:`load` and
+:func:`load_gemv` import them.
 """
 
 from __future__ import annotations
@@ -54,3 +55,13 @@ def load() -> ModuleType:
     :raises ImportError: when ``triton`` cannot be imported.
     """
     return importlib.import_module("backplane.models.kernels.elementwise")
+
+
+@functools.cache
+def load_gemv() -> ModuleType:
+    """Import the one-row projection kernel once and return :mod:`.gemv`.
+
+    :return: the module.
+    :raises ImportError: when ``triton`` cannot be imported.
+    """
+    return importlib.import_module("backplane.models.kernels.gemv")

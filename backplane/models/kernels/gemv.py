@@ -1,0 +1,197 @@
+"""A split-K matrix-vector product for one-row projections (batch-1 decode).
+
+At one input row a projection reads its whole weight to produce one output row,
+so its time is the weight's bytes over the memory bandwidth, if enough loads
+are in flight. cuBLAS reaches that for wide projections (many output rows), but
+not for tall ones (few output rows, a long reduction: a down projection, a
+Mamba2 out projection) nor for small ones: those run split-K with a second
+reduce kernel, at 45-60% of the read bandwidth on an H200
+(``benchmarks/gemv.py``).
+
+:func:`gemv` splits the reduction dimension ``K`` into ``split_k`` parts and the
+output rows into blocks of ``block_n``; each program streams its
+``[block_n, K / split_k]`` slice of the weight in ``block_k`` chunks,
+accumulating in float32, and stores its partial sums. The program that
+finishes a row block last (an arrival counter per block, reset by that program,
+so the kernel needs no zeroed buffer and replays in a CUDA graph) adds the
+partials in split order, adds the bias, and writes the row in the input's
+dtype. One launch, deterministic results.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backplane.models.kernels import interpreting
+
+#: dtypes the kernel reads and writes
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: largest arrival-counter block per device; grows on demand (never freed: a
+#: captured graph keeps using the buffer it was captured with)
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    N,
+    K,
+    k_per_split,
+    split_k,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < k_end
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    part = tl.sum(acc, axis=1)
+    if not SPLIT:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, part.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(part_ptr + pid_k * N + rn, part, mask=n_ok)
+        # Every thread's partial stores come before the (releasing) arrival.
+        tl.debug_barrier()
+        counter = count_ptr + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
+            total = tl.zeros([BLOCK_N], tl.float32)
+            # In split order, whichever program arrives last: the same sums
+            # every run. Loads bypass L1 (".cg"): other SMs wrote the partials.
+            for s in range(0, split_k):
+                total += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(counter, 0)
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``count`` row blocks (each launch leaves them zero)."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < count:
+        bufs.append(
+            torch.zeros(max(triton.next_power_of_2(count), 1024), dtype=torch.int32, device=device)
+        )
+    return bufs[-1]
+
+
+#: weights up to this many elements count as small (16 MiB in 16-bit types)
+SMALL_WEIGHT = 1 << 23
+
+
+def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
+    """The launch shape for an ``[n, k]`` weight, or ``None`` where cuBLAS is as fast.
+
+    Measured on an H200 at one row, weights cold in L2 (``benchmarks/gemv.py``,
+    Llama-1B and Nemotron-H 0.85B projections):
+
+    * tall weights (``k >= 2n``: down and Mamba2 out projections) split the
+      reduction until about three programs per SM are in flight, at least
+      1024 columns per split, in row blocks of 16 and steps of 256: 8192 ->
+      2048 in 11.9 us against cuBLAS's 14.1, 4096 -> 2048 in 8.0 against 9.5;
+    * small weights (up to :data:`SMALL_WEIGHT` elements: attention
+      projections) run unsplit, in row blocks of 8 and steps of 512: 2048 ->
+      2048 in 5.3 us against 6.1, 2048 -> 3072 in 6.0 against 6.2;
+    * wide weights (gate/up, Mamba2 in projections, LM heads) stay with cuBLAS,
+      which reads them at 75-95% of the bandwidth; the kernel was no faster.
+
+    :param n: output features.
+    :param k: input features.
+    :param sms: the device's multiprocessor count.
+    :return: ``(block_n, block_k, split_k)`` (``split_k`` a power of two), or ``None``.
+    """
+    if k >= 2 * n:
+        block_n, block_k = 16, 256
+        blocks = triton.cdiv(n, block_n)
+        split_k = 1
+        while blocks * split_k < 3 * sms and k // (split_k * 2) >= 1024:
+            split_k *= 2
+        return block_n, block_k, split_k
+    if n * k <= SMALL_WEIGHT:
+        return 8, 512, 1
+    return None
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    launch: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for one input row, as :func:`torch.nn.functional.linear`.
+
+    :param x: ``[1, K]`` (or ``[K]``) with unit stride along ``K``.
+    :param weight: ``[N, K]`` with unit stride along ``K``, the dtype of ``x``.
+    :param bias: optional ``[N]``, contiguous.
+    :param launch: ``(block_n, block_k, split_k)``, ``block_n`` and ``block_k``
+        powers of two; default: :func:`plan`'s choice, or one split in row blocks
+        of 16 where it leaves the weight to cuBLAS.
+    :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
+    :raises ValueError: for more than one row or mismatched shapes.
+    """
+    row = x.reshape(-1) if x.dim() == 2 else x
+    if (x.dim() == 2 and x.shape[0] != 1) or x.dim() > 2 or row.stride(0) != 1:
+        raise ValueError(f"gemv takes one unit-stride row, got shape {tuple(x.shape)}")
+    n, k = weight.shape
+    if row.shape[0] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if launch is None:
+        sms = (
+            4
+            if interpreting()
+            else torch.cuda.get_device_properties(x.device).multi_processor_count
+        )
+        launch = plan(n, k, sms) or (16, 256, 1)
+    block_n, block_k, split_k = launch
+    blocks = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    if split_k > 1:
+        part = torch.empty(split_k * n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, blocks)
+    else:
+        part = counters = y  # unused placeholders
+    _gemv_kernel[(blocks, split_k)](
+        row,
+        weight,
+        bias if bias is not None else y,
+        y,
+        part,
+        counters,
+        n,
+        k,
+        k_per_split,
+        split_k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT=split_k > 1,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return y.view(1, n) if x.dim() == 2 else y
