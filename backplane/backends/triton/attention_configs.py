@@ -12,7 +12,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from backplane.backends.triton._common import MAX_KV_SPLITS, device_parallelism
+from backplane.backends.triton._common import MAX_KV_SPLITS, device_parallelism, next_pow2
 from backplane.core.metadata import BatchMetadata
 
 #: Index of the first config that fitted the device, per launch key.
@@ -92,29 +92,32 @@ def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, 
         return
 
 
-KEYS_PER_SPLIT = 64
-"""The fewest keys a decode split is given. At one sequence and a short context the
-splits are latency-bound (one page walk each); on an H200, Llama-1B's layer
-(32/8 heads of 64) at 576 keys took 6.5 us per layer with 8 splits of 72 keys
-against 7.7 us with 4 of 144 (``benchmarks/decode_splits.py``)."""
+KEYS_PER_SPLIT = 128
+"""About how many keys a decode split is given. At one sequence each split is a
+latency-bound page walk; Llama-1B's layer (32/8 heads of 64) on an H200, the
+calls of 16 layers in one graph (``benchmarks/decode_splits.py``), us per layer:
+576 keys: 7.7 with 4 splits, 6.5 with 8; 1024 keys: 6.5 with 8, 6.9 with 16;
+2048 keys: 9.4 with 8, 8.1 with 16, 15.4 with 32. So the context's count of
+128-key blocks is rounded up to a power of two: 5 blocks get 8 splits."""
 
 
 def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: torch.device) -> int:
     """Pick how many key splits each decode sequence gets.
 
-    Enough splits to fill the device (about two programs per SM), but no more
-    than one split per :data:`KEYS_PER_SPLIT` keys of the longest context (host
-    value), and at most :data:`MAX_KV_SPLITS`, rounded down to a power of two.
-    The kernel derives each split's range from the sequence length on the
-    device, so any value is correct for any lengths (a decode graph captured
-    with one value replays correctly for others).
+    Enough splits to fill the device (about two programs per SM, and at most
+    :data:`MAX_KV_SPLITS`, rounded down to a power of two), but no more than
+    the longest context's (host value) count of :data:`KEYS_PER_SPLIT`-key
+    blocks rounded up to a power of two. The kernel derives each split's range
+    from the sequence length on the device, so any value is correct for any
+    lengths (a decode graph captured with one value replays correctly for
+    others).
     """
     n = batch.num_decode_seqs
     if n == 0:
         return 1
     want = triton.cdiv(device_parallelism(device), max(n * programs_per_split, 1))
-    by_len = triton.cdiv(max(batch.max_seq_len, 1), KEYS_PER_SPLIT)
-    splits = int(max(1, min(want, by_len, MAX_KV_SPLITS)))
-    # A power of two: the count is a compile-time constant of the kernel, so
+    fill = int(max(1, min(want, MAX_KV_SPLITS)))
+    # Powers of two: the count is a compile-time constant of the kernel, so
     # free values would compile a new variant for nearly every mixed step.
-    return 1 << (splits.bit_length() - 1)
+    by_len = next_pow2(triton.cdiv(max(batch.max_seq_len, 1), KEYS_PER_SPLIT))
+    return min(1 << (fill.bit_length() - 1), by_len)
