@@ -40,6 +40,7 @@ CHECKS = (
     "mla_mixed",
     "mla_wide_latent",
     "conv_mixed",
+    "conv_decode",
     "ssm_decode",
     "ssm_mixed",
     "ssm_packed",
@@ -425,18 +426,17 @@ def _conv_ref(x, w, b, state, has_init):
     return torch.nn.functional.silu(y), xs[:, -(K - 1) :]
 
 
-def check_conv_mixed():
-    """Our causal-conv kernel: prefill, extend with state, decode, short sequences, padding."""
+def _conv_case(query_lens, cached_lens, *, C=24, K=4, padded=12, wide=0, seed=2):
+    """Run our causal conv on one batch and check every output row and state slot."""
     import torch
 
     from backplane.backends.triton.ssm import causal_conv
     from backplane.core.forward_context import forward_context
 
-    torch.manual_seed(2)
-    C, K = 24, 4
-    batch = _batch([6, 2, 1, 1], [0, 5, 3, 8], 4, 12, padded=12)
+    torch.manual_seed(seed)
+    batch = _batch(query_lens, cached_lens, 4, 12, padded=padded)
     T = batch.padded_num_tokens
-    x = torch.randn(T, C)
+    x = torch.randn(T, C + wide)[:, wide:]  # rows strided when wide > 0
     w, b = torch.randn(C, K), torch.randn(C)
     state = torch.randn(6, C, K - 1)
     before = state.clone()
@@ -455,6 +455,18 @@ def check_conv_mixed():
         raise AssertionError("conv touched a slot that no sequence owns")
     if not (out[batch.num_tokens :] == 0).all():
         raise AssertionError("padding rows are not zero")
+
+
+def check_conv_mixed():
+    """Our causal-conv kernel: prefill, extend with state, decode, short sequences, padding."""
+    _conv_case([6, 2, 1, 1], [0, 5, 3, 8])
+
+
+def check_conv_decode():
+    """Decode-only steps take the one-launch kernel: output and shifted state, with and
+    without a prior state (a one-token prompt), strided rows, padding, kernel widths 4 and 2."""
+    _conv_case([1, 1, 1], [0, 5, 9], wide=5, padded=8)
+    _conv_case([1, 1], [3, 7], K=2, C=70, padded=4, seed=3)
 
 
 def check_ssm_decode():

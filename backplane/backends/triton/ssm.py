@@ -9,7 +9,10 @@ Two cached ops:
     ``has_initial_state``, else zeros). ``_conv_state_kernel`` then stores the
     last ``kernel_size - 1`` inputs of each sequence (new tokens, topped up from
     the old state for short chunks) back into the slot. Two launches, so that
-    no program reads a state another program already overwrote.
+    no program reads a state another program already overwrote. A decode-only
+    step (one new token per sequence) takes ``_conv_decode_kernel`` instead:
+    one program per (sequence, channel block) reads its window, writes the
+    output, then shifts its own slot by one; one launch per layer.
 
 ``backplane_triton::ssm_scan``
     Prefill/extend sequences are scanned packed, as they lie in the batch: one
@@ -179,6 +182,72 @@ def _conv_state_kernel(
     tl.store(base + offs_k[None, :] * stride_sk, new, mask=c_mask[:, None] & k_mask[None, :])
 
 
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    state_ptr,
+    o_ptr,
+    qsl_ptr,
+    slots_ptr,
+    has_init_ptr,
+    stride_xt,
+    stride_wc,
+    stride_wk,
+    stride_ss,
+    stride_sc,
+    stride_sk,
+    stride_ot,
+    C,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One new token of one sequence (one channel block): its output and the shifted state.
+
+    The taps are summed in the order of ``_conv_kernel`` (bias, then the state's
+    taps oldest first, then the new input), so a decode step gives the same bits
+    as the general kernel; the state update that kernel leaves to
+    ``_conv_state_kernel`` happens here, in the same launch.
+    """
+    seq = tl.program_id(0)
+    cb = tl.program_id(1)
+    start = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) > start:
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        has_init = tl.load(has_init_ptr + seq).to(tl.int32)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = offs_c < C
+        from_state = c_mask & ((offs_c * 0 + has_init) != 0)
+        base = state_ptr + slot * stride_ss + offs_c * stride_sc
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + start.to(tl.int64) * stride_xt + offs_c, mask=c_mask, other=0.0)
+        for k in tl.static_range(K):
+            w = tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=c_mask, other=0.0)
+            if k < K - 1:
+                tap = tl.load(base + k * stride_sk, mask=from_state, other=0.0).to(tl.float32)
+            else:
+                tap = xv.to(tl.float32)
+            acc += tap * w.to(tl.float32)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(
+            o_ptr + start.to(tl.int64) * stride_ot + offs_c,
+            acc.to(o_ptr.dtype.element_ty),
+            mask=c_mask,
+        )
+        # Shift the window by one: every thread reads its channels' taps before
+        # overwriting them, the new input goes last.
+        for k in tl.static_range(K - 2):
+            nxt = tl.load(base + (k + 1) * stride_sk, mask=from_state, other=0.0)
+            tl.store(base + k * stride_sk, nxt, mask=c_mask)
+        tl.store(base + (K - 2) * stride_sk, xv.to(state_ptr.dtype.element_ty), mask=c_mask)
+
+
 @cached_op(
     "backplane_triton::causal_conv",
     mutates_args=("conv_state", "out"),
@@ -210,8 +279,18 @@ def causal_conv(
             x = x.contiguous()
         C, K = weight.shape
         max_q = int(batch.max_query_len)
-        block_t = min(64, next_pow2(max_q))
         block_c = 64 if C >= 64 else next_pow2(C)
+        if max_q == 1 and K > 1:
+            # decode only: output and state update in one launch
+            _conv_decode_kernel[(n, triton.cdiv(C, block_c))](
+                x, weight, bias if bias is not None else weight, conv_state, buf,
+                batch.query_start_loc, batch.state_slots, batch.has_initial_state,
+                x.stride(0), weight.stride(0), weight.stride(1),
+                conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), buf.stride(0),
+                C, K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_C=block_c,
+            )  # fmt: skip
+            return finish_output(out, buf, batch.num_tokens)
+        block_t = min(64, next_pow2(max_q))
         grid = (n, triton.cdiv(max_q, block_t), triton.cdiv(C, block_c))
         _conv_kernel[grid](
             x, weight, bias if bias is not None else weight, conv_state, buf,
