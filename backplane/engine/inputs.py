@@ -376,7 +376,8 @@ class InputBatch:
             logits_dev = d["logits_indices"][:num_sample]
             layout.views[-1 - num_sample] = logits_dev
         if pending is not None:
-            self._fill_pending(d, shape.num_tokens - num_decode, num_decode)
+            every = bool((pending >= 0).all())
+            self._fill_pending(d, shape.num_tokens - num_decode, num_decode, every)
         if mode is not EAGER:
             mode.check(n, num_decode, padded)
         metadata = BatchMetadata(
@@ -402,16 +403,26 @@ class InputBatch:
             order=perm,
         )
 
-    def _fill_pending(self, d: dict[str, torch.Tensor], first_decode_row: int, n: int) -> None:
+    def _fill_pending(
+        self, d: dict[str, torch.Tensor], first_decode_row: int, n: int, every: bool
+    ) -> None:
         """Overwrite placeholder decode tokens with the previous step's samples, on the device.
 
         Runs on the compute stream after the step's input copy and before its
         forward, and after the previous step's sampling: stream order makes the
         read safe without a host synchronisation.
+
+        :param every: every decode row is a placeholder (the steady state of
+            asynchronous decoding): one gather straight into the rows, instead of
+            five launches that keep the rows whose tokens the host already had.
+            At batch 1 each launch is host time the device waits for.
         """
         assert self.pending_source is not None
         ids = d["input_ids"][first_decode_row : first_decode_row + n]
         src = d["pending_src"][:n]
+        if every and self.pending_source.dtype == ids.dtype:
+            torch.index_select(self.pending_source, 0, src, out=ids)
+            return
         picked = self.pending_source.index_select(0, src.clamp(min=0))
         ids.copy_(torch.where(src >= 0, picked, ids))
 
