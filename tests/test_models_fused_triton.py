@@ -670,6 +670,13 @@ def check_gemv(device: torch.device) -> None:
             ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
             _within(name, got, ref, _gemv_bound(x, w, bias, ref))
             _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
+    w = _randn(4, 8, dtype=torch.float32, device=device, seed=1)
+    for bad in ((2, 8), (1, 1, 8), (1, 9)):
+        try:
+            gemv.gemv(torch.zeros(bad, device=device), w)
+        except ValueError:
+            continue
+        raise AssertionError(f"gemv accepted an input of shape {bad} for a 4x8 weight")
     if device.type != "cuda":
         return
     from backplane.models.linear import Linear

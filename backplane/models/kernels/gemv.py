@@ -154,9 +154,9 @@ def gemv(
     :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
     :raises ValueError: for more than one row or mismatched shapes.
     """
-    row = x.reshape(-1) if x.dim() == 2 else x
-    if (x.dim() == 2 and x.shape[0] != 1) or x.dim() > 2 or row.stride(0) != 1:
+    if not (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)) or x.stride(-1) != 1:
         raise ValueError(f"gemv takes one unit-stride row, got shape {tuple(x.shape)}")
+    row = x.reshape(-1)
     n, k = weight.shape
     if row.shape[0] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
