@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import DT, _batch, _rnd  # noqa: E402
+from bench_ops import DT, _batch, _rnd, graph_time  # noqa: E402
 
 from backplane.backends.triton import attention_launch as tri  # noqa: E402
 from backplane.backends.triton.attention_configs import _cfg, choose_num_splits  # noqa: E402
@@ -40,23 +40,7 @@ CONFIGS: list[dict | None] = [None] + [
 
 def per_layer_us(fn: Callable[[], None], layers: int, repeats: int = 15) -> float:
     """Median microseconds per layer of ``fn`` (all layers' calls) replayed in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / layers)
-    return sorted(times)[len(times) // 2]
+    return graph_time(fn, repeats) * 1e3 / layers
 
 
 def sweep(batch_size: int, ctx: int, splits_list: list[int], layers: int) -> list[dict]:
