@@ -48,8 +48,15 @@ _DECODE_CONFIGS: dict[str, list[dict]] = {
     "big": [_cfg(None, 32, 8, 2), _cfg(None, 16, 8, 1)],
     "wide_head": [_cfg(None, 32, 4, 2)],
     "split": [_cfg(None, 128, 4, 2), _cfg(None, 64, 4, 2)],
+    "many_splits": [_cfg(None, 128, 8, 2), _cfg(None, 128, 4, 2), _cfg(None, 64, 4, 2)],
     "unsplit": [_cfg(None, 64, 4, 2)],
 }
+# "many_splits": 16 or more splits of a head dim up to 64 (one sequence, a long
+# context or a decode graph captured at a long max_model_len). With 32 splits the
+# 4-warp configurations took 13-16 us per layer and 128 keys x 8 warps 7.7-8.4
+# (Llama-1B's layer at 1024 and 2048 keys on an H200, benchmarks/decode_splits.py);
+# with 16 splits 8 warps was as fast or up to 0.2 us faster.
+_MANY_SPLITS = 16
 
 
 def _prefill_class(big: bool, max_q: int, dk: int) -> str:
@@ -69,6 +76,8 @@ def _decode_class(big: bool, dk: int, num_splits: int) -> str:
         return "big"
     if dk > 128:
         return "wide_head"
+    if num_splits >= _MANY_SPLITS and dk <= 64:
+        return "many_splits"
     return "split" if num_splits > 1 else "unsplit"
 
 
