@@ -190,6 +190,9 @@ class CausalLM(nn.Module):
 
         Every module with a ``fused_ops`` attribute (the model's own included)
         gets the resolved choice; call it before any CUDA graph is captured.
+        With Triton, the projections (:class:`~backplane.models.linear.Linear`)
+        also run their one-row products on CUDA with the split-K GEMV where it
+        is faster than cuBLAS.
 
         :param choice: ``"auto"``, ``"torch"`` or ``"triton"`` (see
             :func:`~backplane.models.fused.resolve_fused_ops`), for the device
