@@ -280,25 +280,21 @@ def causal_conv(
         C, K = weight.shape
         max_q = int(batch.max_query_len)
         block_c = 64 if C >= 64 else next_pow2(C)
-        if max_q == 1 and K > 1:
-            # decode only: output and state update in one launch
-            _conv_decode_kernel[(n, triton.cdiv(C, block_c))](
-                x, weight, bias if bias is not None else weight, conv_state, buf,
-                batch.query_start_loc, batch.state_slots, batch.has_initial_state,
-                x.stride(0), weight.stride(0), weight.stride(1),
-                conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), buf.stride(0),
-                C, K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_C=block_c,
-            )  # fmt: skip
-            return finish_output(out, buf, batch.num_tokens)
-        block_t = min(64, next_pow2(max_q))
-        grid = (n, triton.cdiv(max_q, block_t), triton.cdiv(C, block_c))
-        _conv_kernel[grid](
+        # the two conv kernels take the same arguments
+        args = (
             x, weight, bias if bias is not None else weight, conv_state, buf,
             batch.query_start_loc, batch.state_slots, batch.has_initial_state,
             x.stride(0), weight.stride(0), weight.stride(1),
-            conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), buf.stride(0),
-            C, K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_T=block_t, BLOCK_C=block_c,
+            conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), buf.stride(0), C,
         )  # fmt: skip
+        meta = dict(K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_C=block_c)
+        if max_q == 1 and K > 1:
+            # decode only: output and state update in one launch
+            _conv_decode_kernel[(n, triton.cdiv(C, block_c))](*args, **meta)
+            return finish_output(out, buf, batch.num_tokens)
+        block_t = min(64, next_pow2(max_q))
+        grid = (n, triton.cdiv(max_q, block_t), triton.cdiv(C, block_c))
+        _conv_kernel[grid](*args, **meta, BLOCK_T=block_t)
         if K > 1:
             _conv_state_kernel[(n, triton.cdiv(C, block_c))](
                 x, conv_state, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
