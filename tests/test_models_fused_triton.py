@@ -670,6 +670,7 @@ def check_gemv(device: torch.device) -> None:
             ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
             _within(name, got, ref, _gemv_bound(x, w, bias, ref))
             _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
+    _check_gemv_activations(gemv, device)
     w = _randn(4, 8, dtype=torch.float32, device=device, seed=1)
     for bad in ((2, 8), (1, 1, 8), (1, 9)):
         try:
@@ -699,6 +700,18 @@ def check_gemv(device: torch.device) -> None:
                 )
             x2 = _randn(2, k, dtype=torch.bfloat16, device=device, seed=7)
             _equal(f"Linear {n}x{k} two rows", lin(x2), F.linear(x2, lin.weight, lin.bias))
+    from backplane.models.mlp import MLP
+
+    mlp = MLP(2048, 8192, act="relu2", gated=False).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(_randn(*p.shape, dtype=p.dtype, device=device, seed=p.numel(), scale=0.02))
+    mlp.fused_ops = mlp.up_proj.fused_ops = mlp.down_proj.fused_ops = "triton"
+    x = _randn(1, 2048, dtype=torch.bfloat16, device=device, seed=11)
+    with torch.inference_mode():
+        # The epilogue against the projection stored and activated by torch.
+        want = mlp.down_proj(torch.square(F.relu(mlp.up_proj(x))))
+        _equal("MLP relu2, one row (activation in the up projection)", mlp(x), want)
     # Captured with one input, replayed with others: the counters left at zero by
     # each launch let every replay merge its own partials.
     w = _randn(2048, 8192, dtype=torch.bfloat16, device=device, seed=3, scale=8192**-0.5)
@@ -713,6 +726,37 @@ def check_gemv(device: torch.device) -> None:
         static_x.copy_(x)
         graph.replay()
         _equal(f"gemv graph replay {s}", static_y.clone(), gemv.gemv(x, w, launch=launch))
+
+
+def _check_gemv_activations(gemv: Any, device: torch.device) -> None:
+    """``gemv(..., act=a)`` equals the activation kernel applied to the plain product, bit for
+    bit, split or not; ReLU and ReLU² also equal torch's functions of the stored product."""
+    from backplane.models.kernels import load
+
+    elementwise = load()
+    if _small(device):
+        cases = [((40, 1000), None), ((33, 512), (8, 64, 4))]
+    else:
+        cases = [((8192, 2048), None), ((2048, 8192), None), ((33, 3000), (8, 64, 3))]
+    torch_acts = {"relu": F.relu, "relu2": lambda y: torch.square(F.relu(y))}
+    seed = 500
+    for ((n, k), launch), dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+        seed += 1
+        x = _randn(1, k, dtype=dtype, device=device, seed=seed)
+        w = _randn(n, k, dtype=dtype, device=device, seed=seed + 1, scale=k**-0.5)
+        b = _randn(n, dtype=dtype, device=device, seed=seed + 2)
+        plain = gemv.gemv(x, w, b, launch=launch)
+        for act in ("relu", "relu2", "silu"):
+            name = f"gemv {n}x{k} {dtype} launch={launch} act={act}"
+            got = gemv.gemv(x, w, b, launch=launch, act=act)
+            _equal(name, got, elementwise.activation(plain, act))
+            if act in torch_acts:
+                _equal(name + " (torch)", got, torch_acts[act](plain))
+    try:
+        gemv.gemv(x, w, act="tanh")
+    except ValueError:
+        return
+    raise AssertionError("gemv accepted an unknown activation")
 
 
 def _forward_logits(lm, backends, device) -> torch.Tensor:

@@ -122,6 +122,28 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project ``x``; see :func:`dense` and the class docstring."""
+        launch = self._one_row_launch(x)
+        if launch:
+            return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch)
+        return dense(x, self.weight, self.bias, self.packed_weight)
+
+    def forward_activated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """``act(self(x))`` in one kernel, where the one-row kernel runs this projection.
+
+        :param x: the input, as for :meth:`forward`.
+        :param act: the activation's kernel name (a key of
+            :data:`~backplane.models.kernels.elementwise.ACT_CODES`).
+        :return: the activated output, rounded as the projection followed by
+            the activation kernel round it; ``None`` where :meth:`forward` would
+            not use the one-row kernel (the caller applies the activation).
+        """
+        launch = self._one_row_launch(x)
+        if not launch:
+            return None
+        return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch, act=act)
+
+    def _one_row_launch(self, x: torch.Tensor) -> tuple[int, ...] | None:
+        """The split-K launch for ``x``, or ``None``/``()`` where :func:`dense` runs it."""
         if (
             self.fused_ops == "triton"
             and not torch.compiler.is_compiling()
@@ -134,9 +156,8 @@ class Linear(nn.Linear):
             launch = self._gemv_launch
             if launch is None:
                 launch = self._gemv_launch = self._plan_gemv(x)
-            if launch:
-                return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch)
-        return dense(x, self.weight, self.bias, self.packed_weight)
+            return launch
+        return None
 
     def _plan_gemv(self, x: torch.Tensor) -> tuple[int, ...]:
         """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS."""

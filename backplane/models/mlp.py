@@ -35,6 +35,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+#: activations the one-row projection kernel applies as its epilogue, by
+#: function (those whose float32 arithmetic the kernel reproduces exactly)
+_EPILOGUE_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], str] = {
+    F.relu: "relu",
+    relu_squared: "relu2",
+    F.silu: "silu",
+}
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """Return the activation function called ``name`` in HF configs.
 
@@ -102,5 +111,10 @@ class MLP(nn.Module):
         if self.gated:
             h = act_and_mul(self.gate_up_proj(x), self.act_fn, fused_ops=self.fused_ops)
         else:
-            h = apply_activation(self.up_proj(x), self.act_fn, fused_ops=self.fused_ops)
+            h = None
+            if self.fused_ops == "triton" and self.act_fn in _EPILOGUE_ACTS:
+                # One-row decode: the activation as the up projection's epilogue.
+                h = self.up_proj.forward_activated(x, _EPILOGUE_ACTS[self.act_fn])
+            if h is None:
+                h = apply_activation(self.up_proj(x), self.act_fn, fused_ops=self.fused_ops)
         return self.down_proj(h)

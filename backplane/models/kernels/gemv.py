@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from backplane.models.kernels import interpreting
+from backplane.models.kernels.elementwise import _EXACT_MATH, ACT_CODES, INTERPRET, _act, _round
 
 #: dtypes the kernel reads and writes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,6 +52,9 @@ def _gemv_kernel(
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -71,7 +75,7 @@ def _gemv_kernel(
     if not SPLIT:
         if HAS_BIAS:
             part += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, part.to(y_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(y_ptr + rn, _epilogue(part, y_ptr, ACT, INTERPRET, EXACT), mask=n_ok)
     else:
         tl.store(part_ptr + pid_k * N + rn, part, mask=n_ok)
         # Every thread's partial stores come before the (releasing) arrival.
@@ -85,8 +89,21 @@ def _gemv_kernel(
                 total += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(y_ptr + rn, _epilogue(total, y_ptr, ACT, INTERPRET, EXACT), mask=n_ok)
             tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _epilogue(y, y_ptr, ACT: tl.constexpr, INTERPRET: tl.constexpr, EXACT: tl.constexpr):
+    """The float32 sums as ``y_ptr``'s dtype, through the activation ``ACT`` (< 0: none)."""
+    dt = y_ptr.dtype.element_ty
+    # Rounded to nearest (the interpreter's casts truncate), then, as an
+    # activation applied to the stored product would see it, activated and
+    # rounded again.
+    y = _round(y, dt, INTERPRET)
+    if ACT >= 0:
+        y = _round(_act(y, ACT, EXACT), dt, INTERPRET)
+    return y.to(dt)
 
 
 def _counters(device: torch.device, count: int) -> torch.Tensor:
@@ -152,6 +169,7 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     launch: tuple[int, int, int] | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one input row, as :func:`torch.nn.functional.linear`.
 
@@ -161,8 +179,12 @@ def gemv(
     :param launch: ``(block_n, block_k, split_k)``, ``block_n`` and ``block_k``
         powers of two; default: :func:`plan`'s choice, or one split in row blocks
         of 16 where it leaves the weight to cuBLAS.
+    :param act: an activation applied to the product before it is stored (a
+        key of :data:`~backplane.models.kernels.elementwise.ACT_CODES`, e.g.
+        ``"relu2"``), with the roundings of the projection followed by the
+        activation kernel; ``None`` for the plain product.
     :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
-    :raises ValueError: for more than one row or mismatched shapes.
+    :raises ValueError: for more than one row, mismatched shapes or an unknown activation.
     """
     if not (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)) or x.stride(-1) != 1:
         raise ValueError(f"gemv takes one unit-stride row, got shape {tuple(x.shape)}")
@@ -170,6 +192,8 @@ def gemv(
     n, k = weight.shape
     if row.shape[0] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if act is not None and act not in ACT_CODES:
+        raise ValueError(f"gemv: unknown activation {act!r}; known: {', '.join(ACT_CODES)}")
     if launch is None:
         sms = (
             4
@@ -203,5 +227,8 @@ def gemv(
         SPLIT=split_k > 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        ACT=-1 if act is None else ACT_CODES[act],
+        INTERPRET=INTERPRET,
+        EXACT=_EXACT_MATH,
     )
     return y.view(1, n) if x.dim() == 2 else y
