@@ -671,6 +671,7 @@ def check_gemv(device: torch.device) -> None:
             _within(name, got, ref, _gemv_bound(x, w, bias, ref))
             _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
     _check_gemv_activations(gemv, device)
+    _check_norm_gemv(gemv, device)
     w = _randn(4, 8, dtype=torch.float32, device=device, seed=1)
     for bad in ((2, 8), (1, 1, 8), (1, 9)):
         try:
@@ -759,8 +760,66 @@ def _check_gemv_activations(gemv: Any, device: torch.device) -> None:
     raise AssertionError("gemv accepted an unknown activation")
 
 
+def _check_norm_gemv(gemv: Any, device: torch.device) -> None:
+    """``norm_gemv`` against the norm kernel followed by ``gemv``: the residual stream bit for
+    bit, and every output element within what one unit in the last place of each normalised
+    input element (the float32 RMS may be summed in another order) and of the output allows;
+    with and without a residual, zero-centred or not, split or not, with an activation."""
+    from backplane.models.kernels import load
+
+    elementwise = load()
+    if _small(device):
+        cases = [((40, 1000), None), ((33, 512), (8, 64, 4))]
+    else:
+        cases = [((10304, 2048), None), ((3072, 2048), None), ((2048, 8192), None)]
+        cases.append(((33, 3000), (8, 64, 3)))
+    seed = 900
+    eps = 1e-5
+    for ((n, k), launch), dtype, with_res, zc in itertools.product(
+        cases, (torch.float32, torch.bfloat16), (False, True), (False, True)
+    ):
+        seed += 1
+        x = _randn(1, k, dtype=dtype, device=device, seed=seed)
+        r = _randn(1, k, dtype=dtype, device=device, seed=seed + 1) if with_res else None
+        g = _randn(k, dtype=dtype, device=device, seed=seed + 2, scale=0.5)
+        w = _randn(n, k, dtype=dtype, device=device, seed=seed + 3, scale=k**-0.5)
+        b = _randn(n, dtype=dtype, device=device, seed=seed + 4)
+        act = "relu2" if zc else None
+        name = f"norm_gemv {n}x{k} {dtype} launch={launch} residual={with_res} zc={zc}"
+        if r is None:
+            h, res = elementwise.rms_norm(x, g, eps, zc), x
+        else:
+            h, res = elementwise.add_rms_norm(x, r, g, eps, zc)
+        want = gemv.gemv(h, w, b, launch=launch, act=act)
+        got, got_res = gemv.norm_gemv(x, r, g, eps, zc, w, b, launch=launch, act=act)
+        assert got.shape == want.shape and got.dtype == dtype, name
+        if r is None:
+            assert got_res is x, f"{name}: without a residual the stream is x itself"
+        else:
+            _equal(name + " residual", got_res, res)
+        unit = _unit(dtype) * (2 if device.type == "cpu" and dtype != torch.float32 else 1)
+        slack = unit * (h.double().abs() @ w.double().abs().T)
+        if act is not None:
+            # ReLU² doubles relative errors of its input.
+            slack = 2 * slack * want.double().abs().sqrt() + slack**2
+        _within(name, got, want.double(), slack + 2 * unit * want.double().abs())
+    x = _randn(1, 16, dtype=torch.float32, device=device, seed=1)
+    w = _randn(4, 16, dtype=torch.float32, device=device, seed=2)
+    for bad_g, bad_r in (
+        (torch.ones(15, device=device), None),
+        (torch.ones(16, device=device), x.T),
+    ):
+        try:
+            gemv.norm_gemv(x, bad_r, bad_g, eps, False, w)
+        except ValueError:
+            continue
+        raise AssertionError("norm_gemv accepted a norm weight or residual that does not match x")
+
+
 def _forward_logits(lm, backends, device) -> torch.Tensor:
-    """Logits of a ragged prefill of three sequences, then one decode step of each."""
+    """Logits of a ragged prefill of three sequences, one decode step of each, then one decode
+    step of the third alone (one row: on CUDA the one-row projection kernels and the norms
+    fused into them run)."""
     from backplane.core.forward_context import forward_context, plan_step
     from backplane.core.metadata import build_batch_metadata
 
@@ -776,14 +835,18 @@ def _forward_logits(lm, backends, device) -> torch.Tensor:
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 3, 5)]
     tables = [[1, 2], [3], [4, 5]]
     logits = []
-    steps = [(prompts, [0, 0, 0]), ([[11], [12], [13]], [7, 3, 5])]
-    for tokens, cached in steps:
+    steps = [
+        (prompts, [0, 0, 0], tables, [1, 2, 3]),
+        ([[11], [12], [13]], [7, 3, 5], tables, [1, 2, 3]),
+        ([[14]], [6], tables[2:], [3]),
+    ]
+    for tokens, cached, step_tables, slots in steps:
         batch = build_batch_metadata(
             [len(p) for p in tokens],
             cached,
-            tables,
+            step_tables,
             page_size,
-            state_slots=[1, 2, 3],
+            state_slots=slots,
             device=device,
         )
         ids = torch.tensor([x for p in tokens for x in p], dtype=torch.int64, device=device)

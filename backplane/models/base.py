@@ -555,10 +555,20 @@ class DecoderLayer(nn.Module):
         :param rope: the forward's rotary ``cos``/``sin``, or ``None``.
         :return: ``(output, residual)``; the layer's full result is their sum.
         """
-        h, residual = self.input_layernorm.norm_input(x, residual)
-        h = getattr(self, self.mixer_name)(positions, h, rope)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        mixer = getattr(self, self.mixer_name)
+        fused = self.input_layernorm.project_input(x, residual, mixer)
+        if fused is None:
+            h, residual = self.input_layernorm.norm_input(x, residual)
+            h = mixer(positions, h, rope)
+        else:
+            projected, residual = fused
+            h = mixer(positions, None, rope, projected=projected)
+        fused = self.post_attention_layernorm.project_input(h, residual, self.mlp)
+        if fused is None:
+            h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+            return self.mlp(h), residual
+        projected, residual = fused
+        return self.mlp(None, projected=projected), residual
 
 
 class DecoderOnlyLM(CausalLM):

@@ -142,12 +142,56 @@ class Linear(nn.Linear):
             return None
         return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch, act=act)
 
+    def forward_normed(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        zero_centered: bool,
+        act: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Project the RMS-normalised ``x (+ residual)`` in one kernel, where the one-row kernel runs.
+
+        See :func:`~backplane.models.kernels.gemv.norm_gemv`: the results are
+        those of the norm followed by :meth:`forward` (and ``act``).
+
+        :param x: a layer's output (or the embeddings), ``[1, in_features]``.
+        :param residual: the residual stream, or ``None`` when it starts at ``x``.
+        :param norm_weight: the norm's scale, ``[in_features]``.
+        :param eps: the norm's epsilon.
+        :param zero_centered: the norm weight stores ``w - 1``.
+        :param act: an activation applied as the epilogue, or ``None``.
+        :return: ``(output, residual stream)``, or ``None`` where the kernel
+            does not run this input (the caller normalises and projects).
+        """
+        launch = self._one_row_launch(x)
+        if (
+            not launch
+            or norm_weight.dtype != x.dtype
+            or not norm_weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1))
+            or (residual is not None and residual.dtype != x.dtype)
+        ):
+            return None
+        return kernels.load_gemv().norm_gemv(
+            x,
+            residual,
+            norm_weight,
+            eps,
+            zero_centered,
+            self.weight,
+            self.bias,
+            launch=launch,
+            act=act,
+        )
+
     def _one_row_launch(self, x: torch.Tensor) -> tuple[int, ...] | None:
         """The split-K launch for ``x``, or ``None``/``()`` where :func:`dense` runs it."""
         if (
             self.fused_ops == "triton"
             and not torch.compiler.is_compiling()
-            and x.is_cuda
+            and (x.is_cuda or kernels.interpreting())
             and x.dim() == 2
             and x.shape[0] == 1
             and x.stride(-1) == 1
@@ -172,7 +216,8 @@ class Linear(nn.Linear):
         gemv = kernels.load_gemv()
         if x.dtype not in gemv.DTYPES:
             return ()
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        # The interpreter (CPU tests) stands in for a small device.
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         return gemv.plan(w.shape[0], w.shape[1], sms) or ()
 
     def pack(self, rows: int, *, release: bool) -> bool:

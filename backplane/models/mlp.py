@@ -106,10 +106,34 @@ class MLP(nn.Module):
             self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block to ``x`` ``[T, hidden]``."""
+    def input_projection(self) -> tuple[Linear, str | None] | None:
+        """The first projection of the input and the activation it may apply as its epilogue.
+
+        A pre-norm layer may run its norm and this projection in one kernel and
+        pass the result to :meth:`forward` as ``projected``: ``gate_up_proj``
+        with no activation (the gated product follows), or ``up_proj`` with
+        the block's activation; ``None`` for a non-gated block whose
+        activation the projection kernel does not apply.
+        """
         if self.gated:
-            h = act_and_mul(self.gate_up_proj(x), self.act_fn, fused_ops=self.fused_ops)
+            return self.gate_up_proj, None
+        act = _EPILOGUE_ACTS.get(self.act_fn)
+        return None if act is None else (self.up_proj, act)
+
+    def forward(
+        self, x: torch.Tensor | None, *, projected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Apply the block to ``x`` ``[T, hidden]``.
+
+        :param x: the normalised input (``None`` when ``projected`` is given).
+        :param projected: what :meth:`input_projection` describes, already
+            computed for ``x``: the gate/up output, or the activated up output.
+        """
+        if self.gated:
+            gate_up = self.gate_up_proj(x) if projected is None else projected
+            h = act_and_mul(gate_up, self.act_fn, fused_ops=self.fused_ops)
+        elif projected is not None:
+            h = projected
         else:
             h = None
             if self.fused_ops == "triton" and self.act_fn in _EPILOGUE_ACTS:

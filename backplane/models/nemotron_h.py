@@ -84,6 +84,12 @@ class NemotronHBlock(nn.Module):
         :param residual: the residual stream, ``None`` for the first block.
         :return: ``(output, residual)``; the block's full result is their sum.
         """
+        fused = self.norm.project_input(x, residual, self.mixer)
+        if fused is not None:
+            projected, residual = fused
+            if self.kind in ("mamba", "attention"):
+                return self.mixer(positions, None, projected=projected), residual
+            return self.mixer(None, projected=projected), residual
         h, residual = self.norm.norm_input(x, residual)
         if self.kind in ("mamba", "attention"):
             return self.mixer(positions, h), residual

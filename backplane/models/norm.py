@@ -61,6 +61,38 @@ class RMSNorm(nn.Module):
             return self(x), x
         return self.add_and_norm(x, residual)
 
+    def project_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None, block: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Normalise a layer's input and run ``block``'s first projection in one kernel.
+
+        With ``fused_ops = "triton"``, at one token on a CUDA device, the norm
+        becomes the prologue of the block's first projection (see
+        :meth:`~backplane.models.linear.Linear.forward_normed`), so the
+        normalised row is never stored and one launch is saved per norm.
+
+        :param x: the previous layer's output, or the embeddings for the first layer.
+        :param residual: the residual stream, ``None`` for the first layer.
+        :param block: a mixer or feed-forward block with an ``input_projection()``
+            method (``(projection, activation)`` or ``None``).
+        :return: ``(the block's projected input, residual stream)`` to pass as
+            the block's ``projected`` argument, or ``None`` where the fused
+            kernel does not apply (the caller calls :meth:`norm_input` and the
+            block as usual).
+        """
+        # Before any shape test: a traced forward (piecewise graphs) must not
+        # specialise on the token count.
+        if self.fused_ops != "triton" or torch.compiler.is_compiling():
+            return None
+        if x.dim() != 2 or x.shape[0] != 1:
+            return None
+        first = getattr(block, "input_projection", None)
+        spec = first() if first is not None else None
+        if spec is None:
+            return None
+        proj, act = spec
+        return proj.forward_normed(x, residual, self.weight, self.eps, self.zero_centered, act)
+
 
 class GatedRMSNorm(nn.Module):
     """RMS normalisation gated by ``silu(gate)``, optionally in groups.

@@ -16,6 +16,17 @@ finishes a row block last (an arrival counter per block, reset by that program,
 so the kernel needs no zeroed buffer and replays in a CUDA graph) adds the
 partials in split order, adds the bias, and writes the row in the input's
 dtype. One launch, deterministic results.
+
+Two pieces of neighbouring elementwise work ride along, each saving a launch
+(and the gap before the next kernel) per layer at batch 1:
+
+* an activation epilogue (``act=``): a non-gated MLP's ReLU² applied to the up
+  projection's output before it is stored;
+* an RMS-norm prologue (:func:`norm_gemv`): a pre-norm layer's residual add and
+  RMS norm computed while the first projection reads its input, so the
+  normalised row is never stored.
+
+Both round as the separate kernels of :mod:`.elementwise` do.
 """
 
 from __future__ import annotations
@@ -25,7 +36,15 @@ import triton
 import triton.language as tl
 
 from backplane.models.kernels import interpreting
-from backplane.models.kernels.elementwise import _EXACT_MATH, ACT_CODES, INTERPRET, _act, _round
+from backplane.models.kernels.elementwise import (
+    _EXACT_MATH,
+    ACT_CODES,
+    INTERPRET,
+    MAX_ROW,
+    _act,
+    _inv_rms,
+    _round,
+)
 
 #: dtypes the kernel reads and writes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,6 +62,10 @@ def _gemv_kernel(
     y_ptr,
     part_ptr,
     count_ptr,
+    r_ptr,
+    g_ptr,
+    r_out_ptr,
+    eps,
     N,
     K,
     k_per_split,
@@ -53,11 +76,28 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ACT: tl.constexpr,
+    NORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    dt = x_ptr.dtype.element_ty
+    inv = 0.0
+    if NORM > 0:
+        # The input's RMS over the whole row, in every program (the row is a few
+        # KiB, read from L2); the first program stores the residual stream.
+        offs = tl.arange(0, BLOCK_D)
+        d_ok = offs < K
+        s = tl.load(x_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)
+        if NORM == 2:
+            r = tl.load(r_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)
+            s = _round(s + r, dt, INTERPRET)
+            if pid_n + pid_k == 0:
+                tl.store(r_out_ptr + offs, s.to(dt), mask=d_ok)
+        inv = _inv_rms(s, K, eps)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -69,8 +109,10 @@ def _gemv_kernel(
         kk = k0 + rk
         k_ok = kk < k_end
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM > 0:
+            x = _normed(x, r_ptr, g_ptr, kk, k_ok, inv, dt, NORM, ZERO_CENTERED, INTERPRET)
+        acc += w.to(tl.float32) * x[None, :]
     part = tl.sum(acc, axis=1)
     if not SPLIT:
         if HAS_BIAS:
@@ -91,6 +133,30 @@ def _gemv_kernel(
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(y_ptr + rn, _epilogue(total, y_ptr, ACT, INTERPRET, EXACT), mask=n_ok)
             tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _normed(
+    x,
+    r_ptr,
+    g_ptr,
+    kk,
+    k_ok,
+    inv,
+    dt: tl.constexpr,
+    NORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The RMS-normalised input at columns ``kk``, rounded as the norm kernel rounds it."""
+    if NORM == 2:
+        x = _round(x + tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), dt, INTERPRET)
+    g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        h = x * inv * (1.0 + g)
+    else:
+        h = g * _round(x * inv, dt, INTERPRET)
+    return _round(h, dt, INTERPRET)
 
 
 @triton.jit
@@ -186,31 +252,114 @@ def gemv(
     :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
     :raises ValueError: for more than one row, mismatched shapes or an unknown activation.
     """
+    row = _row(x, weight)
+    y = _launch(row, weight, bias, launch, act, None)
+    return y.view(1, -1) if x.dim() == 2 else y
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    launch: tuple[int, int, int] | None = None,
+    act: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Project the RMS-normalised row ``x (+ residual)`` in one launch: a pre-norm layer's first projection.
+
+    Computes what :func:`~backplane.models.kernels.elementwise.add_rms_norm`
+    (or ``rms_norm`` without a residual) followed by :func:`gemv` computes,
+    with the same roundings of the sum and of the normalised row, without
+    storing the normalised row. Every program reduces the whole row for its
+    RMS; the first also stores the new residual stream.
+
+    :param x: ``[1, K]`` (or ``[K]``), unit stride: a layer's output, or the embeddings.
+    :param residual: the residual stream, the shape and dtype of ``x``; ``None``
+        when the stream starts at ``x``.
+    :param norm_weight: ``[K]``, contiguous, ``x``'s dtype.
+    :param eps: added to the mean square.
+    :param zero_centered: the norm weight stores ``w - 1`` (see
+        :func:`backplane.models.fused.rms_norm`).
+    :param weight: ``[N, K]``, as for :func:`gemv`.
+    :param bias: as for :func:`gemv`.
+    :param launch: as for :func:`gemv`.
+    :param act: as for :func:`gemv`.
+    :return: ``(output, residual stream)``: the ``[1, N]`` (or ``[N]``)
+        projection and ``x + residual`` as a new tensor (``x`` itself when
+        ``residual`` is ``None``).
+    :raises ValueError: as :func:`gemv`, or for a residual or norm weight that
+        does not match ``x``, or a row wider than
+        :data:`~backplane.models.kernels.elementwise.MAX_ROW`.
+    """
+    row = _row(x, weight)
+    k = row.shape[0]
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_gemv: norm weight {tuple(norm_weight.shape)} does not match x")
+    if k > MAX_ROW:
+        raise ValueError(f"norm_gemv: rows of at most {MAX_ROW} features, got {k}")
+    if residual is None:
+        y = _launch(row, weight, bias, launch, act, (None, norm_weight, None, eps, zero_centered))
+        res_out = x
+    else:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(
+                f"norm_gemv: residual {tuple(residual.shape)} {residual.dtype} does not match "
+                f"x {tuple(x.shape)} {x.dtype}"
+            )
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        norm = (residual.reshape(-1), norm_weight, res_out, eps, zero_centered)
+        y = _launch(row, weight, bias, launch, act, norm)
+    return (y.view(1, -1) if x.dim() == 2 else y), res_out
+
+
+def _row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` as one ``[K]`` row, checked against the ``[N, K]`` weight."""
     if not (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)) or x.stride(-1) != 1:
         raise ValueError(f"gemv takes one unit-stride row, got shape {tuple(x.shape)}")
     row = x.reshape(-1)
-    n, k = weight.shape
-    if row.shape[0] != k or weight.stride(1) != 1:
+    if row.shape[0] != weight.shape[1] or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    return row
+
+
+def _launch(
+    row: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    launch: tuple[int, int, int] | None,
+    act: str | None,
+    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, float, bool] | None,
+) -> torch.Tensor:
+    """Launch the kernel for one row; ``norm`` is ``(residual, norm weight, residual out, eps,
+    zero_centered)`` for a normalised input. Returns the new ``[N]`` output."""
     if act is not None and act not in ACT_CODES:
         raise ValueError(f"gemv: unknown activation {act!r}; known: {', '.join(ACT_CODES)}")
+    n, k = weight.shape
     if launch is None:
         sms = (
             4
             if interpreting()
-            else torch.cuda.get_device_properties(x.device).multi_processor_count
+            else torch.cuda.get_device_properties(row.device).multi_processor_count
         )
         launch = plan(n, k, sms) or (16, 256, 1)
     block_n, block_k, split_k = launch
     blocks = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, dtype=row.dtype, device=row.device)
     if split_k > 1:
-        part = torch.empty(split_k * n, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, blocks)
+        part = torch.empty(split_k * n, dtype=torch.float32, device=row.device)
+        counters = _counters(row.device, blocks)
     else:
         part = counters = y  # unused placeholders
+    if norm is None:
+        residual, norm_weight, res_out, eps, zero_centered = None, None, None, 0.0, False
+    else:
+        residual, norm_weight, res_out, eps, zero_centered = norm
     _gemv_kernel[(blocks, split_k)](
         row,
         weight,
@@ -218,6 +367,10 @@ def gemv(
         y,
         part,
         counters,
+        residual if residual is not None else y,
+        norm_weight if norm_weight is not None else y,
+        res_out if res_out is not None else y,
+        float(eps),
         n,
         k,
         k_per_split,
@@ -228,7 +381,10 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ACT=-1 if act is None else ACT_CODES[act],
+        NORM=0 if norm is None else (1 if residual is None else 2),
+        ZERO_CENTERED=bool(zero_centered),
+        BLOCK_D=triton.next_power_of_2(k) if norm is not None else 1,
         INTERPRET=INTERPRET,
         EXACT=_EXACT_MATH,
     )
-    return y.view(1, n) if x.dim() == 2 else y
+    return y

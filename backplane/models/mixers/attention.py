@@ -77,20 +77,33 @@ class AttentionMixer(PagedMixer):
         # Not a registered submodule: several layers share one rotary embedding.
         self.__dict__["rotary"] = rotary
 
+    def input_projection(self) -> tuple[Linear, str | None]:
+        """The first projection of the input (``qkv_proj``), with no activation.
+
+        A pre-norm layer may run its norm and this projection in one kernel and
+        pass the result to :meth:`forward` as ``projected``.
+        """
+        return self.qkv_proj, None
+
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         rope: RopeCosSin | None = None,
+        *,
+        projected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend over ``x`` ``[T, hidden]`` at ``positions`` ``[T]``.
 
+        :param x: the normalised input (``None`` when ``projected`` is given).
         :param rope: the forward's ``cos``/``sin`` (gathered from ``positions``
             when not given).
+        :param projected: ``qkv_proj(x)``, already computed (see
+            :meth:`input_projection`).
         """
-        t = x.shape[0]
+        qkv = self.qkv_proj(x) if projected is None else projected
+        t = qkv.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
         q, k, v = self.qkv_proj.split(qkv)
         gate = None
         if self.output_gate:

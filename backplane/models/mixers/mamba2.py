@@ -66,15 +66,29 @@ class Mamba2Mixer(ConvStateMixer):
             chunk_size=chunk_size,
         )
 
+    def input_projection(self) -> tuple[Linear, str | None]:
+        """The first projection of the input (``in_proj``), with no activation.
+
+        A pre-norm layer may run its norm and this projection in one kernel and
+        pass the result to :meth:`forward` as ``projected``.
+        """
+        return self.in_proj, None
+
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         rope: RopeCosSin | None = None,
+        *,
+        projected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mix ``x`` ``[T, hidden]`` (``positions`` and ``rope`` are not used)."""
-        t = x.shape[0]
-        proj = self.in_proj(x)
+        """Mix ``x`` ``[T, hidden]`` (``positions`` and ``rope`` are not used).
+
+        :param x: the normalised input (``None`` when ``projected`` is given).
+        :param projected: ``in_proj(x)``, already computed (see :meth:`input_projection`).
+        """
+        proj = self.in_proj(x) if projected is None else projected
+        t = proj.shape[0]
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         xbc = self.conv(xbc)
         gs = self.n_groups * self.d_state
@@ -92,4 +106,4 @@ class Mamba2Mixer(ConvStateMixer):
             self.state_spec,
         )
         y = self.norm(y.reshape(t, self.inner), gate)
-        return self.out_proj(y.to(x.dtype))
+        return self.out_proj(y.to(proj.dtype))
