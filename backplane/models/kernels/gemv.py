@@ -91,13 +91,13 @@ def _gemv_kernel(
         # KiB, read from L2); the first program stores the residual stream.
         offs = tl.arange(0, BLOCK_D)
         d_ok = offs < K
-        s = tl.load(x_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)
+        whole = tl.load(x_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)
         if NORM == 2:
             r = tl.load(r_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)
-            s = _round(s + r, dt, INTERPRET)
+            whole = _round(whole + r, dt, INTERPRET)
             if pid_n + pid_k == 0:
-                tl.store(r_out_ptr + offs, s.to(dt), mask=d_ok)
-        inv = _inv_rms(s, K, eps)
+                tl.store(r_out_ptr + offs, whole.to(dt), mask=d_ok)
+        inv = _inv_rms(whole, K, eps)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
