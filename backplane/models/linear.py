@@ -109,8 +109,10 @@ class Linear(nn.Linear):
     CUDA device runs the split-K kernel of :mod:`backplane.models.kernels.gemv`
     where that kernel is faster than cuBLAS for the weight's shape (batch-1
     decode of tall and small projections; see
-    :func:`~backplane.models.kernels.gemv.plan`). Traced and compiled calls
-    keep :func:`dense`.
+    :func:`~backplane.models.kernels.gemv.plan`), and on CPU tensors in the
+    Triton interpreter (the tests). Traced and compiled calls keep
+    :func:`dense`. :meth:`forward_activated` and :meth:`forward_normed` run the
+    same kernel with an activation epilogue or an RMS-norm prologue.
     """
 
     #: the weight in oneDNN's blocked layout, once :meth:`pack` has run
@@ -170,8 +172,14 @@ class Linear(nn.Linear):
             not launch
             or norm_weight.dtype != x.dtype
             or not norm_weight.is_contiguous()
-            or (residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1))
-            or (residual is not None and residual.dtype != x.dtype)
+            or (
+                residual is not None
+                and (
+                    residual.shape != x.shape
+                    or residual.dtype != x.dtype
+                    or residual.stride(-1) != 1
+                )
+            )
         ):
             return None
         return kernels.load_gemv().norm_gemv(
