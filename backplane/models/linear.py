@@ -170,6 +170,7 @@ class Linear(nn.Linear):
         launch = self._one_row_launch(x)
         if (
             not launch
+            or x.shape[-1] > kernels.load_gemv().NORM_MAX_ROW
             or norm_weight.dtype != x.dtype
             or not norm_weight.is_contiguous()
             or (

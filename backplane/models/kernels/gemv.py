@@ -182,6 +182,10 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
     return bufs[-1]
 
 
+#: widest input row the models send through :func:`norm_gemv` (every program
+#: holds the whole row in registers for its RMS; wider rows take the norm kernel)
+NORM_MAX_ROW = 8192
+
 #: weights up to this many elements count as small (16 MiB in 16-bit types)
 SMALL_WEIGHT = 1 << 23
 
