@@ -4,9 +4,14 @@ and the one-thread fixture."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+# Every cached Triton launch in the tests (and their child processes) is checked
+# against the kernel Triton itself would run (see backplane.core.launch).
+os.environ.setdefault("BACKPLANE_CHECK_LAUNCHES", "1")
 
 # The conformance kit's pytest plugin (``--backplane-backend``, backend
 # parametrisation); loaded only when this checkout has it.

@@ -1,0 +1,225 @@
+"""Launching a Triton kernel with the host cost of the driver call alone.
+
+``kernel[grid](*args, **meta)`` re-derives on every call what rarely changes:
+it binds the arguments to the signature, specialises each one (dtype, 16-byte
+alignment, integers equal to one), hashes that into a cache key, reads the
+runtime's settings and builds launch metadata. On the host of an H100/H200
+machine that is about 20 microseconds per launch; an eager decode step of a
+1B model makes over a hundred launches, so it is most of the step.
+
+A :class:`KernelLauncher` keeps, per *caller key*, the compiled kernel that
+Triton chose the first time, and later calls hand the arguments straight to
+its driver launcher (the call ``torch.compile``'s generated launchers make).
+The caller's key is its promise: every call with an equal key compiles to
+the same kernel, because the key determines the compile-time constants, the
+launch options and everything Triton specialises on (dtypes, which integer
+arguments are one or multiples of 16, which pointers are 16-byte aligned).
+With :data:`CHECK` on (the test suites, or ``BACKPLANE_CHECK_LAUNCHES=1``),
+every launch asks Triton which kernel it would have run and raises
+:class:`LaunchKeyError` when the promise does not hold.
+
+In the Triton interpreter (CPU tests) every call goes through the
+interpreter, with the constants passed in the same positional order as the
+fast call, so that ordering is tested on CPU too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+__all__ = ["CHECK", "KernelLauncher", "LaunchKeyError", "arg_key", "cdiv", "int_key", "next_pow2"]
+
+#: Verify every launch's caller key against Triton's own choice (slow; for tests).
+CHECK: bool = os.environ.get("BACKPLANE_CHECK_LAUNCHES", "0") not in ("", "0")
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers.
+
+    ``triton.cdiv`` and ``triton.next_power_of_2`` also work inside kernels,
+    which makes a host call cost microseconds; launch code calls these.
+    """
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (and ``>= 1``), for host integers."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def int_key(v: int) -> int:
+    """What Triton specialises on in an integer argument, as a small int.
+
+    Bit 0: the value is 1 (compiled in as a constant); bit 1: a multiple of
+    16; bit 2: outside the 32-bit range.
+
+    :param v: the argument.
+    :return: the three bits.
+    """
+    return (v == 1) | (((v & 15) == 0) << 1) | ((not -0x80000000 <= v <= 0x7FFFFFFF) << 2)
+
+
+def arg_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What Triton specialises on in each of ``args``: a key for :class:`KernelLauncher`.
+
+    Tensors give their dtype and whether they are 16-byte aligned, integers
+    :func:`int_key`, anything else (floats, ``None``) its type.
+
+    :param args: a launch's leading (non-constant) arguments.
+    :return: a hashable tuple, one entry per argument.
+    """
+    import torch
+
+    tensor = torch.Tensor
+    return tuple(
+        [
+            (a.dtype, (a.data_ptr() & 15) == 0)
+            if isinstance(a, tensor)
+            else (
+                (a == 1) | (((a & 15) == 0) << 1) | ((not -0x80000000 <= a <= 0x7FFFFFFF) << 2)
+                if type(a) is int
+                else type(a)
+            )
+            for a in args
+        ]
+    )
+
+
+class LaunchKeyError(AssertionError):
+    """A caller key mapped two launches that Triton compiles differently onto one kernel.
+
+    The caller's key misses something Triton specialises on; the fix is in
+    the caller (add it to the key).
+    """
+
+
+class _Compiled:
+    """What the fast path needs of one compiled kernel."""
+
+    __slots__ = ("compiled", "enter", "exit", "function", "metadata", "options", "run", "tail")
+
+    def __init__(self, compiled: Any, tail: tuple[Any, ...], options: dict[str, Any]) -> None:
+        import triton
+
+        compiled._init_handles()
+        self.compiled = compiled
+        self.tail = tail
+        self.options = options
+        # Triton releases whose compiled kernels lack this launch interface
+        # (before 3.2) launch through ``kernel[grid]`` every time.
+        fast = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+        self.run = compiled.run if fast else None
+        self.function = compiled.function if fast else None
+        self.metadata = compiled.packed_metadata if fast else None
+        # Read once, as torch.compile's launchers do: a profiler hook installed
+        # later is seen by new keys only.
+        self.enter = triton.knobs.runtime.launch_enter_hook
+        self.exit = triton.knobs.runtime.launch_exit_hook
+
+
+class KernelLauncher:
+    """Launches one ``@triton.jit`` kernel, cached per caller key.
+
+    :param kernel: the ``triton.jit`` function (or the interpreter's stand-in).
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        # The interpreter reads the variable when triton is imported, as here.
+        self._interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        self._names: tuple[str, ...] = tuple(kernel.arg_names)
+        self._defaults: dict[str, Any] = {
+            p.name: p.default for p in getattr(kernel, "params", ()) if p.has_default
+        }
+        self._cache: dict[Hashable, _Compiled] = {}
+        self._stream: Callable[[int], int] | None = None
+
+    def __call__(
+        self,
+        key: Hashable,
+        grid: Sequence[int],
+        args: tuple[Any, ...],
+        device: int,
+        **meta: Any,
+    ) -> None:
+        """Launch ``kernel[grid](*args, **meta)`` on the current stream of ``device``.
+
+        :param key: hashable; equal keys must mean the same compile-time
+            constants in ``meta``, the same launch options and the same
+            specialisation of ``args`` (see the module docstring).
+        :param grid: one to three program counts.
+        :param args: the kernel's leading parameters, in order (tensors,
+            integers, floats).
+        :param device: the CUDA device index the tensors are on.
+        :param meta: every remaining parameter (the ``tl.constexpr`` ones) by
+            name, plus compile and launch options (``num_warps``, ``num_stages``,
+            ``enable_fp_fusion``).
+        """
+        hit = self._cache.get(key)
+        if hit is None or CHECK or self._interpret:
+            hit = self._slow(key, grid, args, meta)
+            if hit is None:
+                return
+        if hit.run is None:
+            self.kernel[tuple(grid)](*args, *hit.tail, **hit.options)
+            return
+        stream = self._stream
+        if stream is None:
+            import torch
+
+            stream = self._stream = torch._C._cuda_getCurrentRawStream
+        g = len(grid)
+        hit.run(
+            grid[0],
+            grid[1] if g > 1 else 1,
+            grid[2] if g > 2 else 1,
+            stream(device),
+            hit.function,
+            hit.metadata,
+            None,
+            hit.enter,
+            hit.exit,
+            *args,
+            *hit.tail,
+        )
+
+    def launch(self, grid: Sequence[int], args: tuple[Any, ...], device: int, **meta: Any) -> None:
+        """Launch with a key derived from the arguments (:func:`arg_key`) and ``meta``.
+
+        For callers without a cheaper key of their own; ``meta``'s values must
+        be hashable. Arguments as for :meth:`__call__`.
+        """
+        self((arg_key(args), tuple(meta.items())), grid, args, device, **meta)
+
+    def _tail(self, nargs: int, meta: dict[str, Any]) -> tuple[Any, ...]:
+        """The values of the parameters after the leading ``nargs``, in signature order."""
+        names = self._names[nargs:]
+        missing = [n for n in names if n not in meta and n not in self._defaults]
+        if missing:
+            raise TypeError(f"{self.kernel.__name__}: parameters {missing} not given")
+        return tuple(meta[n] if n in meta else self._defaults[n] for n in names)
+
+    def _slow(
+        self, key: Hashable, grid: Sequence[int], args: tuple[Any, ...], meta: dict[str, Any]
+    ) -> _Compiled | None:
+        """Compile (or look up) through Triton; check the key; ``None`` when already launched."""
+        tail = self._tail(len(args), meta)
+        # Keywords that are not parameters are compile or launch options (num_warps, ...).
+        options = {k: v for k, v in meta.items() if k not in self._names}
+        if self._interpret:
+            # The interpreter runs the kernel; the constants go in the fast call's order.
+            self.kernel[tuple(grid)](*args, *tail, **options)
+            return None
+        compiled = self.kernel.warmup(*args, *tail, grid=tuple(grid), **options)
+        hit = self._cache.get(key)
+        if hit is not None:
+            if hit.compiled is not compiled:
+                raise LaunchKeyError(
+                    f"{self.kernel.__name__}: key {key!r} was compiled as another kernel "
+                    "before; the key misses something Triton specialises on"
+                )
+            return hit
+        hit = self._cache[key] = _Compiled(compiled, tail, options)
+        return hit
