@@ -10,15 +10,14 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from backplane.core.launch import next_pow2
+
+__all__ = ["next_pow2"]  # re-exported: the backends' kernels launch through it
+
 _F32_ENV = "TRITON_F32_DEFAULT"
 
 #: Largest number of key/value splits the split-KV decode uses per sequence.
 MAX_KV_SPLITS = 64
-
-
-def next_pow2(n: int) -> int:
-    """Return the smallest power of two ``>= n`` (and ``>= 1``)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def dot_block(n: int) -> int:

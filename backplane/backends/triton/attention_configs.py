@@ -9,10 +9,10 @@ number of key splits of the decode is chosen here too.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from backplane.backends.triton._common import MAX_KV_SPLITS, device_parallelism, next_pow2
+from backplane.core.launch import KernelLauncher, cdiv
 from backplane.core.metadata import BatchMetadata
 
 #: Index of the first config that fitted the device, per launch key.
@@ -81,18 +81,34 @@ def _decode_class(big: bool, dk: int, num_splits: int) -> str:
     return "split" if num_splits > 1 else "unsplit"
 
 
-def _launch_fitting(kernel, grid, key: tuple, configs: list[dict], args: tuple, meta: dict) -> None:
+def _launch_fitting(
+    launcher: KernelLauncher,
+    grid,
+    key: tuple,
+    configs: list[dict],
+    args: tuple,
+    meta: dict,
+    launch_key: tuple | None = None,
+) -> None:
     """Launch with the first config (fastest first) whose shared memory / registers fit.
 
     A config that does not fit raises ``OutOfResources`` when it is compiled,
     before anything is enqueued; the next one is tried and the choice is
     remembered per ``key``, so the search happens once per shape class.
+
+    :param launch_key: the launch's key for ``launcher`` without the config
+        (see :class:`~backplane.core.launch.KernelLauncher`); ``None`` derives
+        one from ``args`` and ``meta``.
     """
     start = _CONFIG_CHOICE.get(key, 0)
+    device = args[0].device.index
     for i in range(start, len(configs)):
         cfg = configs[i]
         try:
-            kernel[grid(cfg)](*args, **meta, **cfg)
+            if launch_key is None:
+                launcher.launch(grid(cfg), args, device, **meta, **cfg)
+            else:
+                launcher((launch_key, i), grid(cfg), args, device, **meta, **cfg)
         except OutOfResources:
             if i == len(configs) - 1:
                 raise
@@ -124,9 +140,9 @@ def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: tor
     n = batch.num_decode_seqs
     if n == 0:
         return 1
-    want = triton.cdiv(device_parallelism(device), max(n * programs_per_split, 1))
+    want = cdiv(device_parallelism(device), max(n * programs_per_split, 1))
     fill = int(max(1, min(want, MAX_KV_SPLITS)))
     # Powers of two: the count is a compile-time constant of the kernel, so
     # free values would compile a new variant for nearly every mixed step.
-    by_len = next_pow2(triton.cdiv(max(batch.max_seq_len, 1), KEYS_PER_SPLIT))
+    by_len = next_pow2(cdiv(max(batch.max_seq_len, 1), KEYS_PER_SPLIT))
     return min(1 << (fill.bit_length() - 1), by_len)

@@ -31,7 +31,12 @@ from backplane.backends.triton.attention_kernels import (
     _kv_append_kernel,
     _prefill_kernel,
 )
+from backplane.core.launch import KernelLauncher, cdiv, int_key
 from backplane.core.metadata import BatchMetadata
+
+_PREFILL = KernelLauncher(_prefill_kernel)
+_DECODE = KernelLauncher(_decode_kernel)
+_KV_APPEND = KernelLauncher(_kv_append_kernel)
 
 #: Stands in for "no sliding window": larger than any position.
 _NO_WINDOW = 1 << 30
@@ -89,19 +94,23 @@ def kv_append(
     else:
         v_src, v_plane = src, cache_plane
     _, page_size, H, D = cache_plane.shape
-    _kv_append_kernel[(num_tokens,)](
-        src,
-        v_src,
-        cache_plane,
-        v_plane,
-        slot_mapping,
-        src.stride(0),
-        src.stride(1),
-        v_src.stride(0),
-        v_src.stride(1),
-        cache_plane.stride(0),
-        cache_plane.stride(1),
-        cache_plane.stride(2),
+    _KV_APPEND.launch(
+        (num_tokens,),
+        (
+            src,
+            v_src,
+            cache_plane,
+            v_plane,
+            slot_mapping,
+            src.stride(0),
+            src.stride(1),
+            v_src.stride(0),
+            v_src.stride(1),
+            cache_plane.stride(0),
+            cache_plane.stride(1),
+            cache_plane.stride(2),
+        ),
+        src.device.index,
         PAGE_SIZE=page_size,
         H=H,
         D=D,
@@ -308,8 +317,8 @@ def paged_prefill(
         cfg_id,
     )
     _launch_fitting(
-        _prefill_kernel,
-        lambda c: (num_heads, triton.cdiv(max_q, c["BLOCK_M"]), n),
+        _PREFILL,
+        lambda c: (num_heads, cdiv(max_q, c["BLOCK_M"]), n),
         key,
         configs,
         args,
@@ -371,7 +380,7 @@ def paged_decode(
     num_kv_heads = num_heads // group
     has_pe = q_pe is not None
     block_h = min(dot_block(group), 16 if big else 64)
-    head_blocks = triton.cdiv(group, block_h)
+    head_blocks = cdiv(group, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
     if configs is None:
@@ -450,11 +459,50 @@ def paged_decode(
         APPEND=append,
     )
     key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, cfg_id)
+    slots, seq_lens, table = batch.slot_mapping, batch.seq_lens, batch.block_table
+    launch_key = None
+    # The common case, every pointer 16-byte aligned, gets a key cheaper than
+    # one derived argument by argument; the rest specialises on the integers.
+    if (
+        not (
+            q.data_ptr()
+            | qpe.data_ptr()
+            | k_plane.data_ptr()
+            | kpe.data_ptr()
+            | v_plane.data_ptr()
+            | out.data_ptr()
+            | partial.data_ptr()
+            | lse.data_ptr()
+            | arrivals.data_ptr()
+            | kn.data_ptr()
+            | vn.data_ptr()
+            | slots.data_ptr()
+            | seq_lens.data_ptr()
+            | table.data_ptr()
+        )
+        & 15
+    ):
+        launch_key = (
+            key,
+            out.dtype,
+            qpe.dtype,
+            kpe.dtype,
+            v_plane.dtype,
+            kn.dtype,
+            slots.dtype,
+            seq_lens.dtype,
+            table.dtype,
+            int_key(batch.num_prefill_seqs),
+            int_key(batch.num_prefill_tokens),
+            args[16:],
+            tuple(meta.values()),
+        )
     _launch_fitting(
-        _decode_kernel,
+        _DECODE,
         lambda c: (nd, num_kv_heads * head_blocks, num_splits),
         key,
         configs,
         args,
         meta,
+        launch_key,
     )

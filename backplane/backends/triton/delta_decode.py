@@ -28,6 +28,7 @@ import triton.language as tl
 
 from backplane.backends.torch.delta import L2NORM_EPS
 from backplane.backends.triton._common import next_pow2
+from backplane.core.launch import KernelLauncher, cdiv
 
 #: Largest block of the value dimension one program updates.
 MAX_BLOCK_V = 32
@@ -116,6 +117,9 @@ def _delta_decode_kernel(
     )
 
 
+_DELTA_DECODE = KernelLauncher(_delta_decode_kernel)
+
+
 def delta_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,14 +155,14 @@ def delta_decode(
     if hv % hk:
         raise ValueError(f"num_v_heads={hv} must be a multiple of num_k_heads={hk}")
     block_v = min(MAX_BLOCK_V, next_pow2(dv))
-    grid = (n, hv, triton.cdiv(dv, block_v))
-    _delta_decode_kernel[grid](
+    grid = (n, hv, cdiv(dv, block_v))
+    _DELTA_DECODE.launch(grid, (
         q, k, v, g, beta, state, out, slots,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        float(scale), L2NORM_EPS, dk, dv, hv // hk,
+        float(scale), L2NORM_EPS, dk, dv, hv // hk), q.device.index,
         L2NORM=bool(use_qk_l2norm), BLOCK_K=next_pow2(dk), BLOCK_V=block_v,
     )  # fmt: skip

@@ -63,6 +63,7 @@ from backplane.backends.triton._common import (
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import get_forward_context
+from backplane.core.launch import KernelLauncher, cdiv
 from backplane.core.metadata import BatchMetadata
 
 # -- causal conv kernels ---------------------------------------------------------------
@@ -248,6 +249,9 @@ def _conv_decode_kernel(
         tl.store(base + (K - 2) * stride_sk, xv.to(state_ptr.dtype.element_ty), mask=c_mask)
 
 
+_CONV_DECODE = KernelLauncher(_conv_decode_kernel)
+
+
 @cached_op(
     "backplane_triton::causal_conv",
     mutates_args=("conv_state", "out"),
@@ -290,13 +294,13 @@ def causal_conv(
         meta = dict(K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_C=block_c)
         if max_q == 1 and K > 1:
             # decode only: output and state update in one launch
-            _conv_decode_kernel[(n, triton.cdiv(C, block_c))](*args, **meta)
+            _CONV_DECODE.launch((n, cdiv(C, block_c)), args, x.device.index, **meta)
             return finish_output(out, buf, batch.num_tokens)
         block_t = min(64, next_pow2(max_q))
-        grid = (n, triton.cdiv(max_q, block_t), triton.cdiv(C, block_c))
+        grid = (n, cdiv(max_q, block_t), cdiv(C, block_c))
         _conv_kernel[grid](*args, **meta, BLOCK_T=block_t)
         if K > 1:
-            _conv_state_kernel[(n, triton.cdiv(C, block_c))](
+            _conv_state_kernel[(n, cdiv(C, block_c))](
                 x, conv_state, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
                 x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
                 C, KM1=K - 1, BLOCK_K=next_pow2(K - 1), BLOCK_C=block_c,
@@ -563,7 +567,7 @@ def packed_prefill(
     else:
         da = dt_eff  # never read
     block_p, block_n = _ssm_prefill_blocks(P, N)
-    num_pb = triton.cdiv(P, block_p)
+    num_pb = cdiv(P, block_p)
     zz = z if z is not None else y
     blocks = info["blocks"]
     _prefill_out_kernel[(blocks.shape[0], H * num_pb)](
@@ -577,7 +581,7 @@ def packed_prefill(
         BLOCK_T=PREFILL_BLOCK_T, BLOCK_P=block_p, BLOCK_N=block_n,
     )  # fmt: skip
     # A second launch: the outputs above read the initial states this one overwrites.
-    _prefill_state_kernel[(n, H, num_pb * triton.cdiv(N, block_n))](
+    _prefill_state_kernel[(n, H, num_pb * cdiv(N, block_n))](
         finals, ssm_state, da, qsl, batch.state_slots, batch.has_initial_state,
         finals.stride(0), finals.stride(1), finals.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),

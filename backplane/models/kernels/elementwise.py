@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from backplane.core.launch import KernelLauncher, cdiv, next_pow2
 from backplane.models.kernels import interpreting
 
 #: activation names the kernels compute (the keys of :data:`ACT_CODES`)
@@ -49,10 +50,6 @@ INTERPRET = interpreting()
 # exp/erf/tanh; the interpreter has no libdevice and uses numpy's functions.
 _EXACT_MATH = not INTERPRET
 _LAUNCH = {"enable_fp_fusion": False}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _warps(block: int) -> int:
@@ -290,6 +287,11 @@ def _rotary_kernel(
 
 
 # -- launchers ------------------------------------------------------------------------------
+_RMS_NORM = KernelLauncher(_rms_norm_kernel)
+_GATED_RMS_NORM = KernelLauncher(_gated_rms_norm_kernel)
+_ACT = KernelLauncher(_act_kernel)
+_ROTARY = KernelLauncher(_rotary_kernel)
+
 # The ``out`` buffers they take must be new contiguous tensors of the result's
 # shape and dtype (tests hand in poisoned ones).
 
@@ -332,20 +334,24 @@ def _launch_rms_norm(
     x3 = _rows3(x)
     r3 = _rows3(residual) if residual is not None else x3
     dim = x3.shape[-1]
-    block = _next_pow2(dim)
-    _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
-        x3,
-        r3,
-        weight,
-        out,
-        res_out if res_out is not None else out,
-        x3.shape[1],
-        dim,
-        x3.stride(0),
-        x3.stride(1),
-        r3.stride(0),
-        r3.stride(1),
-        float(eps),
+    block = next_pow2(dim)
+    _RMS_NORM.launch(
+        (x3.shape[0] * x3.shape[1],),
+        (
+            x3,
+            r3,
+            weight,
+            out,
+            res_out if res_out is not None else out,
+            x3.shape[1],
+            dim,
+            x3.stride(0),
+            x3.stride(1),
+            r3.stride(0),
+            r3.stride(1),
+            float(eps),
+        ),
+        x3.device.index,
         HAS_RESIDUAL=residual is not None,
         ZERO_CENTERED=bool(zero_centered),
         BLOCK=block,
@@ -404,21 +410,25 @@ def _gated_rms_norm_eager(
         return out
     x3, z3 = _rows3(x), _rows3(gate)
     dim = x3.shape[-1]
-    block = _next_pow2(group_size)
+    block = next_pow2(group_size)
     n_groups = dim // group_size
-    _gated_rms_norm_kernel[(x3.shape[0] * x3.shape[1] * n_groups,)](
-        x3,
-        z3,
-        weight,
-        out,
-        x3.shape[1],
-        n_groups,
-        group_size,
-        x3.stride(0),
-        x3.stride(1),
-        z3.stride(0),
-        z3.stride(1),
-        float(eps),
+    _GATED_RMS_NORM.launch(
+        (x3.shape[0] * x3.shape[1] * n_groups,),
+        (
+            x3,
+            z3,
+            weight,
+            out,
+            x3.shape[1],
+            n_groups,
+            group_size,
+            x3.stride(0),
+            x3.stride(1),
+            z3.stride(0),
+            z3.stride(1),
+            float(eps),
+        ),
+        x3.device.index,
         NORM_BEFORE_GATE=bool(norm_before_gate),
         ROUND_SCALED=mid == x.dtype,
         BLOCK=block,
@@ -439,12 +449,16 @@ def _act_eager(
     if out.numel() == 0:
         return out
     x2 = _rows2(x)
-    block = min(_next_pow2(n_cols), 1024)
-    _act_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
-        x2,
-        out,
-        n_cols,
-        x2.stride(0),
+    block = min(next_pow2(n_cols), 1024)
+    _ACT.launch(
+        (x2.shape[0], cdiv(n_cols, block)),
+        (
+            x2,
+            out,
+            n_cols,
+            x2.stride(0),
+        ),
+        x2.device.index,
         ACT=ACT_CODES[act],
         GATED=bool(gated),
         BLOCK=block,
@@ -465,27 +479,31 @@ def _launch_rotary(
         if interleaved and out.numel():
             out.copy_(x)
         return
-    block_r = _next_pow2(half)
-    block_h = min(_next_pow2(heads), max(1, 4096 // block_r))
+    block_r = next_pow2(half)
+    block_h = min(next_pow2(heads), max(1, 4096 // block_r))
     n_tail = dim - 2 * half if interleaved else 0
-    _rotary_kernel[(t, triton.cdiv(heads, block_h))](
-        x,
-        cos,
-        sin,
-        out,
-        heads,
-        half,
-        n_tail,
-        x.stride(0),
-        x.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        out.stride(0),
-        out.stride(1),
+    _ROTARY.launch(
+        (t, cdiv(heads, block_h)),
+        (
+            x,
+            cos,
+            sin,
+            out,
+            heads,
+            half,
+            n_tail,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            out.stride(0),
+            out.stride(1),
+        ),
+        x.device.index,
         INTERLEAVED=bool(interleaved),
         BLOCK_H=block_h,
         BLOCK_R=block_r,
-        BLOCK_TAIL=_next_pow2(n_tail) if n_tail > 0 else 0,
+        BLOCK_TAIL=next_pow2(n_tail) if n_tail > 0 else 0,
         INTERPRET=INTERPRET,
         num_warps=max(1, min(8, block_h * block_r // 512)),
         **_LAUNCH,

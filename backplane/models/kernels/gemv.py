@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backplane.core.launch import KernelLauncher, cdiv, next_pow2
 from backplane.models.kernels import interpreting
 from backplane.models.kernels.elementwise import (
     _EXACT_MATH,
@@ -49,9 +50,13 @@ from backplane.models.kernels.elementwise import (
 #: dtypes the kernel reads and writes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: largest arrival-counter block per device; grows on demand (never freed: a
-#: captured graph keeps using the buffer it was captured with)
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+#: per device: the split-K arrival counters and partial sums (see :func:`_scratch`)
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+#: outgrown scratch buffers, never freed (captured graphs may still use them)
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+#: ``(n, k, launch) -> (row blocks, K per split, splits)``, worked out once per shape
+_SHAPES: dict[tuple[int, int, tuple[int, int, int]], tuple[int, int, int]] = {}
 
 
 @triton.jit
@@ -172,14 +177,34 @@ def _epilogue(y, y_ptr, ACT: tl.constexpr, INTERPRET: tl.constexpr, EXACT: tl.co
     return y.to(dt)
 
 
-def _counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``count`` row blocks (each launch leaves them zero)."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < count:
-        bufs.append(
-            torch.zeros(max(triton.next_power_of_2(count), 1024), dtype=torch.int32, device=device)
+#: launches :func:`_gemv_kernel` with the host cost of the driver call
+_LAUNCHER = KernelLauncher(_gemv_kernel)
+
+
+def _scratch(device: torch.device, blocks: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K scratch on ``device``: zeroed int32 arrival counters for ``blocks`` row
+    blocks (each launch leaves them zero) and ``parts`` float32 partial sums.
+
+    Shared by every launch: launches on one stream run one after the other,
+    and each is done with both before it ends. Outgrown buffers are kept: a
+    captured graph replays into the ones it was captured with.
+    """
+    bufs = _SCRATCH.get(device)
+    if bufs is None or bufs[0].numel() < blocks or bufs[1].numel() < parts:
+        if bufs is not None:
+            _RETIRED.append(bufs)
+        counters = (
+            bufs[0]
+            if bufs is not None and bufs[0].numel() >= blocks
+            else torch.zeros(max(next_pow2(blocks), 1024), dtype=torch.int32, device=device)
         )
-    return bufs[-1]
+        part = (
+            bufs[1]
+            if bufs is not None and bufs[1].numel() >= parts
+            else torch.empty(max(next_pow2(parts), 1 << 16), dtype=torch.float32, device=device)
+        )
+        bufs = _SCRATCH[device] = (counters, part)
+    return bufs
 
 
 #: widest input row the models send through :func:`norm_gemv` (every program
@@ -221,7 +246,7 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     """
     if k >= 2 * n:
         block_n, block_k = 16, 256
-        blocks = triton.cdiv(n, block_n)
+        blocks = cdiv(n, block_n)
         split_k = 1
         while blocks * split_k < 3 * sms and k // (split_k * 2) >= 1024:
             split_k *= 2
@@ -330,6 +355,13 @@ def _row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return row
 
 
+def _split_shape(n: int, k: int, launch: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``(row blocks, K per split, splits)`` of a launch; splits shrink so none is empty."""
+    block_n, block_k, split_k = launch
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    return cdiv(n, block_n), k_per_split, cdiv(k, k_per_split)
+
+
 def _launch(
     row: torch.Tensor,
     weight: torch.Tensor,
@@ -350,44 +382,73 @@ def _launch(
             else torch.cuda.get_device_properties(row.device).multi_processor_count
         )
         launch = plan(n, k, sms) or (16, 256, 1)
-    block_n, block_k, split_k = launch
-    blocks = triton.cdiv(n, block_n)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    y = torch.empty(n, dtype=row.dtype, device=row.device)
+    block_n, block_k, _ = launch
+    shape = _SHAPES.get((n, k, launch))
+    if shape is None:
+        shape = _SHAPES[(n, k, launch)] = _split_shape(n, k, launch)
+    blocks, k_per_split, split_k = shape
+    device = row.device
+    y = torch.empty(n, dtype=row.dtype, device=device)
     if split_k > 1:
-        part = torch.empty(split_k * n, dtype=torch.float32, device=row.device)
-        counters = _counters(row.device, blocks)
+        counters, part = _scratch(device, blocks, split_k * n)
     else:
         part = counters = y  # unused placeholders
     if norm is None:
         residual, norm_weight, res_out, eps, zero_centered = None, None, None, 0.0, False
     else:
         residual, norm_weight, res_out, eps, zero_centered = norm
-    _gemv_kernel[(blocks, split_k)](
-        row,
-        weight,
-        bias if bias is not None else y,
-        y,
-        part,
-        counters,
-        residual if residual is not None else y,
-        norm_weight if norm_weight is not None else y,
-        res_out if res_out is not None else y,
-        float(eps),
+    has_bias = bias is not None
+    act_code = -1 if act is None else ACT_CODES[act]
+    mode = 0 if norm is None else (1 if residual is None else 2)
+    # What Triton specialises on beyond the constants: dtypes, and the
+    # alignment of the pointers that may be views (the rest are fresh allocations).
+    key = (
         n,
         k,
-        k_per_split,
+        block_n,
+        block_k,
         split_k,
         weight.stride(0),
-        HAS_BIAS=bias is not None,
+        row.dtype,
+        weight.dtype,
+        act_code,
+        mode,
+        bool(zero_centered),
+        None if bias is None else (bias.dtype, bias.data_ptr() & 15),
+        row.data_ptr() & 15,
+        weight.data_ptr() & 15,
+        None if residual is None else (residual.dtype, residual.data_ptr() & 15),
+        None if norm_weight is None else (norm_weight.dtype, norm_weight.data_ptr() & 15),
+    )
+    _LAUNCHER(
+        key,
+        (blocks, split_k),
+        (
+            row,
+            weight,
+            bias if has_bias else y,
+            y,
+            part,
+            counters,
+            residual if residual is not None else y,
+            norm_weight if norm_weight is not None else y,
+            res_out if res_out is not None else y,
+            float(eps),
+            n,
+            k,
+            k_per_split,
+            split_k,
+            weight.stride(0),
+        ),
+        device.index,
+        HAS_BIAS=has_bias,
         SPLIT=split_k > 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ACT=-1 if act is None else ACT_CODES[act],
-        NORM=0 if norm is None else (1 if residual is None else 2),
+        ACT=act_code,
+        NORM=mode,
         ZERO_CENTERED=bool(zero_centered),
-        BLOCK_D=triton.next_power_of_2(k) if norm is not None else 1,
+        BLOCK_D=next_pow2(k) if norm is not None else 1,
         INTERPRET=INTERPRET,
         EXACT=_EXACT_MATH,
     )
