@@ -671,6 +671,7 @@ def check_gemv(device: torch.device) -> None:
             _within(name, got, ref, _gemv_bound(x, w, bias, ref))
             _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
     _check_gemv_activations(gemv, device)
+    _check_gemv_gated(gemv, device)
     _check_norm_gemv(gemv, device)
     w = _randn(4, 8, dtype=torch.float32, device=device, seed=1)
     for bad in ((2, 8), (1, 1, 8), (1, 9)):
@@ -713,6 +714,17 @@ def check_gemv(device: torch.device) -> None:
         # The epilogue against the projection stored and activated by torch.
         want = mlp.down_proj(torch.square(F.relu(mlp.up_proj(x))))
         _equal("MLP relu2, one row (activation in the up projection)", mlp(x), want)
+    gated = MLP(2048, 8192, act="silu", gated=True).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in gated.parameters():
+            p.copy_(_randn(*p.shape, dtype=p.dtype, device=device, seed=p.numel(), scale=0.02))
+    gated.fused_ops = gated.gate_up_proj.fused_ops = gated.down_proj.fused_ops = "triton"
+    with torch.inference_mode():
+        from backplane.models.kernels import load
+
+        gate_up = gated.gate_up_proj(x)
+        want = gated.down_proj(load().act_and_mul(gate_up, "silu"))
+        _equal("MLP silu gated, one row (gated product in the down projection)", gated(x), want)
     # Captured with one input, replayed with others: the counters left at zero by
     # each launch let every replay merge its own partials.
     w = _randn(2048, 8192, dtype=torch.bfloat16, device=device, seed=3, scale=8192**-0.5)
@@ -758,6 +770,34 @@ def _check_gemv_activations(gemv: Any, device: torch.device) -> None:
     except ValueError:
         return
     raise AssertionError("gemv accepted an unknown activation")
+
+
+def _check_gemv_gated(gemv: Any, device: torch.device) -> None:
+    """``gemv(x, ..., gate_act=a)`` over a ``[gate | up]`` row equals the gated activation
+    kernel followed by the plain product, bit for bit, split or not; a row that is not twice
+    the weight's width is refused."""
+    from backplane.models.kernels import load
+
+    elementwise = load()
+    if _small(device):
+        cases = [((40, 1000), None), ((33, 512), (8, 64, 4))]
+    else:
+        cases = [((2048, 8192), None), ((8192, 2048), None), ((33, 3000), (8, 64, 3))]
+    seed = 700
+    for ((n, k), launch), dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+        seed += 1
+        x = _randn(1, 2 * k, dtype=dtype, device=device, seed=seed, scale=2.0)
+        w = _randn(n, k, dtype=dtype, device=device, seed=seed + 1, scale=k**-0.5)
+        b = _randn(n, dtype=dtype, device=device, seed=seed + 2)
+        for act in ("silu", "relu2", "gelu"):
+            name = f"gemv {n}x{k} {dtype} launch={launch} gate_act={act}"
+            want = gemv.gemv(elementwise.act_and_mul(x, act), w, b, launch=launch)
+            _equal(name, gemv.gemv(x, w, b, launch=launch, gate_act=act), want)
+    try:
+        gemv.gemv(x[:, :k], w, gate_act="silu")
+    except ValueError:
+        return
+    raise AssertionError("gemv with gate_act accepted a row of the weight's width")
 
 
 def _check_norm_gemv(gemv: Any, device: torch.device) -> None:

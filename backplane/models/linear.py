@@ -144,6 +144,22 @@ class Linear(nn.Linear):
             return None
         return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch, act=act)
 
+    def forward_gated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """``self(act(gate) * up)`` for ``x = [gate | up]`` in one kernel, where the one-row kernel
+        runs this projection.
+
+        :param x: a gated MLP's ``[1, 2 * in_features]`` gate/up output.
+        :param act: the gate's activation (a key of
+            :data:`~backplane.models.kernels.elementwise.ACT_CODES`).
+        :return: the projection, rounded as the gated activation kernel followed
+            by :meth:`forward` round it; ``None`` where :meth:`forward` would not
+            use the one-row kernel (the caller forms the product).
+        """
+        launch = self._one_row_launch(x)
+        if not launch or x.shape[-1] != 2 * self.in_features:
+            return None
+        return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch, gate_act=act)
+
     def forward_normed(
         self,
         x: torch.Tensor,

@@ -131,6 +131,11 @@ class MLP(nn.Module):
         """
         if self.gated:
             gate_up = self.gate_up_proj(x) if projected is None else projected
+            if self.fused_ops == "triton" and self.act_fn in _EPILOGUE_ACTS:
+                # One-row decode: the gated product as the down projection's prologue.
+                y = self.down_proj.forward_gated(gate_up, _EPILOGUE_ACTS[self.act_fn])
+                if y is not None:
+                    return y
             h = act_and_mul(gate_up, self.act_fn, fused_ops=self.fused_ops)
         elif projected is not None:
             h = projected

@@ -25,8 +25,10 @@ Two pieces of neighbouring elementwise work ride along, each saving a launch
 * an RMS-norm prologue (:func:`norm_gemv`): a pre-norm layer's residual add and
   RMS norm computed while the first projection reads its input, so the
   normalised row is never stored.
+* a gated-activation prologue (``gemv(gate_act=...)``): a gated MLP's
+  ``act(gate) * up`` formed while the down projection reads its input.
 
-Both round as the separate kernels of :mod:`.elementwise` do.
+All round as the separate kernels of :mod:`.elementwise` do.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ACT: tl.constexpr,
+    GATE_ACT: tl.constexpr,
     NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -115,6 +118,11 @@ def _gemv_kernel(
         k_ok = kk < k_end
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if GATE_ACT >= 0:
+            # The input row is [gate | up]: act(gate) * up, rounded as the gated
+            # activation kernel rounds it.
+            u = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = _round(_round(_act(x, GATE_ACT, EXACT), dt, INTERPRET) * u, dt, INTERPRET)
         if NORM > 0:
             x = _normed(x, r_ptr, g_ptr, kk, k_ok, inv, dt, NORM, ZERO_CENTERED, INTERPRET)
         acc += w.to(tl.float32) * x[None, :]
@@ -265,10 +273,12 @@ def gemv(
     *,
     launch: tuple[int, int, int] | None = None,
     act: str | None = None,
+    gate_act: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one input row, as :func:`torch.nn.functional.linear`.
 
-    :param x: ``[1, K]`` (or ``[K]``) with unit stride along ``K``.
+    :param x: ``[1, K]`` (or ``[K]``) with unit stride along ``K``; with
+        ``gate_act``, ``[1, 2K]``: a gated MLP's ``[gate | up]`` row.
     :param weight: ``[N, K]`` with unit stride along ``K``, the dtype of ``x``.
     :param bias: optional ``[N]``, contiguous.
     :param launch: ``(block_n, block_k, split_k)``, ``block_n`` and ``block_k``
@@ -278,11 +288,15 @@ def gemv(
         key of :data:`~backplane.models.kernels.elementwise.ACT_CODES`, e.g.
         ``"relu2"``), with the roundings of the projection followed by the
         activation kernel; ``None`` for the plain product.
+    :param gate_act: project ``gate_act(gate) * up`` instead of ``x``, with the
+        roundings of the gated activation kernel
+        (:func:`~backplane.models.kernels.elementwise.act_and_mul`): the down
+        projection of a gated MLP without the launch that forms its input.
     :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
     :raises ValueError: for more than one row, mismatched shapes or an unknown activation.
     """
-    row = _row(x, weight)
-    y = _launch(row, weight, bias, launch, act, None)
+    row = _row(x, weight, 2 if gate_act is not None else 1)
+    y = _launch(row, weight, bias, launch, act, None, gate_act)
     return y.view(1, -1) if x.dim() == 2 else y
 
 
@@ -345,12 +359,12 @@ def norm_gemv(
     return (y.view(1, -1) if x.dim() == 2 else y), res_out
 
 
-def _row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x`` as one ``[K]`` row, checked against the ``[N, K]`` weight."""
+def _row(x: torch.Tensor, weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """``x`` as one ``[parts * K]`` row, checked against the ``[N, K]`` weight."""
     if not (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)) or x.stride(-1) != 1:
         raise ValueError(f"gemv takes one unit-stride row, got shape {tuple(x.shape)}")
     row = x.reshape(-1)
-    if row.shape[0] != weight.shape[1] or weight.dim() != 2 or weight.stride(1) != 1:
+    if row.shape[0] != parts * weight.shape[1] or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     return row
 
@@ -369,11 +383,14 @@ def _launch(
     launch: tuple[int, int, int] | None,
     act: str | None,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, float, bool] | None,
+    gate_act: str | None = None,
 ) -> torch.Tensor:
     """Launch the kernel for one row; ``norm`` is ``(residual, norm weight, residual out, eps,
-    zero_centered)`` for a normalised input. Returns the new ``[N]`` output."""
-    if act is not None and act not in ACT_CODES:
-        raise ValueError(f"gemv: unknown activation {act!r}; known: {', '.join(ACT_CODES)}")
+    zero_centered)`` for a normalised input, ``gate_act`` the gated input's activation.
+    Returns the new ``[N]`` output."""
+    for a in (act, gate_act):
+        if a is not None and a not in ACT_CODES:
+            raise ValueError(f"gemv: unknown activation {a!r}; known: {', '.join(ACT_CODES)}")
     n, k = weight.shape
     if launch is None:
         sms = (
@@ -399,6 +416,7 @@ def _launch(
         residual, norm_weight, res_out, eps, zero_centered = norm
     has_bias = bias is not None
     act_code = -1 if act is None else ACT_CODES[act]
+    gate_code = -1 if gate_act is None else ACT_CODES[gate_act]
     mode = 0 if norm is None else (1 if residual is None else 2)
     # What Triton specialises on beyond the constants: dtypes, and the
     # alignment of the pointers that may be views (the rest are fresh allocations).
@@ -412,6 +430,7 @@ def _launch(
         row.dtype,
         weight.dtype,
         act_code,
+        gate_code,
         mode,
         bool(zero_centered),
         None if bias is None else (bias.dtype, bias.data_ptr() & 15),
@@ -446,6 +465,7 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ACT=act_code,
+        GATE_ACT=gate_code,
         NORM=mode,
         ZERO_CENTERED=bool(zero_centered),
         BLOCK_D=next_pow2(k) if norm is not None else 1,
