@@ -376,93 +376,74 @@ def paged_decode(
     nd = batch.num_decode_seqs
     if nd == 0:
         return
-    num_heads, dk, dv, dpe, big = _head_dims(q, out, q_pe)
-    num_kv_heads = num_heads // group
-    has_pe = q_pe is not None
-    block_h = min(dot_block(group), 16 if big else 64)
-    head_blocks = cdiv(group, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, q.device)
-    if configs is None:
-        cfg_id: Any = _decode_class(big, dk, num_splits)
-        configs = _DECODE_CONFIGS[cfg_id]
-    else:
-        cfg_id = _configs_key(configs)
-    block_dv = dot_block(dv)
-    if num_splits > 1:
-        rows = nd * num_heads * num_splits
-        # One allocation: the partial outputs, then their log2-sum-exps.
-        scratch = torch.empty(rows * (block_dv + 1), dtype=torch.float32, device=q.device)
-        partial, lse = scratch[: rows * block_dv], scratch[rows * block_dv :]
-        arrivals = _arrivals(q.device, nd * num_kv_heads * head_blocks)
-    else:
-        partial = lse = arrivals = out  # unused placeholders
-    qpe = q_pe if has_pe else q
-    kpe = kpe_plane if has_pe else k_plane
-    v_from_k = _same_storage(v_plane, k_plane) and dv == dk
     append = k_new is not None and v_new is not None
     if append:
         kn, vn = _as_rows(k_new), _as_rows(v_new)
     else:
         kn, vn = q, q  # unused placeholders
-    args = (
-        q,
-        qpe,
-        k_plane,
-        kpe,
-        v_plane,
-        out,
-        partial,
-        lse,
-        arrivals,
-        kn,
-        vn,
-        batch.slot_mapping,
-        batch.seq_lens,
-        batch.block_table,
-        batch.num_prefill_seqs,
-        batch.num_prefill_tokens,
-        kn.stride(0),
-        kn.stride(1),
-        vn.stride(0),
-        vn.stride(1),
-        q.stride(0),
-        q.stride(1),
-        qpe.stride(0),
-        qpe.stride(1),
-        *_plane_strides(k_plane),
-        *_plane_strides(kpe),
-        *_plane_strides(v_plane),
-        out.stride(0),
-        out.stride(1),
-        batch.block_table.stride(0),
-        scale * _LOG2E,
-        num_heads,
-        group,
-        sliding_window if sliding_window > 0 else _NO_WINDOW,
-    )
-    meta = dict(
-        DK=dk,
-        DPE=dpe,
-        DV=dv,
-        PAGE_SIZE=batch.page_size,
-        NUM_SPLITS=num_splits,
-        HEAD_BLOCKS=head_blocks,
-        BLOCK_H=block_h,
-        BLOCK_S=next_pow2(num_splits),
-        BLOCK_DK=dot_block(dk),
-        BLOCK_DPE=dot_block(dpe) if has_pe else 16,
-        BLOCK_DV=block_dv,
-        HAS_PE=has_pe,
-        V_FROM_K=v_from_k,
-        IEEE=ieee_dot(k_plane.dtype),
-        APPEND=append,
-    )
-    key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h, cfg_id)
+    qpe = q if q_pe is None else q_pe
+    kpe = k_plane if kpe_plane is None else kpe_plane
     slots, seq_lens, table = batch.slot_mapping, batch.seq_lens, batch.block_table
+    # Everything but the pointers, the batch and the split count is fixed for
+    # a layer: worked out once per layout.
+    layout_key = (
+        q.shape[1:],
+        q.stride(),
+        q.dtype,
+        qpe.shape[1:],
+        qpe.stride(),
+        out.shape[1:],
+        out.stride(),
+        k_plane.shape[1:],
+        k_plane.stride(),
+        k_plane.dtype,
+        kpe.shape[1:],
+        kpe.stride(),
+        v_plane.shape[1:],
+        v_plane.stride(),
+        k_plane.data_ptr() == v_plane.data_ptr(),
+        kn.stride(),
+        vn.stride(),
+        q_pe is not None,
+        append,
+        table.stride(0),
+        batch.page_size,
+        scale,
+        group,
+        sliding_window,
+    )
+    layout = _DECODE_LAYOUTS.get(layout_key)
+    if layout is None:
+        layout = _DECODE_LAYOUTS[layout_key] = _DecodeLayout(
+            q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, batch.page_size,
+            scale, group, sliding_window, q_pe is not None, append,
+        )  # fmt: skip
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, layout.programs_per_split, q.device)
+    if configs is None:
+        cfg_id: Any = _decode_class(layout.big, layout.dk, num_splits)
+        configs = _DECODE_CONFIGS[cfg_id]
+    else:
+        cfg_id = _configs_key(configs)
+    if num_splits > 1:
+        rows = nd * layout.num_heads * num_splits
+        block_dv = layout.block_dv
+        # One allocation: the partial outputs, then their log2-sum-exps.
+        scratch = torch.empty(rows * (block_dv + 1), dtype=torch.float32, device=q.device)
+        partial, lse = scratch[: rows * block_dv], scratch[rows * block_dv :]
+        arrivals = _arrivals(q.device, nd * layout.programs_per_split)
+    else:
+        partial = lse = arrivals = out  # unused placeholders
+    nps, npt = batch.num_prefill_seqs, batch.num_prefill_tokens
+    args = (
+        q, qpe, k_plane, kpe, v_plane, out, partial, lse, arrivals, kn, vn,
+        slots, seq_lens, table, nps, npt, *layout.tail,
+    )  # fmt: skip
+    meta = dict(layout.meta, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits))
+    key = (*layout.config_key, cfg_id)
     launch_key = None
     # The common case, every pointer 16-byte aligned, gets a key cheaper than
-    # one derived argument by argument; the rest specialises on the integers.
+    # one derived argument by argument.
     if (
         not (
             q.data_ptr()
@@ -483,26 +464,88 @@ def paged_decode(
         & 15
     ):
         launch_key = (
-            key,
+            layout_key,
             out.dtype,
-            qpe.dtype,
-            kpe.dtype,
-            v_plane.dtype,
             kn.dtype,
             slots.dtype,
             seq_lens.dtype,
             table.dtype,
-            int_key(batch.num_prefill_seqs),
-            int_key(batch.num_prefill_tokens),
-            args[16:],
-            tuple(meta.values()),
+            int_key(nps),
+            int_key(npt),
+            num_splits,
+            cfg_id,
         )
-    _launch_fitting(
-        _DECODE,
-        lambda c: (nd, num_kv_heads * head_blocks, num_splits),
-        key,
-        configs,
-        args,
-        meta,
-        launch_key,
-    )
+    grid = (nd, layout.programs_per_split, num_splits)
+    _launch_fitting(_DECODE, lambda c: grid, key, configs, args, meta, launch_key)
+
+
+class _DecodeLayout:
+    """What a decode launch derives from a layer's shapes and strides alone (cached)."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        qpe: torch.Tensor,
+        k_plane: torch.Tensor,
+        kpe: torch.Tensor,
+        v_plane: torch.Tensor,
+        out: torch.Tensor,
+        kn: torch.Tensor,
+        vn: torch.Tensor,
+        table: torch.Tensor,
+        page_size: int,
+        scale: float,
+        group: int,
+        sliding_window: int,
+        has_pe: bool,
+        append: bool,
+    ) -> None:
+        num_heads, dk, dv, dpe, big = _head_dims(q, out, qpe if has_pe else None)
+        self.num_heads, self.dk, self.big = num_heads, dk, big
+        block_h = min(dot_block(group), 16 if big else 64)
+        head_blocks = cdiv(group, block_h)
+        #: programs per sequence and split: kv heads times head blocks
+        self.programs_per_split = (num_heads // group) * head_blocks
+        self.block_dv = dot_block(dv)
+        #: the launch's integer and float arguments after the batch's
+        self.tail = (
+            kn.stride(0),
+            kn.stride(1),
+            vn.stride(0),
+            vn.stride(1),
+            q.stride(0),
+            q.stride(1),
+            qpe.stride(0),
+            qpe.stride(1),
+            *_plane_strides(k_plane),
+            *_plane_strides(kpe),
+            *_plane_strides(v_plane),
+            out.stride(0),
+            out.stride(1),
+            table.stride(0),
+            scale * _LOG2E,
+            num_heads,
+            group,
+            sliding_window if sliding_window > 0 else _NO_WINDOW,
+        )
+        self.meta = dict(
+            DK=dk,
+            DPE=dpe,
+            DV=dv,
+            PAGE_SIZE=page_size,
+            HEAD_BLOCKS=head_blocks,
+            BLOCK_H=block_h,
+            BLOCK_DK=dot_block(dk),
+            BLOCK_DPE=dot_block(dpe) if has_pe else 16,
+            BLOCK_DV=self.block_dv,
+            HAS_PE=has_pe,
+            V_FROM_K=_same_storage(v_plane, k_plane) and dv == dk,
+            IEEE=ieee_dot(k_plane.dtype),
+            APPEND=append,
+        )
+        #: the config choice's key, less the configuration class
+        self.config_key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h)
+
+
+#: the fixed part of decode launches, by layout (see :class:`_DecodeLayout`)
+_DECODE_LAYOUTS: dict[tuple, _DecodeLayout] = {}
