@@ -45,9 +45,9 @@ def output_buffer(
     :return: ``out`` itself after checking it, or a new uninitialised tensor.
     :raises ValueError: ``out`` differs in shape, dtype or device.
     """
-    shape = tuple(int(s) for s in shape)
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
+    shape = tuple(int(s) for s in shape)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != torch.device(device):
         raise ValueError(
             f"out buffer has shape {tuple(out.shape)}, {out.dtype} on {out.device}; "
