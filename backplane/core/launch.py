@@ -25,6 +25,7 @@ fast call, so that ordering is tested on CPU too.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -95,6 +96,23 @@ class LaunchKeyError(AssertionError):
     """
 
 
+@functools.cache
+def _direct_launch_supported() -> bool:
+    """Whether compiled kernels take every parameter, constants included, in their launch call.
+
+    That is the calling convention of the Triton releases without
+    ``AttrsDescriptor`` (3.3 on; ``torch.compile`` tells them apart the same
+    way). Older releases launch through ``kernel[grid]`` every time.
+    """
+    import triton.backends.compiler
+    import triton.compiler.compiler
+
+    return not (
+        hasattr(triton.backends.compiler, "AttrsDescriptor")
+        or hasattr(triton.compiler.compiler, "AttrsDescriptor")
+    )
+
+
 class _Compiled:
     """What the fast path needs of one compiled kernel."""
 
@@ -107,16 +125,19 @@ class _Compiled:
         self.compiled = compiled
         self.tail = tail
         self.options = options
-        # Triton releases whose compiled kernels lack this launch interface
-        # (before 3.2) launch through ``kernel[grid]`` every time.
-        fast = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+        fast = _direct_launch_supported() and all(
+            hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
+        )
         self.run = compiled.run if fast else None
         self.function = compiled.function if fast else None
         self.metadata = compiled.packed_metadata if fast else None
         # Read once, as torch.compile's launchers do: a profiler hook installed
-        # later is seen by new keys only.
-        self.enter = triton.knobs.runtime.launch_enter_hook
-        self.exit = triton.knobs.runtime.launch_exit_hook
+        # later is seen by new keys only. (Releases before ``triton.knobs`` kept
+        # the hooks on the compiled kernel's class.)
+        knobs = getattr(triton, "knobs", None)
+        hooks = knobs.runtime if knobs is not None else type(compiled)
+        self.enter = getattr(hooks, "launch_enter_hook", None)
+        self.exit = getattr(hooks, "launch_exit_hook", None)
 
 
 class KernelLauncher:
@@ -157,6 +178,8 @@ class KernelLauncher:
             name, plus compile and launch options (``num_warps``, ``num_stages``,
             ``enable_fp_fusion``).
         """
+        # A compiled kernel's function handle belongs to one device's context.
+        key = (device, key)
         hit = self._cache.get(key)
         if hit is None or CHECK or self._interpret:
             hit = self._slow(key, grid, args, meta)
