@@ -32,6 +32,8 @@ def test_int_key_follows_triton_specialisation():
     assert launch.int_key(2**31 + 1) == 4
     assert launch.int_key(-(2**31) - 1) == 4
     assert launch.int_key(2**31 - 1) == 0
+    assert launch.int_key(2**63) == 8 | 4 | 2  # unsigned 64-bit
+    assert launch.int_key(2**40 + 1) == 4  # signed 64-bit
 
 
 def test_arg_key_entries():

@@ -3,9 +3,10 @@
 ``kernel[grid](*args, **meta)`` re-derives on every call what rarely changes:
 it binds the arguments to the signature, specialises each one (dtype, 16-byte
 alignment, integers equal to one), hashes that into a cache key, reads the
-runtime's settings and builds launch metadata. On the host of an H100/H200
-machine that is about 20 microseconds per launch; an eager decode step of a
-1B model makes over a hundred launches, so it is most of the step.
+runtime's settings and builds launch metadata. On the hosts of the H200
+machines measured that is 13 to 22 microseconds per launch
+(``benchmarks/launch_overhead.py``); an eager decode step of a 1B model makes
+over a hundred launches, so it is most of the step.
 
 A :class:`KernelLauncher` keeps, per *caller key*, the compiled kernel that
 Triton chose the first time, and later calls hand the arguments straight to
@@ -54,12 +55,18 @@ def int_key(v: int) -> int:
     """What Triton specialises on in an integer argument, as a small int.
 
     Bit 0: the value is 1 (compiled in as a constant); bit 1: a multiple of
-    16; bit 2: outside the 32-bit range.
+    16; bit 2: outside the 32-bit range (a 64-bit argument); bit 3: 2**63 or
+    more (unsigned).
 
     :param v: the argument.
-    :return: the three bits.
+    :return: the four bits.
     """
-    return (v == 1) | (((v & 15) == 0) << 1) | ((not -0x80000000 <= v <= 0x7FFFFFFF) << 2)
+    return (
+        (v == 1)
+        | (((v & 15) == 0) << 1)
+        | ((not -0x80000000 <= v <= 0x7FFFFFFF) << 2)
+        | ((v >= 1 << 63) << 3)
+    )
 
 
 def arg_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -78,11 +85,7 @@ def arg_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
         [
             (a.dtype, (a.data_ptr() & 15) == 0)
             if isinstance(a, tensor)
-            else (
-                (a == 1) | (((a & 15) == 0) << 1) | ((not -0x80000000 <= a <= 0x7FFFFFFF) << 2)
-                if type(a) is int
-                else type(a)
-            )
+            else (int_key(a) if type(a) is int else type(a))
             for a in args
         ]
     )
