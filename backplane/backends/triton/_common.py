@@ -10,9 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+# The backends import it from here too.
 from backplane.core.launch import next_pow2
-
-__all__ = ["next_pow2"]  # re-exported: the backends' kernels launch through it
 
 _F32_ENV = "TRITON_F32_DEFAULT"
 
