@@ -55,7 +55,7 @@ def test_constants_follow_signature_order_with_defaults():
 
 
 def _run(launcher, key, src, dst, n, scale, shift, neg=False):
-    grid = (triton.cdiv(n, 32),)
+    grid = (launch.cdiv(n, 32),)
     launcher(key, grid, (src, dst, n, scale), src.device.index, SHIFT=shift, BLOCK=32, NEG=neg)
 
 
