@@ -57,9 +57,6 @@ _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 #: outgrown scratch buffers, never freed (captured graphs may still use them)
 _RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-#: ``(n, k, launch) -> (row blocks, K per split, splits)``, worked out once per shape
-_SHAPES: dict[tuple[int, int, tuple[int, int, int]], tuple[int, int, int]] = {}
-
 
 @triton.jit
 def _gemv_kernel(
@@ -400,10 +397,8 @@ def _launch(
         )
         launch = plan(n, k, sms) or (16, 256, 1)
     block_n, block_k, _ = launch
-    shape = _SHAPES.get((n, k, launch))
-    if shape is None:
-        shape = _SHAPES[(n, k, launch)] = _split_shape(n, k, launch)
-    blocks, k_per_split, split_k = shape
+    blocks, k_per_split, split_k = _split_shape(n, k, launch)
+    stride_wn = weight.stride(0)
     device = row.device
     y = torch.empty(n, dtype=row.dtype, device=device)
     if split_k > 1:
@@ -426,7 +421,7 @@ def _launch(
         block_n,
         block_k,
         split_k,
-        weight.stride(0),
+        stride_wn,
         row.dtype,
         weight.dtype,
         act_code,
@@ -457,7 +452,7 @@ def _launch(
             k,
             k_per_split,
             split_k,
-            weight.stride(0),
+            stride_wn,
         ),
         device.index,
         HAS_BIAS=has_bias,
