@@ -89,3 +89,30 @@ def test_check_catches_a_key_that_misses_a_specialisation(monkeypatch):
     # an unaligned view compiles differently too; arg_key tells it apart
     _run(launcher, launch.arg_key((src[1:], dst, 63, 1.0)), src[1:], dst, 63, 1.0, 0)
     torch.testing.assert_close(dst[:63], src[1:])
+
+
+def test_lookup_is_empty_while_checking(monkeypatch):
+    """With the key check on every launch goes through Triton: ``lookup`` hands out nothing."""
+    monkeypatch.setattr(launch, "CHECK", True)
+    launcher = launch.KernelLauncher(_scaled_copy)
+    launcher._cache[(0, "k")] = object()
+    assert launcher.lookup("k", 0) is None
+
+
+@pytest.mark.gpu
+def test_lookup_launches_what_the_call_compiled(monkeypatch):
+    """After a key's first launch, ``lookup(key).launch`` runs that kernel with its constants."""
+    monkeypatch.setattr(launch, "CHECK", False)
+    launcher = launch.KernelLauncher(_scaled_copy)
+    src = torch.randn(500, device="cuda", dtype=torch.float32)
+    dst = torch.full_like(src, float("nan"))
+    key = ("copy", 3, True)
+    assert launcher.lookup(key, 0) is None
+    _run(launcher, key, src, dst, 500, 2.0, 3, neg=True)
+    hit = launcher.lookup(key, src.device.index)
+    assert hit is not None and launcher.lookup(("other",), src.device.index) is None
+    dst.fill_(float("nan"))
+    hit.launch(launch.cdiv(450, 32), 1, 1, src.device.index, src, dst, 450, 0.5)
+    want = -(src[:450].double() * 0.5 + 3)
+    torch.testing.assert_close(dst[:450].double(), want, rtol=1e-6, atol=1e-6)
+    assert dst[450:].isnan().all()

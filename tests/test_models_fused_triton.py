@@ -843,6 +843,7 @@ def _check_norm_gemv(gemv: Any, device: torch.device) -> None:
             # ReLU² doubles relative errors of its input.
             slack = 2 * slack * want.double().abs().sqrt() + slack**2
         _within(name, got, want.double(), slack + 2 * unit * want.double().abs())
+    _check_norm_gemv_rotary(gemv, elementwise, device)
     x = _randn(1, 16, dtype=torch.float32, device=device, seed=1)
     w = _randn(4, 16, dtype=torch.float32, device=device, seed=2)
     for bad_g, bad_r in (
@@ -854,6 +855,48 @@ def _check_norm_gemv(gemv: Any, device: torch.device) -> None:
         except ValueError:
             continue
         raise AssertionError("norm_gemv accepted a norm weight or residual that does not match x")
+
+
+def _check_norm_gemv_rotary(gemv: Any, elementwise: Any, device: torch.device) -> None:
+    """``norm_gemv(rotary=...)`` equals ``norm_gemv`` followed by the rotary kernel on the query
+    and key heads, bit for bit, split or not, with and without a residual; the values are left
+    unrotated; a rotation the launch's row blocks cannot hold is refused."""
+    if _small(device):
+        cases = [((4, 2, 16), 64, (8, 64, 1)), ((3, 1, 32), 96, (16, 32, 2))]
+    else:
+        cases = [((32, 8, 64), 2048, None), ((32, 8, 64), 2048, (16, 256, 4))]
+        cases.append(((16, 2, 128), 1024, None))
+    seed = 1200
+    eps = 1e-6
+    for ((hq, hk, d), k, launch), dtype, with_res in itertools.product(
+        cases, (torch.float32, torch.bfloat16), (False, True)
+    ):
+        seed += 1
+        n, rows = (hq + 2 * hk) * d, (hq + hk) * d
+        x = _randn(1, k, dtype=dtype, device=device, seed=seed)
+        r = _randn(1, k, dtype=dtype, device=device, seed=seed + 1) if with_res else None
+        g = _randn(k, dtype=dtype, device=device, seed=seed + 2, scale=0.5)
+        w = _randn(n, k, dtype=dtype, device=device, seed=seed + 3, scale=k**-0.5)
+        cos, sin = _cos_sin(1, d // 2, dtype, device, seed=seed + 4)
+        name = f"norm_gemv rotary heads={hq}+{hk}x{d} {dtype} launch={launch} residual={with_res}"
+        want, want_res = gemv.norm_gemv(x, r, g, eps, False, w, launch=launch)
+        elementwise.rotary_(want[:, :rows].view(1, hq + hk, d), cos, sin)
+        got, got_res = gemv.norm_gemv(
+            x, r, g, eps, False, w, launch=launch, rotary=(cos, sin, rows)
+        )
+        _equal(name, got, want)
+        if r is not None:
+            _equal(name + " residual", got_res, want_res)
+    x = _randn(1, 64, dtype=torch.float32, device=device, seed=1)
+    w = _randn(40, 64, dtype=torch.float32, device=device, seed=2)
+    cos, sin = _cos_sin(1, 4, torch.float32, device, seed=3)
+    try:
+        # 24 rotated rows end inside the second block of 16
+        gemv.norm_gemv(x, None, torch.ones(64, device=device), eps, False, w,
+                       launch=(16, 64, 1), rotary=(cos, sin, 24))  # fmt: skip
+    except ValueError:
+        return
+    raise AssertionError("norm_gemv accepted a rotation that straddles a row block")
 
 
 def _forward_logits(lm, backends, device) -> torch.Tensor:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 __all__ = ["CHECK", "KernelLauncher", "LaunchKeyError", "arg_key", "cdiv", "int_key", "next_pow2"]
 
 #: Verify every launch's caller key against Triton's own choice (slow; for tests).
+#: Read when a :class:`KernelLauncher` is made.
 CHECK: bool = os.environ.get("BACKPLANE_CHECK_LAUNCHES", "0") not in ("", "0")
 
 
@@ -117,9 +118,19 @@ def _direct_launch_supported() -> bool:
 
 
 class _Compiled:
-    """What the fast path needs of one compiled kernel."""
+    """What the fast path needs of one compiled kernel (see :meth:`KernelLauncher.lookup`)."""
 
-    __slots__ = ("compiled", "enter", "exit", "function", "metadata", "options", "run", "tail")
+    __slots__ = (
+        "compiled",
+        "enter",
+        "exit",
+        "function",
+        "metadata",
+        "options",
+        "run",
+        "stream",
+        "tail",
+    )
 
     def __init__(self, compiled: Any, tail: tuple[Any, ...], options: dict[str, Any]) -> None:
         import triton
@@ -141,6 +152,30 @@ class _Compiled:
         hooks = knobs.runtime if knobs is not None else type(compiled)
         self.enter = getattr(hooks, "launch_enter_hook", None)
         self.exit = getattr(hooks, "launch_exit_hook", None)
+        if fast:
+            import torch
+
+            self.stream = torch._C._cuda_getCurrentRawStream
+
+    def launch(self, grid0: int, grid1: int, grid2: int, device: int, *args: Any) -> None:
+        """Launch on the current stream of ``device`` with the kernel's leading ``args``.
+
+        The constants are the ones the kernel was compiled with; only a
+        launcher with a direct launch (``run`` set) has this path.
+        """
+        self.run(
+            grid0,
+            grid1,
+            grid2,
+            self.stream(device),
+            self.function,
+            self.metadata,
+            None,
+            self.enter,
+            self.exit,
+            *args,
+            *self.tail,
+        )
 
 
 class KernelLauncher:
@@ -158,7 +193,8 @@ class KernelLauncher:
             p.name: p.default for p in getattr(kernel, "params", ()) if p.has_default
         }
         self._cache: dict[Hashable, _Compiled] = {}
-        self._stream: Callable[[int], int] | None = None
+        # Every launch goes through Triton in the interpreter and while checking.
+        self._always_slow = CHECK or self._interpret
 
     def __call__(
         self,
@@ -184,32 +220,34 @@ class KernelLauncher:
         # A compiled kernel's function handle belongs to one device's context.
         key = (device, key)
         hit = self._cache.get(key)
-        if hit is None or CHECK or self._interpret:
+        if hit is None or self._always_slow:
             hit = self._slow(key, grid, args, meta)
             if hit is None:
                 return
         if hit.run is None:
             self.kernel[tuple(grid)](*args, *hit.tail, **hit.options)
             return
-        stream = self._stream
-        if stream is None:
-            import torch
-
-            stream = self._stream = torch._C._cuda_getCurrentRawStream
         g = len(grid)
-        hit.run(
-            grid[0],
-            grid[1] if g > 1 else 1,
-            grid[2] if g > 2 else 1,
-            stream(device),
-            hit.function,
-            hit.metadata,
-            None,
-            hit.enter,
-            hit.exit,
-            *args,
-            *hit.tail,
-        )
+        hit.launch(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, device, *args)
+
+    def lookup(self, key: Hashable, device: int) -> _Compiled | None:
+        """The kernel compiled for ``key`` on ``device``, for a launch without ``meta``.
+
+        The caller launches with ``hit.launch(grid0, grid1, grid2, device,
+        *args)``: the path for call sites that keep their key and would
+        otherwise rebuild the constants on every call.
+
+        :param key: the caller key, as for :meth:`__call__`.
+        :param device: the CUDA device index.
+        :return: the cached kernel, or ``None`` where the launch must go through
+            :meth:`__call__`: the key's first launch, every launch while
+            :data:`CHECK` is on or in the interpreter, and Triton releases
+            without direct launches.
+        """
+        if self._always_slow:
+            return None
+        hit = self._cache.get((device, key))
+        return hit if hit is not None and hit.run is not None else None
 
     def launch(self, grid: Sequence[int], args: tuple[Any, ...], device: int, **meta: Any) -> None:
         """Launch with a key derived from the arguments (:func:`arg_key`) and ``meta``.

@@ -556,7 +556,7 @@ class DecoderLayer(nn.Module):
         :return: ``(output, residual)``; the layer's full result is their sum.
         """
         mixer = getattr(self, self.mixer_name)
-        fused = self.input_layernorm.project_input(x, residual, mixer)
+        fused = self.input_layernorm.project_input(x, residual, mixer, rope)
         if fused is None:
             h, residual = self.input_layernorm.norm_input(x, residual)
             h = mixer(positions, h, rope)

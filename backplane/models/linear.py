@@ -26,6 +26,7 @@ merged parameter (see :meth:`MergedLinear.checkpoint_slices`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -119,14 +120,14 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     #: ``"torch"`` or ``"triton"``: who runs one-row products on CUDA
     fused_ops: str = "torch"
-    #: the split-K launch for this weight once decided (``()``: cuBLAS is as fast)
-    _gemv_launch: tuple[int, ...] | None = None
+    #: the one-row projections built so far, by what rides along (see :meth:`_projection`)
+    _projections: dict[tuple, Any] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project ``x``; see :func:`dense` and the class docstring."""
-        launch = self._one_row_launch(x)
-        if launch:
-            return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch)
+        proj = self._projection(x, ("plain",))
+        if proj is not None:
+            return proj(x)[0]
         return dense(x, self.weight, self.bias, self.packed_weight)
 
     def forward_activated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
@@ -139,10 +140,8 @@ class Linear(nn.Linear):
             the activation kernel round it; ``None`` where :meth:`forward` would
             not use the one-row kernel (the caller applies the activation).
         """
-        launch = self._one_row_launch(x)
-        if not launch:
-            return None
-        return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch, act=act)
+        proj = self._projection(x, ("act", act))
+        return None if proj is None else proj(x)[0]
 
     def forward_gated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
         """``self(act(gate) * up)`` for ``x = [gate | up]`` in one kernel, where the one-row kernel
@@ -155,10 +154,10 @@ class Linear(nn.Linear):
             by :meth:`forward` round it; ``None`` where :meth:`forward` would not
             use the one-row kernel (the caller forms the product).
         """
-        launch = self._one_row_launch(x)
-        if not launch or x.shape[-1] != 2 * self.in_features:
+        if x.shape[-1] != 2 * self.in_features:
             return None
-        return kernels.load_gemv().gemv(x, self.weight, self.bias, launch=launch, gate_act=act)
+        proj = self._projection(x, ("gated", act))
+        return None if proj is None else proj(x)[0]
 
     def forward_normed(
         self,
@@ -168,11 +167,13 @@ class Linear(nn.Linear):
         eps: float,
         zero_centered: bool,
         act: str | None = None,
+        rotary: RotaryEpilogue | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Project the RMS-normalised ``x (+ residual)`` in one kernel, where the one-row kernel runs.
 
         See :func:`~backplane.models.kernels.gemv.norm_gemv`: the results are
-        those of the norm followed by :meth:`forward` (and ``act``).
+        those of the norm followed by :meth:`forward` (and ``act``, and the
+        rotation).
 
         :param x: a layer's output (or the embeddings), ``[1, in_features]``.
         :param residual: the residual stream, or ``None`` when it starts at ``x``.
@@ -180,53 +181,92 @@ class Linear(nn.Linear):
         :param eps: the norm's epsilon.
         :param zero_centered: the norm weight stores ``w - 1``.
         :param act: an activation applied as the epilogue, or ``None``.
+        :param rotary: rotate the leading outputs (an attention layer's query
+            and key heads), or ``None``.
         :return: ``(output, residual stream)``, or ``None`` where the kernel
-            does not run this input (the caller normalises and projects).
+            does not run this input with all of the above (the caller
+            normalises, projects and rotates).
         """
-        launch = self._one_row_launch(x)
-        if (
-            not launch
-            or x.shape[-1] > kernels.load_gemv().NORM_MAX_ROW
-            or norm_weight.dtype != x.dtype
-            or not norm_weight.is_contiguous()
-            or (
-                residual is not None
-                and (
-                    residual.shape != x.shape
-                    or residual.dtype != x.dtype
-                    or residual.stride(-1) != 1
-                )
-            )
+        if residual is not None and (
+            residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1
         ):
             return None
-        return kernels.load_gemv().norm_gemv(
-            x,
-            residual,
-            norm_weight,
-            eps,
-            zero_centered,
+        if rotary is None:
+            variant: tuple = ("norm", norm_weight, eps, zero_centered, act, None)
+            cos = sin = None
+        else:
+            cos, sin = rotary.cos, rotary.sin
+            half = cos.shape[-1]
+            if cos.dtype != x.dtype or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+                return None
+            variant = ("norm", norm_weight, eps, zero_centered, act, (rotary.rows, half))
+        proj = self._projection(x, variant)
+        if proj is None:
+            return None
+        y, res_out = proj(x, residual, cos, sin)
+        return y, (x if res_out is None else res_out)
+
+    def _projection(self, x: torch.Tensor, variant: tuple) -> Any:
+        """The one-row projection for ``x`` with what ``variant`` adds, or ``None`` where
+        :func:`dense` (and separate kernels) run it.
+
+        :param variant: ``("plain",)``, ``("act", act)``, ``("gated", act)`` or
+            ``("norm", norm weight, eps, zero_centered, act, (rows, half) or None)``.
+        """
+        if (
+            self.fused_ops != "triton"
+            or x.dim() != 2
+            or x.shape[0] != 1
+            or x.stride(-1) != 1
+            or not (x.is_cuda or kernels.interpreting())
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        # A weight whose storage moved or changed (reloaded, packed, moved to
+        # another device) gets new projections and a new plan.
+        ptr = self.weight.data_ptr()
+        cache = self._projections
+        if cache is None or ptr != self._projections_ptr:
+            cache = self._projections = {}
+            self._projections_ptr = ptr
+        proj = cache.get(variant)
+        if proj is None:
+            proj = cache[variant] = self._build_projection(x, variant)
+        return proj if proj and proj.dtype == x.dtype else None
+
+    #: the weight's ``data_ptr()`` when :attr:`_projections` were built
+    _projections_ptr: int = 0
+
+    def _build_projection(self, x: torch.Tensor, variant: tuple) -> Any:
+        """Build what :meth:`_projection` returns (``False`` where the kernel does not run it)."""
+        launch = self._plan_gemv(x)
+        if not launch:
+            return False
+        gemv = kernels.load_gemv()
+        kind = variant[0]
+        if kind == "plain":
+            return gemv.OneRowProjection(self.weight, self.bias, launch=launch)
+        if kind == "act":
+            return gemv.OneRowProjection(self.weight, self.bias, launch=launch, act=variant[1])
+        if kind == "gated":
+            return gemv.OneRowProjection(self.weight, self.bias, launch=launch, gate_act=variant[1])
+        _, norm_weight, eps, zero_centered, act, rot = variant
+        if (
+            x.shape[-1] > gemv.NORM_MAX_ROW
+            or norm_weight.dtype != x.dtype
+            or not norm_weight.is_contiguous()
+            or (rot is not None and not gemv.rotary_fits(launch, self.out_features, *rot))
+        ):
+            return False
+        return gemv.OneRowProjection(
             self.weight,
             self.bias,
             launch=launch,
             act=act,
+            norm=(norm_weight, eps, zero_centered),
+            rotary=rot,
         )
-
-    def _one_row_launch(self, x: torch.Tensor) -> tuple[int, ...] | None:
-        """The split-K launch for ``x``, or ``None``/``()`` where :func:`dense` runs it."""
-        if (
-            self.fused_ops == "triton"
-            and not torch.compiler.is_compiling()
-            and (x.is_cuda or kernels.interpreting())
-            and x.dim() == 2
-            and x.shape[0] == 1
-            and x.stride(-1) == 1
-            and not torch.is_grad_enabled()
-        ):
-            launch = self._gemv_launch
-            if launch is None:
-                launch = self._gemv_launch = self._plan_gemv(x)
-            return launch
-        return None
 
     def _plan_gemv(self, x: torch.Tensor) -> tuple[int, ...]:
         """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS."""
@@ -307,3 +347,34 @@ class MergedLinear(Linear):
         """Show the parts next to the shape."""
         parts = ", ".join(f"{n}={s}" for n, s in zip(self.part_names, self.part_sizes, strict=True))
         return f"{super().extra_repr()}, parts=({parts})"
+
+
+class RotaryEpilogue(NamedTuple):
+    """A rotation of a projection's leading outputs, done as it stores them.
+
+    The outputs ``[0, rows)`` are heads of ``2 * h`` channels (``h`` the
+    length of ``cos``), rotated in pairs ``(i, i + h)`` as
+    :func:`~backplane.models.fused.apply_rotary_` rotates them.
+    """
+
+    #: the token's ``h`` cosines (``[..., h]``, unit stride)
+    cos: torch.Tensor
+    #: the token's ``h`` sines
+    sin: torch.Tensor
+    #: how many leading outputs are rotated (a multiple of ``2 * h``)
+    rows: int
+
+
+class InputProjection(NamedTuple):
+    """A block's first projection of its input, for a pre-norm to run with it in one kernel.
+
+    Returned by a block's ``input_projection()`` (see
+    :meth:`~backplane.models.norm.RMSNorm.project_input`).
+    """
+
+    #: the projection
+    linear: Linear
+    #: an activation applied to its output (the kernel's epilogue), or ``None``
+    act: str | None = None
+    #: a rotation of its leading outputs, or ``None``
+    rotary: RotaryEpilogue | None = None

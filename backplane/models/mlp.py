@@ -23,7 +23,7 @@ from backplane.models.fused import (
     relu_squared,
     silu_and_mul,
 )
-from backplane.models.linear import Linear, MergedLinear
+from backplane.models.linear import InputProjection, Linear, MergedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -106,7 +106,7 @@ class MLP(nn.Module):
             self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def input_projection(self) -> tuple[Linear, str | None] | None:
+    def input_projection(self, rope: object = None) -> InputProjection | None:
         """The first projection of the input and the activation it may apply as its epilogue.
 
         A pre-norm layer may run its norm and this projection in one kernel and
@@ -114,11 +114,13 @@ class MLP(nn.Module):
         with no activation (the gated product follows), or ``up_proj`` with
         the block's activation; ``None`` for a non-gated block whose
         activation the projection kernel does not apply.
+
+        :param rope: not used.
         """
         if self.gated:
-            return self.gate_up_proj, None
+            return InputProjection(self.gate_up_proj)
         act = _EPILOGUE_ACTS.get(self.act_fn)
-        return None if act is None else (self.up_proj, act)
+        return None if act is None else InputProjection(self.up_proj, act)
 
     def forward(
         self, x: torch.Tensor | None, *, projected: torch.Tensor | None = None

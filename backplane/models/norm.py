@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from backplane.models.fused import fused_add_rms_norm, gated_rms_norm, rms_norm
+from backplane.models.rotary import RopeCosSin
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +63,11 @@ class RMSNorm(nn.Module):
         return self.add_and_norm(x, residual)
 
     def project_input(
-        self, x: torch.Tensor, residual: torch.Tensor | None, block: nn.Module
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        block: nn.Module,
+        rope: RopeCosSin | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Normalise a layer's input and run ``block``'s first projection in one kernel.
 
@@ -73,12 +78,16 @@ class RMSNorm(nn.Module):
 
         :param x: the previous layer's output, or the embeddings for the first layer.
         :param residual: the residual stream, ``None`` for the first layer.
-        :param block: a mixer or feed-forward block with an ``input_projection()``
-            method (``(projection, activation)`` or ``None``).
+        :param block: a mixer or feed-forward block with an
+            ``input_projection(rope)`` method (an
+            :class:`~backplane.models.linear.InputProjection` or ``None``).
+        :param rope: the forward's rotary ``cos``/``sin``, for a block whose
+            projection rotates (attention); ``None`` for none.
         :return: ``(the block's projected input, residual stream)`` to pass as
-            the block's ``projected`` argument, or ``None`` where the fused
-            kernel does not apply (the caller calls :meth:`norm_input` and the
-            block as usual).
+            the block's ``projected`` argument (with the same ``rope``), or
+            ``None`` where the fused kernel does not apply with everything the
+            block asked for (the caller calls :meth:`norm_input` and the block
+            as usual).
         """
         # Before any shape test: a traced forward (piecewise graphs) must not
         # specialise on the token count.
@@ -87,11 +96,12 @@ class RMSNorm(nn.Module):
         if x.dim() != 2 or x.shape[0] != 1:
             return None
         first = getattr(block, "input_projection", None)
-        spec = first() if first is not None else None
+        spec = first(rope) if first is not None else None
         if spec is None:
             return None
-        proj, act = spec
-        return proj.forward_normed(x, residual, self.weight, self.eps, self.zero_centered, act)
+        return spec.linear.forward_normed(
+            x, residual, self.weight, self.eps, self.zero_centered, spec.act, spec.rotary
+        )
 
 
 class GatedRMSNorm(nn.Module):

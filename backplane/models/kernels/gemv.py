@@ -17,21 +17,30 @@ so the kernel needs no zeroed buffer and replays in a CUDA graph) adds the
 partials in split order, adds the bias, and writes the row in the input's
 dtype. One launch, deterministic results.
 
-Two pieces of neighbouring elementwise work ride along, each saving a launch
-(and the gap before the next kernel) per layer at batch 1:
+Neighbouring elementwise work rides along, each piece saving a launch (and
+the gap before the next kernel) per layer at batch 1:
 
 * an activation epilogue (``act=``): a non-gated MLP's ReLU² applied to the up
   projection's output before it is stored;
 * an RMS-norm prologue (:func:`norm_gemv`): a pre-norm layer's residual add and
   RMS norm computed while the first projection reads its input, so the
-  normalised row is never stored.
+  normalised row is never stored;
 * a gated-activation prologue (``gemv(gate_act=...)``): a gated MLP's
-  ``act(gate) * up`` formed while the down projection reads its input.
+  ``act(gate) * up`` formed while the down projection reads its input;
+* a rotary epilogue (``norm_gemv(rotary=...)``): the query and key heads of
+  an attention layer's q/k/v projection rotated before they are stored. Each
+  program of the rotated rows computes whole pairs ``(i, i + h)`` (its rows
+  in pair order), so the rotation needs no other program's outputs.
+
+:class:`OneRowProjection` holds one projection's launch with all of that
+decided, for the call sites that run it every step.
 
 All round as the separate kernels of :mod:`.elementwise` do.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -69,12 +78,16 @@ def _gemv_kernel(
     r_ptr,
     g_ptr,
     r_out_ptr,
+    cos_ptr,
+    sin_ptr,
     eps,
     N,
     K,
     k_per_split,
     split_k,
     stride_wn,
+    rot_rows,
+    rot_half,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -84,6 +97,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
 ):
@@ -104,6 +118,8 @@ def _gemv_kernel(
                 tl.store(r_out_ptr + offs, whole.to(dt), mask=d_ok)
         inv = _inv_rms(whole, K, eps)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        rn = _pair_rows(rn, pid_n, rot_rows, rot_half, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
@@ -127,7 +143,10 @@ def _gemv_kernel(
     if not SPLIT:
         if HAS_BIAS:
             part += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, _epilogue(part, y_ptr, ACT, INTERPRET, EXACT), mask=n_ok)
+        y = _epilogue(part, y_ptr, ACT, INTERPRET, EXACT)
+        if ROPE:
+            y = _rotated(y, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N, INTERPRET)
+        tl.store(y_ptr + rn, y, mask=n_ok)
     else:
         tl.store(part_ptr + pid_k * N + rn, part, mask=n_ok)
         # Every thread's partial stores come before the (releasing) arrival.
@@ -141,7 +160,10 @@ def _gemv_kernel(
                 total += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, _epilogue(total, y_ptr, ACT, INTERPRET, EXACT), mask=n_ok)
+            y = _epilogue(total, y_ptr, ACT, INTERPRET, EXACT)
+            if ROPE:
+                y = _rotated(y, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N, INTERPRET)
+            tl.store(y_ptr + rn, y, mask=n_ok)
             tl.atomic_xchg(counter, 0)
 
 
@@ -167,6 +189,42 @@ def _normed(
     else:
         h = g * _round(x * inv, dt, INTERPRET)
     return _round(h, dt, INTERPRET)
+
+
+@triton.jit
+def _pair_rows(rn, pid_n, rot_rows, rot_half, BLOCK_N: tl.constexpr):
+    """The output rows of a block in rotary pair order, where the block lies in the rotated rows.
+
+    A block of the first ``rot_rows`` rows (whole heads of ``2 * rot_half``
+    channels) holds ``BLOCK_N / 2`` rotary pairs ``(i, i + rot_half)`` of
+    consecutive pair indices: their first channels, then their second ones.
+    Blocks past ``rot_rows`` keep their consecutive rows.
+    """
+    half: tl.constexpr = BLOCK_N // 2
+    j = tl.arange(0, BLOCK_N)
+    pair = pid_n * half + j % half
+    rows = (pair // rot_half) * (2 * rot_half) + pair % rot_half + (j // half) * rot_half
+    return tl.where(pid_n * BLOCK_N < rot_rows, rows, rn)
+
+
+@triton.jit
+def _rotated(
+    y, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr
+):
+    """A block's output rows in pair order (see :func:`_pair_rows`) rotated by ``cos``/``sin``,
+    rounded as the rotary kernel rounds the stored product; other blocks as they are."""
+    dt = y.dtype
+    half: tl.constexpr = BLOCK_N // 2
+    x1, x2 = tl.split(tl.trans(tl.reshape(y.to(tl.float32), [2, half])))
+    i = (pid_n * half + tl.arange(0, half)) % rot_half
+    c = tl.load(cos_ptr + i).to(tl.float32)
+    s = tl.load(sin_ptr + i).to(tl.float32)
+    # As _rotary_kernel: x1_sin = x1 * sin; x1 = x1 * cos - x2 * sin; x2 = x2 * cos + x1_sin
+    x1_sin = _round(x1 * s, dt, INTERPRET)
+    o1 = _round(_round(x1 * c, dt, INTERPRET) - _round(x2 * s, dt, INTERPRET), dt, INTERPRET)
+    o2 = _round(_round(x2 * c, dt, INTERPRET) + x1_sin, dt, INTERPRET)
+    rotated = tl.reshape(tl.trans(tl.join(o1, o2)), [BLOCK_N]).to(dt)
+    return tl.where(pid_n * BLOCK_N < rot_rows, rotated, y)
 
 
 @triton.jit
@@ -263,6 +321,203 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     return None
 
 
+def default_launch(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """:func:`plan`'s launch for an ``[n, k]`` weight on ``device``, or one split in row
+    blocks of 16 where it leaves the weight to cuBLAS."""
+    sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    return plan(n, k, sms) or (16, 256, 1)
+
+
+def rotary_fits(launch: tuple[int, int, int], n: int, rows: int, half: int) -> bool:
+    """Whether a projection launched as ``launch`` can rotate its first ``rows`` outputs.
+
+    The rotary epilogue takes whole heads of ``2 * half`` channels (rotary over
+    the whole head) and row blocks that hold whole pairs and do not straddle
+    the rotated rows' end.
+    """
+    block_n = launch[0]
+    return (
+        half > 0
+        and 0 < rows <= n
+        and rows % (2 * half) == 0
+        and block_n % 2 == 0
+        and rows % block_n == 0
+    )
+
+
+class OneRowProjection:
+    """A one-row projection with everything but its inputs decided.
+
+    Holds the weight, the bias, the launch shape and the work that rides
+    along (an activation epilogue, a gated-activation or RMS-norm prologue, a
+    rotary epilogue), so that a call site run every decode step (a
+    :class:`~backplane.models.linear.Linear`) pays for its launch alone: an
+    output allocation and the driver call. The arguments are checked once,
+    here; :meth:`__call__` trusts its inputs' shapes (``[1, K]`` rows with unit
+    stride, ``[1, 2K]`` with ``gate_act``) and reads only their alignment.
+
+    :param weight: ``[N, K]`` with unit stride along ``K``.
+    :param bias: optional ``[N]``, contiguous.
+    :param launch: ``(block_n, block_k, split_k)``, powers of two (default:
+        :func:`default_launch`).
+    :param act: the epilogue's activation (a key of
+        :data:`~backplane.models.kernels.elementwise.ACT_CODES`) or ``None``.
+    :param gate_act: the gated-activation prologue's activation, or ``None``.
+    :param norm: ``(norm weight [K], eps, zero_centered)``: project the
+        RMS-normalised input (see :func:`norm_gemv`), or ``None``.
+    :param rotary: ``(rows, half)``: rotate output pairs ``(i, i + half)`` of
+        every head of ``2 * half`` channels among the first ``rows`` outputs,
+        with the ``cos``/``sin`` given per call (see :func:`norm_gemv`); ``None``
+        for none.
+    :raises ValueError: for an unknown activation, a weight or norm weight
+        the kernel cannot read, or a rotary epilogue the launch cannot hold.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        launch: tuple[int, int, int] | None = None,
+        act: str | None = None,
+        gate_act: str | None = None,
+        norm: tuple[torch.Tensor, float, bool] | None = None,
+        rotary: tuple[int, int] | None = None,
+    ) -> None:
+        for a in (act, gate_act):
+            if a is not None and a not in ACT_CODES:
+                raise ValueError(f"gemv: unknown activation {a!r}; known: {', '.join(ACT_CODES)}")
+        if weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError(f"gemv: weight {tuple(weight.shape)} needs unit stride along K")
+        n, k = weight.shape
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match weight {(n, k)}")
+        if launch is None:
+            launch = default_launch(n, k, weight.device)
+        block_n, block_k, _ = launch
+        blocks, k_per_split, split_k = _split_shape(n, k, launch)
+        if norm is not None:
+            norm_weight, eps, zero_centered = norm
+            if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+                raise ValueError(
+                    f"norm_gemv: norm weight {tuple(norm_weight.shape)} does not match K={k}"
+                )
+            if k > MAX_ROW:
+                raise ValueError(f"norm_gemv: rows of at most {MAX_ROW} features, got {k}")
+        else:
+            norm_weight, eps, zero_centered = None, 0.0, False
+        rot_rows, rot_half = rotary if rotary is not None else (0, 1)
+        if rotary is not None and (act is not None or not rotary_fits(launch, n, *rotary)):
+            raise ValueError(
+                f"gemv: a rotary epilogue over {rot_rows} rows in pairs {rot_half} apart does "
+                f"not fit launch {launch} of {n} outputs (or comes with an activation)"
+            )
+        self.weight, self.bias, self.norm_weight = weight, bias, norm_weight
+        self.n, self.k, self.blocks, self.split_k = n, k, blocks, split_k
+        self.dtype, self.device = weight.dtype, weight.device
+        self._device_index = weight.device.index
+        self.rotary = rotary is not None
+        # Outgrown scratch stays allocated (see _scratch): these remain valid.
+        if split_k > 1:
+            self._counters, self._part = _scratch(weight.device, blocks, split_k * n)
+        else:
+            self._counters = self._part = None
+        self._tail = (float(eps), n, k, k_per_split, split_k, weight.stride(0), rot_rows, rot_half)
+        act_code = -1 if act is None else ACT_CODES[act]
+        gate_code = -1 if gate_act is None else ACT_CODES[gate_act]
+        # Everything Triton specialises on but the per-call pointers' alignment.
+        self._key = (
+            n,
+            k,
+            launch,
+            weight.stride(0),
+            weight.dtype,
+            weight.data_ptr() & 15,
+            None if bias is None else (bias.dtype, bias.data_ptr() & 15),
+            None if norm_weight is None else (norm_weight.dtype, norm_weight.data_ptr() & 15),
+            float(eps),
+            act_code,
+            gate_code,
+            bool(zero_centered),
+            rot_rows,
+            rot_half,
+        )
+        self._meta = dict(
+            HAS_BIAS=bias is not None,
+            SPLIT=split_k > 1,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            ACT=act_code,
+            GATE_ACT=gate_code,
+            ZERO_CENTERED=bool(zero_centered),
+            BLOCK_D=next_pow2(k) if norm is not None else 1,
+            ROPE=rotary is not None,
+            INTERPRET=INTERPRET,
+            EXACT=_EXACT_MATH,
+        )
+        self._hits: dict[tuple[int, int], Any] = {}
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Project one row.
+
+        :param x: ``[1, K]`` (``[1, 2K]`` with ``gate_act``), unit stride along
+            the features, the weight's dtype.
+        :param residual: with a norm: the residual stream, like ``x``; ``None``
+            when the stream starts at ``x``.
+        :param cos: with a rotary epilogue: the token's ``half`` cosines
+            (unit stride, the weight's dtype).
+        :param sin: likewise, the sines.
+        :return: ``(output [1, N], new residual stream [1, K])``; the stream is
+            ``None`` without a norm or a residual.
+        """
+        y = torch.empty((1, self.n), dtype=self.dtype, device=self.device)
+        if residual is not None:
+            res_out = torch.empty((1, self.k), dtype=self.dtype, device=self.device)
+            mode = 2
+            ptrs = x.data_ptr() | residual.data_ptr()
+        else:
+            res_out = None
+            mode = 0 if self.norm_weight is None else 1
+            ptrs = x.data_ptr()
+        if self.rotary:
+            ptrs |= cos.data_ptr() | sin.data_ptr()
+        # Triton specialises on 16-byte alignment; the outputs and scratch are fresh allocations.
+        dyn = (mode, ptrs & 15 == 0)
+        part = self._part if self._part is not None else y
+        args = (
+            x,
+            self.weight,
+            self.bias if self.bias is not None else y,
+            y,
+            part,
+            self._counters if self._counters is not None else y,
+            residual if residual is not None else y,
+            self.norm_weight if self.norm_weight is not None else y,
+            res_out if res_out is not None else y,
+            cos if cos is not None else y,
+            sin if sin is not None else y,
+            *self._tail,
+        )
+        hit = self._hits.get(dyn)
+        if hit is not None:
+            hit.launch(self.blocks, self.split_k, 1, self._device_index, *args)
+        else:
+            key = (self._key, dyn)
+            _LAUNCHER(
+                key, (self.blocks, self.split_k), args, self._device_index, NORM=mode, **self._meta
+            )
+            hit = _LAUNCHER.lookup(key, self._device_index)
+            if hit is not None:
+                self._hits[dyn] = hit
+        return y, res_out
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -279,8 +534,7 @@ def gemv(
     :param weight: ``[N, K]`` with unit stride along ``K``, the dtype of ``x``.
     :param bias: optional ``[N]``, contiguous.
     :param launch: ``(block_n, block_k, split_k)``, ``block_n`` and ``block_k``
-        powers of two; default: :func:`plan`'s choice, or one split in row blocks
-        of 16 where it leaves the weight to cuBLAS.
+        powers of two; default: :func:`default_launch`.
     :param act: an activation applied to the product before it is stored (a
         key of :data:`~backplane.models.kernels.elementwise.ACT_CODES`, e.g.
         ``"relu2"``), with the roundings of the projection followed by the
@@ -293,8 +547,9 @@ def gemv(
     :raises ValueError: for more than one row, mismatched shapes or an unknown activation.
     """
     row = _row(x, weight, 2 if gate_act is not None else 1)
-    y = _launch(row, weight, bias, launch, act, None, gate_act)
-    return y.view(1, -1) if x.dim() == 2 else y
+    proj = OneRowProjection(weight, bias, launch=launch, act=act, gate_act=gate_act)
+    y, _ = proj(row)
+    return y if x.dim() == 2 else y.view(-1)
 
 
 def norm_gemv(
@@ -308,6 +563,7 @@ def norm_gemv(
     *,
     launch: tuple[int, int, int] | None = None,
     act: str | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Project the RMS-normalised row ``x (+ residual)`` in one launch: a pre-norm layer's first projection.
 
@@ -316,6 +572,11 @@ def norm_gemv(
     with the same roundings of the sum and of the normalised row, without
     storing the normalised row. Every program reduces the whole row for its
     RMS; the first also stores the new residual stream.
+
+    With ``rotary``, the first ``rows`` outputs (an attention layer's query
+    and key heads) are also rotated as
+    :func:`~backplane.models.kernels.elementwise.rotary_` rotates them, with
+    the same roundings: the launch that would rotate them is saved.
 
     :param x: ``[1, K]`` (or ``[K]``), unit stride: a layer's output, or the embeddings.
     :param residual: the residual stream, the shape and dtype of ``x``; ``None``
@@ -327,41 +588,64 @@ def norm_gemv(
     :param weight: ``[N, K]``, as for :func:`gemv`.
     :param bias: as for :func:`gemv`.
     :param launch: as for :func:`gemv`.
-    :param act: as for :func:`gemv`.
+    :param act: as for :func:`gemv` (not with ``rotary``).
+    :param rotary: ``(cos, sin, rows)``: the token's ``h`` cosines and sines
+        (unit stride, ``x``'s dtype) and how many leading outputs are rotated,
+        in heads of ``2h`` channels whose pairs are ``(i, i + h)``; see
+        :func:`rotary_fits`.
     :return: ``(output, residual stream)``: the ``[1, N]`` (or ``[N]``)
         projection and ``x + residual`` as a new tensor (``x`` itself when
         ``residual`` is ``None``).
     :raises ValueError: as :func:`gemv`, or for a residual or norm weight that
-        does not match ``x``, or a row wider than
-        :data:`~backplane.models.kernels.elementwise.MAX_ROW`.
+        does not match ``x``, a row wider than
+        :data:`~backplane.models.kernels.elementwise.MAX_ROW`, or a rotary
+        epilogue the launch cannot hold.
     """
     row = _row(x, weight)
-    k = row.shape[0]
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_gemv: norm weight {tuple(norm_weight.shape)} does not match x")
-    if k > MAX_ROW:
-        raise ValueError(f"norm_gemv: rows of at most {MAX_ROW} features, got {k}")
-    if residual is None:
-        y = _launch(row, weight, bias, launch, act, (None, norm_weight, None, eps, zero_centered))
+    if norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_gemv: norm weight {norm_weight.dtype} is not x's {x.dtype}")
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"norm_gemv: residual {tuple(residual.shape)} {residual.dtype} does not match "
+            f"x {tuple(x.shape)} {x.dtype}"
+        )
+    cos = sin = None
+    rot = None
+    if rotary is not None:
+        cos, sin, rows = rotary
+        half = cos.numel()
+        if (
+            sin.numel() != half
+            or cos.dtype != x.dtype
+            or sin.dtype != x.dtype
+            or (half > 1 and (cos.stride(-1) != 1 or sin.stride(-1) != 1))
+        ):
+            raise ValueError("norm_gemv: cos/sin must be one token's unit-stride rows in x's dtype")
+        rot = (rows, half)
+    proj = OneRowProjection(
+        weight,
+        bias,
+        launch=launch,
+        act=act,
+        norm=(norm_weight, eps, zero_centered),
+        rotary=rot,
+    )
+    y, res_out = proj(row.view(1, -1), residual, cos, sin)
+    if res_out is None:
         res_out = x
-    else:
-        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
-            raise ValueError(
-                f"norm_gemv: residual {tuple(residual.shape)} {residual.dtype} does not match "
-                f"x {tuple(x.shape)} {x.dtype}"
-            )
-        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        norm = (residual.reshape(-1), norm_weight, res_out, eps, zero_centered)
-        y = _launch(row, weight, bias, launch, act, norm)
-    return (y.view(1, -1) if x.dim() == 2 else y), res_out
+    elif x.dim() == 1:
+        res_out = res_out.view(-1)
+    return (y if x.dim() == 2 else y.view(-1)), res_out
 
 
 def _row(x: torch.Tensor, weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
-    """``x`` as one ``[parts * K]`` row, checked against the ``[N, K]`` weight."""
+    """``x`` as one ``[1, parts * K]`` row, checked against the ``[N, K]`` weight."""
     if not (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)) or x.stride(-1) != 1:
         raise ValueError(f"gemv takes one unit-stride row, got shape {tuple(x.shape)}")
-    row = x.reshape(-1)
-    if row.shape[0] != parts * weight.shape[1] or weight.dim() != 2 or weight.stride(1) != 1:
+    row = x.view(1, -1)
+    if row.shape[1] != parts * weight.shape[1] or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     return row
 
@@ -371,100 +655,3 @@ def _split_shape(n: int, k: int, launch: tuple[int, int, int]) -> tuple[int, int
     block_n, block_k, split_k = launch
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     return cdiv(n, block_n), k_per_split, cdiv(k, k_per_split)
-
-
-def _launch(
-    row: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    launch: tuple[int, int, int] | None,
-    act: str | None,
-    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, float, bool] | None,
-    gate_act: str | None = None,
-) -> torch.Tensor:
-    """Launch the kernel for one row; ``norm`` is ``(residual, norm weight, residual out, eps,
-    zero_centered)`` for a normalised input, ``gate_act`` the gated input's activation.
-    Returns the new ``[N]`` output."""
-    for a in (act, gate_act):
-        if a is not None and a not in ACT_CODES:
-            raise ValueError(f"gemv: unknown activation {a!r}; known: {', '.join(ACT_CODES)}")
-    n, k = weight.shape
-    if launch is None:
-        sms = (
-            4
-            if interpreting()
-            else torch.cuda.get_device_properties(row.device).multi_processor_count
-        )
-        launch = plan(n, k, sms) or (16, 256, 1)
-    block_n, block_k, _ = launch
-    blocks, k_per_split, split_k = _split_shape(n, k, launch)
-    stride_wn = weight.stride(0)
-    device = row.device
-    y = torch.empty(n, dtype=row.dtype, device=device)
-    if split_k > 1:
-        counters, part = _scratch(device, blocks, split_k * n)
-    else:
-        part = counters = y  # unused placeholders
-    if norm is None:
-        residual, norm_weight, res_out, eps, zero_centered = None, None, None, 0.0, False
-    else:
-        residual, norm_weight, res_out, eps, zero_centered = norm
-    has_bias = bias is not None
-    act_code = -1 if act is None else ACT_CODES[act]
-    gate_code = -1 if gate_act is None else ACT_CODES[gate_act]
-    mode = 0 if norm is None else (1 if residual is None else 2)
-    # What Triton specialises on beyond the constants: dtypes, and the
-    # alignment of the pointers that may be views (the rest are fresh allocations).
-    key = (
-        n,
-        k,
-        block_n,
-        block_k,
-        split_k,
-        stride_wn,
-        row.dtype,
-        weight.dtype,
-        act_code,
-        gate_code,
-        mode,
-        bool(zero_centered),
-        None if bias is None else (bias.dtype, bias.data_ptr() & 15),
-        row.data_ptr() & 15,
-        weight.data_ptr() & 15,
-        None if residual is None else (residual.dtype, residual.data_ptr() & 15),
-        None if norm_weight is None else (norm_weight.dtype, norm_weight.data_ptr() & 15),
-    )
-    _LAUNCHER(
-        key,
-        (blocks, split_k),
-        (
-            row,
-            weight,
-            bias if has_bias else y,
-            y,
-            part,
-            counters,
-            residual if residual is not None else y,
-            norm_weight if norm_weight is not None else y,
-            res_out if res_out is not None else y,
-            float(eps),
-            n,
-            k,
-            k_per_split,
-            split_k,
-            stride_wn,
-        ),
-        device.index,
-        HAS_BIAS=has_bias,
-        SPLIT=split_k > 1,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        ACT=act_code,
-        GATE_ACT=gate_code,
-        NORM=mode,
-        ZERO_CENTERED=bool(zero_centered),
-        BLOCK_D=next_pow2(k) if norm is not None else 1,
-        INTERPRET=INTERPRET,
-        EXACT=_EXACT_MATH,
-    )
-    return y

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from backplane.core.families import AttentionLayerSpec
-from backplane.models.linear import Linear, MergedLinear
+from backplane.models.linear import InputProjection, Linear, MergedLinear, RotaryEpilogue
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
@@ -76,14 +76,35 @@ class AttentionMixer(PagedMixer):
             self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zc)
         # Not a registered submodule: several layers share one rotary embedding.
         self.__dict__["rotary"] = rotary
+        # The queries and keys lie rotated as qkv_proj stores them when the
+        # rotation is over whole heads in rotate-half pairs, before anything
+        # else touches them (no q/k norm, no output gate inside the heads).
+        self._rotary_rows = (
+            (num_heads + num_kv_heads) * head_dim
+            if rotary is not None
+            and not qk_norm
+            and not output_gate
+            and not rotary.interleaved
+            and rotary.rotary_dim == head_dim
+            else 0
+        )
 
-    def input_projection(self) -> tuple[Linear, str | None]:
+    def input_projection(self, rope: RopeCosSin | None = None) -> InputProjection:
         """The first projection of the input (``qkv_proj``), with no activation.
 
         A pre-norm layer may run its norm and this projection in one kernel and
-        pass the result to :meth:`forward` as ``projected``.
+        pass the result to :meth:`forward` as ``projected``. With ``rope``,
+        the projection also rotates the queries and keys where the layout
+        allows (see :attr:`~backplane.models.linear.InputProjection.rotary`);
+        :meth:`forward` then leaves them as they are.
+
+        :param rope: the forward's ``cos``/``sin``, or ``None``.
         """
-        return self.qkv_proj, None
+        if rope is None or not self._rotary_rows:
+            return InputProjection(self.qkv_proj)
+        return InputProjection(
+            self.qkv_proj, rotary=RotaryEpilogue(rope[0], rope[1], self._rotary_rows)
+        )
 
     def forward(
         self,
@@ -98,8 +119,9 @@ class AttentionMixer(PagedMixer):
         :param x: the normalised input (``None`` when ``projected`` is given).
         :param rope: the forward's ``cos``/``sin`` (gathered from ``positions``
             when not given).
-        :param projected: ``qkv_proj(x)``, already computed (see
-            :meth:`input_projection`).
+        :param projected: ``qkv_proj(x)``, already computed as
+            :meth:`input_projection` given ``rope`` describes it (rotated
+            when it says so).
         """
         qkv = self.qkv_proj(x) if projected is None else projected
         t = qkv.shape[0]
@@ -115,7 +137,9 @@ class AttentionMixer(PagedMixer):
         v = v.view(t, hk, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
+        if self.rotary is not None and not (
+            projected is not None and rope is not None and self._rotary_rows
+        ):
             cos, sin = rope if rope is not None else self.rotary.cos_sin(positions, q.dtype)
             if self.qk_norm or self.output_gate:
                 self.rotary.rotate_(q, cos, sin)

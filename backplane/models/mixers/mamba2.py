@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from backplane.core.families import SSMLayerSpec
-from backplane.models.linear import Linear
+from backplane.models.linear import InputProjection, Linear
 from backplane.models.mixers.base import ConvStateMixer
 from backplane.models.norm import GatedRMSNorm
 from backplane.models.rotary import RopeCosSin
@@ -66,13 +66,15 @@ class Mamba2Mixer(ConvStateMixer):
             chunk_size=chunk_size,
         )
 
-    def input_projection(self) -> tuple[Linear, str | None]:
+    def input_projection(self, rope: RopeCosSin | None = None) -> InputProjection:
         """The first projection of the input (``in_proj``), with no activation.
 
         A pre-norm layer may run its norm and this projection in one kernel and
         pass the result to :meth:`forward` as ``projected``.
+
+        :param rope: not used.
         """
-        return self.in_proj, None
+        return InputProjection(self.in_proj)
 
     def forward(
         self,
