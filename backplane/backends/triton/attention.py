@@ -35,12 +35,80 @@ module holds the op and the backend.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 
-from backplane.backends.triton.attention_launch import _FORCED_SPLITS, paged_decode, paged_prefill
+from backplane.backends.triton.attention_launch import (
+    _FORCED_SPLITS,
+    decode_layout,
+    paged_decode,
+    paged_prefill,
+)
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import AttentionBackend, AttentionLayerSpec
 from backplane.core.forward_context import get_forward_context
+
+
+class _CacheLayouts:
+    """The decode layouts worked out for one layer's cache, by the layout of a call's tensors.
+
+    A layer calls the op with the same cache tensor and identically laid out
+    q/k/v views every step, so a few strides find its layout (the planes'
+    shapes, strides and alignment are the cache's, fixed while it lives).
+    """
+
+    __slots__ = ("__weakref__", "cache", "layouts")
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        key = id(kv_cache)
+        # Forgotten with the cache: a later tensor may get its id.
+        self.cache = weakref.ref(kv_cache, lambda _: _CACHE_LAYOUTS.pop(key, None))
+        self.layouts: dict[tuple, Any] = {}
+
+
+#: by ``id`` of the cache tensor (checked against the weak reference)
+_CACHE_LAYOUTS: dict[int, _CacheLayouts] = {}
+
+
+def _decode_layout(
+    kv_cache: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    batch: Any,
+    scale: float,
+    group: int,
+    sliding_window: int,
+) -> Any:
+    """The decode layout of this call, found by the call's strides under its cache."""
+    entry = _CACHE_LAYOUTS.get(id(kv_cache))
+    if entry is None or entry.cache() is not kv_cache:
+        entry = _CACHE_LAYOUTS[id(kv_cache)] = _CacheLayouts(kv_cache)
+    table = batch.block_table
+    sig = (
+        q.shape[1:],
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        out.stride(),
+        q.dtype,
+        k.dtype,
+        table.stride(0),
+        scale,
+        sliding_window,
+    )
+    layout = entry.layouts.get(sig)
+    if layout is None:
+        layout = entry.layouts[sig] = decode_layout(
+            q, k_plane, v_plane, out, table, batch.page_size,
+            scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+        )  # fmt: skip
+    return layout
 
 
 @cached_op(
@@ -74,18 +142,22 @@ def paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_plane, v_plane = kv_cache.unbind(1)
+    group = q.shape[1] // k.shape[1]
     # Both kernels append their own tokens' keys and values (no append launch).
-    step = {
-        "scale": scale,
-        "group": q.shape[1] // k.shape[1],
-        "sliding_window": sliding_window,
-        "k_new": k,
-        "v_new": v,
-    }
-    paged_prefill(batch, q, k_plane, v_plane, buf, **step)
-    paged_decode(
-        batch, q, k_plane, v_plane, buf, **step, num_splits=_FORCED_SPLITS["value"] or None
-    )
+    if batch.num_prefill_seqs:
+        paged_prefill(
+            batch, q, k_plane, v_plane, buf,
+            scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+        )  # fmt: skip
+    if batch.num_decode_seqs:
+        layout = _decode_layout(
+            kv_cache, q, k, v, k_plane, v_plane, buf, batch, scale, group, sliding_window
+        )
+        paged_decode(
+            batch, q, k_plane, v_plane, buf,
+            scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+            num_splits=_FORCED_SPLITS["value"] or None, layout=layout,
+        )  # fmt: skip
     return finish_output(out, buf, num_tokens)
 
 

@@ -89,7 +89,7 @@ def _launch_fitting(
     args: tuple,
     meta: dict,
     launch_key: tuple | None = None,
-) -> None:
+) -> int:
     """Launch with the first config (fastest first) whose shared memory / registers fit.
 
     A config that does not fit raises ``OutOfResources`` when it is compiled,
@@ -99,6 +99,8 @@ def _launch_fitting(
     :param launch_key: the launch's key for ``launcher`` without the config
         (see :class:`~backplane.core.launch.KernelLauncher`); ``None`` derives
         one from ``args`` and ``meta``.
+    :return: the index of the configuration launched (the launcher's key is
+        ``(launch_key, index)``).
     """
     start = _CONFIG_CHOICE.get(key, 0)
     device = args[0].device.index
@@ -114,7 +116,8 @@ def _launch_fitting(
                 raise
             continue
         _CONFIG_CHOICE[key] = i
-        return
+        return i
+    raise AssertionError("unreachable: the last configuration raises or launches")
 
 
 KEYS_PER_SPLIT = 128

@@ -346,6 +346,58 @@ def _arrivals(device: torch.device, count: int) -> torch.Tensor:
     return bufs[-1]
 
 
+#: Per device and use: every scratch buffer of split partials handed out (the last is current).
+_PARTIALS: dict[tuple[torch.device, str], list[torch.Tensor]] = {}
+
+
+def _partials(device: torch.device, use: str, count: int) -> torch.Tensor:
+    """At least ``count`` float32 scratch elements for the splits' partial results.
+
+    ``use`` names the buffer (``"out"``: partial outputs, ``"lse"``: their
+    log2-sum-exps). Shared by every decode launch on ``device``: launches on
+    one stream run one after another, and each merges its splits before it
+    ends. Grown and kept as :func:`_arrivals`.
+    """
+    bufs = _PARTIALS.setdefault((device, use), [])
+    if not bufs or bufs[-1].numel() < count:
+        bufs.append(torch.empty(next_pow2(max(count, 4096)), dtype=torch.float32, device=device))
+    return bufs[-1]
+
+
+def decode_layout(
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    page_size: int,
+    *,
+    scale: float,
+    group: int,
+    sliding_window: int = 0,
+    q_pe: torch.Tensor | None = None,
+    kpe_plane: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> _DecodeLayout:
+    """The fixed part of :func:`paged_decode`'s launches for tensors laid out like these.
+
+    A caller that knows its layout stays the same (an attention layer's
+    cache, its q/k/v views) keeps the result and passes it as ``layout``; it
+    also records the planes' alignment, so only the per-step pointers are
+    checked per launch. Arguments as for :func:`paged_decode`, ``table`` the
+    batch's block table.
+    """
+    append = k_new is not None and v_new is not None
+    kn, vn = (_as_rows(k_new), _as_rows(v_new)) if append else (q, q)
+    qpe = q if q_pe is None else q_pe
+    kpe = k_plane if kpe_plane is None else kpe_plane
+    return _DecodeLayout(
+        q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, page_size,
+        scale, group, sliding_window, q_pe is not None, append,
+    )  # fmt: skip
+
+
 def paged_decode(
     batch: BatchMetadata,
     q: torch.Tensor,
@@ -362,6 +414,7 @@ def paged_decode(
     v_new: torch.Tensor | None = None,
     num_splits: int | None = None,
     configs: list[dict] | None = None,
+    layout: _DecodeLayout | None = None,
 ) -> None:
     """Split-KV decode for the decode sequences of ``batch``, writing their ``out`` rows.
 
@@ -371,7 +424,8 @@ def paged_decode(
     ``[T, Hkv, D]`` rows), when given, are appended to the pages by the kernel
     for the decode tokens, which must then not be appended before;
     ``num_splits`` overrides :func:`choose_num_splits` (tests use it to force
-    several splits).
+    several splits); ``layout`` is :func:`decode_layout`'s result for these
+    tensors' layout (the same planes), kept by the caller; ``None`` looks it up.
     """
     nd = batch.num_decode_seqs
     if nd == 0:
@@ -384,40 +438,42 @@ def paged_decode(
     qpe = q if q_pe is None else q_pe
     kpe = k_plane if kpe_plane is None else kpe_plane
     slots, seq_lens, table = batch.slot_mapping, batch.seq_lens, batch.block_table
-    # Everything but the pointers, the batch and the split count is fixed for
-    # a layer: worked out once per layout.
-    layout_key = (
-        q.shape[1:],
-        q.stride(),
-        q.dtype,
-        qpe.shape[1:],
-        qpe.stride(),
-        out.shape[1:],
-        out.stride(),
-        k_plane.shape[1:],
-        k_plane.stride(),
-        k_plane.dtype,
-        kpe.shape[1:],
-        kpe.stride(),
-        v_plane.shape[1:],
-        v_plane.stride(),
-        k_plane.data_ptr() == v_plane.data_ptr(),
-        kn.stride(),
-        vn.stride(),
-        q_pe is not None,
-        append,
-        table.stride(0),
-        batch.page_size,
-        scale,
-        group,
-        sliding_window,
-    )
-    layout = _DECODE_LAYOUTS.get(layout_key)
     if layout is None:
-        layout = _DECODE_LAYOUTS[layout_key] = _DecodeLayout(
-            q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, batch.page_size,
-            scale, group, sliding_window, q_pe is not None, append,
-        )  # fmt: skip
+        # Everything but the pointers, the batch and the split count is fixed
+        # for a layer: worked out once per layout.
+        layout_key = (
+            q.shape[1:],
+            q.stride(),
+            q.dtype,
+            qpe.shape[1:],
+            qpe.stride(),
+            out.shape[1:],
+            out.stride(),
+            k_plane.shape[1:],
+            k_plane.stride(),
+            k_plane.dtype,
+            kpe.shape[1:],
+            kpe.stride(),
+            v_plane.shape[1:],
+            v_plane.stride(),
+            k_plane.data_ptr() == v_plane.data_ptr(),
+            not (k_plane.data_ptr() | kpe.data_ptr() | v_plane.data_ptr()) & 15,
+            kn.stride(),
+            vn.stride(),
+            q_pe is not None,
+            append,
+            table.stride(0),
+            batch.page_size,
+            scale,
+            group,
+            sliding_window,
+        )
+        layout = _DECODE_LAYOUTS.get(layout_key)
+        if layout is None:
+            layout = _DECODE_LAYOUTS[layout_key] = _DecodeLayout(
+                q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, batch.page_size,
+                scale, group, sliding_window, q_pe is not None, append,
+            )  # fmt: skip
     if num_splits is None:
         num_splits = choose_num_splits(batch, layout.programs_per_split, q.device)
     if configs is None:
@@ -427,11 +483,10 @@ def paged_decode(
         cfg_id = _configs_key(configs)
     if num_splits > 1:
         rows = nd * layout.num_heads * num_splits
-        block_dv = layout.block_dv
-        # One allocation: the partial outputs, then their log2-sum-exps.
-        scratch = torch.empty(rows * (block_dv + 1), dtype=torch.float32, device=q.device)
-        partial, lse = scratch[: rows * block_dv], scratch[rows * block_dv :]
-        arrivals = _arrivals(q.device, nd * layout.programs_per_split)
+        device = q.device
+        partial = _partials(device, "out", rows * layout.block_dv)
+        lse = _partials(device, "lse", rows)
+        arrivals = _arrivals(device, nd * layout.programs_per_split)
     else:
         partial = lse = arrivals = out  # unused placeholders
     nps, npt = batch.num_prefill_seqs, batch.num_prefill_tokens
@@ -439,22 +494,15 @@ def paged_decode(
         q, qpe, k_plane, kpe, v_plane, out, partial, lse, arrivals, kn, vn,
         slots, seq_lens, table, nps, npt, *layout.tail,
     )  # fmt: skip
-    meta = dict(layout.meta, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits))
-    key = (*layout.config_key, cfg_id)
-    launch_key = None
     # The common case, every pointer 16-byte aligned, gets a key cheaper than
-    # one derived argument by argument.
-    if (
-        not (
+    # one derived argument by argument (the planes' alignment is the layout's,
+    # the scratch buffers are allocations of their own).
+    aligned = (
+        layout.planes_aligned
+        and not (
             q.data_ptr()
             | qpe.data_ptr()
-            | k_plane.data_ptr()
-            | kpe.data_ptr()
-            | v_plane.data_ptr()
             | out.data_ptr()
-            | partial.data_ptr()
-            | lse.data_ptr()
-            | arrivals.data_ptr()
             | kn.data_ptr()
             | vn.data_ptr()
             | slots.data_ptr()
@@ -462,21 +510,24 @@ def paged_decode(
             | table.data_ptr()
         )
         & 15
-    ):
-        launch_key = (
-            layout_key,
-            out.dtype,
-            kn.dtype,
-            slots.dtype,
-            seq_lens.dtype,
-            table.dtype,
-            int_key(nps),
-            int_key(npt),
-            num_splits,
-            cfg_id,
-        )
+    )
+    device = q.device.index
+    if aligned:
+        hit_key = (num_splits, cfg_id, int_key(nps), int_key(npt), out.dtype, kn.dtype,
+                   slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
+        hit = layout.hits.get(hit_key)
+        if hit is not None:
+            hit.launch(nd, layout.programs_per_split, num_splits, device, *args)
+            return
+    meta = dict(layout.meta, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits))
+    key = (*layout.config_key, cfg_id)
     grid = (nd, layout.programs_per_split, num_splits)
-    _launch_fitting(_DECODE, lambda c: grid, key, configs, args, meta, launch_key)
+    launch_key = (layout.spec_key, hit_key) if aligned else None
+    choice = _launch_fitting(_DECODE, lambda c: grid, key, configs, args, meta, launch_key)
+    if aligned:
+        hit = _DECODE.lookup((launch_key, choice), device)
+        if hit is not None:
+            layout.hits[hit_key] = hit
 
 
 class _DecodeLayout:
@@ -545,6 +596,21 @@ class _DecodeLayout:
         )
         #: the config choice's key, less the configuration class
         self.config_key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h)
+        #: the cache planes are 16-byte aligned (Triton specialises on it)
+        self.planes_aligned = not (k_plane.data_ptr() | kpe.data_ptr() | v_plane.data_ptr()) & 15
+        #: compiled kernels by what else a launch specialises on (aligned launches)
+        self.hits: dict[tuple, Any] = {}
+        #: what the kernel specialises on that the layout fixes
+        self.spec_key = (
+            tuple(self.meta.items()),
+            tuple(int_key(v) if type(v) is int else type(v) for v in self.tail),
+            self.planes_aligned,
+            q.dtype,
+            qpe.dtype,
+            k_plane.dtype,
+            kpe.dtype,
+            v_plane.dtype,
+        )
 
 
 #: the fixed part of decode launches, by layout (see :class:`_DecodeLayout`)

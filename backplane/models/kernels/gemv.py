@@ -576,7 +576,9 @@ def norm_gemv(
     With ``rotary``, the first ``rows`` outputs (an attention layer's query
     and key heads) are also rotated as
     :func:`~backplane.models.kernels.elementwise.rotary_` rotates them, with
-    the same roundings: the launch that would rotate them is saved.
+    the same roundings in 16-bit types (in float32 the compiler may fuse the
+    rotation's products into FMAs, one rounding fewer): the launch that would
+    rotate them is saved.
 
     :param x: ``[1, K]`` (or ``[K]``), unit stride: a layer's output, or the embeddings.
     :param residual: the residual stream, the shape and dtype of ``x``; ``None``

@@ -126,15 +126,16 @@ class AttentionMixer(PagedMixer):
         qkv = self.qkv_proj(x) if projected is None else projected
         t = qkv.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj.split(qkv)
         gate = None
         if self.output_gate:
+            q, k, v = self.qkv_proj.split(qkv)
             # Per head: [query (d) | gate (d)].
             q, gate = q.view(t, h, 2 * d).chunk(2, dim=-1)
+            k = k.view(t, hk, d)
+            v = v.view(t, hk, d)
         else:
-            q = q.view(t, h, d)
-        k = k.view(t, hk, d)
-        v = v.view(t, hk, d)
+            # One call for the three head views (they run every layer and step).
+            q, k, v = qkv.view(t, h + 2 * hk, d).split((h, hk, hk), dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None and not (
