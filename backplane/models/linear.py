@@ -256,7 +256,7 @@ class Linear(nn.Linear):
             x.shape[-1] > gemv.NORM_MAX_ROW
             or norm_weight.dtype != x.dtype
             or not norm_weight.is_contiguous()
-            or (rot is not None and not gemv.rotary_fits(launch, self.out_features, *rot))
+            or (rot is not None and not gemv.rotary_fits(launch, self.out_features, *rot, x.dtype))
         ):
             return False
         return gemv.OneRowProjection(

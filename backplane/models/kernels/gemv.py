@@ -145,7 +145,7 @@ def _gemv_kernel(
             part += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         y = _epilogue(part, y_ptr, ACT, INTERPRET, EXACT)
         if ROPE:
-            y = _rotated(y, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N, INTERPRET)
+            y = _rotated(y, y_ptr, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N)
         tl.store(y_ptr + rn, y, mask=n_ok)
     else:
         tl.store(part_ptr + pid_k * N + rn, part, mask=n_ok)
@@ -162,7 +162,7 @@ def _gemv_kernel(
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             y = _epilogue(total, y_ptr, ACT, INTERPRET, EXACT)
             if ROPE:
-                y = _rotated(y, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N, INTERPRET)
+                y = _rotated(y, y_ptr, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N)
             tl.store(y_ptr + rn, y, mask=n_ok)
             tl.atomic_xchg(counter, 0)
 
@@ -208,21 +208,24 @@ def _pair_rows(rn, pid_n, rot_rows, rot_half, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rotated(
-    y, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr
-):
+def _rotated(y, y_ptr, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N: tl.constexpr):
     """A block's output rows in pair order (see :func:`_pair_rows`) rotated by ``cos``/``sin``,
-    rounded as the rotary kernel rounds the stored product; other blocks as they are."""
-    dt = y.dtype
+    rounded as the rotary kernel rounds the stored product; other blocks as they are.
+
+    Each rounding goes through the float's bits (as in the interpreter): this
+    kernel is compiled with FP contraction, which a float round trip does
+    not reliably stop from merging the products into the sums.
+    """
+    dt = y_ptr.dtype.element_ty
     half: tl.constexpr = BLOCK_N // 2
     x1, x2 = tl.split(tl.trans(tl.reshape(y.to(tl.float32), [2, half])))
     i = (pid_n * half + tl.arange(0, half)) % rot_half
     c = tl.load(cos_ptr + i).to(tl.float32)
     s = tl.load(sin_ptr + i).to(tl.float32)
     # As _rotary_kernel: x1_sin = x1 * sin; x1 = x1 * cos - x2 * sin; x2 = x2 * cos + x1_sin
-    x1_sin = _round(x1 * s, dt, INTERPRET)
-    o1 = _round(_round(x1 * c, dt, INTERPRET) - _round(x2 * s, dt, INTERPRET), dt, INTERPRET)
-    o2 = _round(_round(x2 * c, dt, INTERPRET) + x1_sin, dt, INTERPRET)
+    x1_sin = _round(x1 * s, dt, True)
+    o1 = _round(_round(x1 * c, dt, True) - _round(x2 * s, dt, True), dt, True)
+    o2 = _round(_round(x2 * c, dt, True) + x1_sin, dt, True)
     rotated = tl.reshape(tl.trans(tl.join(o1, o2)), [BLOCK_N]).to(dt)
     return tl.where(pid_n * BLOCK_N < rot_rows, rotated, y)
 
@@ -328,16 +331,24 @@ def default_launch(n: int, k: int, device: torch.device) -> tuple[int, int, int]
     return plan(n, k, sms) or (16, 256, 1)
 
 
-def rotary_fits(launch: tuple[int, int, int], n: int, rows: int, half: int) -> bool:
+#: dtypes the rotary epilogue rounds as the rotary kernel does (bfloat16 on the
+#: float's bits; float32 needs no rounding)
+ROTARY_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rotary_fits(
+    launch: tuple[int, int, int], n: int, rows: int, half: int, dtype: torch.dtype
+) -> bool:
     """Whether a projection launched as ``launch`` can rotate its first ``rows`` outputs.
 
     The rotary epilogue takes whole heads of ``2 * half`` channels (rotary over
-    the whole head) and row blocks that hold whole pairs and do not straddle
-    the rotated rows' end.
+    the whole head), row blocks that hold whole pairs and do not straddle the
+    rotated rows' end, and a dtype of :data:`ROTARY_DTYPES`.
     """
     block_n = launch[0]
     return (
-        half > 0
+        dtype in ROTARY_DTYPES
+        and half > 0
         and 0 < rows <= n
         and rows % (2 * half) == 0
         and block_n % 2 == 0
@@ -407,10 +418,13 @@ class OneRowProjection:
         else:
             norm_weight, eps, zero_centered = None, 0.0, False
         rot_rows, rot_half = rotary if rotary is not None else (0, 1)
-        if rotary is not None and (act is not None or not rotary_fits(launch, n, *rotary)):
+        if rotary is not None and (
+            act is not None or not rotary_fits(launch, n, *rotary, weight.dtype)
+        ):
             raise ValueError(
                 f"gemv: a rotary epilogue over {rot_rows} rows in pairs {rot_half} apart does "
-                f"not fit launch {launch} of {n} outputs (or comes with an activation)"
+                f"not fit launch {launch} of {n} {weight.dtype} outputs (or comes with an "
+                "activation)"
             )
         self.weight, self.bias, self.norm_weight = weight, bias, norm_weight
         self.n, self.k, self.blocks, self.split_k = n, k, blocks, split_k
@@ -576,7 +590,7 @@ def norm_gemv(
     With ``rotary``, the first ``rows`` outputs (an attention layer's query
     and key heads) are also rotated as
     :func:`~backplane.models.kernels.elementwise.rotary_` rotates them, with
-    the same roundings in 16-bit types (in float32 the compiler may fuse the
+    the same roundings in bfloat16 (in float32 the compiler may fuse the
     rotation's products into FMAs, one rounding fewer): the launch that would
     rotate them is saved.
 
