@@ -1036,3 +1036,21 @@ def test_fake_implementations_run_under_fake_tensors():
         out = ops.rotary_interleaved(x[:, :, :].transpose(0, 1).transpose(0, 1), cs, cs)
         assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
         assert ops.rotary_(x, cs, cs) is None
+
+
+def test_normed_projections_take_the_kernel_up_to_gate_up_size():
+    """A norm prologue moves the gate/up projection of a 1B model onto the kernel, not an LM head;
+    the rotary epilogue needs row blocks that hold whole pairs inside the rotated rows."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from backplane.models.kernels import gemv
+
+    sms = 132
+    assert gemv.plan(16384, 2048, sms) is None
+    assert gemv.plan_normed(16384, 2048, sms) == (16, 256, 1)
+    assert gemv.plan_normed(32000, 2048, sms) is None
+    assert gemv.plan_normed(3072, 2048, sms) == gemv.plan(3072, 2048, sms)
+    bf16 = torch.bfloat16
+    assert gemv.rotary_fits((8, 512, 1), 3072, 2560, 32, bf16)
+    assert not gemv.rotary_fits((16, 256, 1), 3072, 2552, 4, bf16)  # ends inside a block
+    assert not gemv.rotary_fits((8, 512, 1), 3072, 2560, 32, torch.float16)
+    assert not gemv.rotary_fits((8, 512, 1), 3072, 2560, 48, bf16)  # not whole heads

@@ -240,11 +240,11 @@ class Linear(nn.Linear):
 
     def _build_projection(self, x: torch.Tensor, variant: tuple) -> Any:
         """Build what :meth:`_projection` returns (``False`` where the kernel does not run it)."""
-        launch = self._plan_gemv(x)
+        kind = variant[0]
+        launch = self._plan_gemv(x, normed=kind == "norm")
         if not launch:
             return False
         gemv = kernels.load_gemv()
-        kind = variant[0]
         if kind == "plain":
             return gemv.OneRowProjection(self.weight, self.bias, launch=launch)
         if kind == "act":
@@ -268,8 +268,12 @@ class Linear(nn.Linear):
             rotary=rot,
         )
 
-    def _plan_gemv(self, x: torch.Tensor) -> tuple[int, ...]:
-        """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS."""
+    def _plan_gemv(self, x: torch.Tensor, normed: bool = False) -> tuple[int, ...]:
+        """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS.
+
+        :param normed: the kernel also normalises the input (see
+            :func:`~backplane.models.kernels.gemv.plan_normed`).
+        """
         w = self.weight
         if (
             self.packed_weight is not None
@@ -283,7 +287,8 @@ class Linear(nn.Linear):
             return ()
         # The interpreter (CPU tests) stands in for a small device.
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        return gemv.plan(w.shape[0], w.shape[1], sms) or ()
+        planner = gemv.plan_normed if normed else gemv.plan
+        return planner(w.shape[0], w.shape[1], sms) or ()
 
     def pack(self, rows: int, *, release: bool) -> bool:
         """Pack the weight for CPU inference (see :func:`pack_weight`).

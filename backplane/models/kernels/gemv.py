@@ -324,6 +324,30 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     return None
 
 
+#: weights up to this many elements (64 MiB in 16-bit types: the gate/up
+#: projection of 1B-class models) run the kernel when it also normalises
+#: their input (see :func:`plan_normed`)
+NORMED_WEIGHT = 1 << 25
+
+
+def plan_normed(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
+    """The launch shape for an ``[n, k]`` weight whose input the kernel also RMS-normalises.
+
+    As :func:`plan`, and medium launches up to :data:`NORMED_WEIGHT` elements:
+    the norm prologue saves the norm's launch and the round trip of its
+    output, and at batch 1 a decode step is bound by launches as much as by
+    the weights' bytes (eager steps are the host's launches), so the kernel
+    takes a pre-norm layer's gate/up projection although cuBLAS reads that
+    weight alone a little faster.
+
+    :return: ``(block_n, block_k, split_k)``, or ``None``.
+    """
+    launch = plan(n, k, sms)
+    if launch is None and n * k <= NORMED_WEIGHT:
+        return 16, 256, 1
+    return launch
+
+
 def default_launch(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """:func:`plan`'s launch for an ``[n, k]`` weight on ``device``, or one split in row
     blocks of 16 where it leaves the weight to cuBLAS."""
