@@ -514,7 +514,7 @@ def paged_decode(
     device = q.device.index
     if aligned:
         hit_key = (num_splits, cfg_id, int_key(nps), int_key(npt), out.dtype, kn.dtype,
-                   slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
+                   vn.dtype, slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
         hit = layout.hits.get(hit_key)
         if hit is not None:
             hit.launch(nd, layout.programs_per_split, num_splits, device, *args)

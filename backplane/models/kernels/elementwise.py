@@ -353,6 +353,7 @@ def _launch_rms_norm(
                 r.dtype,
                 weight.dtype,
                 out.dtype,
+                ro.dtype,
                 int_key(args[7]),
                 int_key(args[9]),
                 residual is not None,

@@ -506,8 +506,8 @@ class OneRowProjection:
 
         :param x: ``[1, K]`` (``[1, 2K]`` with ``gate_act``), unit stride along
             the features, the weight's dtype.
-        :param residual: with a norm: the residual stream, like ``x``; ``None``
-            when the stream starts at ``x``.
+        :param residual: with a norm only: the residual stream, like ``x``;
+            ``None`` when the stream starts at ``x``.
         :param cos: with a rotary epilogue: the token's ``half`` cosines
             (unit stride, the weight's dtype).
         :param sin: likewise, the sines.
