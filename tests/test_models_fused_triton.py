@@ -680,6 +680,7 @@ def check_gemv(device: torch.device) -> None:
         except ValueError:
             continue
         raise AssertionError(f"gemv accepted an input of shape {bad} for a 4x8 weight")
+    _check_linear_follows_its_weight(gemv, device)
     if device.type != "cuda":
         return
     from backplane.models.linear import Linear
@@ -739,6 +740,30 @@ def check_gemv(device: torch.device) -> None:
         static_x.copy_(x)
         graph.replay()
         _equal(f"gemv graph replay {s}", static_y.clone(), gemv.gemv(x, w, launch=launch))
+
+
+def _check_linear_follows_its_weight(gemv: Any, device: torch.device) -> None:
+    """A ``Linear``'s prepared one-row projection runs the planned launch, and is rebuilt when
+    the weight changes (a new parameter, a reload, a move): the new weight is read, not the
+    old."""
+    from backplane.models.linear import Linear
+
+    n, k = (40, 1000) if _small(device) else (2048, 8192)
+    sms = (
+        4
+        if device.type == "cpu"
+        else torch.cuda.get_device_properties(device).multi_processor_count
+    )
+    lin = Linear(k, n, bias=False).to(device, torch.float32)
+    lin.fused_ops = "triton"
+    x = _randn(1, k, dtype=torch.float32, device=device, seed=5)
+    for seed in (6, 7):
+        w = _randn(n, k, dtype=torch.float32, device=device, seed=seed)
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        with torch.inference_mode():
+            got = lin(x)
+        want = gemv.gemv(x, lin.weight, launch=gemv.plan(n, k, sms))
+        _equal(f"Linear {n}x{k} one row, weight {seed}", got, want)
 
 
 def _check_gemv_activations(gemv: Any, device: torch.device) -> None:
