@@ -99,7 +99,9 @@ def _decode_layout(
         q.dtype,
         k.dtype,
         table.stride(0),
+        batch.page_size,
         scale,
+        group,
         sliding_window,
     )
     layout = entry.layouts.get(sig)
