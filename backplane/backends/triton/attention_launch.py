@@ -470,9 +470,10 @@ def paged_decode(
         )
         layout = _DECODE_LAYOUTS.get(layout_key)
         if layout is None:
-            layout = _DECODE_LAYOUTS[layout_key] = _DecodeLayout(
-                q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, batch.page_size,
-                scale, group, sliding_window, q_pe is not None, append,
+            layout = _DECODE_LAYOUTS[layout_key] = decode_layout(
+                q, k_plane, v_plane, out, table, batch.page_size,
+                scale=scale, group=group, sliding_window=sliding_window,
+                q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
             )  # fmt: skip
     if num_splits is None:
         num_splits = choose_num_splits(batch, layout.programs_per_split, q.device)
@@ -481,12 +482,12 @@ def paged_decode(
         configs = _DECODE_CONFIGS[cfg_id]
     else:
         cfg_id = _configs_key(configs)
+    dev = q.device
     if num_splits > 1:
         rows = nd * layout.num_heads * num_splits
-        device = q.device
-        partial = _partials(device, "out", rows * layout.block_dv)
-        lse = _partials(device, "lse", rows)
-        arrivals = _arrivals(device, nd * layout.programs_per_split)
+        partial = _partials(dev, "out", rows * layout.block_dv)
+        lse = _partials(dev, "lse", rows)
+        arrivals = _arrivals(dev, nd * layout.programs_per_split)
     else:
         partial = lse = arrivals = out  # unused placeholders
     nps, npt = batch.num_prefill_seqs, batch.num_prefill_tokens
@@ -511,7 +512,7 @@ def paged_decode(
         )
         & 15
     )
-    device = q.device.index
+    device = dev.index
     if aligned:
         hit_key = (num_splits, cfg_id, int_key(nps), int_key(npt), out.dtype, kn.dtype,
                    vn.dtype, slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
