@@ -681,6 +681,7 @@ def check_gemv(device: torch.device) -> None:
             continue
         raise AssertionError(f"gemv accepted an input of shape {bad} for a 4x8 weight")
     _check_linear_follows_its_weight(gemv, device)
+    _check_gemv_dependent_launch(gemv, device)
     if device.type != "cuda":
         return
     from backplane.models.linear import Linear
@@ -740,6 +741,65 @@ def check_gemv(device: torch.device) -> None:
         static_x.copy_(x)
         graph.replay()
         _equal(f"gemv graph replay {s}", static_y.clone(), gemv.gemv(x, w, launch=launch))
+
+
+def _check_gemv_dependent_launch(gemv: Any, device: torch.device) -> None:
+    """Projections launched as programmatic dependents (the first weight tile loaded before
+    the wait) equal the plain launches bit for bit, alone and chained (each reading the
+    previous one's output, with a norm prologue, split-K and a gated prologue); on a device
+    that runs dependent launches, a captured chain replays with new inputs as the plain chain
+    computes them (a missing wait would read the previous replay's rows)."""
+    from backplane.core.launch import dependent_launch
+
+    if device.type == "cuda" and not dependent_launch(device.index):
+        return
+    if _small(device):
+        k, n1, n2, launches = 64, 96, 48, ((8, 64, 1), (8, 32, 2), (8, 16, 1))
+    else:
+        k, n1, n2, launches = 2048, 4096, 2048, ((16, 256, 1), (16, 256, 4), (8, 512, 1))
+    g = _randn(k, dtype=torch.bfloat16, device=device, seed=31, scale=0.5)
+    w1 = _randn(n1, k, dtype=torch.bfloat16, device=device, seed=32, scale=k**-0.5)
+    w2 = _randn(n2, n1, dtype=torch.bfloat16, device=device, seed=33, scale=n1**-0.5)
+    w3 = _randn(n2 // 4, n2 // 2, dtype=torch.bfloat16, device=device, seed=34, scale=0.1)
+    b2 = _randn(n2, dtype=torch.bfloat16, device=device, seed=35)
+
+    def chain(pdl: bool):
+        p1 = gemv.OneRowProjection(w1, launch=launches[0], norm=(g, 1e-6, False), pdl=pdl)
+        p2 = gemv.OneRowProjection(w2, b2, launch=launches[1], pdl=pdl)
+        p3 = gemv.OneRowProjection(w3, launch=launches[2], gate_act="silu", pdl=pdl)
+
+        def run(x: torch.Tensor, r: torch.Tensor) -> list[torch.Tensor]:
+            y1, res = p1(x, r)
+            y2, _ = p2(y1)
+            y3, _ = p3(y2)
+            return [y1, res, y2, y3]
+
+        return run
+
+    plain, dependent = chain(False), chain(True)
+    inputs = [
+        (
+            _randn(1, k, dtype=torch.bfloat16, device=device, seed=40 + s),
+            _randn(1, k, dtype=torch.bfloat16, device=device, seed=50 + s),
+        )
+        for s in range(3)
+    ]
+    for s, (x, r) in enumerate(inputs):
+        for i, (got, want) in enumerate(zip(dependent(x, r), plain(x, r), strict=True)):
+            _equal(f"dependent launch, chain {s}, output {i}", got, want)
+    if device.type != "cuda":
+        return
+    static_x, static_r = torch.zeros_like(inputs[0][0]), torch.zeros_like(inputs[0][1])
+    dependent(static_x, static_r)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = dependent(static_x, static_r)
+    for s, (x, r) in enumerate(inputs):
+        static_x.copy_(x)
+        static_r.copy_(r)
+        graph.replay()
+        for i, (got, want) in enumerate(zip(outs, plain(x, r), strict=True)):
+            _equal(f"dependent launch, captured chain {s}, output {i}", got.clone(), want)
 
 
 def _check_linear_follows_its_weight(gemv: Any, device: torch.device) -> None:

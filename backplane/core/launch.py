@@ -31,11 +31,53 @@ import os
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-__all__ = ["CHECK", "KernelLauncher", "LaunchKeyError", "arg_key", "cdiv", "int_key", "next_pow2"]
+__all__ = [
+    "CHECK",
+    "KernelLauncher",
+    "LaunchKeyError",
+    "arg_key",
+    "cdiv",
+    "dependent_launch",
+    "int_key",
+    "next_pow2",
+]
 
 #: Verify every launch's caller key against Triton's own choice (slow; for tests).
 #: Read when a :class:`KernelLauncher` is made.
 CHECK: bool = os.environ.get("BACKPLANE_CHECK_LAUNCHES", "0") not in ("", "0")
+
+
+@functools.cache
+def dependent_launch(device: int) -> bool:
+    """Whether kernels on CUDA device ``device`` launch as programmatic dependents.
+
+    A kernel launched so (Triton's ``launch_pdl`` option) may start while the
+    kernel before it on the stream is still running: its programs are
+    scheduled as soon as every program of that kernel has started (or
+    signalled with ``gdc_launch_dependents``) and wait with ``gdc_wait``
+    before they read what it wrote. Work that does not depend on the previous
+    kernel (a projection's first weight tile) overlaps its tail, and the
+    launch latency between the two goes, in CUDA graphs too. Needs compute
+    capability 9.0 (Hopper) or newer and a Triton with the option; off in the
+    interpreter and with ``BACKPLANE_PDL=0``.
+
+    :param device: the CUDA device index.
+    :return: whether kernels that support it should launch with ``launch_pdl``.
+    """
+    if os.environ.get("BACKPLANE_PDL", "1") in ("", "0"):
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def cdiv(a: int, b: int) -> int:

@@ -590,6 +590,7 @@ def _decode_kernel(
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
     APPEND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
 
@@ -607,6 +608,12 @@ def _decode_kernel(
     a kernel launch per layer, which is most of an eager decode's cost at
     small batches.
     """
+    if PDL:
+        # Launched as a programmatic dependent: the next kernel's programs may
+        # be scheduled once all of these run, and these start reading once the
+        # previous kernel (this step's queries) is done.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     j = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hb = tl.program_id(1) % HEAD_BLOCKS

@@ -31,7 +31,7 @@ from backplane.backends.triton.attention_kernels import (
     _kv_append_kernel,
     _prefill_kernel,
 )
-from backplane.core.launch import KernelLauncher, cdiv, int_key
+from backplane.core.launch import KernelLauncher, cdiv, dependent_launch, int_key
 from backplane.core.metadata import BatchMetadata
 
 _PREFILL = KernelLauncher(_prefill_kernel)
@@ -556,6 +556,7 @@ class _DecodeLayout:
         self.num_heads, self.dk, self.big = num_heads, dk, big
         block_h = min(dot_block(group), 16 if big else 64)
         head_blocks = cdiv(group, block_h)
+        pdl = q.is_cuda and dependent_launch(q.device.index)
         #: programs per sequence and split: kv heads times head blocks
         self.programs_per_split = (num_heads // group) * head_blocks
         self.block_dv = dot_block(dv)
@@ -594,7 +595,10 @@ class _DecodeLayout:
             V_FROM_K=_same_storage(v_plane, k_plane) and dv == dk,
             IEEE=ieee_dot(k_plane.dtype),
             APPEND=append,
+            PDL=pdl,
         )
+        if pdl:
+            self.meta["launch_pdl"] = True
         #: the config choice's key, less the configuration class
         self.config_key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h)
         #: the cache planes are 16-byte aligned (Triton specialises on it)

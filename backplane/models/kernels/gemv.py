@@ -32,6 +32,11 @@ the gap before the next kernel) per layer at batch 1:
   program of the rotated rows computes whole pairs ``(i, i + h)`` (its rows
   in pair order), so the rotation needs no other program's outputs.
 
+On Hopper and newer, launches are programmatic dependents of the kernel
+before them (:func:`~backplane.core.launch.dependent_launch`): a program
+loads its first weight tile, then waits for the previous kernel to finish, so
+the weight stream starts during that kernel's tail instead of after it.
+
 :class:`OneRowProjection` holds one projection's launch with all of that
 decided, for the call sites that run it every step.
 
@@ -46,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backplane.core.launch import KernelLauncher, cdiv, next_pow2
+from backplane.core.launch import KernelLauncher, cdiv, dependent_launch, next_pow2
 from backplane.models.kernels import interpreting
 from backplane.models.kernels.elementwise import (
     _EXACT_MATH,
@@ -100,10 +105,32 @@ def _gemv_kernel(
     ROPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
+    if PDL > 0 and not INTERPRET:
+        # The next kernel's programs may be scheduled once all of these run.
+        tl.extra.cuda.gdc_launch_dependents()
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        rn = _pair_rows(rn, pid_n, rot_rows, rot_half, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    if PDL == 2:
+        # The weights are no other kernel's output: the first tile's loads
+        # overlap the previous kernel's tail.
+        kk0 = k_start + rk
+        k_ok0 = kk0 < k_end
+        w0 = tl.load(w_rows + kk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
+    if PDL > 0 and not INTERPRET:
+        # Everything below reads (or writes what may still be read by) the
+        # previous kernels.
+        tl.extra.cuda.gdc_wait()
     inv = 0.0
     if NORM > 0:
         # The input's RMS over the whole row, in every program (the row is a few
@@ -117,27 +144,23 @@ def _gemv_kernel(
             if pid_n + pid_k == 0:
                 tl.store(r_out_ptr + offs, whole.to(dt), mask=d_ok)
         inv = _inv_rms(whole, K, eps)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if ROPE:
-        rn = _pair_rows(rn, pid_n, rot_rows, rot_half, BLOCK_N)
-    n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    k_first = k_start
+    if PDL == 2:
+        x0 = _input_chunk(
+            x_ptr, r_ptr, g_ptr, kk0, k_ok0, K, inv, dt,
+            GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
+        )  # fmt: skip
+        acc += w0.to(tl.float32) * x0[None, :]
+        k_first = k_start + BLOCK_K
+    for k0 in range(k_first, k_end, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < k_end
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        if GATE_ACT >= 0:
-            # The input row is [gate | up]: act(gate) * up, rounded as the gated
-            # activation kernel rounds it.
-            u = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = _round(_round(_act(x, GATE_ACT, EXACT), dt, INTERPRET) * u, dt, INTERPRET)
-        if NORM > 0:
-            x = _normed(x, r_ptr, g_ptr, kk, k_ok, inv, dt, NORM, ZERO_CENTERED, INTERPRET)
+        x = _input_chunk(
+            x_ptr, r_ptr, g_ptr, kk, k_ok, K, inv, dt,
+            GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
+        )  # fmt: skip
         acc += w.to(tl.float32) * x[None, :]
     part = tl.sum(acc, axis=1)
     if not SPLIT:
@@ -165,6 +188,34 @@ def _gemv_kernel(
                 y = _rotated(y, y_ptr, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N)
             tl.store(y_ptr + rn, y, mask=n_ok)
             tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _input_chunk(
+    x_ptr,
+    r_ptr,
+    g_ptr,
+    kk,
+    k_ok,
+    K,
+    inv,
+    dt: tl.constexpr,
+    GATE_ACT: tl.constexpr,
+    NORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """The projected input at columns ``kk`` in float32, after the prologue's work."""
+    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if GATE_ACT >= 0:
+        # The input row is [gate | up]: act(gate) * up, rounded as the gated
+        # activation kernel rounds it.
+        u = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = _round(_round(_act(x, GATE_ACT, EXACT), dt, INTERPRET) * u, dt, INTERPRET)
+    if NORM > 0:
+        x = _normed(x, r_ptr, g_ptr, kk, k_ok, inv, dt, NORM, ZERO_CENTERED, INTERPRET)
+    return x
 
 
 @triton.jit
@@ -404,6 +455,10 @@ class OneRowProjection:
         every head of ``2 * half`` channels among the first ``rows`` outputs,
         with the ``cos``/``sin`` given per call (see :func:`norm_gemv`); ``None``
         for none.
+    :param pdl: launch as a programmatic dependent of the previous kernel,
+        loading the first weight tile before waiting for it (see
+        :func:`~backplane.core.launch.dependent_launch`, the default). The
+        interpreter runs the same order of loads without the launch option.
     :raises ValueError: for an unknown activation, a weight or norm weight
         the kernel cannot read, or a rotary epilogue the launch cannot hold.
     """
@@ -418,6 +473,7 @@ class OneRowProjection:
         gate_act: str | None = None,
         norm: tuple[torch.Tensor, float, bool] | None = None,
         rotary: tuple[int, int] | None = None,
+        pdl: bool | None = None,
     ) -> None:
         for a in (act, gate_act):
             if a is not None and a not in ACT_CODES:
@@ -442,6 +498,10 @@ class OneRowProjection:
         else:
             norm_weight, eps, zero_centered = None, 0.0, False
         rot_rows, rot_half = rotary if rotary is not None else (0, 1)
+        # Asked for or not, the launch option needs a device that runs it; the
+        # interpreter runs the kernel's order of loads alone.
+        supported = INTERPRET or (weight.is_cuda and dependent_launch(weight.device.index))
+        pdl = supported if pdl is None else (pdl and supported)
         if rotary is not None and (
             act is not None or not rotary_fits(launch, n, *rotary, weight.dtype)
         ):
@@ -479,6 +539,7 @@ class OneRowProjection:
             bool(zero_centered),
             rot_rows,
             rot_half,
+            pdl,
         )
         self._meta = dict(
             HAS_BIAS=bias is not None,
@@ -492,7 +553,10 @@ class OneRowProjection:
             ROPE=rotary is not None,
             INTERPRET=INTERPRET,
             EXACT=_EXACT_MATH,
+            PDL=2 if pdl else 0,
         )
+        if pdl and not INTERPRET:
+            self._meta["launch_pdl"] = True
         self._hits: dict[tuple[int, int], Any] = {}
 
     def __call__(
