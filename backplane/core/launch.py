@@ -56,7 +56,7 @@ def dependent_launch(device: int) -> bool:
     scheduled as soon as every program of that kernel has started (or
     signalled with ``gdc_launch_dependents``) and wait with ``gdc_wait``
     before they read what it wrote. Work that does not depend on the previous
-    kernel (a projection's first weight tile) overlaps its tail, and the
+    kernel (a projection's first weight tiles) overlaps its tail, and the
     launch latency between the two goes, in CUDA graphs too. Needs compute
     capability 9.0 (Hopper) or newer and a Triton with the option; off in the
     interpreter and with ``BACKPLANE_PDL=0``.

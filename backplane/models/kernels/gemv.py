@@ -34,8 +34,9 @@ the gap before the next kernel) per layer at batch 1:
 
 On Hopper and newer, launches are programmatic dependents of the kernel
 before them (:func:`~backplane.core.launch.dependent_launch`): a program
-loads its first weight tile, then waits for the previous kernel to finish, so
-the weight stream starts during that kernel's tail instead of after it.
+loads its first two weight tiles, then waits for the previous kernel to
+finish, so the weight stream starts during that kernel's tail instead of
+after it.
 
 :class:`OneRowProjection` holds one projection's launch with all of that
 decided, for the call sites that run it every step.
@@ -121,12 +122,15 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    if PDL == 2:
-        # The weights are no other kernel's output: the first tile's loads
-        # overlap the previous kernel's tail.
+    if PDL > 0:
+        # The weights are no other kernel's output: the first two tiles' loads
+        # overlap the previous kernel's tail (two measured faster than one).
         kk0 = k_start + rk
         k_ok0 = kk0 < k_end
         w0 = tl.load(w_rows + kk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
+        kk1 = kk0 + BLOCK_K
+        k_ok1 = kk1 < k_end
+        w1 = tl.load(w_rows + kk1[None, :], mask=n_ok[:, None] & k_ok1[None, :], other=0.0)
     if PDL > 0 and not INTERPRET:
         # Everything below reads (or writes what may still be read by) the
         # previous kernels.
@@ -146,13 +150,18 @@ def _gemv_kernel(
         inv = _inv_rms(whole, K, eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     k_first = k_start
-    if PDL == 2:
+    if PDL > 0:
         x0 = _input_chunk(
             x_ptr, r_ptr, g_ptr, kk0, k_ok0, K, inv, dt,
             GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
         )  # fmt: skip
         acc += w0.to(tl.float32) * x0[None, :]
-        k_first = k_start + BLOCK_K
+        x1 = _input_chunk(
+            x_ptr, r_ptr, g_ptr, kk1, k_ok1, K, inv, dt,
+            GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
+        )  # fmt: skip
+        acc += w1.to(tl.float32) * x1[None, :]
+        k_first = k_start + 2 * BLOCK_K
     for k0 in range(k_first, k_end, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < k_end
@@ -456,7 +465,7 @@ class OneRowProjection:
         with the ``cos``/``sin`` given per call (see :func:`norm_gemv`); ``None``
         for none.
     :param pdl: launch as a programmatic dependent of the previous kernel,
-        loading the first weight tile before waiting for it (see
+        loading the first two weight tiles before waiting for it (see
         :func:`~backplane.core.launch.dependent_launch`, the default). The
         interpreter runs the same order of loads without the launch option.
     :raises ValueError: for an unknown activation, a weight or norm weight
@@ -553,7 +562,7 @@ class OneRowProjection:
             ROPE=rotary is not None,
             INTERPRET=INTERPRET,
             EXACT=_EXACT_MATH,
-            PDL=2 if pdl else 0,
+            PDL=int(pdl),
         )
         if pdl and not INTERPRET:
             self._meta["launch_pdl"] = True
