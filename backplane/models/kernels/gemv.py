@@ -215,7 +215,8 @@ def _input_chunk(
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    """The projected input at columns ``kk`` in float32, after the prologue's work."""
+    """The projected input at columns ``kk`` in float32, after the prologue's work (the
+    gated activation, or the residual add and RMS norm)."""
     x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     if GATE_ACT >= 0:
         # The input row is [gate | up]: act(gate) * up, rounded as the gated
@@ -223,32 +224,16 @@ def _input_chunk(
         u = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
         x = _round(_round(_act(x, GATE_ACT, EXACT), dt, INTERPRET) * u, dt, INTERPRET)
     if NORM > 0:
-        x = _normed(x, r_ptr, g_ptr, kk, k_ok, inv, dt, NORM, ZERO_CENTERED, INTERPRET)
+        # RMS-normalised, rounded as the norm kernel rounds it.
+        if NORM == 2:
+            r = tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = _round(x + r, dt, INTERPRET)
+        g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            x = _round(x * inv * (1.0 + g), dt, INTERPRET)
+        else:
+            x = _round(g * _round(x * inv, dt, INTERPRET), dt, INTERPRET)
     return x
-
-
-@triton.jit
-def _normed(
-    x,
-    r_ptr,
-    g_ptr,
-    kk,
-    k_ok,
-    inv,
-    dt: tl.constexpr,
-    NORM: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """The RMS-normalised input at columns ``kk``, rounded as the norm kernel rounds it."""
-    if NORM == 2:
-        x = _round(x + tl.load(r_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), dt, INTERPRET)
-    g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        h = x * inv * (1.0 + g)
-    else:
-        h = g * _round(x * inv, dt, INTERPRET)
-    return _round(h, dt, INTERPRET)
 
 
 @triton.jit
