@@ -34,7 +34,7 @@ import torch
 
 from backplane.engine.kv_cache import HostTier, KVCacheManager
 from backplane.engine.request import Request
-from backplane.engine.scheduler import Scheduler
+from backplane.engine.sched import Scheduler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -22,7 +22,7 @@ def install() -> None:
     if _installed:
         return
     from backplane.engine.executor import Engine
-    from backplane.engine.scheduler import Scheduler
+    from backplane.engine.sched import Scheduler
 
     for cls, registry in ((Scheduler, _schedulers), (Engine, _engines)):
         init = cls.__init__

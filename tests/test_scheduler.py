@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from backplane.core.errors import ConfigError, OutOfKVMemoryError, RequestError
 from backplane.engine.kv_cache import HostTier, KVCacheManager
 from backplane.engine.request import FinishReason, Request, RequestStatus
-from backplane.engine.scheduler import Scheduler, SchedulerOutput
+from backplane.engine.sched import Scheduler, SchedulerOutput
 
 VOCAB = 64
 

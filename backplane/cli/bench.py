@@ -109,7 +109,7 @@ class _Seqs:
         from backplane.engine.kv_cache.manager import KVCacheManager
         from backplane.engine.request import Request
         from backplane.engine.sampling import SamplingParams
-        from backplane.engine.scheduler import Scheduler
+        from backplane.engine.sched import Scheduler
 
         max_tokens = 4096  # far more than the steps timed: nobody finishes
         max_len = prompt_len + max_tokens

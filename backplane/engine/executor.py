@@ -371,7 +371,7 @@ class Engine:
     def _build_scheduler(self, paged_caches: list[torch.Tensor]) -> Any:
         from backplane.engine.kv_cache.host_tier import HostTier
         from backplane.engine.kv_cache.manager import KVCacheManager
-        from backplane.engine.scheduler import Scheduler
+        from backplane.engine.sched import Scheduler
 
         cfg = self.config
         host = None
