@@ -37,7 +37,7 @@ import torch
 
 from backplane.core.families import AttentionLayerSpec, DeltaLayerSpec, MLALayerSpec, SSMLayerSpec
 from backplane.core.forward_context import forward_context
-from backplane.core.metadata import build_batch_metadata
+from backplane.core.packing import build_batch_metadata
 from backplane.core.registry import get_registry
 from backplane.engine.selection import load_backend, select_backend
 

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.metadata import EAGER, BatchMetadata, StepMode, build_batch_metadata
+from backplane.core.metadata import EAGER, BatchMetadata, StepMode
+from backplane.core.packing import build_batch_metadata
 
 
 def ragged_batch(

@@ -84,7 +84,7 @@ def test_reference_matches_transformers_decode() -> None:
     (``causal_conv1d_update`` and ``mamba2_selective_state_update``, with a z gate)."""
     hf = _hf_nemotron_h()
     torch = pytest.importorskip("torch")
-    from backplane.core.metadata import build_batch_metadata
+    from backplane.core.packing import build_batch_metadata
     from backplane.testing.ssm import reference_causal_conv1d, reference_ssm_scan
 
     gen = torch.Generator().manual_seed(1)

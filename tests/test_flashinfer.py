@@ -26,7 +26,8 @@ from backplane.core.families import (
 )
 from backplane.core.forward_context import forward_context
 from backplane.core.hookspecs import FAMILIES
-from backplane.core.metadata import StepMode, build_batch_metadata
+from backplane.core.metadata import StepMode
+from backplane.core.packing import build_batch_metadata
 from backplane.core.registry import get_registry
 from backplane.engine.selection import load_backend, select_backend
 from backplane.plugins import flashinfer as fi_plugin

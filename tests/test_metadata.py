@@ -13,8 +13,8 @@ from backplane.core.metadata import (
     BatchMetadata,
     HostBatch,
     StepMode,
-    build_batch_metadata,
 )
+from backplane.core.packing import build_batch_metadata
 from backplane.testing.batches import batch_cases
 
 

@@ -998,7 +998,7 @@ def _forward_logits(lm, backends, device) -> torch.Tensor:
     step of the third alone (one row: on CUDA the one-row projection kernels and the norms
     fused into them run)."""
     from backplane.core.forward_context import forward_context, plan_step
-    from backplane.core.metadata import build_batch_metadata
+    from backplane.core.packing import build_batch_metadata
 
     page_size = 4
     lm.allocate_caches(

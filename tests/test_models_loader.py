@@ -337,7 +337,7 @@ def test_legacy_rope_scaling_form_is_accepted():
 def test_presets_run_a_mixed_step_with_the_torch_backends(name):
     from backplane.core.forward_context import forward_context, plan_step
     from backplane.core.hookspecs import FAMILIES
-    from backplane.core.metadata import build_batch_metadata
+    from backplane.core.packing import build_batch_metadata
     from backplane.engine.selection import load_backend, select_backend
 
     cfg = preset_config(name)

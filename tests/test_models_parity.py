@@ -36,7 +36,7 @@ from backplane.core.families import (  # noqa: E402
     SSMLayerSpec,
 )
 from backplane.core.forward_context import forward_context, plan_step  # noqa: E402
-from backplane.core.metadata import build_batch_metadata  # noqa: E402
+from backplane.core.packing import build_batch_metadata  # noqa: E402
 from backplane.core.registry import get_registry  # noqa: E402
 from backplane.models import load_model  # noqa: E402
 from backplane.testing.plugin import backend_params, load_backend  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 
 from backplane.core.families import DeltaLayerSpec, SSMLayerSpec
 from backplane.core.forward_context import forward_context
-from backplane.core.metadata import build_batch_metadata
+from backplane.core.packing import build_batch_metadata
 from backplane.testing.checks import assert_close_to_reference
 
 pytestmark = [

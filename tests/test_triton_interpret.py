@@ -122,7 +122,7 @@ def _batch(query_lens, cached_lens, page_size, num_pages, seed=0, padded=None):
     """A batch with shuffled (non-contiguous) page tables that avoid the scratch page 0."""
     import numpy as np
 
-    from backplane.core.metadata import build_batch_metadata
+    from backplane.core.packing import build_batch_metadata
 
     rng = np.random.default_rng(seed)
     pages = rng.permutation(np.arange(1, num_pages))

@@ -90,7 +90,7 @@ def collect_layer_specs(model: Any) -> dict[str, list[Any]]:
 
 def _synthetic_batch(device: Any, page_size: int, padded: int | None = None):
     """Prefill (37), extend (9 on 23 cached) and two decode sequences, pages 1.. in order."""
-    from backplane.core.metadata import build_batch_metadata
+    from backplane.core.packing import build_batch_metadata
 
     query = [37, 9, 1, 1]
     cached = [0, 23, 40, 17]

@@ -35,7 +35,6 @@ instead of guessing from the batch's shape.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -157,10 +156,10 @@ class HostBatch:
 class BatchMetadata:
     """A ragged batch: host counts and arrays plus their device copies.
 
-    Build one with :func:`build_batch_metadata` (tests, tools); the engine
-    packs its own with the same packer (:mod:`backplane.core.packing`) into its
-    persistent input buffers. Device tensors share names with the
-    :class:`HostBatch` fields.
+    Build one with :func:`backplane.core.packing.build_batch_metadata` (tests,
+    tools); the engine packs its own with the same packer
+    (:mod:`backplane.core.packing`) into its persistent input buffers. Device
+    tensors share names with the :class:`HostBatch` fields.
     """
 
     num_prefill_seqs: int
@@ -252,77 +251,3 @@ class BatchMetadata:
             mode=mode,
             **tensors,
         )
-
-
-def build_batch_metadata(
-    query_lens: Sequence[int] | np.ndarray,
-    cached_lens: Sequence[int] | np.ndarray,
-    page_tables: Sequence[Sequence[int] | np.ndarray],
-    page_size: int,
-    *,
-    state_slots: Sequence[int] | np.ndarray | None = None,
-    padded_num_tokens: int | None = None,
-    block_table_width: int | None = None,
-    device: torch.device | str = "cpu",
-    mode: StepMode = EAGER,
-) -> BatchMetadata:
-    """Build batch metadata from per-sequence facts with the engine's packer.
-
-    The arrays are packed by :func:`backplane.core.packing.pack_batch`, the same
-    code that prepares the engine's steps, so tests and tools see the engine's
-    exact layout.
-
-    :param query_lens: new tokens per sequence this step; prefill/extend
-        sequences first, then decode sequences (``query_len == 1`` with cached
-        context).
-    :param cached_lens: tokens already in the cache per sequence.
-    :param page_tables: the page ids of each sequence, enough to hold
-        ``cached_len + query_len`` tokens.
-    :param page_size: tokens per page.
-    :param state_slots: recurrent-state slot per sequence (default ``1..n``).
-    :param padded_num_tokens: flat token count including padding (default: no padding).
-    :param block_table_width: columns of the dense block table, padded with page 0
-        (default: the most pages any sequence needs).
-    :param device: where the device tensors go.
-    :param mode: how the step runs (a decode graph or piecewise bucket must match
-        the batch's padded size).
-    :return: the metadata.
-    :raises ValueError: on inconsistent input.
-    """
-    # packing builds on this module's types, so it is imported when first used
-    from backplane.core.packing import allocate_host, measure_batch, pack_batch
-
-    n = len(query_lens)
-    if len(cached_lens) != n or len(page_tables) != n:
-        raise ValueError(
-            f"query_lens, cached_lens and page_tables must have one entry per sequence "
-            f"(got {n}, {len(cached_lens)} and {len(page_tables)})"
-        )
-    shape = measure_batch(
-        query_lens,
-        cached_lens,
-        page_size,
-        padded_num_tokens=padded_num_tokens,
-        block_table_width=block_table_width,
-    )
-    if shape.order is not None:
-        raise ValueError(
-            "prefill/extend sequences must come before decode sequences (one new token "
-            "on cached context)"
-        )
-    slots = (
-        np.arange(1, n + 1, dtype=np.int32)
-        if state_slots is None
-        else np.asarray(state_slots, dtype=np.int32)
-    )
-    tables = [np.asarray(t, dtype=np.int32) for t in page_tables]
-    host = allocate_host(shape)
-    pack_batch(shape, tables, slots, host)
-    return BatchMetadata.from_host(
-        host,
-        num_prefill_seqs=shape.num_prefill_seqs,
-        page_size=page_size,
-        padded_num_tokens=shape.padded_num_tokens,
-        device=device,
-        mode=mode.check(shape.num_seqs, shape.num_decode_seqs, shape.padded_num_tokens),
-    )

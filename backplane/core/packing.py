@@ -1,9 +1,9 @@
 """Packing a step's per-sequence facts into the batch layout of :mod:`backplane.core.metadata`.
 
 One packer serves every producer of batches: the engine's input preparation
-(:class:`backplane.engine.inputs.InputBatch`, which packs into views of its
+(:class:`backplane.engine.worker.inputs.InputBatch`, which packs into views of its
 pinned host buffer and copies them to the device at once) and
-:func:`backplane.core.metadata.build_batch_metadata` (the conformance kit,
+:func:`build_batch_metadata` (the conformance kit,
 ``backplane warmup``, benchmarks), so a backend tested on the kit's batches sees
 exactly the layout the engine hands it.
 
@@ -25,10 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from backplane.core.metadata import NULL_PAGE, HostBatch
+from backplane.core.metadata import EAGER, NULL_PAGE, BatchMetadata, HostBatch, StepMode
 
-__all__ = ["BatchShape", "allocate_host", "measure_batch", "pack_batch"]
+__all__ = ["BatchShape", "allocate_host", "build_batch_metadata", "measure_batch", "pack_batch"]
 
 _arange_cache = np.arange(4096, dtype=np.int64)
 _arange_cache.flags.writeable = False
@@ -325,3 +326,74 @@ def pack_batch(
     if logits_indices is not None:
         logits_indices[: len(rows)] = rows if shape.one_token_each else last_tok[rows]
     return rows
+
+
+def build_batch_metadata(
+    query_lens: Sequence[int] | np.ndarray,
+    cached_lens: Sequence[int] | np.ndarray,
+    page_tables: Sequence[Sequence[int] | np.ndarray],
+    page_size: int,
+    *,
+    state_slots: Sequence[int] | np.ndarray | None = None,
+    padded_num_tokens: int | None = None,
+    block_table_width: int | None = None,
+    device: torch.device | str = "cpu",
+    mode: StepMode = EAGER,
+) -> BatchMetadata:
+    """Build batch metadata from per-sequence facts with the engine's packer.
+
+    The arrays are packed by :func:`pack_batch`, the same
+    code that prepares the engine's steps, so tests and tools see the engine's
+    exact layout.
+
+    :param query_lens: new tokens per sequence this step; prefill/extend
+        sequences first, then decode sequences (``query_len == 1`` with cached
+        context).
+    :param cached_lens: tokens already in the cache per sequence.
+    :param page_tables: the page ids of each sequence, enough to hold
+        ``cached_len + query_len`` tokens.
+    :param page_size: tokens per page.
+    :param state_slots: recurrent-state slot per sequence (default ``1..n``).
+    :param padded_num_tokens: flat token count including padding (default: no padding).
+    :param block_table_width: columns of the dense block table, padded with page 0
+        (default: the most pages any sequence needs).
+    :param device: where the device tensors go.
+    :param mode: how the step runs (a decode graph or piecewise bucket must match
+        the batch's padded size).
+    :return: the metadata.
+    :raises ValueError: on inconsistent input.
+    """
+    n = len(query_lens)
+    if len(cached_lens) != n or len(page_tables) != n:
+        raise ValueError(
+            f"query_lens, cached_lens and page_tables must have one entry per sequence "
+            f"(got {n}, {len(cached_lens)} and {len(page_tables)})"
+        )
+    shape = measure_batch(
+        query_lens,
+        cached_lens,
+        page_size,
+        padded_num_tokens=padded_num_tokens,
+        block_table_width=block_table_width,
+    )
+    if shape.order is not None:
+        raise ValueError(
+            "prefill/extend sequences must come before decode sequences (one new token "
+            "on cached context)"
+        )
+    slots = (
+        np.arange(1, n + 1, dtype=np.int32)
+        if state_slots is None
+        else np.asarray(state_slots, dtype=np.int32)
+    )
+    tables = [np.asarray(t, dtype=np.int32) for t in page_tables]
+    host = allocate_host(shape)
+    pack_batch(shape, tables, slots, host)
+    return BatchMetadata.from_host(
+        host,
+        num_prefill_seqs=shape.num_prefill_seqs,
+        page_size=page_size,
+        padded_num_tokens=shape.padded_num_tokens,
+        device=device,
+        mode=mode.check(shape.num_seqs, shape.num_decode_seqs, shape.padded_num_tokens),
+    )

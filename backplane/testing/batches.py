@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from backplane.core.metadata import BatchMetadata, build_batch_metadata
+from backplane.core.metadata import BatchMetadata
+from backplane.core.packing import build_batch_metadata
 
 #: Kinds accepted by :func:`batch_cases`.
 KINDS = ("all", "prefill", "decode", "mixed")

@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from backplane.core.metadata import BatchMetadata, build_batch_metadata
+from backplane.core.metadata import BatchMetadata
+from backplane.core.packing import build_batch_metadata
 from backplane.testing.batches import BatchCase, make_case
 from backplane.testing.checks import assert_close_to_reference, check_graph_replay
 from backplane.testing.plugin import BackendTestsBase, require_feature
