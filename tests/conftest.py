@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -17,6 +18,80 @@ os.environ.setdefault("BACKPLANE_CHECK_LAUNCHES", "1")
 # parametrisation); loaded only when this checkout has it.
 if importlib.util.find_spec("backplane.testing.plugin") is not None:
     pytest_plugins = ["backplane.testing.plugin"]
+
+
+#: Import names of the ``dev`` extra's packages (pyproject.toml) that the tests import; a test that
+#: skips because one of them is missing fails instead when ``CI`` is set, so a missing install step
+#: cannot hide behind a skip. ``tests/test_ci.py`` checks this list against pyproject.toml.
+DEV_IMPORTS: dict[str, str] = {
+    "pytest": "pytest",
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+    "hypothesis": "hypothesis",
+    "triton": "triton",
+    "einops": "einops",
+    "fla-core": "fla",
+    "gguf": "gguf",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "prometheus-client": "prometheus_client",
+    "openai": "openai",
+    "httpx": "httpx",
+    "matplotlib": "matplotlib",
+}
+#: ``dev`` packages that no test imports (command-line tools).
+DEV_TOOLS = frozenset({"ruff"})
+
+
+def missing_dev_dependency(reason: str) -> str | None:
+    """The ``dev`` package a skip reason says is missing, if any.
+
+    Matches ``pytest.importorskip``'s "could not import 'x'" and the suite's own
+    "x is not installed" reasons, also for the GGUF loader's "accelerate is required".
+
+    :param reason: a skip's reason text.
+    :return: the distribution name of the missing package, or ``None``.
+    """
+    for dist, module in DEV_IMPORTS.items():
+        names = {dist, module}
+        for name in names:
+            pattern = (
+                rf"(could not import '{re.escape(name)}'|\b{re.escape(name)}\b is not installed"
+                rf"|\b{re.escape(name)}\b is required|No module named '{re.escape(name)}')"
+            )
+            if re.search(pattern, reason):
+                return dist
+    return None
+
+
+def _fail_skip_for_missing_dev_dependency(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under ``CI``, turn a skip caused by a missing ``dev`` package into a failure."""
+    if not os.environ.get("CI") or not report.skipped:
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    dist = missing_dev_dependency(reason)
+    if dist is None:
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"{dist} is part of the dev extra but is not installed (skip reason: {reason}); "
+        "CI installs exactly as README.md says, so `pip install -e '.[dev]'` must bring it"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """Fail, under ``CI``, a test skipped for a missing ``dev`` package."""
+    outcome = yield
+    _fail_skip_for_missing_dev_dependency(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> object:
+    """Fail, under ``CI``, a module skipped at import for a missing ``dev`` package."""
+    outcome = yield
+    _fail_skip_for_missing_dev_dependency(outcome.get_result())
 
 
 def pytest_configure(config: pytest.Config) -> None:
