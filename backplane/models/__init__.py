@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 from backplane.models.base import CausalLM, ModelConfig, WeightLoadError
-from backplane.models.loader import LoadedModel, load_model
+from backplane.models.loaded import LoadedModel
+from backplane.models.loader import load_model
 from backplane.models.presets import PRESETS
 from backplane.models.registry import ARCHITECTURES, model_class, supported_architectures
 

@@ -25,13 +25,13 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from backplane.core.errors import ConfigError
+from backplane.models import presets
 from backplane.models.base import (
     CausalLM,
     MissingConfigKeyError,
@@ -39,6 +39,7 @@ from backplane.models.base import (
     WeightLoadError,
     build_model,
 )
+from backplane.models.loaded import LoadedModel
 from backplane.models.registry import model_class
 from backplane.models.tokenizer import TextTokenizer, load_hf_tokenizer
 
@@ -54,22 +55,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-@dataclass
-class LoadedModel:
-    """What :func:`load_model` returns.
-
-    :param model: the :class:`~backplane.models.base.CausalLM`, in eval mode.
-    :param tokenizer: a :class:`~backplane.models.tokenizer.TextTokenizer`
-        (``encode(text).ids``, ``decode(ids)``, special tokens, chat template),
-        or ``None`` when the checkpoint has no tokenizer.
-    :param config: the model's HF config.
-    """
-
-    model: CausalLM
-    tokenizer: TextTokenizer | None
-    config: ModelConfig
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -309,8 +294,6 @@ def _resolve(name: str) -> Path:
 
     :raises ConfigError: a hub id, or neither a file, a directory nor a known name.
     """
-    from backplane.models import presets
-
     if name in presets.INSTALLED_MODELS:
         return presets.installed_model_path(name)
     path = Path(name).expanduser()
@@ -406,8 +389,6 @@ def load_model(
         or quantisation, unreadable files, or weights that do not match the
         config; each names the file and the field or tensor.
     """
-    from backplane.models import presets
-
     name = os.fspath(model)
     dev = resolve_device(device)
     if name in presets.PRESETS:

@@ -23,6 +23,7 @@ import torch
 
 from backplane.core.errors import ConfigError
 from backplane.models.base import ModelConfig, build_model
+from backplane.models.loaded import LoadedModel
 from backplane.models.registry import model_class
 from backplane.models.tokenizer import TextTokenizer, byte_alphabet
 
@@ -186,13 +187,16 @@ def build_preset(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     backends: dict[str, Any],
-) -> Any:
+) -> LoadedModel:
     """Build preset ``name`` with its fixed-seed weights and byte-level tokenizer.
 
-    :return: a :class:`~backplane.models.loader.LoadedModel`.
+    :param name: a key of :data:`PRESETS`.
+    :param dtype: the parameters' dtype.
+    :param device: where the parameters go.
+    :param backends: ``{family: backend object}`` for the families the model uses.
+    :return: the model, its tokenizer and config.
+    :raises ConfigError: unknown name, listing the presets.
     """
-    from backplane.models.loader import LoadedModel
-
     config = preset_config(name)
     model = build_model(
         model_class(config.architecture), config, backends, dtype=dtype, device=device
