@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if triton_reason and "triton" not in impls:
         logger.info("triton skipped: %s", triton_reason)
     if "triton" in impls:
-        fused.resolve_fused_ops("triton", device)
+        fused.check_fused_ops("triton", device)
 
     selected = cases(tokens, args.quick, device, dtype)
     if args.ops:

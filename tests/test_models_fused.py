@@ -14,10 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backplane.core.errors import ConfigError
 from backplane.models.fused import (
     act_and_mul,
     apply_rotary_,
     apply_rotary_interleaved,
+    check_fused_ops,
     fused_add_rms_norm,
     relu_squared,
     rms_norm,
@@ -296,3 +298,23 @@ def test_merged_linear_equals_its_parts():
     for got, lin in zip(merged.split(merged(x)), parts.values(), strict=True):
         torch.testing.assert_close(got, lin(x), rtol=1e-12, atol=1e-12)
     assert F.linear(x, merged.weight).shape == (5, 16)
+
+
+def test_the_model_layer_applies_an_implementation_and_never_chooses_one():
+    """``auto`` is decided in engine selection; a model only takes ``torch`` or ``triton``."""
+    from backplane.engine.selection import select_backends_for
+    from backplane.models.presets import build_preset
+
+    check_fused_ops("torch", "cpu")
+    backends = select_backends_for({"attention": "torch"}, ["attention"], device="cpu")
+    lm = build_preset("tiny-llama", backends=backends).model
+    with pytest.raises(ConfigError) as err:
+        lm.set_fused_ops("auto")
+    assert str(err.value) == (
+        "fused_ops: expected one of torch, triton, got 'auto'; an 'auto' setting is resolved "
+        "by backplane.engine.selection.select_fused_ops"
+    )
+    assert lm.set_fused_ops("torch") == "torch"
+    assert {
+        m.fused_ops for m in lm.modules() if isinstance(getattr(type(m), "fused_ops", None), str)
+    } == {"torch"}

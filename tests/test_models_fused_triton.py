@@ -80,6 +80,7 @@ if __name__ != "__main__":
     import pytest
 
     from backplane.core.errors import ConfigError
+    from backplane.engine.selection import select_fused_ops
 
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, dict[str, str]]:
@@ -126,7 +127,7 @@ if __name__ != "__main__":
         from backplane.models.presets import build_preset
 
         lm = build_preset("tiny-llama", backends=_torch_backends(("attention",))).model
-        assert lm.set_fused_ops("auto") == "torch"
+        assert lm.set_fused_ops(select_fused_ops("auto", "cpu")) == "torch"
         assert lm.set_fused_ops("torch") == "torch"
         with pytest.raises(ConfigError, match="fused_ops=triton cannot run on device 'cpu'") as err:
             lm.set_fused_ops("triton")
@@ -164,7 +165,7 @@ if __name__ != "__main__":
             "MLP",
             "RotaryEmbedding",
         }
-        assert lm.set_fused_ops("auto") == "triton"
+        assert lm.set_fused_ops(select_fused_ops("auto", "cuda")) == "triton"
         assert all(m.fused_ops == "triton" for m in mods)
         assert lm.set_fused_ops("torch") == "torch"
         assert all(m.fused_ops == "torch" for m in mods)

@@ -25,6 +25,8 @@ from backplane.engine.selection import (
     load_backend,
     select_backend,
     select_backends,
+    select_backends_for,
+    select_fused_ops,
 )
 
 
@@ -686,3 +688,81 @@ def test_real_plugins_without_figures_for_the_device_class_keep_priority(monkeyp
     reg = _fake_gpu(monkeypatch, (8, 0))
     specs = select_backends(EngineConfig(device="cuda"), ["attention"], registry=reg)
     assert specs["attention"].name == "flashinfer"
+
+
+# -- explicit choices without an engine configuration (the kernel warm-up) --------------------
+
+
+class _OtherAttn(_Attn):
+    """A second attention backend class, to tell which spec was loaded."""
+
+    name = "other"
+
+
+def test_select_backends_for_prefers_then_auto_and_leaves_out_what_cannot_run(caplog):
+    reg = _registry(
+        ATTN,
+        BackendSpec(family="attention", name="other", load=_OtherAttn, priority=1),
+        ATTN_GPU,
+        _ssm("gpu_helper", 8, capabilities={"cuda"}),
+    )
+    preferred = select_backends_for({}, prefer="other", device="cpu", registry=reg)
+    assert list(preferred) == ["attention"] and type(preferred["attention"]) is _OtherAttn
+    # the preferred backend cannot run here: auto decides (highest available priority)
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        fallback = select_backends_for({}, prefer="gpu", device="cpu", registry=reg)
+    assert list(fallback) == ["attention"] and type(fallback["attention"]) is _Attn
+    assert any(m.startswith("no ssm backend: no available ssm backend") for m in caplog.messages)
+    named = select_backends_for(
+        {"attention": "other"}, ["attention"], prefer="fast", device="cpu", registry=reg
+    )
+    assert type(named["attention"]) is _OtherAttn
+
+
+def test_select_backends_for_raises_for_what_was_named():
+    reg = _registry(ATTN, _ssm("gpu_helper", 8, capabilities={"cuda"}))
+    with pytest.raises(UnknownBackendError, match="'nope'"):
+        select_backends_for({"attention": "nope"}, registry=reg)
+    with pytest.raises(BackendUnavailableError, match="it does not run on cpu"):
+        select_backends_for({"ssm": "gpu_helper"}, device="cpu", registry=reg)
+    with pytest.raises(ConfigError, match="unknown op family 'conv'"):
+        select_backends_for({"conv": "fast"}, registry=reg)
+
+
+# -- the models' fused elementwise work --------------------------------------------------------
+
+
+def test_select_fused_ops_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_fused_ops("torch", "cpu") == "torch"
+    assert select_fused_ops("auto", "cpu") == "torch"
+    with pytest.raises(ConfigError) as err:
+        select_fused_ops("triton", "cpu")
+    assert str(err.value).startswith("fused_ops=triton cannot run on device 'cpu': ")
+    assert str(err.value).endswith("; set fused_ops to auto or torch")
+    with pytest.raises(ConfigError) as err:
+        select_fused_ops("cuda", "cpu")
+    assert str(err.value) == "fused_ops: expected one of auto, torch, triton, got 'cuda'"
+
+
+def test_select_fused_ops_auto_on_cuda_takes_triton_only_where_it_imports(monkeypatch, caplog):
+    from backplane.models import fused
+
+    kernels_module = types.ModuleType("kernels")
+    monkeypatch.setattr(fused, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(fused, "load_kernels", lambda: kernels_module)
+    assert select_fused_ops("auto", "cuda") == "triton"
+
+    monkeypatch.setattr(fused, "triton_unavailable_reason", lambda device: "no CUDA here")
+    assert select_fused_ops("auto", "cuda") == "torch"
+
+    def broken():
+        raise ImportError("libcuda.so: cannot open")
+
+    monkeypatch.setattr(fused, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(fused, "load_kernels", broken)
+    with caplog.at_level(logging.WARNING, logger="backplane.engine.selection"):
+        assert select_fused_ops("auto", "cuda") == "torch"
+    assert caplog.messages == [
+        "fused_ops=auto: the Triton kernels do not import (libcuda.so: cannot open); using torch"
+    ]

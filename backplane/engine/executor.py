@@ -53,6 +53,7 @@ from backplane.engine.sampling import (
     logprob_dicts,
     seed_as_int64,
 )
+from backplane.engine.selection import select_fused_ops
 from backplane.engine.sizes import cpu_kv_budget, format_size
 from backplane.engine.warmup import warmup_steps
 
@@ -166,7 +167,7 @@ class Engine:
         loaded, all_backends = self._load_model()
         mem_loaded = DeviceMemory.read(self.device) if cuda else None
         self.model = loaded.model
-        self.model.set_fused_ops(config.fused_ops)
+        self.model.set_fused_ops(select_fused_ops(config.fused_ops, self.device))
         if self.device.type == "cpu":
             # decode-sized products read oneDNN's blocked layout about twice as fast
             self.model.pack_weights_for_cpu(rows=int(config.max_num_seqs))

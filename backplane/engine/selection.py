@@ -12,6 +12,11 @@
   that ``needs_fallback`` the backend that runs what it does not (its prefill),
   chosen like ``auto`` among the other backends of its family but ranked by
   their measured prefill speed.
+* :func:`select_backends_for` loads one backend object per family from
+  explicit ``{family: name}`` choices, with no engine configuration (the
+  ahead-of-time kernel warm-up).
+* :func:`select_fused_ops` decides who runs the models' fused elementwise work
+  (``fused_ops``: Triton kernels or torch ops) on the engine's device.
 * :class:`BackendSelection` holds the backends of one engine and replaces a
   backend chosen by ``auto`` that cannot run one of the model's layers (it
   raised :class:`~backplane.core.errors.UnsupportedLayerError`) with the next
@@ -25,8 +30,8 @@ process-wide one (:func:`backplane.core.registry.get_registry`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from backplane.core.backend_spec import BackendSpec
 from backplane.core.errors import (
@@ -39,6 +44,8 @@ from backplane.core.hookspecs import FAMILIES
 from backplane.core.registry import BackendRegistry, get_registry
 
 if TYPE_CHECKING:
+    import torch
+
     from backplane.core.families import Backend
     from backplane.engine.config import EngineConfig
 
@@ -52,6 +59,8 @@ __all__ = [
     "runs_on",
     "select_backend",
     "select_backends",
+    "select_backends_for",
+    "select_fused_ops",
 ]
 
 #: Capability tags that name a device type. A backend that declares any of them
@@ -408,6 +417,104 @@ def _fallback_for(
     return _load(chosen, registry, device, device_class, taken)
 
 
+def select_backends_for(
+    names: Mapping[str, str],
+    families: Iterable[str] | None = None,
+    *,
+    prefer: str | None = None,
+    device: str | None = None,
+    registry: BackendRegistry | None = None,
+) -> dict[str, Backend]:
+    """Load one backend object per family from explicit choices, without an engine configuration.
+
+    A family named in ``names`` gets that backend (or ``auto``'s choice for
+    ``"auto"``), and any error choosing or loading it is raised. Every other
+    family gets ``prefer`` when it is installed and can run here, else the one
+    ``auto`` chooses; a family where that fails is left out (logged at INFO),
+    so that a machine without some family's kernels still serves the rest.
+
+    :param names: ``{family: backend name or "auto"}``, e.g. from ``--backend FAMILY=NAME``.
+    :param families: the families wanted; ``None`` = all.
+    :param prefer: the backend tried first for families not in ``names``
+        (``"flashinfer"`` for the kernel warm-up, whose JIT cache it fills);
+        ``None`` = ``auto``.
+    :param device: the device the backends will run on; see :func:`runs_on`
+        (``None`` skips the device check and ranks by priority alone).
+    :param registry: the registry to choose from (the process-wide one if ``None``).
+    :return: ``{family: backend object}``, in the order of the family list.
+    :raises ConfigError: ``names`` or ``families`` names an unknown op family.
+    :raises UnknownBackendError: a named backend is not installed.
+    :raises BackendUnavailableError: a named backend cannot run or load here.
+    """
+    registry = _registry(registry)
+    wanted = list(FAMILIES if families is None else families)
+    for family in [*names, *wanted]:
+        if family not in FAMILIES:
+            raise ConfigError(
+                f"unknown op family {family!r}; the families are: {', '.join(FAMILIES)}"
+            )
+    device_class = device_class_of(device)
+    backends: dict[str, Backend] = {}
+    for family in FAMILIES:
+        if family not in wanted:
+            continue
+        name = names.get(family)
+        if name is None:
+            name = "auto"
+            if prefer is not None:
+                try:
+                    if registry.get(family, prefer).availability()[0]:
+                        name = prefer
+                except BackplaneError:  # not installed: auto decides
+                    pass
+        try:
+            spec = select_backend(
+                family, name, registry=registry, device=device, device_class=device_class
+            )
+            backends[family] = load_backend(
+                spec, registry=registry, device=device, device_class=device_class
+            )
+        except BackplaneError as exc:
+            if family in names:
+                raise
+            logger.info("no %s backend: %s", family, exc)
+    return backends
+
+
+def select_fused_ops(choice: str, device: torch.device | str) -> str:
+    """Decide who runs the models' fused elementwise work on ``device``.
+
+    :param choice: the ``fused_ops`` setting: ``"auto"`` (the Triton kernels on
+        a CUDA device where they import, else torch ops), ``"torch"`` or ``"triton"``.
+    :param device: the device of the model's tensors.
+    :return: ``"torch"`` or ``"triton"``, for
+        :meth:`~backplane.models.base.CausalLM.set_fused_ops` (the kernels are
+        imported for the latter).
+    :raises ConfigError: for ``"triton"`` where the kernels cannot run (no CUDA
+        device, ``triton`` missing), or an unknown choice.
+    """
+    import torch
+
+    from backplane.models.fused import check_fused_ops, load_kernels, triton_unavailable_reason
+
+    if choice == "torch":
+        return "torch"
+    if choice not in ("auto", "triton"):
+        raise ConfigError(f"fused_ops: expected one of auto, torch, triton, got {choice!r}")
+    dev = torch.device(device)
+    if choice == "triton":
+        check_fused_ops("triton", dev)
+        return "triton"
+    if dev.type != "cuda" or triton_unavailable_reason(dev) is not None:
+        return "torch"
+    try:
+        load_kernels()
+    except ImportError as exc:
+        logger.warning("fused_ops=auto: the Triton kernels do not import (%s); using torch", exc)
+        return "torch"
+    return "triton"
+
+
 class BackendSelection:
     """The backends of one engine: chosen from its configuration, replaced when one cannot run.
 
@@ -434,12 +541,12 @@ class BackendSelection:
             config, families, registry=self.registry
         )
         #: ``{family: backend object}``, updated by :meth:`replace`.
-        self.backends: dict[str, Any] = {
+        self.backends: dict[str, Backend] = {
             family: self._load(spec) for family, spec in self.specs.items()
         }
         self._tried = {family: {spec.name} for family, spec in self.specs.items()}
 
-    def _load(self, spec: BackendSpec) -> Any:
+    def _load(self, spec: BackendSpec) -> Backend:
         return load_backend(
             spec, registry=self.registry, device=self.device, device_class=self.device_class
         )

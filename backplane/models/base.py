@@ -36,7 +36,7 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
-from backplane.models.fused import resolve_fused_ops
+from backplane.models.fused import check_fused_ops
 from backplane.models.linear import Linear, MergedLinear, can_pack, dense, pack_weight
 from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
@@ -185,28 +185,30 @@ class CausalLM(nn.Module):
         self.families = fams
         self.has_recurrent_state = bool(fams & {"ssm", "delta"})
 
-    def set_fused_ops(self, choice: str) -> str:
-        """Choose who runs the fused elementwise work of every layer (norms, activations, rotary).
+    def set_fused_ops(self, impl: str) -> str:
+        """Set who runs the fused elementwise work of every layer (norms, activations, rotary).
 
         Every module with a ``fused_ops`` attribute (the model's own included)
-        gets the resolved choice; call it before any CUDA graph is captured.
-        With Triton, the projections (:class:`~backplane.models.linear.Linear`)
-        also run their one-row products on CUDA with the split-K GEMV where it
-        is faster than cuBLAS.
+        gets ``impl``; call it before any CUDA graph is captured. With Triton,
+        the projections (:class:`~backplane.models.linear.Linear`) also run
+        their one-row products on CUDA with the split-K GEMV where it is faster
+        than cuBLAS.
 
-        :param choice: ``"auto"``, ``"torch"`` or ``"triton"`` (see
-            :func:`~backplane.models.fused.resolve_fused_ops`), for the device
-            the model's parameters are on.
-        :return: the implementation now in use, ``"torch"`` or ``"triton"``.
-        :raises ConfigError: for ``"triton"`` where the Triton kernels cannot run.
+        :param impl: ``"torch"`` or ``"triton"``, as chosen by
+            :func:`backplane.engine.selection.select_fused_ops` (which resolves
+            ``"auto"``) for the device the model's parameters are on.
+        :return: the implementation now in use.
+        :raises ConfigError: for ``"triton"`` where the Triton kernels cannot
+            run, or a value other than the two (see
+            :func:`~backplane.models.fused.check_fused_ops`).
         """
         device = next(self.parameters()).device
-        resolved = resolve_fused_ops(choice, device)
+        check_fused_ops(impl, device)
         for m in self.modules():
             if isinstance(getattr(type(m), "fused_ops", None), str):
-                m.fused_ops = resolved
-        logger.info("fused elementwise ops: %s (fused_ops=%s, device %s)", resolved, choice, device)
-        return resolved
+                m.fused_ops = impl
+        logger.info("fused elementwise ops: %s (device %s)", impl, device)
+        return impl
 
     def pack_weights_for_cpu(self, rows: int) -> int:
         """Pack every projection and the LM head for oneDNN (CPU float32 inference only).

@@ -28,12 +28,13 @@ torch ops above, which are the reference; ``"triton"`` runs one Triton kernel
 the CPU in the Triton interpreter) and of a dtype and shape the kernels take,
 else the torch ops. The layers hold the choice in their ``fused_ops`` attribute;
 :meth:`~backplane.models.base.CausalLM.set_fused_ops` sets it on every layer of
-a model from the engine's ``fused_ops`` setting (:func:`resolve_fused_ops`).
+a model. Which one a model uses is decided with the backends, by
+:func:`backplane.engine.selection.select_fused_ops` from the engine's
+``fused_ops`` setting; :func:`check_fused_ops` checks that it can run.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from types import ModuleType
 
@@ -42,8 +43,6 @@ import torch.nn.functional as F
 
 from backplane.core.errors import ConfigError
 from backplane.models import kernels
-
-logger = logging.getLogger(__name__)
 
 #: the implementations a layer can run its fused work with
 FUSED_OPS: tuple[str, ...] = ("torch", "triton")
@@ -66,24 +65,37 @@ def load_kernels() -> ModuleType:
     return _KERNELS
 
 
-def resolve_fused_ops(choice: str, device: torch.device | str) -> str:
-    """Turn a ``fused_ops`` setting into the implementation the layers use on ``device``.
+def triton_unavailable_reason(device: torch.device | str) -> str | None:
+    """Say why the Triton kernels cannot run on ``device`` without importing them.
 
-    :param choice: ``"auto"`` (Triton on a CUDA device when ``triton`` imports,
-        else torch), ``"torch"`` or ``"triton"``.
     :param device: the device of the model's tensors.
-    :return: ``"torch"`` or ``"triton"`` (the kernels are imported for the latter).
-    :raises ConfigError: for ``"triton"`` where the kernels cannot run (no CUDA
-        device, ``triton`` missing), or an unknown choice.
+    :return: the reason, or ``None`` when they can run there.
     """
+    return kernels.unavailable_reason(torch.device(device))
+
+
+def check_fused_ops(impl: str, device: torch.device | str) -> None:
+    """Make sure the layers can run their fused work with ``impl`` on ``device``.
+
+    Which implementation to use is decided by
+    :func:`backplane.engine.selection.select_fused_ops`; this only checks that
+    the chosen one can run, and imports the Triton kernels for ``"triton"``.
+
+    :param impl: ``"torch"`` or ``"triton"``.
+    :param device: the device of the model's tensors.
+    :raises ConfigError: for ``"triton"`` where the kernels cannot run (no CUDA
+        device, ``triton`` missing or failing to import), or for anything other
+        than the two implementations.
+    """
+    if impl == "torch":
+        return
+    if impl != "triton":
+        raise ConfigError(
+            f"fused_ops: expected one of {', '.join(FUSED_OPS)}, got {impl!r}; an 'auto' "
+            "setting is resolved by backplane.engine.selection.select_fused_ops"
+        )
     dev = torch.device(device)
-    if choice == "torch":
-        return "torch"
-    if choice not in ("auto", "triton"):
-        raise ConfigError(f"fused_ops: expected one of auto, torch, triton, got {choice!r}")
     reason = kernels.unavailable_reason(dev)
-    if choice == "auto" and (dev.type != "cuda" or reason is not None):
-        return "torch"
     if reason is not None:
         raise ConfigError(
             f"fused_ops=triton cannot run on device {str(dev)!r}: {reason}; "
@@ -92,16 +104,10 @@ def resolve_fused_ops(choice: str, device: torch.device | str) -> str:
     try:
         load_kernels()
     except ImportError as exc:
-        if choice == "auto":
-            logger.warning(
-                "fused_ops=auto: the Triton kernels do not import (%s); using torch", exc
-            )
-            return "torch"
         raise ConfigError(
             f"fused_ops=triton: the Triton kernels do not import ({exc}); "
             "set fused_ops to auto or torch"
         ) from exc
-    return "triton"
 
 
 def _triton(fused_ops: str, x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
