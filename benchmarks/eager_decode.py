@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from backplane import LLM, SamplingParams
-from backplane.cli.latency.shapes import shape_config
-from backplane.cli.latency.weights import save_random_weights
+from backplane.cli.bench.latency.shapes import shape_config
+from backplane.cli.bench.latency.weights import save_random_weights
 
 logger = logging.getLogger("eager_decode")
 

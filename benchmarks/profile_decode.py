@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from backplane import LLM, SamplingParams
-from backplane.cli.latency.shapes import SHAPES
+from backplane.cli.bench.latency.shapes import SHAPES
 from backplane.models import presets
 
 logger = logging.getLogger("profile_decode")

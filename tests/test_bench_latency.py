@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from backplane.cli import latency as bench_latency
+from backplane.cli.bench import latency as bench_latency
 from backplane.cli import main
 
 SHAPES = ("tiny-llama", "tiny-nemotron-h")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from backplane.cli.bench_serve import RequestResult, make_requests, summarize
+from backplane.cli.bench.serve import RequestResult, make_requests, summarize
 
 
 def test_request_mix_is_seeded_and_within_ranges():

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from backplane.cli import main
-from backplane.cli.throughput import Model, transformers_batch
-from backplane.cli.workload import (
+from backplane.cli.bench.throughput.model import Model
+from backplane.cli.bench.throughput.reference import transformers_batch
+from backplane.cli.bench.workload import (
     SHAREGPT_INPUT,
     SHAREGPT_OUTPUT,
     RequestResult,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from backplane.cli.latency.shapes import shape_config
+from backplane.cli.bench.latency.shapes import shape_config
 from backplane.core.errors import ConfigError
 
 DEFAULT_SHAPES: tuple[str, ...] = ("llama-1b", "nemotron-h-0.85b")
@@ -30,7 +30,7 @@ PAGE_SIZE = 16
 class Settings:
     """What one benchmark run measures.
 
-    :param shapes: shape names (:data:`~backplane.cli.latency.shapes.SHAPES` or built-in presets).
+    :param shapes: shape names (:data:`~backplane.cli.bench.latency.shapes.SHAPES` or built-in presets).
     :param batch_sizes: batch sizes, ascending.
     :param prompt_len: prompt tokens per sequence.
     :param new_tokens: generated tokens per sequence (at least 2).

@@ -57,24 +57,31 @@ import json
 import logging
 from pathlib import Path
 
-from backplane.cli.latency.floor import floor_bytes, measure_bandwidth
-from backplane.cli.latency.report import (
+from backplane.cli.bench.latency.floor import floor_bytes, measure_bandwidth
+from backplane.cli.bench.latency.report import (
     format_report,
     load_result,
     matplotlib_missing,
     merge_results,
     write_plot,
 )
-from backplane.cli.latency.run import run_benchmark, run_shape
-from backplane.cli.latency.settings import (
+from backplane.cli.bench.latency.run import run_benchmark, run_shape
+from backplane.cli.bench.latency.settings import (
     ATTENTION_BACKENDS,
     DEFAULT_SHAPES,
     GRAPH_MODES,
     TRANSFORMERS_MODES,
     Settings,
 )
-from backplane.cli.latency.shapes import SHAPES, shape_config
-from backplane.cli.latency.weights import WeightsInfo, save_random_weights
+from backplane.cli.bench.latency.shapes import SHAPES, shape_config
+from backplane.cli.bench.latency.weights import WeightsInfo, save_random_weights
+from backplane.cli.bench.options import (
+    add_json_output,
+    csv_list,
+    csv_or_none,
+    family_backend,
+    int_list,
+)
 from backplane.core.errors import BackplaneError
 
 __all__ = [
@@ -100,34 +107,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _csv(value: str) -> list[str]:
-    """Parse ``a, b,,c`` as ``["a", "b", "c"]``."""
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _ints(value: str) -> list[int]:
-    """Parse ``1,8`` as ``[1, 8]``; anything else is a usage error naming the flag's form."""
-    try:
-        return [int(v) for v in _csv(value)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers such as 1,8, got {value!r}"
-        ) from None
-
-
-def _modes(value: str) -> list[str]:
-    """Parse a comma-separated list, where ``none`` is the empty one."""
-    return [] if value.strip().lower() == "none" else _csv(value)
-
-
-def _family_backend(value: str) -> tuple[str, str]:
-    """Parse ``ssm=triton`` as ``("ssm", "triton")``."""
-    family, sep, name = value.partition("=")
-    if not sep or not family or not name:
-        raise argparse.ArgumentTypeError(f"expected FAMILY=NAME such as ssm=triton, got {value!r}")
-    return family.strip(), name.strip()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``backplane bench latency`` to ``parser``.
 
@@ -135,14 +114,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument(
         "--shapes",
-        type=_csv,
+        type=csv_list,
         default=list(DEFAULT_SHAPES),
         metavar="NAME,...",
         help=f"model shapes: {', '.join(SHAPES)} or a preset such as tiny-llama "
         f"(default: {','.join(DEFAULT_SHAPES)})",
     )
     parser.add_argument(
-        "--batch-sizes", type=_ints, default=[1, 8], metavar="B,...", help="(default: 1,8)"
+        "--batch-sizes",
+        type=int_list("1,8"),
+        default=[1, 8],
+        metavar="B,...",
+        help="(default: 1,8)",
     )
     parser.add_argument("--prompt-len", type=int, default=512, metavar="N", help="(default: 512)")
     parser.add_argument(
@@ -157,21 +140,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--attention",
-        type=_modes,
+        type=csv_or_none,
         default=list(ATTENTION_BACKENDS),
         metavar="NAME,...",
         help="backplane attention backends to measure, or none (default: torch,triton,flashinfer)",
     )
     parser.add_argument(
         "--cuda-graphs",
-        type=_csv,
+        type=csv_list,
         default=list(GRAPH_MODES),
         metavar="on,off",
         help="backplane with CUDA graphs on (the default mode) and/or off (default: on,off)",
     )
     parser.add_argument(
         "--transformers",
-        type=_modes,
+        type=csv_or_none,
         default=list(TRANSFORMERS_MODES),
         metavar="MODES",
         help="transformers runs: eager, compile (static cache + torch.compile), both "
@@ -179,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend",
-        type=_family_backend,
+        type=family_backend,
         action="append",
         default=[],
         metavar="FAMILY=NAME",
@@ -200,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="keep the saved random-weight HF folders here (default: a temporary folder)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write every figure and the machine here")
+    add_json_output(parser)
     parser.add_argument(
         "--plot", metavar="PATH", help="write a PNG of ms/token against batch size (matplotlib)"
     )

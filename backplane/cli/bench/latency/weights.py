@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backplane.cli.latency.settings import FAMILIES, PAGE_SIZE
+from backplane.cli.bench.latency.settings import FAMILIES, PAGE_SIZE
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""``backplane bench``: benchmarks of the engine's host side.
+"""``backplane bench cpu``: benchmarks of the engine's host side.
 
 ``backplane bench cpu`` measures the CPU cost of the engine's host side, without a model.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -29,32 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from backplane.cli.bench.machine import machine_info
+from backplane.cli.bench.options import add_json_print
+
 BATCHES = (1, 64, 256, 1024)
 PROMPT_LENS = (128, 1024, 4096, 16384)
-
-
-def _machine() -> dict[str, Any]:
-    import os
-
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
 
 
 def _time(fn: Callable[[], Any], *, repeat: int, number: int) -> float:
@@ -105,7 +83,7 @@ class _Seqs:
     """Scheduler + KV manager + input buffers for a synthetic decode workload."""
 
     def __init__(self, batch: int, *, prompt_len: int, page_size: int, device: str) -> None:
-        from backplane.engine.inputs import InputBatch
+        from backplane.engine.worker.inputs import InputBatch
         from backplane.engine.kv_cache.manager import KVCacheManager
         from backplane.engine.request import Request
         from backplane.engine.sampling import SamplingParams
@@ -208,10 +186,12 @@ def run_cpu(
     :param quick: smaller sizes (for tests).
     :return: the results.
     """
+    import torch
+
     batches = (1, 64) if quick else BATCHES
     lens = (128, 1024) if quick else PROMPT_LENS
     result = {
-        "machine": _machine(),
+        "machine": machine_info(torch.device(device)),
         "device": device,
         "decode_step": bench_decode_step(batches, steps=steps, device=device),
         "request_construction": bench_request_construction(lens),
@@ -244,66 +224,22 @@ def run_cpu(
     return result
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench`` sub-command (``cpu``, ``latency``, ``serve`` and ``throughput``)."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="benchmarks (cpu: scheduling + input preparation; latency: decode; serve: a "
-        "server; throughput: offline serving in one process)",
-        description="Benchmarks of the engine: its host side (cpu), decode latency (latency), "
-        "a running server under load (serve) and offline serving throughput (throughput).",
-    )
-    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
-    cpu = sub.add_parser(
-        "cpu",
-        help="CPU time per decode step (schedule + prepare inputs) and Request construction",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_cpu_arguments(cpu)
-    cpu.set_defaults(func=_run_cpu_cli)
-    from backplane.cli import latency
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``backplane bench cpu``.
 
-    latency_parser = sub.add_parser(
-        "latency",
-        help="ms per decode token vs the memory floor and transformers, per batch size",
-        description=latency.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    latency.add_arguments(latency_parser)
-    latency_parser.set_defaults(func=latency.run_cli)
-    from backplane.cli import bench_serve
-
-    serve_parser = sub.add_parser(
-        "serve",
-        help="TTFT / ITL / end-to-end latency and throughput of a running server per request rate",
-        description=bench_serve.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_serve.add_arguments(serve_parser)
-    serve_parser.set_defaults(func=bench_serve.run_cli)
-    from backplane.cli import throughput
-
-    throughput_parser = sub.add_parser(
-        "throughput",
-        help="offline serving throughput in one process: requests at a rate through AsyncLLM, "
-        "transformers on the same batch, decode-only tok/s against the floor",
-        description=throughput.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    throughput.add_arguments(throughput_parser)
-    throughput_parser.set_defaults(func=throughput.run_cli)
-    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
-
-
-def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of the CPU benchmark."""
+    :param parser: the sub-command's parser.
+    """
     parser.add_argument("--device", default="cpu", help="cpu or cuda (adds the pinned copy)")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    add_json_print(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes only")
 
 
-def _run_cpu_cli(args: argparse.Namespace) -> int:
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``backplane bench cpu``: print the report (or its JSON).
+
+    :param args: the parsed flags (:func:`add_arguments`).
+    :return: the exit code (0).
+    """
     run_cpu(device=args.device, steps=args.steps, as_json=args.json, quick=args.quick)
     return 0

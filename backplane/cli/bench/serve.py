@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from backplane.cli.workload import (
+from backplane.cli.bench.options import add_json_print
+from backplane.cli.bench.workload import (
     RequestResult,
     RequestSpec,
     arrival_offsets,
@@ -216,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PREFIX",
         help="write PREFIX.json and PREFIX.png (bench_serve)",
     )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_json_print(parser, "print the results as JSON")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The machine a latency run measured: device, CPU and the versions the figures depend on."""
+"""The machine a benchmark ran on: device, CPU and the versions the figures depend on."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def machine_info(device: Any) -> dict[str, Any]:
 
     :param device: the ``torch.device`` measured.
     :return: GPU name and memory (``None`` on CPU), CPU, versions of python,
-        torch (and its CUDA), triton, flashinfer, transformers and backplane.
+        numpy, torch (and its CUDA), triton, flashinfer, transformers and backplane.
     """
     import torch
 
@@ -52,6 +52,7 @@ def machine_info(device: Any) -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
+        "numpy": _package_version("numpy", "numpy"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": _package_version("triton", "triton"),

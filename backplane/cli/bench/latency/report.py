@@ -76,7 +76,7 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     The machine, settings and bandwidth of the first are kept; each shape keeps
     the batch sizes and lengths it was measured with.
 
-    :param results: results of :func:`~backplane.cli.latency.run.run_benchmark`
+    :param results: results of :func:`~backplane.cli.bench.latency.run.run_benchmark`
         or their JSON, reloaded.
     :return: the merged result.
     """
@@ -96,7 +96,7 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def format_report(result: dict[str, Any]) -> str:
     """Render the result as text: per shape, ms per token and time to first token tables.
 
-    :param result: what :func:`~backplane.cli.latency.run.run_benchmark` returned
+    :param result: what :func:`~backplane.cli.bench.latency.run.run_benchmark` returned
         (or its JSON, reloaded).
     :return: the report (ends with a newline).
     """
@@ -200,7 +200,7 @@ def matplotlib_missing(advice: str) -> BackplaneError:
 def write_plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Plot ms per output token against batch size, one panel per shape, to a PNG.
 
-    :param result: what :func:`~backplane.cli.latency.run.run_benchmark` returned
+    :param result: what :func:`~backplane.cli.bench.latency.run.run_benchmark` returned
         (or its JSON, reloaded).
     :param path: the PNG to write.
     :raises BackplaneError: matplotlib is not installed.
@@ -258,7 +258,7 @@ def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a result written with ``--json``.
 
     :param path: the JSON file.
-    :return: the result, as :func:`~backplane.cli.latency.run.run_benchmark` returned it.
+    :return: the result, as :func:`~backplane.cli.bench.latency.run.run_benchmark` returned it.
     :raises BackplaneError: unreadable, not JSON, or not such a result.
     """
     try:

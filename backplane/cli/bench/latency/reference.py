@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from backplane.cli.latency.measure import (
+from backplane.cli.bench.latency.measure import (
     Generation,
     failed_row,
     free_device_memory,
@@ -25,7 +25,7 @@ from backplane.cli.latency.measure import (
     timed_runs,
     timing_row,
 )
-from backplane.cli.latency.settings import TRANSFORMERS_MODES, Settings
+from backplane.cli.bench.latency.settings import TRANSFORMERS_MODES, Settings
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any
 
-from backplane.cli.latency.weights import WeightsInfo
+from backplane.cli.bench.latency.weights import WeightsInfo
 
 
 def measure_bandwidth(device: Any, *, nbytes: int | None = None, repeats: int = 10) -> dict:

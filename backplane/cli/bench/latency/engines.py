@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from backplane.cli.latency.measure import (
+from backplane.cli.bench.latency.measure import (
     Generation,
     failed_row,
     free_device_memory,
@@ -17,7 +17,7 @@ from backplane.cli.latency.measure import (
     timed_runs,
     timing_row,
 )
-from backplane.cli.latency.settings import PAGE_SIZE, Settings
+from backplane.cli.bench.latency.settings import PAGE_SIZE, Settings
 
 logger = logging.getLogger(__name__)
 

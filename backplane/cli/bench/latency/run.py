@@ -16,10 +16,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from backplane.cli.latency.engines import run_backplane
-from backplane.cli.latency.floor import floor_bytes, measure_bandwidth
-from backplane.cli.latency.machine import machine_info
-from backplane.cli.latency.measure import (
+from backplane.cli.bench.latency.engines import run_backplane
+from backplane.cli.bench.latency.floor import floor_bytes, measure_bandwidth
+from backplane.cli.bench.machine import machine_info
+from backplane.cli.bench.latency.measure import (
     agreement,
     free_device_memory,
     make_prompts,
@@ -27,11 +27,11 @@ from backplane.cli.latency.measure import (
     settle_status,
     skipped,
 )
-from backplane.cli.latency.reference import run_transformers
-from backplane.cli.latency.report import si
-from backplane.cli.latency.settings import Settings, check_settings, resolve_device_dtype
-from backplane.cli.latency.shapes import shape_config
-from backplane.cli.latency.weights import save_random_weights
+from backplane.cli.bench.latency.reference import run_transformers
+from backplane.cli.bench.latency.report import si
+from backplane.cli.bench.latency.settings import Settings, check_settings, resolve_device_dtype
+from backplane.cli.bench.latency.shapes import shape_config
+from backplane.cli.bench.latency.weights import save_random_weights
 from backplane.core.errors import BackendUnavailableError, UnknownBackendError
 
 logger = logging.getLogger(__name__)
