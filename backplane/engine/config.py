@@ -146,6 +146,9 @@ class EngineConfig:
     :param max_num_tokens: most tokens in one step (the chunked-prefill budget);
         at least ``max_num_seqs``, since every running sequence decodes one token.
     :param max_model_len: longest prompt + output; ``None`` = the model's limit.
+    :param max_stop_strings: most stop strings one request may give (more is
+        refused with a clear error).
+    :param max_stop_string_length: most characters of one stop string.
     :param page_size: tokens per KV-cache page.
     :param kv_memory: device memory for the KV cache and recurrent states, bytes
         or a size string (``"256MiB"``); ``None`` = sized automatically (on CUDA
@@ -182,6 +185,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_tokens: int = 2048
     max_model_len: int | None = None
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1024
     page_size: int = 16
     kv_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -525,6 +530,8 @@ _VALIDATORS: dict[str, Any] = {
     "max_num_seqs": lambda v: _int(v, minimum=1),
     "max_num_tokens": lambda v: _int(v, minimum=1),
     "max_model_len": lambda v: _int(v, minimum=1, allow_none=True),
+    "max_stop_strings": lambda v: _int(v, minimum=0),
+    "max_stop_string_length": lambda v: _int(v, minimum=1),
     "page_size": lambda v: _int(v, minimum=1),
     "kv_memory": lambda v: None if v is None or v == "auto" else _positive_size(v),
     "gpu_memory_utilization": lambda v: _fraction(v),
