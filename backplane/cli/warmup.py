@@ -9,7 +9,11 @@ so the compiled kernels land in the on-disk caches
 first request does not pay for them. See ``docs/flashinfer.md``.
 
 The layer shapes come from the model's own modules, built on the ``meta``
-device from its ``config.json`` (or preset): no weights are read.
+device from its ``config.json`` (or preset): no weights are read. The engine
+flags (:mod:`backplane.cli.options`: ``--config``, ``--device``, ``--dtype``,
+``--page-size``, ``--backend``) say what to warm for, and the backends are
+chosen by the engine's selection
+(:func:`backplane.engine.selection.select_backends_for`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from backplane.cli._command import add_command
+from backplane.cli.options import add_engine_arguments, config_from_args
 from backplane.core.hookspecs import FAMILIES
+from backplane.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -321,13 +327,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Run each op of the selected backends once for every layer shape of MODEL on a "
             "small synthetic batch, so JIT-compiled kernels are in the on-disk caches before "
             "the first request. FlashInfer's cache lives under $FLASHINFER_WORKSPACE_BASE "
-            "(default: the home directory)/.cache/flashinfer."
+            "(default: the home directory)/.cache/flashinfer. A family named with --backend "
+            "(or in the --config file) warms that backend; every other family warms FlashInfer "
+            "where it can run, else the backend the engine's auto selection picks. Device, "
+            "dtype and KV page size are the engine's (--device, --dtype, --page-size)."
         ),
         run=run,
         json_help="print the results as JSON",
     )
     parser.add_argument(
-        "model", nargs="?", help="a local model directory (config.json) or a preset name"
+        "model_arg",
+        nargs="?",
+        metavar="model",
+        help="a local model directory (config.json) or a preset name (or --model, or the "
+        "--config file's model)",
     )
     parser.add_argument(
         "--attention",
@@ -363,61 +376,58 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=FAMILIES,
         help="warm only these families (repeatable)",
     )
-    parser.add_argument(
-        "--backend",
-        action="append",
-        default=[],
-        metavar="FAMILY=NAME",
-        help="backend per family (repeatable; default: flashinfer where available, else auto)",
-    )
-    parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: bfloat16)")
-    parser.add_argument("--device", default="cuda", help="device (default: cuda)")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size (default: 16)")
+    add_engine_arguments(parser)
 
 
-def _select_backends(choices: list[str]) -> dict[str, Any]:
-    from backplane.core.errors import ConfigError
-    from backplane.core.registry import get_registry
-    from backplane.engine.selection import load_backend, select_backend
+def _warmup_config(args: argparse.Namespace) -> tuple[EngineConfig, str | None]:
+    """The engine configuration of the warm-up and the model to take shapes from.
 
-    registry = get_registry()
-    names: dict[str, str] = {}
-    for item in choices:
-        family, sep, name = item.partition("=")
-        if not sep or family not in FAMILIES:
-            raise ConfigError(
-                f"--backend expects FAMILY=NAME with FAMILY in {', '.join(FAMILIES)}; got {item!r}"
-            )
-        names[family] = name
-    backends: dict[str, Any] = {}
-    for family in FAMILIES:
-        name = names.get(family)
-        if name is None:
-            try:
-                spec = registry.get(family, "flashinfer")
-                name = "flashinfer" if spec.availability()[0] else "auto"
-            except Exception:
-                name = "auto"
-        try:
-            backends[family] = load_backend(
-                select_backend(family, name, registry=registry), registry=registry
-            )
-        except Exception as exc:
-            if family in names:
-                raise
-            logger.info("no %s backend for warmup: %s", family, exc)
-    return backends
+    :param args: the parsed flags.
+    :return: the configuration (``--config`` and the engine flags) and the model:
+        the positional one, else ``--model`` or the file's ``model``, else ``None``
+        (only the shapes given by flags are warmed).
+    """
+    config = config_from_args(args)
+    if args.model_arg:
+        return config.merge(model=args.model_arg), args.model_arg
+    if config.origin("model").kind != "default":
+        return config, config.model
+    return config, None
+
+
+def _select_backends(config: EngineConfig) -> dict[str, Any]:
+    """Load the backend of each family the way the engine's selection does.
+
+    A family named in the configuration gets that backend (an error if it cannot
+    run); every other family gets FlashInfer where it is installed and can run,
+    since its JIT cache is what the warm-up fills, else ``auto``'s choice, and
+    is left out when nothing can run here.
+
+    :param config: the warm-up's engine configuration.
+    :return: ``{family: backend object}``.
+    """
+    from backplane.engine.selection import select_backends_for
+
+    named = {
+        family: name
+        for family, name in config.backends.items()
+        if config.origin(f"backends.{family}").kind != "default"
+    }
+    return select_backends_for(named, prefer="flashinfer", device=config.device_type)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Warm the kernels; return 0 when every shape ran, 1 otherwise."""
-    import torch
+    """Warm the kernels of the backends the engine's selection chooses.
 
-    dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
-    backends = _select_backends(args.backend)
+    :param args: the parsed flags (:func:`add_parser`).
+    :return: 0 when every shape ran, 1 otherwise.
+    :raises ConfigError: nothing to warm, or a bad engine flag or ``--config`` key.
+    """
+    config, model = _warmup_config(args)
+    backends = _select_backends(config)
     specs = explicit_specs(args)
-    if args.model:
-        found, _ = _model_specs(args.model, backends)
+    if model:
+        found, _ = _model_specs(model, backends)
         for kind, shapes in found.items():
             specs[kind].extend(s for s in shapes if s not in specs[kind])
     if not any(specs.values()):
@@ -427,9 +437,9 @@ def run(args: argparse.Namespace) -> int:
     results = warmup(
         specs,
         backends,
-        dtype=dtype,
-        device=torch.device(args.device),
-        page_size=args.page_size,
+        dtype=config.torch_dtype,
+        device=config.torch_device,
+        page_size=config.page_size,
         families=args.family,
     )
     if args.json:
