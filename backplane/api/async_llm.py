@@ -24,6 +24,13 @@ stream of the request it belongs to. Coroutines of any event loop submit with
 an asyncio task drives the engine because a step is blocking work: on an
 event loop it would stall every connection for the length of a step.
 
+Tokenizing and chat templating run on a small thread pool, not on the
+caller's event loop (the ``tokenizers`` library lets go of the GIL while it
+encodes), and detokenizing runs on the engine loop: no request stalls the
+other connections of a server. A text prompt with more characters than any
+prompt that fits the model length could have is refused before it is
+tokenized (:attr:`AsyncLLM.max_prompt_chars`).
+
 Closing or cancelling a stream aborts its request: the abort is queued ahead
 of anything else and the engine loop runs it before its next step, freeing the
 request's KV pages and state slot (at most one step after the call).
@@ -34,18 +41,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from backplane.api.llm import LLM, Conversation, Prompt
 from backplane.api.outputs import RequestOutput
-from backplane.core.errors import BackplaneError, RequestError
+from backplane.core.errors import BackplaneError, InvalidFieldError, RequestError
 from backplane.engine.sampling import SamplingParams
+from backplane.models.tokenizer_bounds import char_bound
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +110,18 @@ class EngineSnapshot:
 
 #: Failed engine steps in a row after which the loop gives up (the engine keeps failing).
 _MAX_FAILED_STEPS = 50
+
+#: Most tokenizer threads: enough that one long prompt does not queue the short ones
+#: behind it, few enough not to take the cores the engine steps on.
+_MAX_TOKENIZER_THREADS = 4
+
+
+def _usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
 
 
 class _AsyncSink:
@@ -250,6 +272,11 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._snapshot = EngineSnapshot()
         self._snapshot = self._take_snapshot()
+        self._char_bound = char_bound(self.llm.tokenizer) if self.llm.tokenizer else None
+        self._tokenizer_pool = ThreadPoolExecutor(
+            max_workers=max(1, min(_MAX_TOKENIZER_THREADS, _usable_cpus())),
+            thread_name_prefix="backplane-tokenize",
+        )
         self._thread = threading.Thread(target=self._loop, name="backplane-engine", daemon=True)
         self._thread.start()
 
@@ -269,6 +296,19 @@ class AsyncLLM:
         """Longest prompt + output."""
         return int(self.llm.engine.max_model_len)
 
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt that fits :attr:`max_model_len` can have.
+
+        ``max_model_len`` times the most characters one token of the tokenizer
+        covers (its longest vocabulary entry); longer prompts are refused
+        without tokenizing them. ``None`` when the tokenizer has no such bound
+        (it can drop text or fold any run of it into one token) or there is none.
+        """
+        if self._char_bound is None:
+            return None
+        return self._char_bound.max_chars(self.max_model_len)
+
     def default_sampling_params(self, **fields: Any) -> SamplingParams:
         """See :meth:`LLM.default_sampling_params`."""
         return self.llm.default_sampling_params(**fields)
@@ -279,8 +319,48 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """See :meth:`LLM.render_chat` (runs on the caller's thread)."""
-        return self.llm.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+        """See :meth:`LLM.render_chat` (runs on the caller's thread).
+
+        A rendered conversation over :attr:`max_prompt_chars` is refused before
+        it is tokenized.
+
+        :raises InvalidFieldError: the rendered conversation cannot fit the model length.
+        """
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer, so it cannot render a chat")
+        text = tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+        self._check_prompt_chars(text, "the rendered conversation", "messages")
+        # the template writes the special tokens itself
+        return text, self._encode(text, add_special_tokens=False)
+
+    async def render_chat_async(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """:meth:`render_chat` on the tokenizer threads, leaving the event loop free.
+
+        :param conversation: ``[{"role": ..., "content": ...}, ...]``.
+        :param add_generation_prompt: end with an open assistant turn.
+        :param chat_template_kwargs: further template variables.
+        :return: the prompt text and its token ids.
+        :raises RequestError: as :meth:`render_chat`.
+        """
+        self._check_running()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_pool,
+            self.render_chat,
+            conversation,
+            add_generation_prompt,
+            chat_template_kwargs,
+        )
 
     def chat_params(self, sampling_params: SamplingParams) -> SamplingParams:
         """See :meth:`LLM.chat_params`."""
@@ -302,10 +382,65 @@ class AsyncLLM:
 
     # -- submitting ---------------------------------------------------------------------------
 
-    def _tokenize(self, prompt: Prompt) -> tuple[Any, str | None]:
+    def _check_prompt_chars(self, text: str, what: str = "prompt", field: str = "prompt") -> None:
+        """Refuse ``text`` when it has more characters than a prompt that fits can have."""
+        bound = self._char_bound
+        if bound is None:
+            return
+        limit = bound.max_chars(self.max_model_len)
+        # the length is free; counting the characters the tokenizer drops is not
+        if len(text) <= limit:
+            return
+        n = bound.counted(text)
+        if n > limit:
+            raise InvalidFieldError(
+                f"{what} ({n} characters) exceeds what the model length max_model_len="
+                f"{self.max_model_len} can hold: at most {limit} characters (a token of this "
+                f"model's tokenizer covers at most {bound.chars_per_token}); "
+                "shorten the prompt",
+                field=field,
+            )
+
+    def _encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text`` on the calling thread, letting other threads run meanwhile."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            return self.llm.encode(text)  # raises the no-tokenizer error
+        backend = getattr(tokenizer, "backend", None)
+        try:
+            if backend is not None and hasattr(backend, "encode_batch"):
+                # ``encode_batch`` lets go of the GIL while it runs (``encode`` does not)
+                enc = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+                return list(enc.ids)
+            enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return list(getattr(enc, "ids", enc))
+        except (TypeError, ValueError) as exc:
+            # e.g. a lone surrogate ("\ud800"), which no tokenizer can encode
+            raise InvalidFieldError(
+                f"the prompt cannot be tokenized ({type(exc).__name__}: {exc}); "
+                "send valid Unicode text (no lone surrogates)",
+                field="prompt",
+            ) from None
+
+    def _tokenize_sync(self, prompt: Prompt) -> tuple[Any, str | None]:
         if isinstance(prompt, str):
-            return self.llm.encode(prompt), prompt
+            self._check_prompt_chars(prompt)
+            return self._encode(prompt), prompt
         return prompt, None
+
+    async def _tokenize(self, prompt: Prompt) -> tuple[Any, str | None]:
+        if not isinstance(prompt, str):
+            return prompt, None
+        self._check_running()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self._tokenize_sync, prompt)
+
+    def _check_running(self) -> None:
+        """Refuse work once the loop stopped or is stopping (its tokenizer threads are gone)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop is not running: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine loop is not running: the engine was shut down")
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is not None:
@@ -339,7 +474,7 @@ class AsyncLLM:
         :raises EngineOverloadedError: too many requests are waiting.
         :raises EngineDeadError: the engine loop is not running.
         """
-        ids, text = self._tokenize(prompt)
+        ids, text = await self._tokenize(prompt)
         rid = self._new_id(request_id)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
@@ -399,7 +534,9 @@ class AsyncLLM:
         :return: the request's :class:`AsyncRequestStream`.
         :raises RequestError: no template, malformed messages, or an invalid request.
         """
-        text, ids = self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+        text, ids = await self.render_chat_async(
+            conversation, add_generation_prompt, chat_template_kwargs
+        )
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         params = self.chat_params(sampling_params)
@@ -420,7 +557,7 @@ class AsyncLLM:
         :raises EngineOverloadedError: too many requests are waiting.
         :raises EngineDeadError: the engine loop is not running.
         """
-        ids, text = self._tokenize(prompt)
+        ids, text = self._tokenize_sync(prompt)
         rid = self._new_id(request_id)
         sink = _ThreadSink()
         accepted = threading.Event()
@@ -494,6 +631,7 @@ class AsyncLLM:
         """
         self._stopping = True
         self._wake.set()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

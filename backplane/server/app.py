@@ -9,6 +9,10 @@ a bad request is a 400 that says what was wrong (never a 500), a missing or
 wrong API key 401, an unknown model 404, a body over the size limit 413, a full
 waiting queue or a stopped engine 503. A request whose client disconnects is
 aborted, which frees its KV pages.
+
+No request blocks the event loop: prompts are tokenized and chats rendered on
+the engine's tokenizer threads, and detokenized on its engine loop; a text
+prompt too long in characters to fit the model is refused before tokenizing.
 """
 
 from __future__ import annotations
@@ -298,7 +302,8 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
         messages = chat_messages(body.messages)
-        text, ids = engine.render_chat(
+        # templating and tokenizing run on the engine's tokenizer threads, off this event loop
+        text, ids = await engine.render_chat_async(
             messages, body.add_generation_prompt, body.chat_template_kwargs
         )
         base = engine.default_sampling_params()
