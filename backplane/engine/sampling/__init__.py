@@ -1,0 +1,74 @@
+"""Sampling: the parameters of a request and their one validation table, the batched
+sampler, logits processing (penalties, ``min_tokens``) and logprobs.
+
+Modules, bottom to top: :mod:`.params` (:class:`SamplingParams`,
+:data:`FIELD_RULES`, :func:`check_field`, :func:`check_for_model`),
+:mod:`.rows` (what one step samples), :mod:`.logprobs`, :mod:`.processing`
+and :mod:`.sampler` (:class:`Sampler`, the counter-based noise, the filters).
+Every name is re-exported here.
+"""
+
+from backplane.engine.sampling.logprobs import (
+    Logprob,
+    LogprobsTensors,
+    compute_logprobs,
+    logprob_dicts,
+)
+from backplane.engine.sampling.params import (
+    FIELD_RULES,
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    MAX_LOGPROBS,
+    MAX_N,
+    MIN_TEMPERATURE,
+    SamplingParams,
+    as_params_list,
+    check_field,
+    check_for_model,
+    seed_as_int64,
+)
+from backplane.engine.sampling.processing import apply_processing, host_to_device
+from backplane.engine.sampling.rows import (
+    LogitsProcessing,
+    PromptLogprobRows,
+    SamplingRows,
+    TokenPairs,
+)
+from backplane.engine.sampling.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingTensors,
+    apply_filters,
+    exponential_noise,
+    param_arrays,
+)
+
+__all__ = [
+    "FIELD_RULES",
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "MIN_TEMPERATURE",
+    "Logprob",
+    "LogitsProcessing",
+    "LogprobsTensors",
+    "PromptLogprobRows",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "SamplingRows",
+    "SamplingTensors",
+    "TokenPairs",
+    "apply_filters",
+    "apply_processing",
+    "as_params_list",
+    "check_field",
+    "check_for_model",
+    "compute_logprobs",
+    "exponential_noise",
+    "host_to_device",
+    "logprob_dicts",
+    "param_arrays",
+    "seed_as_int64",
+]
