@@ -112,7 +112,7 @@ class BackendSpec:
 
     family: str
     name: str
-    load: str | Callable[[], Any]
+    load: str | Callable[[], object]
     is_available: Callable[[], tuple[bool, str]] = _always_available
     priority: int = 0
     capabilities: frozenset[str] = field(default_factory=frozenset)
@@ -148,11 +148,14 @@ class BackendSpec:
             return False, f"availability check raised {type(exc).__name__}: {exc}"
         return bool(ok), str(reason or "")
 
-    def resolve(self) -> Any:
+    def resolve(self) -> object:
         """Import (or call) ``load`` and return the backend object.
 
-        :return: an instance of the family's backend class.
+        :return: what ``load`` made, meant to be an instance of the family's
+            backend class; :func:`backplane.engine.selection.load_backend`
+            checks that it is before anyone uses it.
         """
+        # Any: a chain of getattr over an imported module, whose type is only known at the end
         target: Any
         if isinstance(self.load, str):
             module_name, _, attr = self.load.partition(":")

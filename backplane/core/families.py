@@ -35,7 +35,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeAlias
 
 import torch
 
@@ -43,6 +43,11 @@ from backplane.core import layouts
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec
 from backplane.core.metadata import BatchMetadata, StepMode
+
+#: What a backend's :meth:`Backend.plan` returns for one step: the backend's own
+#: object (a FlashInfer wrapper, index tensors, ``None``), handed back only to the
+#: backend that made it, so nothing between the two may assume a type for it.
+BackendPlan: TypeAlias = Any
 
 # -- per-layer constants ------------------------------------------------------
 
@@ -165,7 +170,7 @@ class Backend(ABC):
             "fallback backend"
         )
 
-    def plan(self, batch: BatchMetadata) -> Any:
+    def plan(self, batch: BatchMetadata) -> BackendPlan:
         """Prepare host-side state for one step, for all layers.
 
         Called once per step, outside any CUDA graph, before the model runs
@@ -175,7 +180,8 @@ class Backend(ABC):
         they were captured with), or piecewise (the ops run eagerly).
 
         :param batch: the step's metadata.
-        :return: anything; ops get it back from ``get_forward_context().plan(family)``.
+        :return: the backend's own object (:data:`BackendPlan`); its ops get it back
+            from ``get_forward_context().plan(family)``.
         """
         return None
 
@@ -194,7 +200,7 @@ class Backend(ABC):
         """
         return None
 
-    def dynamic_ops(self) -> tuple[Any, ...]:
+    def dynamic_ops(self) -> tuple[torch._ops.OpOverload, ...]:
         """Return the custom-op overloads this backend's forward calls.
 
         The piecewise graph runner splits the model at exactly these ops.
@@ -207,6 +213,7 @@ class AttentionBackend(Backend):
 
     family: ClassVar[str] = "attention"
 
+    # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod
     def output_shape(q: torch.Tensor, *args: Any, **kwargs: Any) -> OutputShape:
         """Return the ``(shape, dtype)`` of :meth:`forward`'s op: that of ``q``.
@@ -254,6 +261,7 @@ class MLABackend(Backend):
 
     family: ClassVar[str] = "mla"
 
+    # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod
     def output_shape(
         q_nope: torch.Tensor,
@@ -320,6 +328,7 @@ class SSMBackend(Backend):
 
     family: ClassVar[str] = "ssm"
 
+    # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod
     def conv_output_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> OutputShape:
         """Return the ``(shape, dtype)`` of :meth:`conv`'s op: that of ``x``.
@@ -328,6 +337,7 @@ class SSMBackend(Backend):
         """
         return _rows_like(x)
 
+    # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod
     def scan_output_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> OutputShape:
         """Return the ``(shape, dtype)`` of :meth:`scan`'s op: that of ``x``.
@@ -413,6 +423,7 @@ class DeltaBackend(Backend):
 
     family: ClassVar[str] = "delta"
 
+    # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod
     def output_shape(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any

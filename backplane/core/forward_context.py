@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from backplane.core.families import Backend, BackendPlan
 from backplane.core.metadata import BatchMetadata
 
 _local = threading.local()
@@ -30,9 +30,9 @@ class ForwardContext:
     """
 
     batch: BatchMetadata
-    plans: dict[str, Any] = field(default_factory=dict)
+    plans: dict[str, BackendPlan] = field(default_factory=dict)
 
-    def plan(self, family: str) -> Any:
+    def plan(self, family: str) -> BackendPlan:
         """Return the plan the ``family`` backend made for this step (or ``None``)."""
         return self.plans.get(family)
 
@@ -57,7 +57,7 @@ def has_forward_context() -> bool:
 
 @contextlib.contextmanager
 def forward_context(
-    batch: BatchMetadata, plans: dict[str, Any] | None = None
+    batch: BatchMetadata, plans: Mapping[str, BackendPlan] | None = None
 ) -> Iterator[ForwardContext]:
     """Make ``batch`` (and the backends' plans) visible to cached ops.
 
@@ -73,7 +73,7 @@ def forward_context(
         _local.ctx = prev
 
 
-def plan_step(backends: dict[str, Any], batch: BatchMetadata) -> dict[str, Any]:
+def plan_step(backends: Mapping[str, Backend], batch: BatchMetadata) -> dict[str, BackendPlan]:
     """Call ``plan(batch)`` once on each selected backend.
 
     :param backends: ``{family: backend object}``.

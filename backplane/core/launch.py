@@ -29,6 +29,9 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Hashable, Sequence
+
+# Any throughout: the Triton kernels, their compiled forms and their arguments come from a
+# library core never imports, so their types cannot be named here.
 from typing import Any
 
 __all__ = [

@@ -60,6 +60,7 @@ class PluginInfo:
     error: str | None = None
     disabled: bool = False
 
+    # Any: a JSON object's values (str, bool, None)
     def as_dict(self) -> dict[str, Any]:
         """Return a JSON-serialisable view for ``backplane plugins --json``."""
         return {
@@ -204,7 +205,7 @@ class BackendRegistry:
         info.hooks = sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
         self._specs = None
 
-    def register(self, plugin: Any, name: str, module: str | None = None) -> PluginInfo:
+    def register(self, plugin: object, name: str, module: str | None = None) -> PluginInfo:
         """Register a plugin object directly (tests, embedding applications).
 
         :param plugin: a module or object with ``@hookimpl`` functions.
@@ -342,6 +343,7 @@ class BackendRegistry:
             f"unknown {family} backend {name!r}{hint}; {self.installed_hint(family)}"
         )
 
+    # Any: JSON rows whose values are strings, numbers, booleans and lists
     def matrix(self, family: str | None = None) -> list[dict[str, Any]]:
         """Return the backend matrix as rows for ``backplane backends``.
 

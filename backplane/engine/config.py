@@ -227,6 +227,7 @@ class EngineConfig:
         """Return the configuration keys, in declaration order."""
         return [f.name for f in dataclasses.fields(cls)]
 
+    # Any: raw values as a YAML file, a dict or the command line give them; validated here
     @classmethod
     def from_dict(
         cls,
@@ -250,6 +251,7 @@ class EngineConfig:
             src = ConfigSource("file", source) if source else _KWARGS
         return (base or cls())._with(dict(data), src)
 
+    # Any: raw values as a YAML file, a dict or the command line give them; validated here
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> EngineConfig:
         """Load a YAML file, then apply keyword ``overrides``.
@@ -287,6 +289,7 @@ class EngineConfig:
         config = cls.from_dict(data, source=path_str)
         return config.merge(**overrides) if overrides else config
 
+    # Any: raw values as a YAML file, a dict or the command line give them; validated here
     def merge(self, **overrides: Any) -> EngineConfig:
         """Return a copy with ``overrides`` applied (validated like keyword arguments).
 
@@ -401,6 +404,7 @@ class EngineConfig:
             _DEFAULT,
         )
 
+    # Any: each key keeps its own type (str, int, float, bool, tuple, dict)
     def to_dict(self) -> dict[str, Any]:
         """Return the configuration as plain data (YAML/JSON-serialisable)."""
         data = {name: getattr(self, name) for name in self.field_names()}

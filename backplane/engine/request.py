@@ -276,17 +276,19 @@ class Request:
         self.stats = RequestStats(
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time
         )
-        # Owned by the KV-cache manager while the request holds pages.
+        # Owned by the KV-cache manager while the request holds pages: its RequestKV (Any: the
+        # kv_cache package imports this module, so naming the type here would close a circle).
         self.kv_state: Any = None
         # Last scheduler step that scheduled this request (owned by the scheduler).
         self.scheduled_step = -1
-        # Free for the layer above (e.g. the executor's per-request state).
+        # Free for the layer above (e.g. the executor's per-request state; Any: its own type).
         self.user_data: Any = None
         # The seed of the request's random draws (set by the engine at admission).
         self.sampling_seed = 0
         # Failed steps this request took part in (each one restarted it from its committed tokens).
         self.num_failed_steps = 0
         # one {token_id: Logprob} per committed output token, when the request asks for them
+        # (Any: Logprob belongs to the sampling package, which builds on this module)
         self.logprobs: list[Any] | None = (
             [] if getattr(sampling_params, "logprobs", None) is not None else None
         )

@@ -25,6 +25,7 @@ _SIZE_UNITS: dict[str, int] = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
+# Any: whatever a config file or flag holds; all but an int or a size string is refused
 def parse_size(value: Any) -> int:
     """Parse a memory size into bytes.
 
