@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_graphs needs CUDA")
-    from backplane.engine.executor import Engine
+    from backplane.engine.engine import Engine
 
     presets.PRESETS["bench-llama-1b"] = LLAMA_1B  # random weights from the preset seed
     backends = dict(kv.split("=", 1) for kv in args.backend)

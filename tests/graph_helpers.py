@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from backplane.engine.graph.runner import GraphModelRunner
+from backplane.engine.worker.graph.mode import GraphMode
+from backplane.engine.worker.graph.runner import GraphModelRunner
 
 
 def graph_runner_for(
@@ -16,16 +17,16 @@ def graph_runner_for(
     *,
     max_num_tokens: int,
     max_num_seqs: int,
-    mode: str = "full_and_piecewise",
+    mode: GraphMode = GraphMode.FULL_AND_PIECEWISE,
     **kwargs: Any,
 ) -> GraphModelRunner:
     """A graph runner over an existing engine's model, backends and input batch (not captured).
 
-    :param engine: the :class:`~backplane.engine.executor.Engine` whose model it runs.
+    :param engine: the :class:`~backplane.engine.engine.Engine` whose model it runs.
     :param max_num_tokens: the runner's token budget.
     :param max_num_seqs: its sequence budget.
-    :param mode: the CUDA-graph mode.
-    :param kwargs: further ``GraphModelRunner`` arguments (buckets, ``allow_cpu``, ``sampler``).
+    :param mode: the CUDA-graph mode (on a CPU engine the graphs are eager stand-ins).
+    :param kwargs: further ``GraphModelRunner`` arguments (buckets, ``sampler``).
     :return: the runner.
     """
     return GraphModelRunner(

@@ -21,7 +21,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from backplane.engine.executor import Engine
+    from backplane.engine.engine import Engine
     from backplane.engine.sched import Scheduler
 
     for cls, registry in ((Scheduler, _schedulers), (Engine, _engines)):

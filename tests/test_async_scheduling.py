@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from backplane.core.hookspecs import FAMILIES
-from backplane.engine.executor import Engine
+from backplane.engine.engine import Engine
 from backplane.engine.sampling import SamplingParams
 
 TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")

@@ -11,7 +11,8 @@ from backplane.core import layouts
 from backplane.core.families import AttentionLayerSpec, MLALayerSpec
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec, cache_footprint
-from backplane.engine.executor import Engine
+from backplane.engine.engine import Engine
+from backplane.engine.worker.device_worker import DeviceWorker
 from backplane.models.base import CausalLM
 
 TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")
@@ -73,14 +74,14 @@ def test_engine_describes_its_caches_once_to_size_and_once_to_allocate(monkeypat
         calls.append(kw["num_pages"])
         return describe(self, **kw)
 
-    load = Engine._load_model
+    load = DeviceWorker._select_and_load
 
     def load_then_count(self):
         result = load(self)  # backend selection may describe caches to check its layers
         monkeypatch.setattr(CausalLM, "cache_specs", counting)
         return result
 
-    monkeypatch.setattr(Engine, "_load_model", load_then_count)
+    monkeypatch.setattr(DeviceWorker, "_select_and_load", load_then_count)
     engine = make_engine("tiny-nemotron-h")
     assert calls == [2, engine.num_pages]
 

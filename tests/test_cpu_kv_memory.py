@@ -10,7 +10,7 @@ import torch
 
 from backplane.core.layouts import TensorSpec, cache_footprint
 from backplane.engine import sizes
-from backplane.engine.executor import Engine
+from backplane.engine.engine import Engine
 from backplane.engine.sizes import cpu_kv_budget
 
 GiB = 1 << 30
@@ -71,7 +71,7 @@ def test_available_memory_reads_the_os() -> None:
 
 def test_engine_sizes_cpu_pool_to_its_limits(caplog: pytest.LogCaptureFixture) -> None:
     """A CPU engine without kv_memory gets exactly max_num_seqs x max_model_len of pages."""
-    with caplog.at_level(logging.INFO, logger="backplane.engine.executor"):
+    with caplog.at_level(logging.INFO, logger="backplane.engine.worker.memory"):
         engine = Engine(
             model="tiny-llama",
             device="cpu",

@@ -16,7 +16,12 @@ import torch
 
 from backplane import LLM, SamplingParams
 from backplane.core.errors import EngineClosedError
-from backplane.engine.memory import SAFETY_MARGIN, DeviceMemory, decode_graph_bytes, kv_budget
+from backplane.engine.worker.memory import (
+    SAFETY_MARGIN,
+    DeviceMemory,
+    decode_graph_bytes,
+    kv_budget,
+)
 
 GiB = 1 << 30
 

@@ -8,9 +8,9 @@ import torch
 
 from backplane.core.errors import OutOfKVMemoryError, RequestError
 from backplane.core.hookspecs import FAMILIES
-from backplane.engine.executor import Engine
-from backplane.engine.runner import EagerModelRunner
+from backplane.engine.engine import Engine
 from backplane.engine.sampling import SamplingParams
+from backplane.engine.worker.runner import EagerModelRunner
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 #: The reference backends: which others are available here (Triton under

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from backplane.core.hookspecs import FAMILIES
-from backplane.engine.executor import Engine
+from backplane.engine.engine import Engine
 from backplane.engine.sampling import SamplingParams
 
 PRESETS = ["tiny-llama", "tiny-nemotron-h", "tiny-deepseek-v3", "tiny-qwen3-next"]

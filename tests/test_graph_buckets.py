@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backplane.engine.graph.buckets import (
+from backplane.engine.worker.graph.buckets import (
     decode_buckets,
     pick_bucket,
     powers_of_two_up_to,

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from backplane.core.contract import cached_op, finish_output, output_buffer
-from backplane.engine.graph.capture import capture
-from backplane.engine.graph.context import GraphPhase
-from backplane.engine.graph.piecewise import DynamicOpSegment, PiecewiseGraphs, StaticSegment
-from backplane.engine.graph.split import split_at_dynamic_ops
+from backplane.engine.worker.graph.capture import capture
+from backplane.engine.worker.graph.context import GraphPhase
+from backplane.engine.worker.graph.piecewise import DynamicOpSegment, PiecewiseGraphs, StaticSegment
+from backplane.engine.worker.graph.split import split_at_dynamic_ops
 
 
 def _rowmix_shape(x, w, out=None):

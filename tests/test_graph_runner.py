@@ -15,11 +15,13 @@ import pytest
 import torch
 from graph_helpers import generate_eager_and_graphed, graph_runner_for
 
+from backplane.core.backend_spec import BackendSpec
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import StepMode
-from backplane.engine.executor import Engine
-from backplane.engine.graph.runner import GraphModelRunner
-from backplane.engine.runner import ModelRunner
+from backplane.engine.engine import Engine
+from backplane.engine.worker.graph.mode import GraphMode, decide_graph_mode
+from backplane.engine.worker.graph.runner import GraphModelRunner
+from backplane.engine.worker.runner import EagerModelRunner, ModelRunner
 
 PAGE = 4
 
@@ -86,7 +88,13 @@ TORCH_BACKENDS = {"attention": "torch", "ssm": "torch", "mla": "torch", "delta":
 
 
 def build_runner(
-    model: str, device: str, *, max_model_len: int, num_kv_pages: int, mode: str, **buckets
+    model: str,
+    device: str,
+    *,
+    max_model_len: int,
+    num_kv_pages: int,
+    mode: GraphMode,
+    **buckets,
 ) -> tuple[Engine, GraphModelRunner]:
     """An eager engine on torch backends and a graph runner over its model (not captured yet)."""
     engine = Engine(
@@ -101,9 +109,7 @@ def build_runner(
         cuda_graphs="off",
         backends=TORCH_BACKENDS,
     )
-    runner = graph_runner_for(
-        engine, mode=mode, max_num_tokens=64, max_num_seqs=8, allow_cpu=device == "cpu", **buckets
-    )
+    runner = graph_runner_for(engine, mode=mode, max_num_tokens=64, max_num_seqs=8, **buckets)
     return engine, runner
 
 
@@ -125,7 +131,7 @@ def setup(request):
         device,
         max_model_len=64,
         num_kv_pages=160,
-        mode="full_and_piecewise",
+        mode=GraphMode.FULL_AND_PIECEWISE,
         token_bucket_sizes=[16, 32],
         decode_bucket_sizes=[2, 4],
     )
@@ -225,32 +231,52 @@ def test_piecewise_inputs_keep_their_addresses(setup):
     assert a.positions.data_ptr() == b.positions.data_ptr()
 
 
-def test_off_mode_and_no_cuda_run_eagerly():
+def _specs(*capabilities: frozenset[str]) -> dict[str, BackendSpec]:
+    return {
+        family: BackendSpec(family=family, name=f"b{i}", load="x:y", capabilities=caps)
+        for i, (family, caps) in enumerate(zip(("attention", "ssm"), capabilities, strict=False))
+    }
+
+
+GRAPH_OK = frozenset({"cuda", "cuda_graph"})
+
+
+def test_graph_mode_is_decided_once_from_config_device_and_backends(caplog):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    ok = _specs(GRAPH_OK, GRAPH_OK)
+    assert decide_graph_mode(None, cuda, ok) is GraphMode.FULL_AND_PIECEWISE
+    assert decide_graph_mode("decode", cuda, ok) is GraphMode.DECODE
+    assert decide_graph_mode("off", cuda, ok) is GraphMode.OFF
+    # graphs need CUDA: a mode asked for on the CPU is dropped, with a warning
+    assert decide_graph_mode(None, cpu, ok) is GraphMode.OFF
+    with caplog.at_level("WARNING"):
+        assert decide_graph_mode("piecewise", cpu, ok) is GraphMode.OFF
+    assert "not CUDA" in caplog.text
+    caplog.clear()
+    # one backend that does not declare cuda_graph turns graphs off, named in one line
+    with caplog.at_level("WARNING"):
+        mode = decide_graph_mode(None, cuda, _specs(GRAPH_OK, frozenset({"cuda"})))
+    assert mode is GraphMode.OFF
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "ssm=b1" in lines[0] and "cuda_graph" in lines[0]
+    with pytest.raises(ValueError, match="always"):
+        decide_graph_mode("always", cuda, ok)
+    assert GraphMode.FULL_AND_PIECEWISE.has_decode and GraphMode.FULL_AND_PIECEWISE.has_piecewise
+    assert not GraphMode.PIECEWISE.has_decode and not GraphMode.DECODE.has_piecewise
+    assert not GraphMode.OFF.captures and GraphMode.OFF == "off"
+
+
+def test_engine_on_cpu_runs_eagerly_whatever_the_graph_setting():
     engine = Engine(
-        model="tiny-llama", device="cpu", max_num_seqs=4, max_num_tokens=32, num_kv_pages=40
-    )
-    runner = GraphModelRunner(
-        engine.model,
-        engine.backends,
-        engine.input_batch,
-        mode="full_and_piecewise",
-        max_num_tokens=32,
+        model="tiny-llama",
+        device="cpu",
         max_num_seqs=4,
-        max_model_len=engine.max_model_len,
-        page_size=engine.page_size,
+        max_num_tokens=32,
+        num_kv_pages=40,
+        cuda_graphs="full_and_piecewise",
     )
-    assert runner.mode == "off" and runner.decode is None and runner.piecewise is None
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        GraphModelRunner(
-            engine.model,
-            engine.backends,
-            engine.input_batch,
-            mode="always",
-            max_num_tokens=32,
-            max_num_seqs=4,
-            max_model_len=64,
-            page_size=16,
-        )
+    assert engine.executor.driver.graph_mode is GraphMode.OFF
+    assert isinstance(engine.runner, EagerModelRunner)
 
 
 @pytest.mark.gpu
@@ -300,7 +326,7 @@ def test_piecewise_graph_inputs_are_only_tensors_of_stable_storage(setup):
 
 def test_every_cached_op_of_the_model_is_split_out(setup):
     # a cached op left inside a captured segment would freeze one step's metadata
-    from backplane.engine.graph.split import node_overload, normalize_ops
+    from backplane.engine.worker.graph.split import node_overload, normalize_ops
 
     engine, runner = setup
     ops = normalize_ops(op for b in engine.backends.values() for op in b.dynamic_ops())
@@ -375,14 +401,13 @@ def test_backends_prepare_each_capture_before_its_plan(monkeypatch):
         engine.model,
         engine.backends,
         engine.input_batch,
-        mode="full_and_piecewise",
+        mode=GraphMode.FULL_AND_PIECEWISE,
         max_num_tokens=16,
         max_num_seqs=2,
         max_model_len=32,
         page_size=PAGE,
         token_bucket_sizes=[8],
         decode_bucket_sizes=[1, 2],
-        allow_cpu=True,
     )
     runner.capture()
     pw16, pw8 = StepMode.piecewise(16), StepMode.piecewise(8)
@@ -407,7 +432,7 @@ def test_token_buckets_longer_than_the_model_are_captured():
         "cpu",
         max_model_len=16,
         num_kv_pages=64,
-        mode="piecewise",
+        mode=GraphMode.PIECEWISE,
         token_bucket_sizes=[8, 32, 64],
     )
     runner.capture()

@@ -14,7 +14,7 @@ import pytest
 from leaks import assert_idle
 
 from backplane.core.hookspecs import FAMILIES
-from backplane.engine.executor import Engine
+from backplane.engine.engine import Engine
 from backplane.engine.request import RequestStatus
 from backplane.engine.sampling import SamplingParams
 

@@ -275,7 +275,7 @@ def test_decode_graph_steps_that_need_more_sample_eagerly(extra, replayed):
     from types import SimpleNamespace
 
     from backplane.core.metadata import StepMode
-    from backplane.engine.graph.runner import GraphModelRunner
+    from backplane.engine.worker.graph.runner import GraphModelRunner
 
     runner = GraphModelRunner.__new__(GraphModelRunner)
     runner.head = _Head()

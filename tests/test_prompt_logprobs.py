@@ -363,7 +363,6 @@ def test_graph_runner_paths_give_the_same_prompt_logprobs(tiny):
             max_num_seqs=4,
             token_bucket_sizes=[8],
             decode_bucket_sizes=[4],
-            allow_cpu=True,
             sampler=e.sampler,
         )
         e.runner.capture()

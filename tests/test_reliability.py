@@ -19,7 +19,7 @@ import torch
 from backplane.cli import main
 from backplane.core.errors import InvalidFieldError, RequestError
 from backplane.core.hookspecs import FAMILIES
-from backplane.engine.executor import Engine
+from backplane.engine.engine import Engine
 from backplane.engine.sampling import FIELD_RULES, MIN_TEMPERATURE, SamplingParams
 
 TORCH_BACKENDS = dict.fromkeys(FAMILIES, "torch")

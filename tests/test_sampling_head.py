@@ -16,8 +16,8 @@ import torch
 from graph_helpers import generate_eager_and_graphed
 
 from backplane import SamplingParams
-from backplane.engine.graph.sampling_head import KINDS, SamplingHead
 from backplane.engine.sampling import Sampler, SamplingRows
+from backplane.engine.worker.graph.sampling_head import KINDS, SamplingHead
 
 VOCAB = 97
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from backplane.engine.inputs import InputBatch
-from backplane.engine.warmup import KEYS_PER_SPLIT, warmup_steps
+from backplane.engine.worker.inputs import InputBatch
+from backplane.engine.worker.warmup import KEYS_PER_SPLIT, warmup_steps
 
 LIMITS = [
     dict(max_num_tokens=2048, max_num_seqs=32, max_model_len=656, page_size=16),

@@ -17,17 +17,16 @@ A :class:`ModelRunner` does two things per step:
    replays both, captured, for decode-graph steps).
 
 :class:`EagerModelRunner` runs every step eagerly;
-:class:`backplane.engine.graph.runner.GraphModelRunner` captures CUDA graphs.
+:class:`backplane.engine.worker.graph.runner.GraphModelRunner` captures CUDA graphs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from backplane.engine.inputs import BatchInputs, InputBatch, ScheduledSeqLike
 from backplane.engine.sampling import (
     LogprobsTensors,
     Sampler,
@@ -35,6 +34,7 @@ from backplane.engine.sampling import (
     SamplingRows,
     compute_logprobs,
 )
+from backplane.engine.worker.inputs import BatchInputs, InputBatch, ScheduledSeqLike
 
 __all__ = ["EagerModelRunner", "ModelRunner", "sample_eagerly"]
 
@@ -155,7 +155,7 @@ class ModelRunner(Protocol):
         """Capture whatever the runner replays later (once, before the first step)."""
         ...
 
-    def memory_report(self) -> dict[str, Any]:
+    def memory_report(self) -> dict[str, int | dict[int, int]]:
         """Device memory the runner holds beyond the model and caches, in bytes."""
         ...
 
@@ -168,7 +168,7 @@ class EagerModelRunner:
     """Runs every step eagerly: no capture, no padding unless :meth:`padded_num_tokens` asks.
 
     :param model: the loaded ``CausalLM``.
-    :param input_batch: the engine's persistent :class:`~backplane.engine.inputs.InputBatch`.
+    :param input_batch: the engine's persistent :class:`~backplane.engine.worker.inputs.InputBatch`.
     :param sampler: the sampler (default: a new :class:`Sampler`; it is stateless).
     """
 
@@ -228,7 +228,7 @@ class EagerModelRunner:
     def capture(self) -> None:
         """Nothing to capture."""
 
-    def memory_report(self) -> dict[str, Any]:
+    def memory_report(self) -> dict[str, int | dict[int, int]]:
         """No graph memory: ``{"total": 0}``."""
         return {"total": 0}
 

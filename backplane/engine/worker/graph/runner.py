@@ -7,7 +7,7 @@ dispatches on it:
 * decode-only step, batch within a captured decode bucket -> the monolithic
   graph of that bucket (forward and LM head), the batch padded with scratch
   sequences, then the bucket's captured sampling graph
-  (:class:`~backplane.engine.graph.sampling_head.SamplingHead`);
+  (:class:`~backplane.engine.worker.graph.sampling_head.SamplingHead`);
 * prefill or mixed step within a captured token bucket -> piecewise graphs,
   the tokens padded to the bucket;
 * anything else -> eager.
@@ -26,21 +26,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from backplane.core.families import Backend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import NULL_PAGE, StepMode
-from backplane.engine.graph.buckets import decode_buckets, pick_bucket, token_buckets
-from backplane.engine.graph.capture import new_pool, pool_bytes
-from backplane.engine.graph.decode import DecodeGraphs
-from backplane.engine.graph.piecewise import PiecewiseGraphs
-from backplane.engine.graph.sampling_head import SamplingHead
-from backplane.engine.inputs import (
+from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
+from backplane.engine.sizes import pages_per_seq
+from backplane.engine.worker.graph.buckets import decode_buckets, pick_bucket, token_buckets
+from backplane.engine.worker.graph.capture import new_pool, pool_bytes
+from backplane.engine.worker.graph.decode import DecodeGraphs
+from backplane.engine.worker.graph.mode import GraphMode
+from backplane.engine.worker.graph.piecewise import PiecewiseGraphs
+from backplane.engine.worker.graph.sampling_head import SamplingHead
+from backplane.engine.worker.inputs import (
     BatchInputs,
     InputBatch,
     ScheduledSeqLike,
@@ -48,63 +51,54 @@ from backplane.engine.inputs import (
     ScratchSeq,
     scratch_prefill,
 )
-from backplane.engine.runner import sample_eagerly
-from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
+from backplane.engine.worker.runner import sample_eagerly
 
 logger = logging.getLogger(__name__)
 
-MODES = ("off", "decode", "piecewise", "full_and_piecewise")
-
 
 class GraphModelRunner:
-    """Model runner with CUDA graphs (a :class:`~backplane.engine.runner.ModelRunner`).
+    """Model runner with CUDA graphs (a :class:`~backplane.engine.worker.runner.ModelRunner`).
 
     :param model: the loaded ``CausalLM``.
     :param backends: ``{family: backend}`` selected for the model.
-    :param input_batch: the engine's persistent :class:`~backplane.engine.inputs.InputBatch`.
-    :param mode: one of :data:`MODES`.
+    :param input_batch: the worker's persistent :class:`~backplane.engine.worker.inputs.InputBatch`.
+    :param mode: the graphs to capture, as
+        :func:`~backplane.engine.worker.graph.mode.decide_graph_mode` decided them
+        (taken as given). On a CPU device the "graphs" are eager stand-ins, which
+        lets the dispatch, padding and capture logic be tested without CUDA.
     :param max_num_tokens: token budget per step (the largest piecewise bucket).
     :param max_num_seqs: most sequences per step (the largest decode bucket).
     :param max_model_len: longest sequence.
     :param page_size: tokens per KV page.
     :param token_bucket_sizes: configured piecewise buckets (default powers of two).
     :param decode_bucket_sizes: configured decode buckets (default powers of two).
-    :param allow_cpu: keep the graph machinery on a CPU device, where "graphs"
-        are eager stand-ins; lets the dispatch, padding and capture logic be
-        tested without CUDA.
     :param sampler: the sampler (default: a new, stateless :class:`Sampler`).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        backends: dict[str, Any],
+        backends: Mapping[str, Backend],
         input_batch: InputBatch,
         *,
-        mode: str,
+        mode: GraphMode,
         max_num_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
         page_size: int,
         token_bucket_sizes: Sequence[int] | None = None,
         decode_bucket_sizes: Sequence[int] | None = None,
-        allow_cpu: bool = False,
         sampler: Sampler | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"cuda_graphs={mode!r}; expected one of {', '.join(MODES)}")
         self.model = model
         self.backends = backends
         self.input_batch = input_batch
         self.mode = mode
         self.max_model_len = max_model_len
         self.page_size = page_size
-        self.max_pages = -(-max_model_len // page_size)
-        self.cuda = torch.cuda.is_available() and input_batch.device.type == "cuda"
-        if mode != "off" and not self.cuda and not allow_cpu:
-            logger.info("CUDA graphs need a CUDA device; running eagerly")
-            self.mode = mode = "off"
-        self.pool = new_pool() if mode != "off" and self.cuda else None
+        self.max_pages = pages_per_seq(max_model_len, page_size)
+        self.cuda = input_batch.device.type == "cuda"
+        self.pool = new_pool() if mode.captures and self.cuda else None
         self.token_buckets = token_buckets(max_num_tokens, token_bucket_sizes)
         self.decode_buckets = decode_buckets(max_num_seqs, decode_bucket_sizes)
         self.sampler = sampler if sampler is not None else Sampler()
@@ -115,7 +109,7 @@ class GraphModelRunner:
         self._decode_logits: torch.Tensor | None = None
         # read-only padding sequences for decode replays, made once
         self._decode_padding = self._scratch(self.decode_buckets[-1], 1, 1)
-        if mode in ("decode", "full_and_piecewise"):
+        if mode.has_decode:
             self.decode = DecodeGraphs(
                 self._forward_logits, self.decode_buckets, self.pool, cuda=self.cuda
             )
@@ -126,7 +120,7 @@ class GraphModelRunner:
                 self.pool,
                 cuda=self.cuda,
             )
-        if mode in ("piecewise", "full_and_piecewise"):
+        if mode.has_piecewise:
             ops = [op for b in backends.values() for op in b.dynamic_ops()]
             self.piecewise = PiecewiseGraphs(
                 self._forward, ops, self.token_buckets, self.pool, cuda=self.cuda
@@ -177,7 +171,7 @@ class GraphModelRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every configured graph, with a progress bar (bucket and pool memory)."""
-        if self.mode == "off":
+        if not self.mode.captures:
             return
         total = (len(self.decode_buckets) if self.decode else 0) + (
             len(self.token_buckets) if self.piecewise else 0
@@ -193,7 +187,7 @@ class GraphModelRunner:
             torch.cuda.synchronize()
         logger.info("CUDA graph pool: %.1f MiB", pool_bytes(self.pool) / 2**20)
 
-    def memory_report(self) -> dict[str, Any]:
+    def memory_report(self) -> dict[str, int | dict[int, int]]:
         """Pool growth per bucket and in total, in bytes."""
         return {
             "piecewise": dict(self.piecewise.ctx.pool_bytes) if self.piecewise else {},

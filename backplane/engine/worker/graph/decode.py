@@ -8,7 +8,15 @@ from typing import Any
 
 import torch
 
-from backplane.engine.graph.capture import CapturedGraph, capture, capture_buckets, new_pool
+from backplane.engine.worker.graph.capture import (
+    CapturedGraph,
+    GraphPool,
+    GraphValues,
+    Progress,
+    capture,
+    capture_buckets,
+    new_pool,
+)
 
 
 class DecodeGraphs:
@@ -29,7 +37,7 @@ class DecodeGraphs:
         self,
         forward_fn: Callable[..., Any],
         buckets: list[int],
-        pool: Any = None,
+        pool: GraphPool = None,
         cuda: bool | None = None,
     ) -> None:
         self.forward_fn = forward_fn
@@ -44,7 +52,7 @@ class DecodeGraphs:
         self,
         make_inputs: Callable[[int], AbstractContextManager[tuple[Any, ...]]],
         postprocess_fn: Callable[..., None] | None = None,
-        progress: Any = None,
+        progress: Progress = None,
     ) -> None:
         """Capture every bucket, largest first.
 
@@ -52,7 +60,7 @@ class DecodeGraphs:
             batch in the persistent buffers (and sets its forward context) and
             yields the forward's arguments.
         :param postprocess_fn: restores inputs the forward mutates (see
-            :func:`backplane.engine.graph.capture.capture`).
+            :func:`backplane.engine.worker.graph.capture.capture`).
         :param progress: an optional tqdm-like bar, advanced once per bucket.
         """
 
@@ -76,7 +84,7 @@ class DecodeGraphs:
         """True when ``bucket`` was captured."""
         return bucket in self.graphs
 
-    def replay(self, bucket: int) -> Any:
+    def replay(self, bucket: int) -> GraphValues:
         """Replay the graph of ``bucket`` and return its outputs (valid until the next replay).
 
         :raises KeyError: ``bucket`` was not captured (or its capture failed).

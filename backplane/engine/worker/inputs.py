@@ -8,7 +8,7 @@ sized at startup for the engine's limits (``max_num_tokens``,
    (O(1) Python work per sequence: a handful of attribute reads);
 2. packs every field of the step's layout straight into typed views of the host
    buffer, back to back, with :func:`backplane.core.packing.pack_batch` -- the
-   packer :func:`~backplane.core.metadata.build_batch_metadata` uses too, so the
+   packer :func:`~backplane.core.packing.build_batch_metadata` uses too, so the
    conformance kit tests the layout the engine runs;
 3. issues ONE host-to-device copy of the packed prefix of the buffer;
 4. returns :class:`BatchInputs`: the step's
@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from backplane.core.launch import cdiv
 from backplane.core.metadata import EAGER, NULL_PAGE, NULL_SLOT, BatchMetadata, HostBatch, StepMode
 from backplane.core.packing import measure_batch, pack_batch
 
@@ -158,7 +159,7 @@ class InputBatch:
             s * 8,  # logits_indices
             s * 8,  # pending_src
         ]
-        nbytes = -(-sum(x + _ALIGN for x in sizes) // _ALIGN) * _ALIGN
+        nbytes = cdiv(sum(x + _ALIGN for x in sizes), _ALIGN) * _ALIGN
         host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._dev = (
             host_t
@@ -237,7 +238,7 @@ class InputBatch:
             if name == "block_table":
                 h, d = h.reshape(n, width), d.view(n, width)
             host[name], dev[name] = h, d
-            off += -(-(count * size) // _ALIGN) * _ALIGN
+            off += cdiv(count * size, _ALIGN) * _ALIGN
         layout = _Layout(host, dev, off // 4, off)
         self._layouts[key] = layout
         return layout
@@ -494,7 +495,7 @@ def scratch_seq(new: int, cached: int, page_size: int) -> ScratchSeq:
     :param page_size: tokens per page.
     """
     total = cached + new
-    pages = np.full(-(-total // page_size), NULL_PAGE, dtype=np.int32)
+    pages = np.full(cdiv(total, page_size), NULL_PAGE, dtype=np.int32)
     return ScratchSeq(ScratchRequest(np.zeros(total, dtype=np.int32)), new, cached, pages)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+
+from backplane.engine.worker.graph.capture import GraphPool
 
 
 class GraphPhase(enum.Enum):
@@ -35,7 +36,7 @@ class GraphContext:
     cuda: bool = False
     phase: GraphPhase = GraphPhase.EAGER
     bucket: int | None = None
-    pool: Any = None
+    pool: GraphPool = None
     pool_bytes: dict[int, int] = field(default_factory=dict)
     #: data pointers of tensors produced by segments during the current capture pass
     produced: set[int] = field(default_factory=set)

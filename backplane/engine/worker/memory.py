@@ -15,22 +15,26 @@ measures what else it needs:
 
 The KV cache (with the recurrent states) gets the rest, and never more than
 the device has free at that moment: another engine alive in the process, or
-another process, leaves this one less.
+another process, leaves this one less. On the CPU the pool is sized by
+:func:`~backplane.engine.sizes.cpu_kv_budget`. :func:`num_kv_pages` turns the
+budget into pages. The profiling step itself is a start-up scratch step and
+lives with the others in :mod:`backplane.engine.worker.warmup`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
-from backplane.core.forward_context import forward_context, plan_step
-from backplane.engine.inputs import InputBatch, scratch_prefill
-from backplane.engine.sampling import Sampler, SamplingParams
-from backplane.engine.sizes import format_size
+from backplane.core.errors import OutOfKVMemoryError
+from backplane.core.layouts import CacheFootprint
+from backplane.engine.sizes import cpu_kv_budget, format_size
+from backplane.engine.worker.graph.mode import GraphMode
+
+logger = logging.getLogger(__name__)
 
 #: left free beyond the estimates: allocator fragmentation and small late allocations
 SAFETY_MARGIN = 256 << 20
@@ -160,60 +164,71 @@ def decode_graph_bytes(buckets: Sequence[int], vocab_size: int) -> int:
     return int(sum(buckets)) * int(vocab_size) * 4
 
 
-@torch.inference_mode()
-def profile_step_peak(
-    model: Any,
-    backends: dict[str, Any],
-    input_batch: InputBatch,
-    sampler: Sampler,
-    *,
-    max_num_tokens: int,
-    max_num_seqs: int,
-    max_model_len: int,
-    page_size: int,
-    cache_kw: dict[str, Any],
-    device: torch.device,
+def graph_bytes(
+    mode: GraphMode, *, activations: int, decode_bucket_sizes: Sequence[int], vocab_size: int
 ) -> int:
-    """The activation peak of the largest step, measured by running one.
+    """Memory the CUDA graphs of ``mode`` will take, reserved before the KV cache is sized.
 
-    Binds a two-page cache to the model, runs a prefill of ``max_num_tokens``
-    scratch tokens (all on the scratch page and state slot), then the LM head
-    and a filtered sampling pass over ``max_num_seqs`` rows. The caller binds
-    the real caches afterwards.
-
-    :param model: the loaded ``CausalLM``.
-    :param backends: its backends (planned for the profiling batch).
-    :param input_batch: the engine's input batch.
-    :param sampler: the engine's sampler.
-    :param max_num_tokens: tokens of the profiled step.
-    :param max_num_seqs: sampled rows.
-    :param max_model_len: the longest sequence (the step is split into sequences no longer).
-    :param page_size: tokens per page.
-    :param cache_kw: the arguments of ``model.cache_specs`` but ``num_pages``.
-    :param device: the CUDA device.
-    :return: bytes allocated at the peak beyond what was allocated before.
+    :param mode: the worker's graph mode.
+    :param activations: the profiled activation peak (the piecewise pool holds about one).
+    :param decode_bucket_sizes: the decode batch sizes captured.
+    :param vocab_size: the model's vocabulary.
+    :return: bytes.
     """
-    specs = model.cache_specs(num_pages=2, **cache_kw)
-    caches = {
-        layer: {name: spec.allocate(device) for name, spec in layer_specs.items()}
-        for layer, layer_specs in specs.items()
-    }
-    model.bind_caches(caches)
-    seqs = scratch_prefill(max_num_tokens, max_model_len, page_size)[:max_num_seqs]
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    inputs = input_batch.prepare(seqs)
-    with forward_context(inputs.metadata, plan_step(backends, inputs.metadata)):
-        hidden = model(inputs.input_ids, inputs.positions)
-    rows = hidden[-1:].expand(max_num_seqs, -1)
-    logits = model.compute_logits(rows)
-    del hidden
-    params = [SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01)] * max_num_seqs
-    seeds = np.arange(max_num_seqs, dtype=np.int64)
-    sampler.sample(logits, params, seeds, np.zeros(max_num_seqs, dtype=np.int64))
-    del logits
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del caches
-    return int(max(0, peak))
+    total = activations if mode.has_piecewise else 0
+    if mode.has_decode:
+        total += decode_graph_bytes(decode_bucket_sizes, vocab_size)
+    return total
+
+
+def num_kv_pages(
+    footprint: CacheFootprint,
+    *,
+    num_kv_pages: int | None,
+    kv_memory: int | None,
+    budget: KVBudget | None,
+    page_size: int,
+    max_num_seqs: int,
+    max_pages_per_seq: int,
+) -> int:
+    """Pages (including the scratch page 0) that fit the KV memory.
+
+    :param footprint: per-page and recurrent-state bytes of the model's caches.
+    :param num_kv_pages: the configured page count, taken as is when set.
+    :param kv_memory: the configured KV bytes, when set.
+    :param budget: the profiled CUDA budget (``None`` elsewhere, or when configured).
+    :param page_size: tokens per page.
+    :param max_num_seqs: most sequences at once (sizes the CPU pool).
+    :param max_pages_per_seq: pages of the longest sequence.
+    :return: the page count.
+    :raises OutOfKVMemoryError: fewer than two pages fit.
+    """
+    per_page, state_bytes = footprint.page_bytes, footprint.state_bytes
+    if num_kv_pages is not None:
+        n = int(num_kv_pages)
+    elif per_page == 0:  # no paged layers: pages are bookkeeping only
+        n = max_num_seqs * max_pages_per_seq + 1
+    else:
+        if kv_memory is not None:
+            kv = int(kv_memory)
+        elif budget is not None:
+            kv = budget.kv
+        else:
+            kv, why = cpu_kv_budget(
+                page_bytes=per_page,
+                state_bytes=state_bytes,
+                max_num_seqs=max_num_seqs,
+                max_pages_per_seq=max_pages_per_seq,
+            )
+            logger.info("KV memory on cpu: %s (%s)", format_size(kv), why)
+        n = int((kv - state_bytes) // per_page)
+    if n < 2:
+        how = f" (KV budget {format_size(budget.kv)} = {budget.explain()})" if budget else ""
+        raise OutOfKVMemoryError(
+            f"the KV memory holds {max(n, 0)} page(s) of {page_size} tokens after "
+            f"{state_bytes} bytes of recurrent state; at least 2 are needed (page 0 is "
+            f"scratch), one page takes {per_page} bytes{how}. Raise "
+            f"gpu_memory_utilization, lower max_num_tokens / max_num_seqs, or set "
+            f"kv_memory or num_kv_pages"
+        )
+    return n

@@ -24,13 +24,12 @@ fills step N+1's while step N's copy may still be queued.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
 
-from backplane.engine.graph.capture import CapturedGraph, capture
 from backplane.engine.sampling import Sampler, SamplingRows, SamplingTensors, param_arrays
+from backplane.engine.worker.graph.capture import CapturedGraph, GraphPool, capture
 
 KINDS = ("greedy", "random", "filtered")
 
@@ -63,7 +62,7 @@ class SamplingHead:
         sampler: Sampler,
         max_rows: int,
         device: torch.device,
-        pool: Any = None,
+        pool: GraphPool = None,
         cuda: bool = True,
     ) -> None:
         self.sampler = sampler

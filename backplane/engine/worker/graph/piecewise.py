@@ -28,7 +28,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from backplane.engine.graph.capture import (
+from backplane.engine.worker.graph.capture import (
+    GraphPool,
+    Progress,
     allocate_in,
     capture_buckets,
     new_pool,
@@ -36,8 +38,8 @@ from backplane.engine.graph.capture import (
     weak_ref,
     weak_refs,
 )
-from backplane.engine.graph.context import GraphContext, GraphPhase
-from backplane.engine.graph.split import Segment, node_overload, split_at_dynamic_ops
+from backplane.engine.worker.graph.context import GraphContext, GraphPhase
+from backplane.engine.worker.graph.split import Segment, node_overload, split_at_dynamic_ops
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +316,7 @@ class PiecewiseGraphs:
         forward: Callable[..., Any],
         dynamic_ops: Iterable[Any],
         buckets: list[int],
-        pool: Any = None,
+        pool: GraphPool = None,
         cuda: bool | None = None,
     ) -> None:
         cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -338,7 +340,7 @@ class PiecewiseGraphs:
         self,
         make_inputs: Callable[[int], AbstractContextManager[tuple[Any, ...]]],
         postprocess_fn: Callable[..., None] | None = None,
-        progress: Any = None,
+        progress: Progress = None,
     ) -> None:
         """Warm up and capture every bucket, largest first.
 

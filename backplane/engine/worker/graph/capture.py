@@ -13,8 +13,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+#: The memory pool of one runner's graphs: a ``torch.cuda.MemPool``, or on torch
+#: builds without it the handle ``torch.cuda.graph_pool_handle()`` returns. Any:
+#: that handle's type is private to torch and differs between versions.
+GraphPool = Any
+#: A graph's inputs or outputs: a tensor, or a tuple/list of them nested to any
+#: depth (Any: the nesting follows the captured function's return value).
+GraphValues = Any
+#: A progress bar (``tqdm``) advanced once per captured bucket. Any: any object with
+#: ``update(n)`` and ``set_postfix_str(s)`` will do.
+Progress = Any
 
-def new_pool() -> Any:
+
+def new_pool() -> GraphPool:
     """Return a memory pool shared by every graph and out buffer of one runner.
 
     A ``torch.cuda.MemPool`` when available (so out buffers can be allocated in
@@ -25,13 +36,13 @@ def new_pool() -> Any:
     return torch.cuda.graph_pool_handle()
 
 
-def pool_id(pool: Any) -> Any:
+def pool_id(pool: GraphPool) -> GraphPool:
     """Return what ``torch.cuda.graph(pool=...)`` expects for ``pool``."""
     return pool.id if hasattr(pool, "id") else pool
 
 
 @contextlib.contextmanager
-def allocate_in(pool: Any) -> Iterator[None]:
+def allocate_in(pool: GraphPool) -> Iterator[None]:
     """Allocate tensors created inside the block from ``pool`` (when supported)."""
     if pool is not None and hasattr(torch.cuda, "use_mem_pool") and hasattr(pool, "id"):
         with torch.cuda.use_mem_pool(pool):
@@ -75,7 +86,7 @@ def weak_ref(t: torch.Tensor) -> torch.Tensor:
     return alias.view(t.dtype) if alias.dtype != t.dtype else alias
 
 
-def weak_refs(value: Any) -> Any:
+def weak_refs(value: GraphValues) -> GraphValues:
     """Apply :func:`weak_ref` to every tensor in a (nested) tuple/list."""
     if isinstance(value, torch.Tensor):
         return weak_ref(value)
@@ -107,10 +118,11 @@ def _copy_into(dst: Any, src: Any) -> None:
 class CapturedGraph:
     """A captured graph and the outputs it writes on every replay."""
 
-    graph: Any
-    outputs: Any
+    # a torch.cuda.CUDAGraph, or its eager stand-in without CUDA
+    graph: torch.cuda.CUDAGraph | _EagerGraph
+    outputs: GraphValues
 
-    def replay(self) -> Any:
+    def replay(self) -> GraphValues:
         """Replay the graph and return its (stable-address) outputs."""
         self.graph.replay()
         return self.outputs
@@ -121,7 +133,7 @@ def capture(
     postprocess_fn: Callable[..., None] | None,
     inputs: tuple[Any, ...],
     *,
-    pool: Any = None,
+    pool: GraphPool = None,
     num_warmup: int = 2,
     stream: Any = None,
     cuda: bool | None = None,
@@ -185,7 +197,7 @@ def capture_stream(device: int) -> Any:
     return torch.cuda.Stream(device=device)
 
 
-def pool_bytes(pool: Any) -> int:
+def pool_bytes(pool: GraphPool) -> int:
     """Bytes currently reserved by ``pool`` (0 when it cannot be measured)."""
     if pool is None or not torch.cuda.is_available():
         return 0
@@ -201,11 +213,11 @@ def capture_buckets(
     buckets: Iterable[int],
     capture_one: Callable[[int], None],
     *,
-    pool: Any,
+    pool: GraphPool,
     label: str,
     failed: dict[int, str],
     grown: dict[int, int],
-    progress: Any = None,
+    progress: Progress = None,
 ) -> None:
     """Capture every bucket, largest first, keeping going past a failed one.
 
