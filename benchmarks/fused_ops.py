@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from backplane.kernels import unavailable_reason
 from backplane.models import fused
-from backplane.models.kernels import unavailable_reason
 
 logger = logging.getLogger("fused_ops")
 

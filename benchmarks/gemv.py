@@ -8,7 +8,7 @@ Two Triton kernels:
   in float32. On an H200 it beat cuBLAS only for the 2048x2048 projection at
   one row (see docs/benchmarks/latency.md);
 * at one row, the package's split-K kernel
-  (:mod:`backplane.models.kernels.gemv`), with the launch its ``plan`` picks
+  (:mod:`backplane.kernels.gemv`), with the launch its ``plan`` picks
   and over a grid of tiles and split counts (the figures ``plan`` is drawn
   from).
 
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from backplane.models.kernels.gemv import gemv as splitk_gemv
-from backplane.models.kernels.gemv import plan as splitk_plan
+from backplane.kernels.gemv import gemv as splitk_gemv
+from backplane.kernels.gemv import plan as splitk_plan
 
 logger = logging.getLogger("gemv")
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from backplane.core import launch
-from backplane.models.kernels import gemv as G
+from backplane.kernels import gemv as G
 
 logger = logging.getLogger("launch_overhead")
 

@@ -1,6 +1,6 @@
 """The Triton kernels of the fused model functions against the torch functions and float64.
 
-Every kernel of :mod:`backplane.models.kernels.elementwise` is checked on every
+Every kernel of :mod:`backplane.kernels.elementwise` is checked on every
 element, in float32 and bfloat16, over several token counts (0 included),
 widths (powers of two and not) and strided inputs, with output buffers
 poisoned with NaN beforehand:
@@ -139,7 +139,7 @@ if __name__ != "__main__":
         if _interpreting():
             pytest.skip("TRITON_INTERPRET is set: the Triton kernels run on the CPU")
         from backplane.engine.config import EngineConfig
-        from backplane.engine.executor import Engine
+        from backplane.engine.engine import Engine
 
         cfg = EngineConfig(model="tiny-llama", device="cpu", max_num_seqs=2, max_num_tokens=16)
         with pytest.raises(ConfigError, match="fused_ops=triton cannot run"):
@@ -647,7 +647,7 @@ def check_gemv(device: torch.device) -> None:
     with and without bias, from a strided row; repeated calls are bit-identical (the arrival
     counters reset); on CUDA, CUDA-graph replays match eager calls and ``Linear`` routes
     one-row inputs through the kernel only where :func:`plan` chooses it."""
-    from backplane.models.kernels import load_gemv
+    from backplane.kernels import load_gemv
 
     gemv = load_gemv()
     if _small(device):
@@ -723,7 +723,7 @@ def check_gemv(device: torch.device) -> None:
             p.copy_(_randn(*p.shape, dtype=p.dtype, device=device, seed=p.numel(), scale=0.02))
     gated.fused_ops = gated.gate_up_proj.fused_ops = gated.down_proj.fused_ops = "triton"
     with torch.inference_mode():
-        from backplane.models.kernels import load
+        from backplane.kernels import load
 
         gate_up = gated.gate_up_proj(x)
         want = gated.down_proj(load().act_and_mul(gate_up, "silu"))
@@ -830,7 +830,7 @@ def _check_linear_follows_its_weight(gemv: Any, device: torch.device) -> None:
 def _check_gemv_activations(gemv: Any, device: torch.device) -> None:
     """``gemv(..., act=a)`` equals the activation kernel applied to the plain product, bit for
     bit, split or not; ReLU and ReLU² also equal torch's functions of the stored product."""
-    from backplane.models.kernels import load
+    from backplane.kernels import load
 
     elementwise = load()
     if _small(device):
@@ -862,7 +862,7 @@ def _check_gemv_gated(gemv: Any, device: torch.device) -> None:
     """``gemv(x, ..., gate_act=a)`` over a ``[gate | up]`` row equals the gated activation
     kernel followed by the plain product, bit for bit, split or not; a row that is not twice
     the weight's width is refused."""
-    from backplane.models.kernels import load
+    from backplane.kernels import load
 
     elementwise = load()
     if _small(device):
@@ -891,7 +891,7 @@ def _check_norm_gemv(gemv: Any, device: torch.device) -> None:
     bit, and every output element within what one unit in the last place of each normalised
     input element (the float32 RMS may be summed in another order) and of the output allows;
     with and without a residual, zero-centred or not, split or not, with an activation."""
-    from backplane.models.kernels import load
+    from backplane.kernels import load
 
     elementwise = load()
     if _small(device):
@@ -1113,7 +1113,7 @@ def test_fake_implementations_run_under_fake_tensors():
     """The fake kernels torch.compile traces with build their outputs like the real ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import backplane.models.kernels.elementwise  # noqa: F401  (registers the ops)
+    import backplane.kernels.elementwise  # noqa: F401  (registers the ops)
 
     ops = torch.ops.backplane_models
     with FakeTensorMode():
@@ -1128,7 +1128,7 @@ def test_normed_projections_take_the_kernel_up_to_gate_up_size():
     """A norm prologue moves the gate/up projection of a 1B model onto the kernel, not an LM head;
     the rotary epilogue needs row blocks that hold whole pairs inside the rotated rows."""
     pytest.importorskip("triton", reason="triton is not installed")
-    from backplane.models.kernels import gemv
+    from backplane.kernels import gemv
 
     sms = 132
     assert gemv.plan(16384, 2048, sms) is None

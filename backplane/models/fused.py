@@ -24,7 +24,7 @@ last bit wherever the underlying kernels do.
 
 Each function takes ``fused_ops``: ``"torch"`` (the default) runs the plain
 torch ops above, which are the reference; ``"triton"`` runs one Triton kernel
-(:mod:`backplane.models.kernels`) when the tensors are on a CUDA device (or on
+(:mod:`backplane.kernels`) when the tensors are on a CUDA device (or on
 the CPU in the Triton interpreter) and of a dtype and shape the kernels take,
 else the torch ops. The layers hold the choice in their ``fused_ops`` attribute;
 :meth:`~backplane.models.base.CausalLM.set_fused_ops` sets it on every layer of
@@ -41,8 +41,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from backplane import kernels
 from backplane.core.errors import ConfigError
-from backplane.models import kernels
 
 #: the implementations a layer can run its fused work with
 FUSED_OPS: tuple[str, ...] = ("torch", "triton")
@@ -56,7 +56,7 @@ _KERNELS: ModuleType | None = None
 def load_kernels() -> ModuleType:
     """Import the Triton kernels (and ``triton``) and return their module.
 
-    :return: :mod:`backplane.models.kernels.elementwise`.
+    :return: :mod:`backplane.kernels.elementwise`.
     :raises ImportError: when ``triton`` cannot be imported.
     """
     global _KERNELS

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backplane.models import kernels
+from backplane import kernels
 
 #: Whether this torch build has oneDNN's linear kernel (x86 and Arm builds usually
 #: do). Decided at import: the check cannot run inside a ``torch.compile`` trace.
@@ -107,10 +107,10 @@ class Linear(nn.Linear):
 
     With ``fused_ops = "triton"`` (set by
     :meth:`~backplane.models.base.CausalLM.set_fused_ops`), a one-row input on a
-    CUDA device runs the split-K kernel of :mod:`backplane.models.kernels.gemv`
+    CUDA device runs the split-K kernel of :mod:`backplane.kernels.gemv`
     where that kernel is faster than cuBLAS for the weight's shape (batch-1
     decode of tall and small projections; see
-    :func:`~backplane.models.kernels.gemv.plan`), and on CPU tensors in the
+    :func:`~backplane.kernels.gemv.plan`), and on CPU tensors in the
     Triton interpreter (the tests). Traced and compiled calls keep
     :func:`dense`. :meth:`forward_activated` and :meth:`forward_normed` run the
     same kernel with an activation epilogue or an RMS-norm prologue.
@@ -135,7 +135,7 @@ class Linear(nn.Linear):
 
         :param x: the input, as for :meth:`forward`.
         :param act: the activation's kernel name (a key of
-            :data:`~backplane.models.kernels.elementwise.ACT_CODES`).
+            :data:`~backplane.kernels.elementwise.ACT_CODES`).
         :return: the activated output, rounded as the projection followed by
             the activation kernel round it; ``None`` where :meth:`forward` would
             not use the one-row kernel (the caller applies the activation).
@@ -149,7 +149,7 @@ class Linear(nn.Linear):
 
         :param x: a gated MLP's ``[1, 2 * in_features]`` gate/up output.
         :param act: the gate's activation (a key of
-            :data:`~backplane.models.kernels.elementwise.ACT_CODES`).
+            :data:`~backplane.kernels.elementwise.ACT_CODES`).
         :return: the projection, rounded as the gated activation kernel followed
             by :meth:`forward` round it; ``None`` where :meth:`forward` would not
             use the one-row kernel (the caller forms the product).
@@ -171,7 +171,7 @@ class Linear(nn.Linear):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Project the RMS-normalised ``x (+ residual)`` in one kernel, where the one-row kernel runs.
 
-        See :func:`~backplane.models.kernels.gemv.norm_gemv`: the results are
+        See :func:`~backplane.kernels.gemv.norm_gemv`: the results are
         those of the norm followed by :meth:`forward` (and ``act``, and the
         rotation).
 
@@ -272,7 +272,7 @@ class Linear(nn.Linear):
         """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS.
 
         :param normed: the kernel also normalises the input (see
-            :func:`~backplane.models.kernels.gemv.plan_normed`).
+            :func:`~backplane.kernels.gemv.plan_normed`).
         """
         w = self.weight
         if (

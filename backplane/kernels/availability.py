@@ -1,19 +1,17 @@
-"""Triton kernels for the models' fused elementwise work and one-row projections.
+"""Whether the Triton kernels can run here, answered without importing ``triton``.
 
-The kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
-does not, so the models import cleanly without it. :func:`unavailable_reason`
-says whether the kernels can run on a device, :func:`load` and
-:func:`load_gemv` import them.
+The kernel modules read :func:`interpreting` too, so it lives apart from the
+package's ``__init__`` (which imports those modules on demand).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
-from types import ModuleType
 
 import torch
+
+__all__ = ["interpreting", "unavailable_reason"]
 
 
 def interpreting() -> bool:
@@ -45,23 +43,3 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     if dev.type == "cpu" and interpreting():
         return None
     return f"Triton kernels need a CUDA device, not {dev.type!r} (TRITON_INTERPRET=1 for CPU tests)"
-
-
-@functools.cache
-def load() -> ModuleType:
-    """Import the kernels (and ``triton``) once and return :mod:`.elementwise`.
-
-    :return: the module.
-    :raises ImportError: when ``triton`` cannot be imported.
-    """
-    return importlib.import_module("backplane.models.kernels.elementwise")
-
-
-@functools.cache
-def load_gemv() -> ModuleType:
-    """Import the one-row projection kernel once and return :mod:`.gemv`.
-
-    :return: the module.
-    :raises ImportError: when ``triton`` cannot be imported.
-    """
-    return importlib.import_module("backplane.models.kernels.gemv")

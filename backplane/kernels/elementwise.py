@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from backplane.core.launch import KernelLauncher, cdiv, int_key, next_pow2
-from backplane.models.kernels import interpreting
+from backplane.kernels.availability import interpreting
 
 #: activation names the kernels compute (the keys of :data:`ACT_CODES`)
 ACT_CODES: dict[str, int] = {"silu": 0, "relu": 1, "relu2": 2, "gelu": 3, "gelu_tanh": 4}

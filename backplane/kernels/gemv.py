@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from backplane.core.launch import KernelLauncher, cdiv, dependent_launch, next_pow2
-from backplane.models.kernels import interpreting
-from backplane.models.kernels.elementwise import (
+from backplane.kernels.availability import interpreting
+from backplane.kernels.elementwise import (
     _EXACT_MATH,
     ACT_CODES,
     INTERPRET,
@@ -441,7 +441,7 @@ class OneRowProjection:
     :param launch: ``(block_n, block_k, split_k)``, powers of two (default:
         :func:`default_launch`).
     :param act: the epilogue's activation (a key of
-        :data:`~backplane.models.kernels.elementwise.ACT_CODES`) or ``None``.
+        :data:`~backplane.kernels.elementwise.ACT_CODES`) or ``None``.
     :param gate_act: the gated-activation prologue's activation, or ``None``.
     :param norm: ``(norm weight [K], eps, zero_centered)``: project the
         RMS-normalised input (see :func:`norm_gemv`), or ``None``.
@@ -632,12 +632,12 @@ def gemv(
     :param launch: ``(block_n, block_k, split_k)``, ``block_n`` and ``block_k``
         powers of two; default: :func:`default_launch`.
     :param act: an activation applied to the product before it is stored (a
-        key of :data:`~backplane.models.kernels.elementwise.ACT_CODES`, e.g.
+        key of :data:`~backplane.kernels.elementwise.ACT_CODES`, e.g.
         ``"relu2"``), with the roundings of the projection followed by the
         activation kernel; ``None`` for the plain product.
     :param gate_act: project ``gate_act(gate) * up`` instead of ``x``, with the
         roundings of the gated activation kernel
-        (:func:`~backplane.models.kernels.elementwise.act_and_mul`): the down
+        (:func:`~backplane.kernels.elementwise.act_and_mul`): the down
         projection of a gated MLP without the launch that forms its input.
     :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
     :raises ValueError: for more than one row, mismatched shapes or an unknown activation.
@@ -663,7 +663,7 @@ def norm_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Project the RMS-normalised row ``x (+ residual)`` in one launch: a pre-norm layer's first projection.
 
-    Computes what :func:`~backplane.models.kernels.elementwise.add_rms_norm`
+    Computes what :func:`~backplane.kernels.elementwise.add_rms_norm`
     (or ``rms_norm`` without a residual) followed by :func:`gemv` computes,
     with the same roundings of the sum and of the normalised row, without
     storing the normalised row. Every program reduces the whole row for its
@@ -671,7 +671,7 @@ def norm_gemv(
 
     With ``rotary``, the first ``rows`` outputs (an attention layer's query
     and key heads) are also rotated as
-    :func:`~backplane.models.kernels.elementwise.rotary_` rotates them, with
+    :func:`~backplane.kernels.elementwise.rotary_` rotates them, with
     the same roundings in bfloat16 (in float32 the compiler may fuse the
     rotation's products into FMAs, one rounding fewer): the launch that would
     rotate them is saved.
@@ -696,7 +696,7 @@ def norm_gemv(
         ``residual`` is ``None``).
     :raises ValueError: as :func:`gemv`, or for a residual or norm weight that
         does not match ``x``, a row wider than
-        :data:`~backplane.models.kernels.elementwise.MAX_ROW`, or a rotary
+        :data:`~backplane.kernels.elementwise.MAX_ROW`, or a rotary
         epilogue the launch cannot hold.
     """
     row = _row(x, weight)
