@@ -1,15 +1,20 @@
-"""The package's layers import only downwards.
+"""The package's layers import only downwards, and no modules import each other in a circle.
 
 Layers, bottom to top (a module may import its own layer's package and any
 layer below it, never one above, never a sibling)::
 
     0  backplane.core
-    1  backplane.backends, backplane.models     (siblings: never each other)
-    2  backplane.plugins
-    3  backplane.engine
-    4  backplane.api, backplane.testing          (siblings: never each other)
-    5  backplane.server
-    6  backplane.cli
+    1  backplane.kernels                         (the kernel room: imports only core)
+    2  backplane.backends, backplane.models     (siblings: never each other)
+    3  backplane.plugins
+    4  backplane.engine
+    5  backplane.api, backplane.testing          (siblings: never each other)
+    6  backplane.server                          (built on api: it serves backplane.api)
+    7  backplane.cli
+
+The server sits above the api, not beside it: it is built on the api (its
+routes drive ``AsyncLLM``, its request bodies become the api's parameters), as
+the design brief puts it: "server (on api)".
 
 Every import counts: module level or inside a function, ``import x`` or
 ``from x import y``, relative imports resolved, imports under
@@ -19,12 +24,21 @@ import anything (lazily). A name imported from the root counts as an import
 of the module the root takes it from (``from backplane import LLM`` is an
 import of ``backplane.api``); the root's own constants (``__version__``)
 belong to no layer.
+
+The same imports make the module graph in which no circle may close
+(:func:`import_cycles`): an import inside a function that only breaks a circle
+at import time still counts, because the two modules still depend on each
+other. Importing a submodule also runs its parent package's ``__init__``; that
+implicit step is not an edge, since a package may gather its own submodules.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -34,14 +48,15 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "backplane"
 #: Top-level component -> layer. Components of one layer are siblings.
 LAYERS: dict[str, int] = {
     "backplane.core": 0,
-    "backplane.backends": 1,
-    "backplane.models": 1,
-    "backplane.plugins": 2,
-    "backplane.engine": 3,
-    "backplane.api": 4,
-    "backplane.testing": 4,
-    "backplane.server": 5,
-    "backplane.cli": 6,
+    "backplane.kernels": 1,
+    "backplane.backends": 2,
+    "backplane.models": 2,
+    "backplane.plugins": 3,
+    "backplane.engine": 4,
+    "backplane.api": 5,
+    "backplane.testing": 5,
+    "backplane.server": 6,
+    "backplane.cli": 7,
 }
 ROOT = "backplane"
 
@@ -209,6 +224,126 @@ def package_imports(package_dir: Path = PACKAGE_DIR) -> list[Import]:
     return found
 
 
+def owning_module(target: str, known: frozenset[str]) -> str | None:
+    """The module of the package that an import target names.
+
+    :param target: an import's target: a module, a package, or a dotted name
+        inside one (``backplane.core.errors.ConfigError``).
+    :param known: dotted names of the package's modules.
+    :return: the longest prefix of ``target`` that is a module, or ``None``.
+    """
+    name = target
+    while name not in known:
+        if "." not in name:
+            return None
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def import_graph(imports: Iterable[Import], known: frozenset[str]) -> dict[str, dict[str, int]]:
+    """The module graph that ``imports`` make.
+
+    :param imports: imports, e.g. from :func:`package_imports`.
+    :param known: dotted names of the package's modules.
+    :return: ``{importer: {imported module: line of the first such import}}``;
+        a module importing itself makes no edge.
+    """
+    graph: dict[str, dict[str, int]] = {}
+    for imp in imports:
+        target = owning_module(imp.target, known)
+        if target is None or target == imp.importer:
+            continue
+        edges = graph.setdefault(imp.importer, {})
+        edges[target] = min(edges.get(target, imp.line), imp.line)
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's algorithm: the graph's strongly connected components, nodes sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component: list[str] = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _shortest_cycle(graph: dict[str, dict[str, int]], start: str, members: set[str]) -> list[str]:
+    """The shortest path ``start -> ... -> start`` through ``members`` (breadth first)."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in members:
+                continue
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    raise AssertionError(f"{start} is on no cycle of {sorted(members)}")
+
+
+def import_cycles(imports: Iterable[Import], known: frozenset[str]) -> list[str]:
+    """Every circle of imports among the package's modules, one line each.
+
+    :param imports: imports, e.g. from :func:`package_imports` (module level and
+        inside functions alike).
+    :param known: dotted names of the package's modules.
+    :return: per group of modules that import each other (directly or through
+        others), one shortest circle through its first module, each step with
+        the line of its import: ``a:3 -> b:10 -> a``; empty when there is none.
+    """
+    graph = import_graph(imports, known)
+    cycles = []
+    for component in _strongly_connected(graph):
+        if len(component) < 2:
+            continue
+        path = _shortest_cycle(graph, component[0], set(component))
+        steps = [f"{a}:{graph[a][b]}" for a, b in pairwise(path)]
+        others = sorted(set(component) - set(path))
+        also = f" (with {', '.join(others)} in the same circle)" if others else ""
+        cycles.append(" -> ".join([*steps, path[-1]]) + also)
+    return cycles
+
+
+def known_modules(package_dir: Path = PACKAGE_DIR) -> frozenset[str]:
+    """The dotted names of every module of the package.
+
+    :param package_dir: the package's directory.
+    :return: one name per ``.py`` file (packages by their own name).
+    """
+    return frozenset(module_name(f, package_dir) for f in package_dir.rglob("*.py"))
+
+
 def test_every_module_has_a_layer() -> None:
     """A new top-level module or package must be placed in :data:`LAYERS`."""
     unplaced = sorted(
@@ -223,6 +358,12 @@ def test_imports_go_down_the_layers() -> None:
     """No module imports a layer above its own or a sibling of it."""
     problems = [v for imp in package_imports() if (v := violation(imp)) is not None]
     assert not problems, "imports against the layering:\n" + "\n".join(problems)
+
+
+def test_no_import_circles() -> None:
+    """No modules of the package import each other, directly or through others."""
+    cycles = import_cycles(package_imports(), known_modules())
+    assert not cycles, "modules that import each other in a circle:\n" + "\n".join(cycles)
 
 
 # -- the checker itself ---------------------------------------------------------------------------
@@ -259,6 +400,10 @@ def _violations(source: str, importer: str, is_package: bool = False) -> list[st
         ("backplane.api", "import backplane.testing.checks", "siblings"),
         ("backplane.engine.executor", "from backplane import LLM", "above"),
         ("backplane.core.registry", "importlib.import_module('backplane.plugins.torch')", "above"),
+        ("backplane.kernels.gemv", "from backplane.models import fused", "above"),
+        ("backplane.kernels", "from backplane.backends.triton import _common", "above"),
+        ("backplane.core.launch", "from backplane.kernels import load_gemv", "above"),
+        ("backplane.api.llm", "from backplane.server import protocol", "above"),
     ],
 )
 def test_checker_catches_a_bad_import(importer: str, source: str, why: str) -> None:
@@ -278,6 +423,10 @@ def test_checker_catches_a_bad_import(importer: str, source: str, why: str) -> N
         ("backplane", "from backplane.cli import main", True),
         ("backplane.core.x", "from backplane import BackendSpec, __version__", False),
         ("backplane.core.x", "import numpy, torch\nfrom os import path", False),
+        ("backplane.kernels.gemv", "from backplane.core.launch import cdiv", False),
+        ("backplane.models.linear", "from backplane.kernels import load_gemv", False),
+        ("backplane.backends.triton.x", "from backplane.kernels.gemv import gemv", False),
+        ("backplane.server.app", "from backplane.api.async_llm import AsyncLLM", False),
     ],
 )
 def test_checker_allows_a_good_import(importer: str, source: str, is_package: bool) -> None:
@@ -299,10 +448,72 @@ def test_root_names_come_from_eager_and_lazy_imports() -> None:
 
 
 def test_checker_resolves_relative_imports_from_modules_and_packages() -> None:
-    mod = imports_of("from . import a\nfrom .. import b", "backplane.engine.graph.runner")
-    assert [i.target for i in mod] == ["backplane.engine.graph", "backplane.engine"]
-    pkg = imports_of("from . import a", "backplane.engine.graph", is_package=True)
-    assert [i.target for i in pkg] == ["backplane.engine.graph"]
-    known = frozenset({"backplane.engine.graph.runner"})
-    sub = imports_of("from . import runner", "backplane.engine.graph", is_package=True, known=known)
-    assert [i.target for i in sub] == ["backplane.engine.graph.runner"]
+    mod = imports_of("from . import a\nfrom .. import b", "backplane.engine.sched.scheduler")
+    assert [i.target for i in mod] == ["backplane.engine.sched", "backplane.engine"]
+    pkg = imports_of("from . import a", "backplane.engine.sched", is_package=True)
+    assert [i.target for i in pkg] == ["backplane.engine.sched"]
+    known = frozenset({"backplane.engine.sched.scheduler"})
+    sub = imports_of(
+        "from . import scheduler", "backplane.engine.sched", is_package=True, known=known
+    )
+    assert [i.target for i in sub] == ["backplane.engine.sched.scheduler"]
+
+
+def _imports(sources: dict[str, str]) -> tuple[list[Import], frozenset[str]]:
+    """The imports of a made-up package, given as ``{module: source}``."""
+    known = frozenset(sources)
+    found: list[Import] = []
+    for name, source in sources.items():
+        found += imports_of(source, name, is_package=name == "backplane.p", known=known)
+    return found, known
+
+
+def test_cycle_finder_catches_a_circle_closed_inside_a_function() -> None:
+    found, known = _imports(
+        {
+            "backplane.p.a": "import os\n\ndef f():\n    from backplane.p.b import g\n",
+            "backplane.p.b": "from backplane.p.a import f\n",
+        }
+    )
+    assert import_cycles(found, known) == ["backplane.p.a:4 -> backplane.p.b:1 -> backplane.p.a"]
+
+
+def test_cycle_finder_names_the_shortest_circle_and_the_rest_of_the_group() -> None:
+    found, known = _imports(
+        {
+            "backplane.p.a": "from . import b",
+            "backplane.p.b": "from .c import x\nfrom . import d",
+            "backplane.p.c": "from backplane.p import a",
+            "backplane.p.d": "from backplane.p.b import y",
+        }
+    )
+    assert import_cycles(found, known) == [
+        "backplane.p.a:1 -> backplane.p.b:1 -> backplane.p.c:1 -> backplane.p.a"
+        " (with backplane.p.d in the same circle)"
+    ]
+
+
+def test_cycle_finder_allows_chains_packages_and_self_imports() -> None:
+    found, known = _imports(
+        {
+            # a package gathering its submodules, which import each other in one direction
+            "backplane.p": "from .a import f\nfrom .b import g",
+            "backplane.p.a": "from backplane.p.b import g\nfrom backplane.p.a import f",
+            "backplane.p.b": "import backplane.core.errors.ConfigError",
+        }
+    )
+    assert import_graph(found, known) == {
+        "backplane.p": {"backplane.p.a": 1, "backplane.p.b": 2},
+        "backplane.p.a": {"backplane.p.b": 1},
+    }
+    assert import_cycles(found, known) == []
+
+
+def test_cycle_finder_counts_a_package_importing_back_from_its_submodule() -> None:
+    found, known = _imports(
+        {
+            "backplane.p": "def load():\n    return importlib.import_module('backplane.p.k')\n",
+            "backplane.p.k": "from backplane.p import helper",
+        }
+    )
+    assert import_cycles(found, known) == ["backplane.p:2 -> backplane.p.k:1 -> backplane.p"]
