@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from backplane.core.metadata import HostBatch, build_batch_metadata
-from backplane.engine.inputs import InputBatch
+from backplane.core.metadata import HostBatch
+from backplane.core.packing import build_batch_metadata
+from backplane.engine.worker.inputs import InputBatch
 
 
 @dataclass

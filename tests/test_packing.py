@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backplane.core.metadata import BatchMetadata, HostBatch, build_batch_metadata
-from backplane.core.packing import allocate_host, measure_batch, pack_batch
-from backplane.engine.inputs import InputBatch
+from backplane.core.metadata import BatchMetadata, HostBatch
+from backplane.core.packing import allocate_host, build_batch_metadata, measure_batch, pack_batch
+from backplane.engine.worker.inputs import InputBatch
 
 COUNTS = (
     "num_prefill_seqs",
