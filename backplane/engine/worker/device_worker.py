@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
     from backplane.engine.config import EngineConfig
     from backplane.models.base import CausalLM, ModelConfig
-    from backplane.models.loader import LoadedModel
+    from backplane.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
 
