@@ -19,10 +19,14 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from backplane.core.errors import ConfigError, RequestError
+from backplane.core.errors import ConfigError, InvalidFieldError, RequestError
+from backplane.core.text import find_invalid_text
 
 #: A message: ``{"role": "user", "content": "..."}`` (other keys pass through to the template).
 Message = Mapping[str, Any]
+
+#: Template variables the renderer sets itself; ``chat_template_kwargs`` may not name them.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt"})
 
 
 def _raise_exception(message: str) -> None:
@@ -80,12 +84,52 @@ def _environment() -> Any:
     return env
 
 
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Check the further template variables a caller passes (``chat_template_kwargs``).
+
+    :param kwargs: variable name -> value, or ``None`` for none.
+    :return: the variables as a new dict (empty for ``None``).
+    :raises InvalidFieldError: (field ``"chat_template_kwargs"``) not a mapping of string
+        names, a name the renderer sets itself (:data:`RESERVED_VARIABLES`), or a string
+        that is not UTF-8 text.
+    """
+    field = "chat_template_kwargs"
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidFieldError(
+            f"chat_template_kwargs must be a mapping of variable names to values; got "
+            f"{type(kwargs).__name__}",
+            field=field,
+        )
+    reserved = sorted(RESERVED_VARIABLES.intersection(kwargs))
+    if reserved:
+        raise InvalidFieldError(
+            f"chat_template_kwargs names {', '.join(reserved)}, which the renderer sets "
+            "itself; pass the conversation as the messages and add_generation_prompt as its "
+            "own argument",
+            field=field,
+        )
+    where = find_invalid_text(kwargs, field)
+    if where is not None:
+        raise InvalidFieldError(_not_text(where), field=field)
+    return dict(kwargs)
+
+
+def _not_text(where: str) -> str:
+    return (
+        f"{where} holds a string that is not UTF-8 text (a lone surrogate such as \\ud800); "
+        "send valid Unicode text"
+    )
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Check one conversation and return it as a list of plain dicts.
 
     :param messages: a list of ``{"role": str, "content": str}`` mappings.
     :return: the messages as dicts (copies: the template never sees the caller's objects).
-    :raises RequestError: naming the first message that is not of that form.
+    :raises RequestError: naming the first message that is not of that form
+        (an :class:`InvalidFieldError` of field ``"messages"`` for text that is not UTF-8).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise RequestError(
@@ -103,6 +147,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 f'message {i}: "content" must be a string (or a list of content parts); '
                 f"got {type(content).__name__}"
             )
+        where = find_invalid_text(m, f"messages[{i}]")
+        if where is not None:
+            raise InvalidFieldError(_not_text(where), field="messages")
         out.append(dict(m))
     return out
 
@@ -148,6 +195,9 @@ class ChatTemplate:
         import jinja2
 
         chat = check_messages(messages)
+        where = find_invalid_text(variables, "chat_template_kwargs")
+        if where is not None:
+            raise InvalidFieldError(_not_text(where), field="chat_template_kwargs")
         context = {"tools": None, "documents": None, **variables}
         try:
             return self._template.render(

@@ -5,18 +5,27 @@ fields (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``...). Unknown
 fields are refused (a misspelled option silently ignored would change results
 without a word). Everything is checked before a request reaches the engine;
 a bad value is a :class:`BadRequest` naming the field.
+
+The sampling fields are not typed or ranged here: each is checked by its row of
+the engine's own table (:func:`~backplane.engine.sampling.check_field`) when
+the body is parsed, so the server and the Python API accept the same values
+and refuse the others with the same message (``true`` is not a token count,
+``"10"`` is not a number). Token ids of a prompt are checked by the engine,
+as they are for a Python caller. Strings that are not UTF-8 text (a lone
+surrogate, ``"\\ud800"``) are refused anywhere in a body.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from backplane.core.errors import RequestError
-from backplane.engine.sampling import SamplingParams
+from backplane.core.errors import InvalidFieldError, RequestError
+from backplane.core.text import find_invalid_text
+from backplane.engine.sampling import SamplingParams, check_field
+from backplane.models.chat import check_template_kwargs
 
 __all__ = [
     "BadRequest",
@@ -57,42 +66,115 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+def _refuse_invalid_text(data: Any) -> Any:
+    """Refuse a body holding a string that is not UTF-8 text, naming the field it is in."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            where = find_invalid_text({key: value}, "")
+            if where is not None:
+                name = where[1:]
+                raise BadRequest(
+                    f"{name} holds a string that is not UTF-8 text (a lone surrogate such as "
+                    "\\ud800); send valid Unicode text",
+                    name.split(".")[0].split("[")[0],
+                )
+    return data
+
+
+#: Body fields that are :class:`SamplingParams` fields of the same name, checked by its table.
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "include_stop_str_in_output",
+)
+
+
+def _checked(body: BaseModel, fields: dict[str, str]) -> None:
+    """Check and normalise body fields by the engine's table, in place.
+
+    :param body: the parsed body.
+    :param fields: body field -> :class:`SamplingParams` field, for each field to check.
+    :raises BadRequest: the table's message, naming the body field.
+    """
+    for name, rule in fields.items():
+        value = getattr(body, name)
+        if value is None:
+            continue
+        try:
+            checked = check_field(rule, value)
+        except InvalidFieldError as exc:
+            raise BadRequest(str(exc), name) from None
+        if checked is not value:
+            object.__setattr__(body, name, checked)
+
+
 class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions.
+
+    The sampling fields hold what the client sent until the body's validator
+    has checked them by the engine's table (then their normalised values).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    n: int = Field(default=1, ge=1)
+    max_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    n: Any = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
-    include_stop_str_in_output: bool = False
+    stop: Any = None
+    stop_token_ids: Any = None
+    seed: Any = None
+    ignore_eos: Any = False
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    # BadRequest is no ValueError: it leaves pydantic as it is and the server answers it
+    # with its own message and field, not as a schema error
+    _refuse_text = model_validator(mode="before")(_refuse_invalid_text)
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> _Sampling:
+        _checked(self, {name: name for name in _SAMPLING_FIELDS})
+        return self
+
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either
+    (:func:`completion_prompts` checks its shape; the engine checks token ids)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0)
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    prompt: Any
+    logprobs: Any = None
+    prompt_logprobs: Any = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> CompletionRequest:
+        _checked(self, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"})
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -107,31 +189,65 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Any = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: Any = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        _checked(self, {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"})
+        if self.max_completion_tokens is not None:
+            # it wins over max_tokens; held in both, a refused 0 is never skipped as unset
+            self.max_tokens = self.max_completion_tokens
+        if self.chat_template_kwargs is not None:
+            try:
+                check_template_kwargs(self.chat_template_kwargs)
+            except InvalidFieldError as exc:
+                raise BadRequest(str(exc), exc.field) from None
+        return self
 
 
 # -- translation -------------------------------------------------------------------------------
 
 
-def completion_prompts(prompt: Any) -> list[str | list[int]]:
+_PROMPT_FORMS = (
+    "give text, a list of token ids, or a list of several texts or several lists of token ids"
+)
+
+
+def completion_prompts(prompt: Any) -> list[Any]:
     """The prompts of a completion request (``prompt`` may hold several).
 
-    :raises BadRequest: an empty prompt or list.
+    Only the shape is checked here: the items of a token-id list go to the
+    engine as they came, which refuses what is not an integer id with the
+    message a Python caller gets (``true`` is not token 1).
+
+    :param prompt: the body's ``prompt``.
+    :return: one text or token-id list per prompt.
+    :raises BadRequest: an empty prompt or list, or a value of none of the accepted forms.
     """
     if isinstance(prompt, str):
         return [prompt]
+    if not isinstance(prompt, list):
+        raise BadRequest(f"prompt is a {_json_type(prompt)}; {_PROMPT_FORMS}", "prompt")
     if not prompt:
-        raise BadRequest("prompt is empty; give text, token ids or a list of those", "prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    for i, p in enumerate(prompt):
-        if isinstance(p, list) and not p:
-            raise BadRequest(f"prompt[{i}] is an empty list of token ids", "prompt")
-    return list(prompt)
+        raise BadRequest(f"prompt is empty; {_PROMPT_FORMS}", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        for i, p in enumerate(prompt):
+            if not p:
+                raise BadRequest(f"prompt[{i}] is an empty list of token ids", "prompt")
+        return list(prompt)
+    return [prompt]  # one list of token ids (the engine refuses any item that is not an id)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    names = {bool: "boolean", int: "number", float: "number", dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -192,9 +308,6 @@ def _unsupported(req: _Sampling) -> tuple[str, str] | None:
     return None
 
 
-_FIELD = re.compile(r"SamplingParams\.(\w+)=")
-
-
 def sampling_params(
     req: _Sampling, base: SamplingParams, *, max_tokens: int | None
 ) -> SamplingParams:
@@ -205,7 +318,9 @@ def sampling_params(
         the request leaves out keep.
     :param max_tokens: the request's token limit after defaults (``None``: ``base``'s).
     :return: validated :class:`SamplingParams`.
-    :raises BadRequest: an unsupported feature or an invalid value, naming the field.
+    :raises BadRequest: an unsupported feature or an invalid value (by the engine's
+        table, through :class:`~backplane.core.errors.InvalidFieldError`'s field), naming
+        the body's field.
     """
     unsupported = _unsupported(req)
     if unsupported is not None:
@@ -240,9 +355,12 @@ def sampling_params(
         logprobs_field = "top_logprobs" if req.top_logprobs else "logprobs"
     try:
         return dataclasses.replace(base, **values)
-    except RequestError as exc:
-        m = _FIELD.search(str(exc))
-        field = getattr(exc, "field", None) or (m.group(1) if m else None)
+    except InvalidFieldError as exc:
+        field = exc.field
         if field == "logprobs":
             field = logprobs_field
+        elif field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+            field = "max_completion_tokens"
         raise BadRequest(str(exc), field) from None
+    except RequestError as exc:
+        raise BadRequest(str(exc)) from None
