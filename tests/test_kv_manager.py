@@ -364,3 +364,17 @@ KVMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVMachine = KVMachine.TestCase
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_page_counts_are_ceilings(page_size: int) -> None:
+    """The manager's page count and a sequence's page-table width both round up."""
+    import math
+
+    from backplane.engine.sizes import pages_per_seq
+
+    kv = KVCacheManager(64, page_size)
+    for tokens in range(0, 4 * page_size + 2):
+        want = math.ceil(tokens / page_size)
+        assert kv.pages_for(tokens) == want
+        assert pages_per_seq(tokens, page_size) == want

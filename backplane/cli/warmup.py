@@ -29,6 +29,7 @@ from typing import Any
 from backplane.cli._command import add_command
 from backplane.cli.options import add_engine_arguments, config_from_args
 from backplane.core.hookspecs import FAMILIES
+from backplane.core.launch import cdiv
 from backplane.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def _synthetic_batch(device: Any, page_size: int, padded: int | None = None):
     cached = [0, 23, 40, 17]
     tables, nxt = [], 1
     for q, c in zip(query, cached, strict=True):
-        need = -(-(q + c) // page_size)
+        need = cdiv(q + c, page_size)
         tables.append(list(range(nxt, nxt + need)))
         nxt += need
     batch = build_batch_metadata(

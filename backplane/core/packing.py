@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backplane.core.launch import cdiv
 from backplane.core.metadata import EAGER, NULL_PAGE, BatchMetadata, HostBatch, StepMode
 
 __all__ = ["BatchShape", "allocate_host", "build_batch_metadata", "measure_batch", "pack_batch"]
@@ -157,7 +158,7 @@ def measure_batch(
     pages_needed = (seq_lens + (page_size - 1)) // page_size
     if n:
         max_seq_len = int(seq_lens.max())
-        max_pages = (max_seq_len + page_size - 1) // page_size  # pages grow with length
+        max_pages = cdiv(max_seq_len, page_size)  # pages grow with length
         total_pages = int(pages_needed.sum())
         max_query_len = 1 if one_each else int(q.max())
     else:

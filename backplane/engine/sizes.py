@@ -1,10 +1,12 @@
-"""Memory sizes as people write them (``256MiB``, ``1.5GiB``, ``512MB``) and as messages show them."""
+"""Memory sizes as people write them (``256MiB``, ``1.5GiB``, ``512MB``) and as messages show them, and the KV page counts they are made of."""
 
 from __future__ import annotations
 
 import math
 import re
 from typing import Any
+
+from backplane.core.launch import cdiv
 
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -157,3 +159,16 @@ def cpu_kv_budget(
             )
         why += f", within {fraction:.0%} of the {format_size(available)} available"
     return needed, why
+
+
+def pages_per_seq(max_model_len: int, page_size: int) -> int:
+    """Pages that one sequence of ``max_model_len`` tokens holds: the width of its page table.
+
+    Every holder of a page-table width (the KV budget, the input batch, the
+    graph runner, the bench commands) takes it from here.
+
+    :param max_model_len: the longest sequence, prompt and output, in tokens.
+    :param page_size: tokens per KV page.
+    :return: ``ceil(max_model_len / page_size)``.
+    """
+    return cdiv(max_model_len, page_size)

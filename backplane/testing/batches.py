@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backplane.core.launch import cdiv
 from backplane.core.metadata import BatchMetadata
 from backplane.core.packing import build_batch_metadata
 
@@ -136,7 +137,7 @@ def make_case(
     """
     rng = np.random.default_rng(seed)
     seq_lens = [q + c for q, c in zip(query_lens, cached_lens, strict=True)]
-    need = [-(-s // page_size) for s in seq_lens]
+    need = [cdiv(s, page_size) for s in seq_lens]
     num_pages = 1 + sum(need) + spare_pages
     pool = np.arange(1, num_pages)
     if shuffle_pages:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backplane.core.launch import cdiv
 from backplane.core.metadata import BatchMetadata
 
 #: Upper bound on the elements of one float32 score block ``[heads, queries, keys]``
@@ -224,4 +225,4 @@ def decode_table(batch: BatchMetadata) -> torch.Tensor:
     if batch.mode.is_decode_graph:
         return table
     longest = int(batch.host.seq_lens[first : first + nd].max())
-    return table[:, : -(-longest // batch.page_size)]
+    return table[:, : cdiv(longest, batch.page_size)]

@@ -30,6 +30,7 @@ import numpy as np
 
 from backplane.cli.bench.machine import machine_info
 from backplane.cli.bench.options import add_json_print
+from backplane.engine.sizes import pages_per_seq as seq_pages
 
 BATCHES = (1, 64, 256, 1024)
 PROMPT_LENS = (128, 1024, 4096, 16384)
@@ -91,7 +92,7 @@ class _Seqs:
 
         max_tokens = 4096  # far more than the steps timed: nobody finishes
         max_len = prompt_len + max_tokens
-        pages_per_seq = -(-max_len // page_size)
+        pages_per_seq = seq_pages(max_len, page_size)
         num_pages = batch * pages_per_seq + 2  # page bookkeeping only: no cache tensors
         self.manager = KVCacheManager(num_pages, page_size, enable_prefix_caching=True)
         self.scheduler = Scheduler(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backplane.core.errors import OutOfKVMemoryError
+from backplane.core.launch import cdiv
 from backplane.core.metadata import NULL_PAGE, NULL_SLOT
 from backplane.engine.kv_cache.block_pool import BlockPool
 from backplane.engine.kv_cache.host_tier import HostTier
@@ -196,7 +197,7 @@ class KVCacheManager:
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens (ceil division)."""
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     @property
     def num_available_pages(self) -> int:
@@ -493,7 +494,7 @@ class KVCacheManager:
         :return: False (nothing allocated) if the pool cannot provide the pages.
         """
         st: RequestKV = request.kv_state
-        total = -(-(request.num_computed_tokens + num_new_tokens) // self.page_size)
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.page_size)
         extra = total - st.num_pages
         if extra <= 0:
             return True

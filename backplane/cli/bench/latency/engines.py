@@ -18,6 +18,7 @@ from backplane.cli.bench.latency.measure import (
     timing_row,
 )
 from backplane.cli.bench.latency.settings import PAGE_SIZE, Settings
+from backplane.engine.sizes import pages_per_seq as seq_pages
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def run_backplane(
 
     p, n = settings.prompt_len, settings.new_tokens
     max_batch = max(settings.batch_sizes)
-    pages_per_seq = -(-(p + n) // PAGE_SIZE)
+    pages_per_seq = seq_pages(p + n, PAGE_SIZE)
     overrides = {
         "device": str(device),
         "dtype": dtype_name,

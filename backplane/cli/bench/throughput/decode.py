@@ -9,6 +9,7 @@ from backplane.cli.bench.latency.engines import generate_backplane
 from backplane.cli.bench.latency.floor import floor_bytes
 from backplane.cli.bench.latency.measure import make_prompts, one_line
 from backplane.cli.bench.latency.weights import WeightsInfo
+from backplane.core.launch import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def decode_only(
     rows = []
     for b in tqdm(batches, desc="decode-only", unit="batch", disable=None):
         row: dict[str, Any] = {"batch": b}
-        need = -(-(prompt_len + steps) // engine.page_size) * engine.page_size * b
+        need = cdiv(prompt_len + steps, engine.page_size) * engine.page_size * b
         if b > engine.max_num_seqs:
             row.update(
                 status="skipped",
