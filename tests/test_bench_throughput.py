@@ -56,7 +56,10 @@ def _finite_positive(x: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One run with fixed lengths at a rate and all at once, decode-only at batch 2, 3 and 16."""
+    """One run with fixed lengths at a rate and all at once, decode-only at batch 2, 3 and 16.
+
+    The attention backend is named (torch), so the run is the same on every machine.
+    """
     tmp = tmp_path_factory.mktemp("throughput")
     argv = [
         "bench",
@@ -67,6 +70,10 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "cpu",
         "--max-num-seqs",
         "8",
+        # named, not auto: auto's choice depends on the machine (Triton wins on a CPU
+        # under TRITON_INTERPRET=1), and the report must show the backend that was asked for
+        "--backend",
+        "attention=torch",
         "--num-prompts",
         str(NUM_PROMPTS),
         "--request-rate",
@@ -101,7 +108,7 @@ def test_result_has_every_section(fixed):
         assert key in res, key
     assert res["model"]["name"] == "tiny-llama" and res["model"]["params"] > 0
     assert res["engine"]["config"]["max_num_seqs"] == 8  # given: not raised to the decode batch
-    assert res["engine"]["backends"]["attention"] == "torch"
+    assert res["engine"]["backends"]["attention"] == "torch"  # as --backend asked
     assert res["engine"]["config"]["enable_prefix_caching"] is False  # rates resend the prompts
     w = res["workload"]
     assert w["num_prompts"] == NUM_PROMPTS and w["mix"] == "fixed"
