@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from backplane.cli.bench import latency as bench_latency
 from backplane.cli import main
+from backplane.cli.bench import latency as bench_latency
 
 SHAPES = ("tiny-llama", "tiny-nemotron-h")
 BATCHES = (1, 2)

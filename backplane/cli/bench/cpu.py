@@ -84,11 +84,11 @@ class _Seqs:
     """Scheduler + KV manager + input buffers for a synthetic decode workload."""
 
     def __init__(self, batch: int, *, prompt_len: int, page_size: int, device: str) -> None:
-        from backplane.engine.worker.inputs import InputBatch
         from backplane.engine.kv_cache.manager import KVCacheManager
         from backplane.engine.request import Request
         from backplane.engine.sampling import SamplingParams
         from backplane.engine.sched import Scheduler
+        from backplane.engine.worker.inputs import InputBatch
 
         max_tokens = 4096  # far more than the steps timed: nobody finishes
         max_len = prompt_len + max_tokens

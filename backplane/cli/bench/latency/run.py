@@ -18,7 +18,6 @@ from typing import Any
 
 from backplane.cli.bench.latency.engines import run_backplane
 from backplane.cli.bench.latency.floor import floor_bytes, measure_bandwidth
-from backplane.cli.bench.machine import machine_info
 from backplane.cli.bench.latency.measure import (
     agreement,
     free_device_memory,
@@ -32,6 +31,7 @@ from backplane.cli.bench.latency.report import si
 from backplane.cli.bench.latency.settings import Settings, check_settings, resolve_device_dtype
 from backplane.cli.bench.latency.shapes import shape_config
 from backplane.cli.bench.latency.weights import save_random_weights
+from backplane.cli.bench.machine import machine_info
 from backplane.core.errors import BackendUnavailableError, UnknownBackendError
 
 logger = logging.getLogger(__name__)

@@ -148,6 +148,12 @@ def run_rates(
 def make_specs(args: argparse.Namespace, seed: int, vocab: int, max_len: int) -> list[RequestSpec]:
     """The requests of the run: the ShareGPT-like mix, with the lengths the flags fix.
 
+    :param args: the parsed flags (``--num-prompts``, ``--input-len``, ``--output-len``,
+        ``--max-input-len``, ``--max-output-len``).
+    :param seed: the seed of the mix.
+    :param vocab: prompt token ids are drawn from ``[0, vocab)``.
+    :param max_len: the engine's ``max_model_len``.
+    :return: the requests, in arrival order.
     :raises ConfigError: fixed lengths that do not fit ``max_len``.
     """
     total = min(2048, max_len)
@@ -173,7 +179,11 @@ def make_specs(args: argparse.Namespace, seed: int, vocab: int, max_len: int) ->
 
 
 def lengths_summary(values: list[int]) -> dict[str, float]:
-    """Mean, median, min and max of a list of lengths."""
+    """Mean, median, min and max of a list of lengths.
+
+    :param values: the lengths (at least one).
+    :return: ``mean``, ``median``, ``min`` and ``max``.
+    """
     return {
         "mean": statistics.fmean(values),
         "median": statistics.median(values),
