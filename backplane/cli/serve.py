@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from backplane.core.errors import ConfigError
 
@@ -72,6 +73,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="answer 503 while N requests wait for the engine (1024; 0 = no cap)",
     )
+    conn = parser.add_argument_group("connections")
+    conn.add_argument(
+        "--timeout-request-head",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request head (request line and headers) is not "
+        "complete this long after it opened or its first byte (10; 0 = no limit)",
+    )
+    conn.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="close an idle keep-alive connection after this long (5)",
+    )
+    conn.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer 503 and close connections beyond N open ones (default: half the "
+        "open-file limit, ulimit -n, between 64 and 8192; 0 = no limit)",
+    )
+    conn.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="uvicorn's cap: answer 503 to requests while N connections or requests are "
+        "in flight (default: none)",
+    )
+    conn.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="refuse a request head larger than this with 400 (default: 16384)",
+    )
     add_engine_arguments(parser)
 
 
@@ -92,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("option --max-request-body-bytes: give a positive number of bytes")
     if args.max_waiting_requests < 0:
         raise ConfigError("option --max-waiting-requests: give 0 (no cap) or a positive number")
+    limits = _connection_limits(args)
     try:
         from backplane.api.async_llm import AsyncLLM
         from backplane.server.app import DEFAULT_MAX_BODY_BYTES
@@ -114,5 +155,36 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key or None,
         max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
         log_level=getattr(args, "log_level", "warning"),
+        **limits,
     )
     return 0
+
+
+def _connection_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The connection flags, checked, as :func:`backplane.server.run.uvicorn_config` takes them.
+
+    :param args: the parsed command line.
+    :return: ``timeout_request_head``, ``timeout_keep_alive``, ``max_connections``,
+        ``limit_concurrency`` and ``h11_max_incomplete_event_size``.
+    :raises ConfigError: a flag out of range, naming it.
+    """
+    for flag, value in (
+        ("--timeout-request-head", args.timeout_request_head),
+        ("--timeout-keep-alive", args.timeout_keep_alive),
+        ("--max-connections", args.max_connections),
+    ):
+        if value is not None and not value >= 0:
+            raise ConfigError(f"option {flag}: {value} is negative; give 0 (no limit) or more")
+    for flag, value in (
+        ("--limit-concurrency", args.limit_concurrency),
+        ("--h11-max-incomplete-event-size", args.h11_max_incomplete_event_size),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(f"option {flag}: {value}; give a positive number")
+    return {
+        "timeout_request_head": args.timeout_request_head or None,
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "max_connections": args.max_connections,
+        "limit_concurrency": args.limit_concurrency,
+        "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
+    }

@@ -24,11 +24,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from backplane.api.async_llm import (
@@ -236,7 +238,8 @@ def build_app(
             )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(request: Request) -> Any:
+        body = await _parse_body(request, CompletionRequest)
         check_model(body.model)
         prompts = completion_prompts(body.prompt)
         base = engine.default_sampling_params()
@@ -299,7 +302,8 @@ def build_app(
         return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat_completions(request: Request) -> Any:
+        body = await _parse_body(request, ChatCompletionRequest)
         check_model(body.model)
         messages = chat_messages(body.messages)
         # templating and tokenizing run on the engine's tokenizer threads, off this event loop
@@ -377,6 +381,81 @@ def build_app(
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+#: Bodies up to this size are decoded on the event loop (well under a millisecond).
+_INLINE_BODY_BYTES = 64 * 1024
+
+#: One thread decodes the larger bodies: ``json.loads`` holds the GIL, so more threads
+#: would not decode faster, only make the event loop wait for the GIL behind more of them.
+_body_decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backplane-body")
+
+
+async def _parse_body(request: Request, model: type[_Body]) -> _Body:
+    """The request's JSON body as ``model``; a large one decoded off the event loop.
+
+    Decoding a body of several megabytes takes long enough to stall every other
+    connection if it ran on the event loop (as FastAPI's own body parameters do).
+
+    :param request: the HTTP request.
+    :param model: the body's pydantic model.
+    :return: the validated body.
+    :raises RequestValidationError: the body is not JSON or does not fit ``model``
+        (answered 400 by the app's handler, as FastAPI's own errors are).
+    """
+    raw = await request.body()
+    content_type = request.headers.get("content-type")
+    if len(raw) <= _INLINE_BODY_BYTES:
+        return _decode_body(raw, content_type, model)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_body_decoder, _decode_body, raw, content_type, model)
+
+
+def _decode_body(raw: bytes, content_type: str | None, model: type[_Body]) -> _Body:
+    """Decode and validate a request body (on a worker thread); see :func:`_parse_body`."""
+    data: Any = None
+    if raw:
+        media = (content_type or "application/json").split(";", 1)[0].strip().lower()
+        if media == "application/json" or media.endswith("+json"):
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                # JSONDecodeError, bytes that are not UTF-8, or nesting too deep to decode
+                if isinstance(exc, json.JSONDecodeError):
+                    pos, why = exc.pos, exc.msg
+                elif isinstance(exc, UnicodeDecodeError):
+                    pos, why = exc.start, f"not UTF-8: {exc.reason}"
+                else:
+                    pos, why = (
+                        0,
+                        "nested too deeply" if isinstance(exc, RecursionError) else str(exc),
+                    )
+                raise RequestValidationError(
+                    [
+                        {
+                            "type": "json_invalid",
+                            "loc": ("body", pos),
+                            "msg": "JSON decode error",
+                            "input": {},
+                            "ctx": {"error": why},
+                        }
+                    ]
+                ) from None
+        else:
+            data = raw
+    if data is None:
+        raise RequestValidationError(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e.get("loc", ()))} for e in errors]
+        ) from None
 
 
 def _logprobs_since(out: RequestOutput, start: int) -> tuple[list[int], list[dict[int, Any]]]:

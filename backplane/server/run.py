@@ -3,13 +3,71 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from backplane.api.async_llm import AsyncLLM
 from backplane.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from backplane.server.connections import (
+    DEFAULT_HEAD_TIMEOUT,
+    default_max_connections,
+    guarded_h11_protocol,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_server"]
+__all__ = ["DEFAULT_TIMEOUT_KEEP_ALIVE", "run_server", "uvicorn_config"]
+
+#: Seconds an idle keep-alive connection stays open (uvicorn's default).
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5
+
+
+def uvicorn_config(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
+    timeout_request_head: float | None = DEFAULT_HEAD_TIMEOUT,
+    max_connections: int | None = None,
+    limit_concurrency: int | None = None,
+    h11_max_incomplete_event_size: int | None = None,
+) -> Any:
+    """The uvicorn configuration the server runs with: the guarded h11 protocol and its limits.
+
+    :param app: the ASGI application.
+    :param host: the address to bind.
+    :param port: the TCP port.
+    :param log_level: uvicorn's log level (access lines at ``debug`` and ``info``).
+    :param timeout_keep_alive: seconds an idle keep-alive connection stays open.
+    :param timeout_request_head: seconds a client has to send a whole request head
+        (``None``: no limit).
+    :param max_connections: open connections beyond this get a 503 and are closed
+        (``None``: :func:`~backplane.server.connections.default_max_connections`;
+        ``0``: no limit).
+    :param limit_concurrency: uvicorn's cap on connections and requests in flight,
+        beyond which requests get a 503 (``None``: none).
+    :param h11_max_incomplete_event_size: most bytes of a request head (``None``: h11's 16 KiB).
+    :return: a ``uvicorn.Config``.
+    """
+    import uvicorn
+
+    if max_connections is None:
+        max_connections = default_max_connections()
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level in ("debug", "info"),
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=timeout_keep_alive,  # type: ignore[arg-type]
+        limit_concurrency=limit_concurrency,
+        h11_max_incomplete_event_size=h11_max_incomplete_event_size,
+        http=guarded_h11_protocol(
+            head_timeout=timeout_request_head, max_connections=max_connections or None
+        ),
+    )
 
 
 def run_server(
@@ -21,6 +79,7 @@ def run_server(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "warning",
+    **limits: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT / SIGTERM, then stop the engine loop.
 
@@ -31,18 +90,14 @@ def run_server(
     :param api_key: require ``Authorization: Bearer <api_key>`` on ``/v1`` routes.
     :param max_body_bytes: refuse larger request bodies (413).
     :param log_level: uvicorn's log level.
+    :param limits: connection limits, as :func:`uvicorn_config` takes them
+        (``timeout_keep_alive``, ``timeout_request_head``, ``max_connections``,
+        ``limit_concurrency``, ``h11_max_incomplete_event_size``).
     """
     import uvicorn
 
     app = build_app(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=log_level in ("debug", "info"),
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(app, host=host, port=port, log_level=log_level, **limits)
     server = uvicorn.Server(config)
     logger.info("serving %s on http://%s:%d", model_name, host, port)
     try:
