@@ -11,6 +11,10 @@ from typing import Any
 
 from backplane.core.backend_spec import BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
+from backplane.core.openmp import prefer_passive_waiting
+
+# OpenMP reads its wait policy once, when torch loads it: set it before anything imports torch
+prefer_passive_waiting()
 
 __version__ = "0.1.0"
 

@@ -86,6 +86,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=sup,
         help="prepare the next step while the device runs the current one (default: on)",
     )
+    group.add_argument(
+        "--threads",
+        default=sup,
+        metavar="N",
+        help="torch CPU threads (default: the cores this process may use); fewer than the "
+        "cores leaves a core to other processes",
+    )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")
     group.add_argument(

@@ -15,6 +15,7 @@ Example YAML::
     model: tiny-llama
     dtype: auto            # float32 | bfloat16 | float16 | auto
     device: auto           # cpu | cuda | cuda:N | auto
+    threads: auto          # torch CPU threads; auto = the cores this process may use
     max_num_seqs: 16
     max_num_tokens: 1024
     kv_memory: 256MiB      # bytes, or a size with a unit; omit for auto
@@ -173,6 +174,11 @@ class EngineConfig:
         device runs the current one (its sampled tokens feed the next step on the
         device); a request that stops costs one wasted token slot, and no token
         after a stop reaches the user.
+    :param threads: torch's CPU thread count, set when the engine starts
+        (:func:`backplane.engine.threads.apply_threads`); ``None`` (or
+        ``"auto"``) = the cores this process may use (its CPU affinity). On a
+        CPU device the projections run on it; fewer threads than cores keep a
+        core free for other processes.
     :param seed: seed of the sampling RNG.
     :param debug: extra checks and logging (slower).
     :param backends: backend name or ``auto`` per op family; families left out
@@ -197,6 +203,7 @@ class EngineConfig:
     cuda_graph_buckets: tuple[int, ...] | None = None
     fused_ops: str = "auto"
     async_scheduling: bool = True
+    threads: int | None = None
     seed: int = 0
     debug: bool = False
     backends: Mapping[str, str] = field(default_factory=_default_backends)
@@ -546,6 +553,7 @@ _VALIDATORS: dict[str, Any] = {
     "cuda_graph_buckets": _buckets,
     "fused_ops": lambda v: _choice(v.strip().lower() if isinstance(v, str) else v, FUSED_OPS_MODES),
     "async_scheduling": _bool,
+    "threads": lambda v: _threads(v),
     "seed": lambda v: _int(v, minimum=0),
     "debug": _bool,
     "backends": _backends,
@@ -554,6 +562,18 @@ _VALIDATORS: dict[str, Any] = {
 
 def _raise_model(value: Any) -> str:
     raise ValueError(f"expected a model directory or preset name, got {value!r}")
+
+
+def _threads(value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        return _int(value, minimum=1)
+    except ValueError:
+        raise ValueError(
+            f"expected a positive number of threads or auto (the cores this process may use), "
+            f"got {value!r}"
+        ) from None
 
 
 def _positive_size(value: Any) -> int:
