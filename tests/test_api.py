@@ -138,18 +138,18 @@ def test_bad_config_is_a_config_error():
 
 def test_stream_text_with_multibyte_characters(llm, monkeypatch):
     """Byte-level tokens split characters; streamed text never shows half a character."""
-    import backplane.api.llm as api
+    import backplane.api.output_processor as op
 
-    monkeypatch.setattr(api, "_metrics", lambda request: None)
+    monkeypatch.setattr(op, "_metrics", lambda request: None)
     text = "naïve café – 東京"
     ids = llm.encode(text)
     assert len(ids) > len(text)  # multi-byte characters span several tokens
-    t = api._Tracked(type("R", (), {"request_id": "m"})(), [])
+    t = op.TrackedRequest(type("R", (), {"request_id": "m"})(), [])
     pieces = []
     for i, tok in enumerate(ids):
         t.token_ids.append(tok)
         t.finished = i == len(ids) - 1
-        new = llm._output(t, incremental=True).new_text
+        new = llm._outputs.output(t, incremental=True).new_text
         assert "\ufffd" not in new
         pieces.append(new)
     assert "".join(pieces) == text

@@ -1,8 +1,11 @@
 """The Python API: :class:`LLM` (offline and streaming generation over the engine).
 
 The modules: ``llm`` (:class:`LLM`), ``async_llm`` (:class:`AsyncLLM`: one engine
-loop for many concurrent callers) and ``outputs`` (:class:`RequestOutput`,
-:class:`CompletionOutput`, :class:`RequestMetrics`).
+loop for many concurrent callers), ``outputs`` (:class:`RequestOutput`,
+:class:`CompletionOutput`, :class:`RequestMetrics`), ``output_processor``
+(incremental detokenising and stop handling: tokens to outputs), ``stop`` (stop-string
+limits and matching), ``chat`` (chat templates), ``prompts`` (prompts, parameters and
+request ids checked before queueing) and ``guard`` (one thread at a time in an ``LLM``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,312 @@
+"""From the engine's tokens to :class:`RequestOutput`: detokenising, stop strings, stop reasons.
+
+:class:`OutputProcessor` turns each engine step's outputs for one request
+(:class:`TrackedRequest`) into the :class:`RequestOutput` the API hands out:
+the text is detokenised incrementally (a few tokens per step, never the whole
+output), stop strings end the request (:mod:`backplane.api.stop`), and the
+text that could still become a stop string is held back from streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from backplane.api.stop import StopMatcher
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OutputProcessor", "TrackedRequest"]
+
+
+class TrackedRequest:
+    """The API's view of one live request, with incremental detokenization state.
+
+    Text is produced from a sliding window of tokens, so each step decodes a
+    few tokens rather than the whole output: ``decode(ids[prefix:read])`` is
+    the text already emitted for that window, ``decode(ids[prefix:])`` the
+    window with the new tokens; the difference is new text, held back while it
+    ends in an incomplete character (U+FFFD). With stop strings, the end of the
+    text that could still become one is held back too (``sent`` counts the
+    characters handed out so far).
+
+    :param request: the engine's request (its ``sampling_params``, ``stats``,
+        ``output_token_times`` and ``request_id`` are read).
+    :param prompt: the prompt's token ids.
+    :param prompt_text: what ``RequestOutput.prompt`` shows (``None`` for token ids).
+    :param public_id: the id its outputs carry (that of the ``n > 1`` request
+        this one is a sample of); default: the engine request's id.
+    :param index: the sample's index in that request.
+    """
+
+    __slots__ = (
+        "request",
+        "prompt",
+        "prompt_text",
+        "public_id",
+        "index",
+        "text",
+        "token_ids",
+        "emitted",
+        "sent",
+        "finished",
+        "reason",
+        "prefix_offset",
+        "read_offset",
+        "stops",
+        "matcher",
+        "include_stop",
+        "stop_str",
+        "min_tokens",
+        "logprobs",
+        "prompt_logprobs",
+    )
+
+    def __init__(
+        self,
+        request: Any,
+        prompt: list[int],
+        prompt_text: str | None = None,
+        *,
+        public_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request = request
+        self.prompt = prompt
+        self.prompt_text = prompt_text
+        self.public_id = request.request_id if public_id is None else public_id
+        self.index = index
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.emitted = 0
+        self.sent = 0
+        self.finished = False
+        self.reason: str | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+        params = getattr(request, "sampling_params", None)
+        self.stops: tuple[str, ...] = tuple(getattr(params, "stop", ()) or ())
+        self.matcher = StopMatcher(self.stops) if self.stops else None
+        self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
+        self.stop_str: str | None = None
+        # stop strings are not searched in the text of the first min_tokens tokens
+        # (0 once the search has begun)
+        self.min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            [] if getattr(params, "logprobs", None) is not None else None
+        )
+        # set once the engine delivers them (with the first token)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class OutputProcessor:
+    """Detokenises requests' tokens and builds their outputs.
+
+    :param tokenizer: the model's tokenizer, or ``None`` (then texts are empty).
+    :param end_ids: the model's end-of-sequence ids and the chat end of turn: a
+        stop on one of those reports no ``stop_reason``, as in vLLM.
+    :param abort: ends a request in the engine by id (called when a stop
+        string matches, so its pages are freed at once).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        end_ids: frozenset[int],
+        abort: Callable[[str], bool],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.end_ids = end_ids
+        self._abort = abort
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Detokenize, skipping special tokens where the tokenizer can.
+
+        :param token_ids: the ids.
+        :return: the text (empty without a tokenizer).
+        """
+        if self.tokenizer is None or len(token_ids) == 0:
+            return ""
+        try:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        except TypeError:
+            return self.tokenizer.decode(list(token_ids))
+
+    def update(self, t: TrackedRequest, step_output: Any) -> RequestOutput:
+        """Take one engine step's output for ``t`` and return ``t``'s incremental output.
+
+        :param t: the request.
+        :param step_output: the engine's output for it (``new_token_ids``,
+            ``new_logprobs``, ``prompt_logprobs``, ``finished``, ``finish_reason``).
+        :return: the tokens and text added since the previous output, and the totals.
+        """
+        t.token_ids.extend(step_output.new_token_ids)
+        if t.logprobs is not None and step_output.new_logprobs:
+            t.logprobs.extend(self.decoded(d) for d in step_output.new_logprobs)
+        if step_output.prompt_logprobs is not None:
+            t.prompt_logprobs = self.decoded_list(step_output.prompt_logprobs)
+        if step_output.finished:
+            t.finished = True
+            t.reason = step_output.finish_reason
+        return self.output(t, incremental=True)
+
+    def output(self, t: TrackedRequest, *, incremental: bool) -> RequestOutput:
+        """Bring ``t``'s text up to date with its tokens and build its output.
+
+        :param t: the request.
+        :param incremental: ``new_token_ids`` / ``new_text`` hold what was added
+            since the previous output (else everything).
+        :return: the output.
+        """
+        new_ids = t.token_ids[t.emitted :] if incremental else list(t.token_ids)
+        t.emitted = len(t.token_ids)
+        if t.stop_str is None:  # a matched stop string froze the text
+            if t.finished:
+                final = self.decode(t.token_ids)  # the exact final text
+                if t.matcher is not None and not final.startswith(t.text):
+                    t.matcher.rewind(_common_prefix(t.text, final))
+                t.text = final
+            elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
+                ids = t.token_ids
+                old = self.decode(ids[t.prefix_offset : t.read_offset])
+                new = self.decode(ids[t.prefix_offset :])
+                if len(new) > len(old) and not new.endswith("\ufffd"):
+                    t.text += new[len(old) :]
+                    t.prefix_offset = t.read_offset
+                    t.read_offset = len(ids)
+            if t.matcher is not None:
+                t.matcher.consume(t.text)
+                if len(t.token_ids) > t.min_tokens:
+                    self._match_stop(t)
+        visible = len(t.text)
+        if t.matcher is not None and not t.finished:  # the end that may grow into a stop string
+            visible -= t.matcher.partial()
+        visible = max(min(visible, len(t.text)), min(t.sent, len(t.text)))
+        new_text = t.text[t.sent : visible] if incremental else t.text
+        t.sent = visible
+        completion = CompletionOutput(
+            index=t.index,
+            text=t.text,
+            token_ids=list(t.token_ids),
+            logprobs=None if t.logprobs is None else list(t.logprobs),
+            finish_reason=t.reason,
+            stop_reason=t.stop_str if t.stop_str is not None else stop_reason(t, self.end_ids),
+        )
+        return RequestOutput(
+            request_id=t.public_id,
+            prompt=t.prompt_text,
+            prompt_token_ids=t.prompt,
+            outputs=[completion],
+            finished=t.finished,
+            prompt_logprobs=t.prompt_logprobs,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            metrics=_metrics(t.request),
+        )
+
+    def decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """One position's logprobs with each token's text filled in (when there is a tokenizer).
+
+        :param entry: token id -> its logprob.
+        :return: the same, each with its decoded text.
+        """
+        if self.tokenizer is None:
+            return entry
+        return {tok: Logprob(lp.logprob, lp.rank, self.decode([tok])) for tok, lp in entry.items()}
+
+    def decoded_list(
+        self, entries: list[dict[int, Logprob] | None]
+    ) -> list[dict[int, Logprob] | None]:
+        """Prompt logprobs with each token's text (each distinct token decoded once).
+
+        :param entries: one entry per prompt position (``None`` for the first).
+        :return: the same, each logprob with its decoded text.
+        """
+        if self.tokenizer is None:
+            return entries
+        texts: dict[int, str] = {}
+        out: list[dict[int, Logprob] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            d = {}
+            for tok, lp in entry.items():
+                s = texts.get(tok)
+                if s is None:
+                    s = texts[tok] = self.decode([tok])
+                d[tok] = Logprob(lp.logprob, lp.rank, s)
+            out.append(d)
+        return out
+
+    def _match_stop(self, t: TrackedRequest) -> None:
+        """Finish ``t`` at its first stop string (trimmed unless it is to be kept).
+
+        The matcher has read the text already; this only asks it. With
+        ``min_tokens``, the search starts once more tokens than that were
+        generated, and a match must end after the text of the first
+        ``min_tokens`` tokens (vLLM's rule). A match ends the request in the
+        engine at once (its pages are freed); the tokens stay in ``token_ids``.
+        """
+        matcher = t.matcher
+        assert matcher is not None
+        if not matcher.searching:
+            # the first search: the text of the first min_tokens tokens does not count
+            held = self.decode(t.token_ids[: t.min_tokens]).rstrip("\ufffd") if t.min_tokens else ""
+            matcher.set_floor(min(len(held), len(t.text)))
+            t.min_tokens = 0
+        found = matcher.match()
+        if found is None:
+            return
+        p, s = found
+        t.text = t.text[: p + len(s)] if t.include_stop else t.text[:p]
+        t.stop_str = s
+        if not t.finished:
+            t.finished = True
+            self._abort(t.request.request_id)
+        t.reason = "stop"
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common beginning of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def stop_reason(t: TrackedRequest, end_ids: frozenset[int] = frozenset()) -> int | None:
+    """The stop token that ended a ``"stop"`` finish (``None`` for end-of-sequence or other).
+
+    :param t: the request.
+    :param end_ids: the model's end-of-sequence ids and the chat end of turn: a stop
+        on one of those is an end of sequence, as in vLLM.
+    :return: the token id, or ``None``.
+    """
+    if t.reason != "stop" or not t.token_ids:
+        return None
+    last = t.token_ids[-1]
+    if last in end_ids:
+        return None
+    return last if last in t.request.sampling_params.stop_token_ids else None
+
+
+def _metrics(req: Any) -> RequestMetrics:
+    """The request's timings and counters as :class:`RequestMetrics`."""
+    st = req.stats
+    times = req.output_token_times
+    return RequestMetrics(
+        arrival_time=st.arrival_time,
+        time_to_first_token=None
+        if st.first_token_time is None
+        else st.first_token_time - st.arrival_time,
+        inter_token_latencies=np.diff(times).tolist() if len(times) > 1 else [],
+        prompt_tokens_reused=int(st.cached_tokens),
+        num_preemptions=int(st.num_preemptions),
+        finished_time=st.finished_time,
+    )
