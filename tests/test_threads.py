@@ -14,6 +14,7 @@ import torch
 from backplane.cli.options import add_engine_arguments, config_from_args
 from backplane.core import openmp
 from backplane.core.errors import ConfigError
+from backplane.engine import threads as threads_module
 from backplane.engine.config import EngineConfig
 from backplane.engine.threads import apply_threads, available_cores, resolve_threads
 from backplane.models.linear import Linear, can_pack
@@ -105,12 +106,15 @@ def test_more_threads_than_cores_warns(restore_threads, caplog):
     assert "set threads to at most" in caplog.text
 
 
-def test_spinning_openmp_is_reported(restore_threads, monkeypatch, caplog):
+def test_spinning_openmp_is_reported_once(restore_threads, monkeypatch, caplog):
     monkeypatch.setattr(openmp, "_policy_at_load", "unknown")
+    monkeypatch.setattr(threads_module, "_warned_spinning", False)
     with caplog.at_level(logging.WARNING, logger="backplane.engine.threads"):
         apply_threads(2)
-    assert "OMP_WAIT_POLICY=PASSIVE" in caplog.text
+        apply_threads(2)
+    assert caplog.text.count("OMP_WAIT_POLICY=PASSIVE") == 1
     caplog.clear()
+    monkeypatch.setattr(threads_module, "_warned_spinning", False)
     monkeypatch.setattr(openmp, "_policy_at_load", "PASSIVE")
     with caplog.at_level(logging.WARNING, logger="backplane.engine.threads"):
         apply_threads(2)
@@ -180,3 +184,43 @@ def test_packed_projection_matches_float64_at_each_thread_count(
         y = lin(x)
     ref = x.double() @ w64.T
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def _preset_logits(name: str, dtype: torch.dtype, pack: bool, tokens: list[int]) -> torch.Tensor:
+    """Prefill ``tokens`` through preset ``name`` (torch backends) and return every token's logits."""
+    from backplane.core.forward_context import forward_context, plan_step
+    from backplane.core.packing import build_batch_metadata
+    from backplane.core.registry import get_registry
+    from backplane.models.presets import build_preset
+    from backplane.testing.plugin import load_backend
+
+    registry = get_registry()
+    backends = {"attention": load_backend(registry.get("attention", "torch"))}
+    lm = build_preset(name, dtype=dtype, backends=backends).model
+    if pack:
+        assert lm.pack_weights_for_cpu(rows=8) > 0
+    page_size = 16
+    pages = -(-len(tokens) // page_size)
+    lm.allocate_caches(
+        num_pages=pages + 1, page_size=page_size, num_slots=2, dtype=dtype, device="cpu"
+    )
+    batch = build_batch_metadata(
+        [len(tokens)], [0], [list(range(1, pages + 1))], page_size, state_slots=[1], device="cpu"
+    )
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    with torch.inference_mode(), forward_context(batch, plan_step(backends, batch)):
+        hidden = lm(ids, batch.positions)
+        return lm.compute_logits(hidden[: batch.num_tokens]).double()
+
+
+@pytest.mark.skipif(
+    not can_pack(torch.empty(2, 2)), reason="this torch build has no oneDNN packing"
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_model_logits_match_float64_at_each_thread_count(restore_threads, threads):
+    tokens = [256, *range(40, 77)]
+    torch.set_num_threads(threads)
+    got = _preset_logits("tiny-llama", torch.float32, True, tokens)
+    ref = _preset_logits("tiny-llama", torch.float64, False, tokens)
+    assert got.shape == (len(tokens), 320)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

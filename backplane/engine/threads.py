@@ -20,6 +20,9 @@ from backplane.core.openmp import WAIT_POLICY_VAR, wait_policy
 
 logger = logging.getLogger(__name__)
 
+#: whether the spinning-threads warning was given (once per process: it names the process's set-up)
+_warned_spinning = False
+
 
 def available_cores() -> int:
     """Return how many cores this process may run on.
@@ -51,6 +54,7 @@ def apply_threads(threads: int | None) -> int:
         the cores this process may use.
     :return: the count now in effect (``torch.get_num_threads()``).
     """
+    global _warned_spinning
     count = resolve_threads(threads)
     cores = available_cores()
     if count > cores:
@@ -61,7 +65,8 @@ def apply_threads(threads: int | None) -> int:
             cores,
             cores,
         )
-    if count > 1 and wait_policy() == "unknown":
+    if count > 1 and wait_policy() == "unknown" and not _warned_spinning:
+        _warned_spinning = True
         logger.warning(
             "torch was imported before backplane, so its OpenMP threads spin while they wait: "
             "with %d threads, a core taken by another process can slow every product tenfold "
