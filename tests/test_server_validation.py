@@ -212,3 +212,11 @@ def test_chat_checks_refuse_bad_text_and_reserved_names():
     assert check_template_kwargs(None) == {} and check_template_kwargs({"a": 1}) == {"a": 1}
     with pytest.raises(InvalidFieldError, match="chat_template_kwargs"):
         ChatTemplate(TEMPLATE).render([{"role": "user", "content": "x"}], tools=[BAD])
+
+
+@pytest.mark.parametrize("prompt", [BAD, ["ok", BAD]])
+def test_python_prompts_that_are_not_utf8_are_request_errors(served, prompt):
+    _, llm = served
+    with pytest.raises(InvalidFieldError, match="not UTF-8 text") as info:
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+    assert info.value.field == "prompt"

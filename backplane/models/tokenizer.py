@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backplane.core.errors import ConfigError, RequestError
+from backplane.core.errors import ConfigError, InvalidFieldError, RequestError
+from backplane.core.text import is_utf8_text
 from backplane.models.chat import ChatTemplate, Message
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,15 @@ class TextTokenizer:
         :param text: the text; special tokens written in it are matched whole.
         :param add_special_tokens: apply the post-processor (e.g. a leading bos).
         :return: a ``tokenizers.Encoding`` (``.ids``).
+        :raises InvalidFieldError: ``text`` is not UTF-8 text (field ``"prompt"``).
         """
+        if isinstance(text, str) and not is_utf8_text(text):
+            # the backend would raise a bare TypeError ("TextInputSequence must be str")
+            raise InvalidFieldError(
+                "the prompt holds a string that is not UTF-8 text (a lone surrogate such as "
+                "\\ud800); pass valid Unicode text",
+                field="prompt",
+            )
         return self.backend.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
