@@ -18,6 +18,7 @@ from graph_helpers import generate_eager_and_graphed, graph_runner_for
 from backplane.core.backend_spec import BackendSpec
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import StepMode
+from backplane.engine.config import CUDA_GRAPH_MODES
 from backplane.engine.engine import Engine
 from backplane.engine.worker.graph.mode import GraphMode, decide_graph_mode
 from backplane.engine.worker.graph.runner import GraphModelRunner
@@ -264,6 +265,8 @@ def test_graph_mode_is_decided_once_from_config_device_and_backends(caplog):
     assert GraphMode.FULL_AND_PIECEWISE.has_decode and GraphMode.FULL_AND_PIECEWISE.has_piecewise
     assert not GraphMode.PIECEWISE.has_decode and not GraphMode.DECODE.has_piecewise
     assert not GraphMode.OFF.captures and GraphMode.OFF == "off"
+    # the configuration accepts exactly the modes the worker knows
+    assert tuple(m.value for m in GraphMode) == CUDA_GRAPH_MODES
 
 
 def test_engine_on_cpu_runs_eagerly_whatever_the_graph_setting():

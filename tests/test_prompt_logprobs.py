@@ -251,7 +251,7 @@ def test_plain_requests_beside_prompt_logprobs_are_unchanged(tiny, llm, async_sc
 
 def test_long_chunks_go_through_the_lm_head_in_slices(tiny, monkeypatch):
     """Many prompt rows are projected in slices (here 3 rows each): same values."""
-    from backplane.engine import runner
+    from backplane.engine.worker import runner
 
     model, path = tiny
     p = prompts(5, (40,))[0]

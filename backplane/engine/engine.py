@@ -14,20 +14,21 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from backplane.core.errors import ConfigError, EngineClosedError, InvalidFieldError
-from backplane.core.families import Backend
 from backplane.engine.config import EngineConfig
 from backplane.engine.executor import Executor, InProcessExecutor
+from backplane.engine.inspection import WorkerView
 from backplane.engine.outputs import (
     EngineStepOutput,
     LaunchedStep,
     PromptLaunch,
+    TokenCopies,
     collect_outputs,
     keep_logprobs,
     keep_prompt_logprobs,
@@ -36,7 +37,6 @@ from backplane.engine.outputs import (
 from backplane.engine.request import Request
 from backplane.engine.sampling import (
     PromptLogprobRows,
-    Sampler,
     SamplerOutput,
     SamplingParams,
     check_for_model,
@@ -44,15 +44,11 @@ from backplane.engine.sampling import (
 )
 from backplane.engine.sched import ScheduledSeq, Scheduler, SchedulerOutput
 from backplane.engine.step_rows import prompt_rows, sampling_rows
-from backplane.engine.worker.inputs import BatchInputs, InputBatch
+from backplane.engine.worker.inputs import BatchInputs
 
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
     from backplane.engine.kv_cache.manager import KVCacheManager
-    from backplane.engine.worker.device_worker import DeviceWorker
-    from backplane.engine.worker.memory import KVBudget
-    from backplane.engine.worker.runner import ModelRunner
-    from backplane.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +73,7 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-class Engine:
+class Engine(WorkerView):
     """The inference engine loop: requests, scheduler and KV-cache manager over an executor.
 
     :param config: an :class:`~backplane.engine.config.EngineConfig` (or ``None`` for
@@ -128,13 +124,7 @@ class Engine:
         self._inflight: LaunchedStep | None = None
         # tokens committed by an asynchronous step that raised before returning them
         self._undelivered: dict[str, int] | None = None
-        # two pinned buffers for the sampled tokens: step N+1's copy is issued before N's is read
-        cuda = self.device.type == "cuda"
-        self._token_host = [
-            torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
-        ]
-        self._token_flip = 0
-        self._token_events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+        self._copies: TokenCopies | None = TokenCopies(self.max_num_seqs, self.device)
         self._requests: dict[str, Request] = {}
         # live requests whose prompt logprobs are not all computed yet
         self._prompt_lp_reqs: set[Request] = set()
@@ -167,61 +157,6 @@ class Engine:
             max_num_tokens=self.max_num_tokens,
         )
 
-    # -- what the worker holds, for inspection --------------------------------------
-
-    @property
-    def _worker(self) -> DeviceWorker:
-        return self.executor.driver
-
-    @property
-    def model(self) -> CausalLM | None:
-        """The worker's model (``None`` after :meth:`shutdown`)."""
-        return self._worker.model
-
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer (Any: whatever its checkpoint's loader made, HF or GGUF)."""
-        return self._worker.tokenizer
-
-    @property
-    def model_config(self) -> Mapping[str, Any]:
-        """The model's configuration (a ``ModelConfig``: values of any JSON type)."""
-        return self._worker.model_config
-
-    @property
-    def backends(self) -> Mapping[str, Backend] | None:
-        """``{family: backend}`` of the families the model uses (``None`` after shutdown)."""
-        return self._worker.backends
-
-    @property
-    def caches(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        """The worker's caches, ``{layer: {name: tensor}}`` (``None`` after shutdown)."""
-        return self._worker.caches
-
-    @property
-    def runner(self) -> ModelRunner | None:
-        """The worker's model runner (``None`` after shutdown)."""
-        return self._worker.runner
-
-    @runner.setter
-    def runner(self, runner: ModelRunner) -> None:
-        self._worker.runner = runner
-
-    @property
-    def input_batch(self) -> InputBatch | None:
-        """The worker's persistent input batch (``None`` after shutdown)."""
-        return self._worker.input_batch
-
-    @property
-    def sampler(self) -> Sampler | None:
-        """The worker's :class:`~backplane.engine.sampling.Sampler` (``None`` after shutdown)."""
-        return self._worker.sampler
-
-    @property
-    def kv_budget(self) -> KVBudget | None:
-        """How the KV memory was sized on CUDA (``None`` when configured or on CPU)."""
-        return self._worker.kv_budget
-
     # -- lifetime ----------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -237,8 +172,7 @@ class Engine:
             return
         self._closed = True
         self._inflight = None
-        self._token_host = []
-        self._token_events = []
+        self._copies = None
         self._undelivered = None
         self.scheduler = None
         self.executor.shutdown()
@@ -383,7 +317,7 @@ class Engine:
         """
         self._check_open()
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
-        flip = self._token_flip
+        flip = self._copies.turn
         prev = self._inflight
         try:
             return self._run_step(sched)
@@ -428,7 +362,7 @@ class Engine:
         :param prev: the asynchronous step that was in flight when it began.
         :param flip: the token buffer the step began with.
         """
-        self._token_flip = flip  # the failed launch's buffer is free again
+        self._copies.turn = flip  # the failed launch's buffer is free again
         failed = [s.request for s in sched.scheduled]
         if prev is not None and self._inflight is prev:
             # The launch failed; the step before it is intact. Commit it now: a restarted
@@ -465,22 +399,12 @@ class Engine:
         reqs = [scheduled[i].request for i in inputs.sample_seqs]
         out = self.sample(hidden, inputs, reqs, prompt.rows if prompt is not None else None)
         tokens = out.tokens
-        n = len(reqs)
-        turn = self._token_flip
-        self._token_flip ^= 1
-        host = self._token_host[turn][:n]
-        event = None
-        lp_host = None
-        if n:
-            host.copy_(tokens, non_blocking=True)
-            if out.logprobs is not None:
-                # copied with the tokens, before the event: read when they are
-                lp_host = to_host(out.logprobs)
+        host, event = self._copies.start(tokens, wait_too=prompt is not None)
+        lp_host = to_host(out.logprobs) if len(reqs) and out.logprobs is not None else None
         if prompt is not None and out.prompt_logprobs is not None:
             prompt.host = to_host(out.prompt_logprobs)
-        if self.device.type == "cuda" and (n or prompt is not None):
-            # reused every other step: the step that last recorded it has been committed
-            event = self._token_events[turn]
+        if event is not None:
+            # recorded after every copy of the step was issued: reading them waits for it
             event.record()
         for row, r in enumerate(reqs):
             r.pending_row = row

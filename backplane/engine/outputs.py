@@ -30,6 +30,7 @@ __all__ = [
     "HostLogprobs",
     "LaunchedStep",
     "PromptLaunch",
+    "TokenCopies",
     "finished_requests",
     "keep_logprobs",
     "keep_prompt_logprobs",
@@ -114,6 +115,44 @@ class LaunchedStep:
             self.event.synchronize()
         tokens = self.host.tolist()
         return {r.request_id: t for r, t in zip(self.reqs, tokens, strict=True)}
+
+
+class TokenCopies:
+    """Two pinned host buffers for the sampled tokens, used in turn.
+
+    Step N+1's copy is issued before step N's tokens are read, so each step
+    copies into the buffer the step before last used (committed by then).
+
+    :param max_rows: most sampled rows in one step.
+    :param device: the device the tokens are sampled on (pinned buffers and events on CUDA).
+    """
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._host = [torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+        #: the buffer the next step copies into (0 or 1)
+        self.turn = 0
+
+    def start(
+        self, tokens: torch.Tensor, wait_too: bool = False
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Issue the copy of a step's tokens to the host.
+
+        :param tokens: ``[n]`` int64 tokens on the device.
+        :param wait_too: the step copies something else (prompt logprobs) that needs an
+            event even without tokens.
+        :return: the host view (valid once the event completed) and the event the caller
+            records after issuing its other copies (``None`` on CPU, or with nothing to wait for).
+        """
+        n = len(tokens)
+        turn = self.turn
+        self.turn ^= 1
+        host = self._host[turn][:n]
+        if n:
+            host.copy_(tokens, non_blocking=True)
+        event = self._events[turn] if self._events and (n or wait_too) else None
+        return host, event
 
 
 def to_host(lp: LogprobsTensors) -> HostLogprobs:
