@@ -244,3 +244,19 @@ def test_serve_refuses_bad_connection_flags(capsys):
     ):
         assert main(["serve", "tiny-llama", flag, value]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_serve_help_lists_the_connection_flags(capsys):
+    from backplane.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in (
+        "--timeout-request-head",
+        "--timeout-keep-alive",
+        "--max-connections",
+        "--limit-concurrency",
+        "--h11-max-incomplete-event-size",
+    ):
+        assert flag in text, flag

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
 import time
 from typing import Any
 
@@ -45,6 +44,10 @@ def default_max_connections() -> int:
 
     :return: the default cap on open connections.
     """
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: no descriptor limit to read
+        return 8192
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 8192
