@@ -8,7 +8,11 @@ import os
 import re
 
 import pytest
-import torch
+
+# backplane before torch (which this file imports only inside fixtures): it asks OpenMP for
+# sleeping idle threads, read once when torch loads the runtime (backplane.core.openmp), so the
+# tests run the way the engine runs.
+import backplane  # noqa: F401
 
 # Every cached Triton launch in the tests (and their child processes) is checked
 # against the kernel Triton itself would run (see backplane.core.launch).
@@ -143,6 +147,8 @@ def leak_check(_register_schedulers):
 def one_torch_thread():
     """One torch thread for a module: its tiny matmuls run fastest single-threaded and do
     not fight over shared CI cores (modules opt in with ``pytest.mark.usefixtures``)."""
+    import torch
+
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -97,6 +97,16 @@ def test_auto_is_the_cores_this_process_may_use(monkeypatch):
 
 def test_apply_threads_sets_torch_threads(restore_threads):
     assert apply_threads(1) == 1 and torch.get_num_threads() == 1
+    assert apply_threads(2) == 2 and torch.get_num_threads() == 2
+
+
+def test_unset_threads_keep_a_count_the_application_chose(restore_threads):
+    torch.set_num_threads(1)
+    assert apply_threads(None) == 1 == torch.get_num_threads()
+
+
+def test_unset_threads_lower_a_count_above_the_cores(restore_threads):
+    torch.set_num_threads(_affinity_size() + 3)
     assert apply_threads(None) == _affinity_size() == torch.get_num_threads()
 
 

@@ -50,13 +50,18 @@ def resolve_threads(threads: int | None) -> int:
 def apply_threads(threads: int | None) -> int:
     """Set torch's intra-op thread count for the engine (call once, at start-up).
 
+    With ``threads`` unset, a count the application chose already
+    (``torch.set_num_threads``) is kept when it fits the cores this process may
+    use; only a count above them (torch's default on a machine whose cores are
+    shared out by ``taskset`` or a container) is lowered.
+
     :param threads: ``EngineConfig.threads``: a positive count, or ``None`` for
         the cores this process may use.
     :return: the count now in effect (``torch.get_num_threads()``).
     """
     global _warned_spinning
-    count = resolve_threads(threads)
     cores = available_cores()
+    count = min(torch.get_num_threads(), cores) if threads is None else int(threads)
     if count > cores:
         logger.warning(
             "threads=%d but this process may use %d cores: threads that share a core wait "
