@@ -144,6 +144,46 @@ def test_stop_strings_beyond_the_limits_are_refused(llm, stop, says):
     assert len(out.token_ids) == 3
 
 
+def test_a_configured_length_above_the_default_is_honoured():
+    from backplane import LLM, SamplingParams
+
+    long_stop = "q" * 3000
+    with LLM("tiny-llama", **CONFIG, max_stop_string_length=4096) as big:
+        out = big.generate(["a"], greedy(3, stop=[long_stop]))[0]
+        assert len(out.token_ids) == 3
+    # the parameters themselves bound neither count nor length: the engine's settings do
+    assert SamplingParams(stop=[long_stop] * 100).stop == (long_stop,) * 100
+
+
+def test_async_requests_bring_their_automaton_built_off_the_engine_loop(monkeypatch):
+    import threading
+
+    from backplane import LLM, SamplingParams
+    from backplane.api import AsyncLLM, stop
+
+    built_on: list[str] = []
+    real = stop.stop_automaton.__wrapped__
+
+    def spy(stops):
+        built_on.append(threading.current_thread().name)
+        return real(stops)
+
+    monkeypatch.setattr(stop, "stop_automaton", spy)
+    import backplane.api.async_llm as async_module
+
+    monkeypatch.setattr(async_module, "stop_automaton", spy)
+    engine = AsyncLLM(llm=LLM("tiny-llama", **CONFIG))
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, stop=["unlikely stop"])
+        stream = engine.submit("hello", params)
+        assert len(list(stream)[-1].outputs[0].token_ids) == 3
+        with pytest.raises(InvalidFieldError, match="at most 64"):
+            engine.submit("hello", SamplingParams(max_tokens=3, stop=["s"] * 65))
+    finally:
+        engine.shutdown()
+    assert built_on == [threading.current_thread().name], built_on
+
+
 def test_server_answers_400_naming_stop():
     for module in ("fastapi", "httpx"):
         pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[dev]')")

@@ -53,6 +53,7 @@ from typing import Any
 
 from backplane.api.llm import LLM, Conversation, Prompt
 from backplane.api.outputs import RequestOutput
+from backplane.api.stop import StopAutomaton, stop_automaton
 from backplane.core.errors import BackplaneError, InvalidFieldError, RequestError
 from backplane.engine.sampling import SamplingParams
 from backplane.models.tokenizer_bounds import char_bound
@@ -428,6 +429,24 @@ class AsyncLLM:
             return self._encode(prompt), prompt
         return prompt, None
 
+    def _stops_ahead_sync(self, params: SamplingParams | None) -> StopAutomaton | None:
+        """Check a request's stop strings against the limits and build their automaton.
+
+        Both cost time in proportion to the stop strings (a fraction of a second
+        for the largest allowed set), so they run on the caller's side, never on
+        the engine loop, where every stream would wait.
+        """
+        if not isinstance(params, SamplingParams) or not params.stop:
+            return None
+        self.llm._check_stops(params)
+        return stop_automaton(tuple(params.stop))
+
+    async def _stops_ahead(self, params: SamplingParams | None) -> StopAutomaton | None:
+        if not isinstance(params, SamplingParams) or not params.stop:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self._stops_ahead_sync, params)
+
     async def _tokenize(self, prompt: Prompt) -> tuple[Any, str | None]:
         if not isinstance(prompt, str):
             return prompt, None
@@ -475,6 +494,7 @@ class AsyncLLM:
         :raises EngineDeadError: the engine loop is not running.
         """
         ids, text = await self._tokenize(prompt)
+        automaton = await self._stops_ahead(sampling_params)
         rid = self._new_id(request_id)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
@@ -490,7 +510,7 @@ class AsyncLLM:
 
             loop.call_soon_threadsafe(settle)
 
-        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done))
+        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done, automaton))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -558,6 +578,7 @@ class AsyncLLM:
         :raises EngineDeadError: the engine loop is not running.
         """
         ids, text = self._tokenize_sync(prompt)
+        automaton = self._stops_ahead_sync(sampling_params)
         rid = self._new_id(request_id)
         sink = _ThreadSink()
         accepted = threading.Event()
@@ -568,7 +589,7 @@ class AsyncLLM:
                 error.append(exc)
             accepted.set()
 
-        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done))
+        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done, automaton))
         while not accepted.wait(0.5):
             if not self._thread.is_alive():
                 raise EngineDeadError("the engine loop stopped before accepting the request")
@@ -715,7 +736,7 @@ class AsyncLLM:
                 if self.llm.abort(rid):
                     logger.debug("request %s aborted", rid)
                 continue
-            _, ids, params, rid, text, sink, done = cmd
+            _, ids, params, rid, text, sink, done, automaton = cmd
             if rid in self._cancelled:
                 self._cancelled.discard(rid)
                 done(RequestError(f"request {rid!r} was aborted before it started"))
@@ -727,7 +748,7 @@ class AsyncLLM:
                         f"{cap} requests are already waiting for the engine "
                         "(max_waiting_requests); retry later"
                     )
-                self.llm._add_tokens(ids, params, rid, text)
+                self.llm._add_tokens(ids, params, rid, text, stop_automaton=automaton)
             except BackplaneError as exc:
                 done(exc)
                 continue

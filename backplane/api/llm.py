@@ -40,7 +40,7 @@ from backplane.api.prompts import (
     params_per_prompt,
     split_samples,
 )
-from backplane.api.stop import check_stop_limits
+from backplane.api.stop import StopAutomaton, check_stop_limits
 from backplane.core.errors import RequestError
 from backplane.engine.sampling import SamplingParams
 
@@ -153,11 +153,13 @@ class LLM:
         *,
         public_id: str | None = None,
         index: int = 0,
+        stop_automaton: StopAutomaton | None = None,
     ) -> str:
         """Queue a tokenized prompt (``prompt_text``: what ``RequestOutput.prompt`` shows).
 
         ``public_id`` / ``index``: the request and sample this engine request is
-        one of (``n > 1``); its outputs carry them.
+        one of (``n > 1``); its outputs carry them. ``stop_automaton``: the stop
+        strings' automaton when the caller built it ahead, off this thread.
         """
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -172,7 +174,12 @@ class LLM:
             rid = self.engine.add_request(ids, sampling_params, request_id)
             req = self.engine.get_request(rid)
             self._tracked[rid] = TrackedRequest(
-                req, req.prompt_token_ids.tolist(), prompt_text, public_id=public_id, index=index
+                req,
+                req.prompt_token_ids.tolist(),
+                prompt_text,
+                public_id=public_id,
+                index=index,
+                stop_automaton=stop_automaton,
             )
         return rid
 

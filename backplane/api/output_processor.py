@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from backplane.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from backplane.api.stop import StopMatcher
+from backplane.api.stop import StopAutomaton, StopMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class TrackedRequest:
     :param public_id: the id its outputs carry (that of the ``n > 1`` request
         this one is a sample of); default: the engine request's id.
     :param index: the sample's index in that request.
+    :param stop_automaton: the automaton of its stop strings, built ahead (else built here).
     """
 
     __slots__ = (
@@ -74,6 +75,7 @@ class TrackedRequest:
         *,
         public_id: str | None = None,
         index: int = 0,
+        stop_automaton: StopAutomaton | None = None,
     ) -> None:
         self.request = request
         self.prompt = prompt
@@ -90,7 +92,7 @@ class TrackedRequest:
         self.read_offset = 0
         params = getattr(request, "sampling_params", None)
         self.stops: tuple[str, ...] = tuple(getattr(params, "stop", ()) or ())
-        self.matcher = StopMatcher(self.stops) if self.stops else None
+        self.matcher = StopMatcher(self.stops, stop_automaton) if self.stops else None
         self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
         self.stop_str: str | None = None
         # stop strings are not searched in the text of the first min_tokens tokens

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from backplane.core.errors import InvalidFieldError
 
-__all__ = ["StopMatcher", "check_stop_limits"]
+__all__ = ["StopAutomaton", "StopMatcher", "check_stop_limits", "stop_automaton"]
 
 # a trie edge is the key ``node << _CHAR_BITS | ord(char)`` (every code point fits in 21 bits)
 _CHAR_BITS = 21
@@ -177,9 +177,21 @@ class _Automaton:
         return out[v]
 
 
+#: the matching automaton of one set of stop strings (build it with :func:`stop_automaton`)
+StopAutomaton = _Automaton
+
+
 @functools.lru_cache(maxsize=8)
-def _automaton(stops: tuple[str, ...]) -> _Automaton:
-    """The automaton of ``stops``, shared by the requests that give the same strings."""
+def stop_automaton(stops: tuple[str, ...]) -> StopAutomaton:
+    """Build (or find) the automaton of ``stops``, shared by the requests that give the same strings.
+
+    Building one for the largest allowed set takes a fraction of a second, so
+    :class:`~backplane.api.async_llm.AsyncLLM` builds it on a worker thread
+    before the request reaches the engine loop, where every stream would wait for it.
+
+    :param stops: the request's stop strings (each non-empty).
+    :return: the automaton to hand to :class:`StopMatcher`.
+    """
     return _Automaton(stops)
 
 
@@ -192,12 +204,13 @@ class StopMatcher:
     floor may be set after text was read (:meth:`set_floor`).
 
     :param stops: the request's stop strings (non-empty, each non-empty).
+    :param automaton: their automaton, built ahead (:func:`stop_automaton`); built here if ``None``.
     """
 
     __slots__ = ("_ac", "_node", "_fed", "_floor", "_found", "_skip_to")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self._ac = _automaton(stops)
+    def __init__(self, stops: tuple[str, ...], automaton: StopAutomaton | None = None) -> None:
+        self._ac = automaton if automaton is not None else stop_automaton(stops)
         self._node = 0
         self._fed = 0  # characters of the text read so far
         self._floor: int | None = None  # None: not known yet (every match is kept)

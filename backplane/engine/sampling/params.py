@@ -138,7 +138,8 @@ def _stop_strings(why: str) -> Callable[[Any], tuple[str, ...]]:
     and UTF-8 text."""
 
     def one(v: Any) -> str:
-        if not isinstance(v, str) or not v or len(v) > 1024:
+        # how many and how long: the engine's max_stop_strings / max_stop_string_length
+        if not isinstance(v, str) or not v:
             raise _Invalid(why)
         if not is_utf8_text(v):
             raise _Invalid(
@@ -289,10 +290,7 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
     ),
     "ignore_eos": _boolean("must be True or False"),
     "n": _integer(1, MAX_N, f"must be an integer from 1 to {MAX_N}"),
-    "stop": _stop_strings(
-        "must be a non-empty string or a list of non-empty strings of at most 1024 characters "
-        "(or None)"
-    ),
+    "stop": _stop_strings("must be a non-empty string or a list of non-empty strings (or None)"),
     "include_stop_str_in_output": _boolean("must be True or False"),
     "min_tokens": _integer(0, _INT32_MAX, "must be an integer from 0 (off) up to max_tokens"),
     "presence_penalty": _real(
