@@ -161,7 +161,7 @@ def test_check_field_is_the_table_and_normalises():
 
 
 def test_refused_values_are_shown_short():
-    huge = ["x" * 2000] * 3000
+    huge = ["x" * 2000] * 3000 + [""]  # refused for its empty string, shown short
     with pytest.raises(InvalidFieldError) as info:
         SamplingParams(stop=huge)
     assert len(str(info.value)) < 600 and "characters" in str(info.value)

@@ -17,6 +17,8 @@ import numpy as np
 
 from backplane.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from backplane.api.stop import StopAutomaton, StopMatcher
+from backplane.engine.outputs import EngineStepOutput
+from backplane.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class TrackedRequest:
 
     def __init__(
         self,
-        request: Any,
+        request: Request,
         prompt: list[int],
         prompt_text: str | None = None,
         *,
@@ -117,7 +119,7 @@ class OutputProcessor:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Any,  # Any: whatever the checkpoint's loader made (HF tokenizers or GGUF)
         end_ids: frozenset[int],
         abort: Callable[[str], bool],
     ) -> None:
@@ -138,7 +140,7 @@ class OutputProcessor:
         except TypeError:
             return self.tokenizer.decode(list(token_ids))
 
-    def update(self, t: TrackedRequest, step_output: Any) -> RequestOutput:
+    def update(self, t: TrackedRequest, step_output: EngineStepOutput) -> RequestOutput:
         """Take one engine step's output for ``t`` and return ``t``'s incremental output.
 
         :param t: the request.
@@ -298,7 +300,7 @@ def stop_reason(t: TrackedRequest, end_ids: frozenset[int] = frozenset()) -> int
     return last if last in t.request.sampling_params.stop_token_ids else None
 
 
-def _metrics(req: Any) -> RequestMetrics:
+def _metrics(req: Request) -> RequestMetrics:
     """The request's timings and counters as :class:`RequestMetrics`."""
     st = req.stats
     times = req.output_token_times
