@@ -24,7 +24,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def served():
-    """A tiny model behind the app (its tokenizer given a chat template); yields (client, llm)."""
+    """A tiny model behind the app (its tokenizer given a chat template); yields (client, llm, async engine)."""
     from backplane import LLM
     from backplane.api import AsyncLLM
     from backplane.server.app import build_app
@@ -34,7 +34,7 @@ def served():
     engine = AsyncLLM(llm=llm)
     try:
         with TestClient(build_app(engine, model_name="tiny")) as client:
-            yield client, llm
+            yield client, llm, engine
     finally:
         engine.shutdown()
 
@@ -83,7 +83,7 @@ def _python_message(**fields) -> str:
     ],
 )
 def test_http_refuses_what_python_refuses_with_the_same_message(served, field, value):
-    client, _ = served
+    client, *_ = served
     want = _python_message(**{field: value})
     for path, base in [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
@@ -94,7 +94,7 @@ def test_http_refuses_what_python_refuses_with_the_same_message(served, field, v
 
 
 def test_chat_limit_and_top_logprobs_are_refused_under_their_own_names(served):
-    client, _ = served
+    client, *_ = served
     err = _error(*_post(client, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}))
     assert err["param"] == "max_completion_tokens"
     assert err["message"] == _python_message(max_tokens=0)
@@ -104,7 +104,7 @@ def test_chat_limit_and_top_logprobs_are_refused_under_their_own_names(served):
 
 
 def test_completion_logprobs_follow_the_table(served):
-    client, _ = served
+    client, *_ = served
     body = {"prompt": "hi", "max_tokens": 2, "logprobs": True}
     err = _error(*_post(client, "/v1/completions", body))
     assert err["param"] == "logprobs" and err["message"] == _python_message(logprobs=True)
@@ -112,7 +112,7 @@ def test_completion_logprobs_follow_the_table(served):
 
 @pytest.mark.parametrize("prompt", [[True, False], [1, "2"], [1.0, 2.0], [[3, True]]])
 def test_prompt_token_ids_follow_the_engines_rule(served, prompt):
-    client, llm = served
+    client, llm, _ = served
     err = _error(*_post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 2}))
     assert err["param"] == "prompt"
     ids = prompt[0] if isinstance(prompt[0], list) else prompt
@@ -131,13 +131,13 @@ def _after_id(message: str) -> str:
     "prompt", [{"text": "hi"}, 5, [], [[]], ["a", [1]], None], ids=lambda p: repr(p)
 )
 def test_prompt_of_no_accepted_form_is_a_400(served, prompt):
-    client, _ = served
+    client, *_ = served
     err = _error(*_post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 2}))
     assert err["param"] == "prompt"
 
 
 def test_valid_requests_still_run(served):
-    client, _ = served
+    client, *_ = served
     status, body = _post(
         client,
         "/v1/completions",
@@ -184,20 +184,23 @@ SURROGATES = [
 
 @pytest.mark.parametrize(("path", "body", "param"), SURROGATES)
 def test_lone_surrogates_are_json_400s_naming_the_field(served, path, body, param):
-    client, _ = served
+    client, *_ = served
     err = _error(*_post(client, path, {"max_tokens": 2, **body}))
     assert err["param"] == param and "not UTF-8 text" in err["message"]
 
 
 @pytest.mark.parametrize("key", ["messages", "add_generation_prompt"])
 def test_reserved_template_kwargs_are_refused_by_both_doors(served, key):
-    client, llm = served
+    client, llm, engine = served
     body = {**CHAT, "chat_template_kwargs": {key: True, "other": 1}}
     err = _error(*_post(client, "/v1/chat/completions", body))
     assert err["param"] == "chat_template_kwargs" and key in err["message"]
     assert "sets itself" in err["message"]
     with pytest.raises(InvalidFieldError, match=key) as info:
         llm.chat(CHAT["messages"], SamplingParams(max_tokens=2), chat_template_kwargs={key: 1})
+    assert info.value.field == "chat_template_kwargs"
+    with pytest.raises(InvalidFieldError, match=key) as info:
+        engine.render_chat(CHAT["messages"], chat_template_kwargs={key: 1})
     assert info.value.field == "chat_template_kwargs"
 
 
@@ -216,7 +219,7 @@ def test_chat_checks_refuse_bad_text_and_reserved_names():
 
 @pytest.mark.parametrize("prompt", [BAD, ["ok", BAD]])
 def test_python_prompts_that_are_not_utf8_are_request_errors(served, prompt):
-    _, llm = served
+    _, llm, _ = served
     with pytest.raises(InvalidFieldError, match="not UTF-8 text") as info:
         llm.generate(prompt, SamplingParams(max_tokens=2))
     assert info.value.field == "prompt"

@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from backplane.api.chat import render_chat_text
 from backplane.api.llm import LLM, Conversation, Prompt
 from backplane.api.outputs import RequestOutput
 from backplane.api.stop import StopAutomaton, stop_automaton
@@ -327,13 +328,8 @@ class AsyncLLM:
 
         :raises InvalidFieldError: the rendered conversation cannot fit the model length.
         """
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise RequestError("this model has no tokenizer, so it cannot render a chat")
-        text = tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}),
+        text = render_chat_text(
+            self.llm.tokenizer, conversation, add_generation_prompt, chat_template_kwargs
         )
         self._check_prompt_chars(text, "the rendered conversation", "messages")
         # the template writes the special tokens itself

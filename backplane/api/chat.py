@@ -51,14 +51,34 @@ def render_chat(
     :raises RequestError: no tokenizer or template, malformed messages, or a
         template that refuses them.
     """
+    text = render_chat_text(tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
+    # the template writes the special tokens itself
+    return text, list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def render_chat_text(
+    tokenizer: Any,
+    conversation: Conversation,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """Render one conversation with the chat template, without tokenizing it.
+
+    :param tokenizer: the model's tokenizer (``None``: the model has none).
+    :param conversation: ``[{"role": ..., "content": ...}, ...]``.
+    :param add_generation_prompt: end with an open assistant turn.
+    :param chat_template_kwargs: further template variables (not ``messages`` or
+        ``add_generation_prompt``, which are the arguments above).
+    :return: the prompt text.
+    :raises RequestError: as :func:`render_chat`.
+    """
     if tokenizer is None:
         raise RequestError("this model has no tokenizer, so it cannot render a chat")
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         conversation,
         add_generation_prompt=add_generation_prompt,
         **check_template_kwargs(chat_template_kwargs),
     )
-    return text, list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def chat_params(tokenizer: Any, sampling_params: SamplingParams) -> SamplingParams:
