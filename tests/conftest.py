@@ -42,6 +42,8 @@ DEV_IMPORTS: dict[str, str] = {
     "openai": "openai",
     "httpx": "httpx",
     "matplotlib": "matplotlib",
+    "xgrammar": "xgrammar",
+    "lm-eval": "lm_eval",
 }
 #: ``dev`` packages that no test imports (command-line tools).
 DEV_TOOLS = frozenset({"ruff"})
