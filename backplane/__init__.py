@@ -2,7 +2,8 @@
 
 The public surface for plugin authors is :data:`hookimpl`, :class:`BackendSpec`
 and :class:`Speed` (a backend's measured figures); applications use :class:`LLM`
-(offline), :class:`AsyncLLM` (many concurrent callers) and :class:`SamplingParams`.
+(offline), :class:`AsyncLLM` (many concurrent callers), :class:`SamplingParams` and
+:class:`StructuredOutputsParams` (a JSON schema, regex, choice or grammar for the output).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "Speed",
+    "StructuredOutputsParams",
     "__version__",
     "hookimpl",
 ]
@@ -43,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from backplane.engine.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from backplane.engine.sampling import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'backplane' has no attribute {name!r}")

@@ -3,6 +3,7 @@ sampler, logits processing (penalties, ``min_tokens``) and logprobs.
 
 Modules, bottom to top: :mod:`.params` (:class:`SamplingParams`,
 :data:`FIELD_RULES`, :func:`check_field`, :func:`check_for_model`),
+:mod:`.structured` (:class:`StructuredOutputsParams`),
 :mod:`.rows` (what one step samples), :mod:`.logprobs`, :mod:`.processing`
 and :mod:`.sampler` (:class:`Sampler`, the counter-based noise, the filters).
 Every name is re-exported here.
@@ -42,6 +43,7 @@ from backplane.engine.sampling.sampler import (
     exponential_noise,
     param_arrays,
 )
+from backplane.engine.sampling.structured import StructuredOutputsParams, as_structured_outputs
 
 __all__ = [
     "FIELD_RULES",
@@ -59,10 +61,12 @@ __all__ = [
     "SamplingParams",
     "SamplingRows",
     "SamplingTensors",
+    "StructuredOutputsParams",
     "TokenPairs",
     "apply_filters",
     "apply_processing",
     "as_params_list",
+    "as_structured_outputs",
     "check_field",
     "check_for_model",
     "compute_logprobs",

@@ -21,6 +21,7 @@ import numpy as np
 
 from backplane.core.errors import InvalidFieldError, RequestError
 from backplane.core.text import is_utf8_text
+from backplane.engine.sampling.structured import StructuredOutputsParams, as_structured_outputs
 
 #: Temperatures above 0 and below this decode greedily, like ``0``: dividing
 #: logits by a smaller one leaves a single token with all the probability
@@ -216,6 +217,11 @@ class SamplingParams:
         most likely tokens at that position (0 to :data:`MAX_LOGPROBS`; raw model
         distribution); ``None`` returns none. Such a request computes its whole
         prompt (it takes no prefix-cache hits), as in vLLM.
+    :param structured_outputs: constrain the output to a JSON schema, any JSON
+        object, a regex, a list of choices or an EBNF grammar: a
+        :class:`~backplane.engine.sampling.structured.StructuredOutputsParams`
+        or a dict of its fields (``{"json": schema}``); ``None`` is off. The
+        request finishes (reason ``"stop"``) when the constraint is complete.
     :raises InvalidFieldError: on a value of the wrong type or out of range, naming the field.
     """
 
@@ -236,6 +242,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in FIELD_RULES:
@@ -310,6 +317,8 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
     "prompt_logprobs": _optional(
         _integer(0, MAX_LOGPROBS, f"must be None or an integer from 0 to {MAX_LOGPROBS}")
     ),
+    # raises InvalidFieldError itself: its message says which part of the constraint is wrong
+    "structured_outputs": as_structured_outputs,
 }
 
 
