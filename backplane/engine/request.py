@@ -357,8 +357,14 @@ class Request:
 
     @property
     def output_token_times(self) -> np.ndarray:
-        """``time.perf_counter()`` value at which each generated token was committed."""
-        return self._token_times[: self._num_tokens - self._num_prompt]
+        """``time.perf_counter()`` value at which each generated token was committed.
+
+        A pending placeholder has no commit time yet, so it is left out: with
+        asynchronous scheduling the next token is reserved before the output of
+        the current one is read, and a request ended then (a stop string) would
+        otherwise show a gap of minus the clock's value.
+        """
+        return self._token_times[: self._num_tokens - self._num_prompt - int(self._pending)]
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
