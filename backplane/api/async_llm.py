@@ -359,6 +359,34 @@ class AsyncLLM:
             chat_template_kwargs,
         )
 
+    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text`` on the tokenizer threads, leaving the event loop free.
+
+        A text over :attr:`max_prompt_chars` is refused before it is tokenized.
+
+        :param text: the text.
+        :param add_special_tokens: apply the tokenizer's post-processor (a leading bos...).
+        :return: the token ids.
+        :raises RequestError: the text cannot be tokenized, or the model has no tokenizer.
+        """
+        self._check_running()
+
+        def encode() -> list[int]:
+            self._check_prompt_chars(text)
+            return self._encode(text, add_special_tokens=add_special_tokens)
+
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode)
+
+    async def decode_async(self, token_ids: Sequence[int]) -> str:
+        """:meth:`LLM.decode` (special tokens skipped) on the tokenizer threads.
+
+        :param token_ids: the ids.
+        :return: the text.
+        """
+        self._check_running()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self.llm.decode, list(token_ids))
+
     def chat_params(self, sampling_params: SamplingParams) -> SamplingParams:
         """See :meth:`LLM.chat_params`."""
         return self.llm.chat_params(sampling_params)

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed
 as server-sent events ending in ``data: [DONE]``, or not), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /version``, and the
+tokenizer's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
+(:mod:`backplane.server.tokenize`).
 
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
 a bad request is a 400 that says what was wrong (never a 500), a missing or
@@ -18,6 +20,7 @@ prompt too long in characters to fit the model is refused before tokenizing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -33,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from backplane import __version__ as backplane_version
 from backplane.api.async_llm import (
     AsyncLLM,
     AsyncRequestStream,
@@ -51,6 +55,7 @@ from backplane.server.protocol import (
     completion_prompts,
     sampling_params,
 )
+from backplane.server.tokenize import add_tokenizer_routes
 
 logger = logging.getLogger(__name__)
 
@@ -237,16 +242,30 @@ def build_app(
                 code="model_not_found",
             )
 
+    @app.get("/version")
+    async def version() -> Any:
+        return JSONResponse({"version": backplane_version})
+
+    add_tokenizer_routes(app, engine, _parse_body, check_model)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await _parse_body(request, CompletionRequest)
         check_model(body.model)
         prompts = completion_prompts(body.prompt)
         base = engine.default_sampling_params()
+        # max_tokens 0 (echo only): the prefill that scores the prompt samples one token,
+        # which the answer leaves out
+        prompt_only = body.max_tokens == 0
         max_tokens = body.max_tokens if body.max_tokens is not None else base.max_tokens
-        params = sampling_params(body, base, max_tokens=max_tokens)
+        params = sampling_params(body, base, max_tokens=1 if prompt_only else max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         samples = split_samples(params)
+        if body.echo and params.prompt_logprobs is not None:
+            # each echoed choice shows its prompt's logprobs, a stream's in its first chunk
+            samples = [
+                dataclasses.replace(sp, prompt_logprobs=params.prompt_logprobs) for sp in samples
+            ]
         # choice i * n + j is sample j of prompt i
         streams = await _start(
             [
@@ -260,6 +279,16 @@ def build_app(
                 for _ in samples
             ],
         )
+        echo_texts: list[str] = []
+        if body.echo:
+            try:  # the engine has checked the token ids of the prompts given as ids
+                echo_texts = [
+                    p if isinstance(p, str) else await engine.decode_async(p) for p in prompts
+                ]
+            except BaseException:
+                for s in streams:
+                    s.abort()
+                raise
         head = {
             "id": rid,
             "object": "text_completion",
@@ -269,37 +298,56 @@ def build_app(
 
         offsets: dict[int, int] = {}  # characters of each choice's tokens already sent
         sent: dict[int, int] = {}  # tokens of each choice whose logprobs were sent
+        echoed: set[int] = set()  # choices whose prompt was sent
+        n = len(samples)
 
         def choice(i: int, out: RequestOutput, final: bool) -> dict[str, Any]:
-            logprobs = None
-            if params.logprobs is not None:
-                ids, entries = _logprobs_since(out, 0 if final else sent.get(i, 0))
-                sent[i] = len(out.outputs[0].token_ids)
-                logprobs, offsets[i] = _completion_logprobs(ids, entries, offsets.get(i, 0))
+            text, logprobs = "", None
+            if body.echo and (final or i not in echoed):
+                # the prompt comes first: the whole answer, or a stream's first chunk
+                echoed.add(i)
+                text = echo_texts[i // n]
+                if params.logprobs is not None:
+                    logprobs, offsets[i] = _echo_logprobs(engine, out, params.logprobs)
+            if not prompt_only:
+                text += out.text if final else out.new_text
+                if params.logprobs is not None:
+                    ids, entries = _logprobs_since(out, 0 if final else sent.get(i, 0))
+                    sent[i] = len(out.outputs[0].token_ids)
+                    more, offsets[i] = _completion_logprobs(ids, entries, offsets.get(i, 0))
+                    logprobs = more if logprobs is None else _joined(logprobs, more)
             c = {
                 "index": i,
-                "text": out.text if final else out.new_text,
+                "text": text,
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
             }
+            if prompt_only and out.finished:
+                c["finish_reason"], c["stop_reason"] = "length", None
             if final:
                 c["prompt_logprobs"] = None
             return c
 
+        def usage(outs: Sequence[RequestOutput]) -> dict[str, int]:
+            counts = _usage(outs)
+            if prompt_only:
+                counts["completion_tokens"] = 0
+                counts["total_tokens"] = counts["prompt_tokens"]
+            return counts
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(streams, head, lambda i, out: [choice(i, out, False)], include_usage)
+            return _sse(streams, head, lambda i, out: [choice(i, out, False)], include_usage, usage)
         outs = await _collect(streams, request)
         if outs is None:
             return Response(status_code=499)
         choices = [choice(i, o, True) for i, o in enumerate(outs)]
-        if params.prompt_logprobs is not None:
+        if body.prompt_logprobs is not None:
             # every choice of a prompt shows the prompt's logprobs (its sample 0 computed them)
-            n = len(samples)
             for i, c in enumerate(choices):
                 c["prompt_logprobs"] = _prompt_logprobs(outs[i - i % n].prompt_logprobs)
-        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
+        return JSONResponse({**head, "choices": choices, "usage": usage(outs)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -494,6 +542,56 @@ def _completion_logprobs(
     return obj, offset
 
 
+def _echo_logprobs(engine: AsyncLLM, out: RequestOutput, k: int) -> tuple[dict[str, Any], int]:
+    """OpenAI completions ``logprobs`` of an echoed prompt: ``None`` for its first token
+    (nothing comes before it), then each token's logprob and the ``k`` most likely.
+
+    :param engine: the engine, whose tokenizer spells the first token.
+    :param out: an output of the request, holding its prompt logprobs.
+    :param k: the request's ``logprobs``: how many alternatives each position shows.
+    :return: the object, and the characters its tokens cover.
+    """
+    ids = out.prompt_token_ids
+    positions = out.prompt_logprobs or []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    offset = 0
+    for j, tok in enumerate(ids):
+        d = positions[j] if j < len(positions) else None
+        if d is None or tok not in d:
+            s = engine.llm.decode([tok])  # one token: too short to leave the event loop for
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            s = d[tok].decoded_token or ""
+            token_logprobs.append(d[tok].logprob)
+            # the prompt token and the k most likely, by text, as for generated tokens
+            top.append(
+                {
+                    (v.decoded_token or ""): v.logprob
+                    for t, v in d.items()
+                    if t == tok or (v.rank is not None and v.rank <= k)
+                }
+            )
+        tokens.append(s)
+        text_offset.append(offset)
+        offset += len(s)
+    obj = {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    }
+    return obj, offset
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completions ``logprobs`` objects as one (the prompt's, then the completion's)."""
+    return {key: first[key] + then[key] for key in first}
+
+
 def _prompt_logprobs(positions: Sequence[dict[int, Any] | None] | None) -> list[Any] | None:
     """vLLM's ``prompt_logprobs`` of a completion choice: ``None`` for the first prompt
     token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` per prompt token."""
@@ -646,8 +744,17 @@ def _sse(
     head: dict[str, Any],
     choices: Callable[[int, RequestOutput], list[dict[str, Any]]],
     include_usage: bool,
+    usage: Callable[[Sequence[RequestOutput]], dict[str, int]] | None = None,
 ) -> StreamingResponse:
-    """A server-sent-event response: one chunk per output that adds text or finishes."""
+    """A server-sent-event response: one chunk per output that adds text or finishes.
+
+    :param streams: the engine requests, one per choice.
+    :param head: the fields every chunk starts with.
+    :param choices: the chunk's choices for one output of choice ``i``.
+    :param include_usage: end with a chunk of token counts and no choices.
+    :param usage: those counts from the final outputs (by default every token generated).
+    """
+    usage = usage or _usage
 
     async def events() -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
@@ -659,8 +766,8 @@ def _sse(
                     continue  # tokens that do not make a whole character yet
                 yield _event({**head, "choices": choices(i, out)})
             if include_usage:
-                usage = _usage([finals[i] for i in sorted(finals)])
-                yield _event({**head, "choices": [], "usage": usage})
+                counts = usage([finals[i] for i in sorted(finals)])
+                yield _event({**head, "choices": [], "usage": counts})
         except BackplaneError as exc:  # the engine stopped mid-stream
             yield _event(error_body(str(exc), 503))
         finally:

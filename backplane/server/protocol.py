@@ -156,8 +156,16 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _check_sampling(self) -> _Sampling:
-        _checked(self, {name: name for name in _SAMPLING_FIELDS})
+        fields = {name: name for name in _SAMPLING_FIELDS}
+        if self._prompt_only():
+            del fields["max_tokens"]  # 0 is not an engine value; the server answers it alone
+        _checked(self, fields)
         return self
+
+    def _prompt_only(self) -> bool:
+        """Whether the body asks for no new tokens (``max_tokens: 0``), which only
+        completions' ``echo`` allows."""
+        return False
 
 
 class CompletionRequest(_Sampling):
@@ -175,6 +183,17 @@ class CompletionRequest(_Sampling):
     def _check_logprobs(self) -> CompletionRequest:
         _checked(self, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"})
         return self
+
+    def _prompt_only(self) -> bool:
+        zero = self.max_tokens == 0 and type(self.max_tokens) is int
+        if zero and not self.echo:
+            raise BadRequest(
+                "max_tokens is 0, which asks for no completion: it is only allowed with "
+                "echo=true (to score the prompt with logprobs); ask for at least 1 token "
+                "or set echo",
+                "max_tokens",
+            )
+        return zero
 
 
 class ChatMessage(BaseModel):
@@ -285,7 +304,6 @@ def _unsupported(req: _Sampling) -> tuple[str, str] | None:
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.echo, "echo", "echo is not supported"),
             (req.best_of not in (None, 1), "best_of", "best_of is not supported"),
             (bool(req.suffix), "suffix", "suffix is not supported"),
             (
@@ -350,6 +368,9 @@ def sampling_params(
     if isinstance(req, CompletionRequest):
         values["logprobs"] = req.logprobs
         values["prompt_logprobs"] = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            # the echoed prompt carries its tokens' logprobs, as OpenAI's legacy completions
+            values["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     elif req.logprobs:
         values["logprobs"] = req.top_logprobs or 0
         logprobs_field = "top_logprobs" if req.top_logprobs else "logprobs"
