@@ -26,8 +26,20 @@ from typing import Any
 
 import torch
 from torch._library.custom_ops import CustomOpDef
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx import _symbolic_trace
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+#: Whether ``torch.fx.symbolic_trace`` is running. Newer torch deprecates
+#: ``is_fx_tracing`` (true under ``torch.export`` too) with a logged warning on its
+#: first call and offers ``is_fx_symbolic_tracing`` (the warning's text calls it
+#: ``is_fx_tracing_symbolic_tracing``, looked up too); older torch has only
+#: ``is_fx_tracing``, which means symbolic tracing there and does not warn. Export
+#: and compile are caught by ``torch.compiler.is_compiling()`` where this is used.
+_is_fx_symbolic_tracing: Callable[[], bool] = getattr(
+    _symbolic_trace,
+    "is_fx_symbolic_tracing",
+    getattr(_symbolic_trace, "is_fx_tracing_symbolic_tracing", _symbolic_trace.is_fx_tracing),
+)
 
 
 def output_buffer(
@@ -84,7 +96,7 @@ class _CachedOpDef(CustomOpDef):
         if (
             not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
-            and not is_fx_tracing()
+            and not _is_fx_symbolic_tracing()
             and _get_current_dispatch_mode() is None
         ):
             # Eager call on real tensors without autograd (the engine runs under
