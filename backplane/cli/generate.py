@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from backplane.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from backplane.api import LLM
+    from backplane.engine.sampling import SamplingParams
+
+#: New tokens per prompt when neither ``--max-new-tokens`` nor the checkpoint sets a limit:
+#: enough for a chat answer of a few paragraphs, which the model normally ends itself.
+DEFAULT_MAX_NEW_TOKENS = 512
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +59,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a user message, answered through the model's chat template (repeatable)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (16)"
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "most tokens to generate for each prompt; generation ends sooner at the model's "
+            "end of sequence or end of turn (default: the model's generation_config.json "
+            f"max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS}, at most what the model length "
+            "leaves after the prompt)"
+        ),
     )
     model_default = "default: the model's generation_config.json, else"
     parser.add_argument(
@@ -89,8 +108,14 @@ def _parse_token_ids(text: str) -> list[int]:
     return ids
 
 
-def _sampling_params(llm: object, args: argparse.Namespace) -> object:
-    """The flags given, over the model's defaults, over the command's (greedy)."""
+def _sampling_params(llm: LLM, args: argparse.Namespace) -> SamplingParams:
+    """The flags given, over the model's defaults, over the command's (greedy).
+
+    :param llm: the loaded model.
+    :param args: the parsed command line.
+    :return: the sampling parameters of every prompt (``max_tokens`` as given, else the
+        model's default, else :data:`DEFAULT_MAX_NEW_TOKENS`; see :func:`_fit_to_model`).
+    """
     given = {
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -101,12 +126,38 @@ def _sampling_params(llm: object, args: argparse.Namespace) -> object:
     model_defaults = getattr(llm.engine.model, "generation_defaults", None) or {}
     if "temperature" not in fields and "temperature" not in model_defaults:
         fields["temperature"] = 0.0
+    if args.max_new_tokens is not None:
+        fields["max_tokens"] = args.max_new_tokens
+    elif "max_tokens" not in model_defaults:
+        fields["max_tokens"] = DEFAULT_MAX_NEW_TOKENS
     return llm.default_sampling_params(
-        max_tokens=args.max_new_tokens,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
         **fields,
     )
+
+
+def _fit_to_model(
+    llm: LLM, params: SamplingParams, prompt_lengths: list[int], explicit: bool
+) -> list[SamplingParams]:
+    """One set of parameters per prompt, a default length cut to what the model length leaves.
+
+    A limit the user gave is kept as it is, so a prompt it does not fit is refused
+    with the engine's message; a default one must never make a prompt fail.
+
+    :param llm: the loaded model.
+    :param params: the parameters of every prompt.
+    :param prompt_lengths: each prompt's token count.
+    :param explicit: ``max_tokens`` came from ``--max-new-tokens``.
+    :return: the parameters of each prompt.
+    """
+    if explicit:
+        return [params] * len(prompt_lengths)
+    room = int(llm.engine.max_model_len)
+    return [
+        dataclasses.replace(params, max_tokens=min(params.max_tokens, max(room - n, 1)))
+        for n in prompt_lengths
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,9 +173,15 @@ def run(args: argparse.Namespace) -> int:
         )
     llm = LLM(config=config_from_args(args))
     params = _sampling_params(llm, args)
-    outputs = llm.generate(prompts, params) if prompts else []
+    explicit = args.max_new_tokens is not None
+    conversations = [[{"role": "user", "content": c}] for c in chats]
+    lengths = [len(llm.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
+    outputs = (
+        llm.generate(prompts, _fit_to_model(llm, params, lengths, explicit)) if prompts else []
+    )
     if chats:
-        outputs += llm.chat([[{"role": "user", "content": c}] for c in chats], params)
+        lengths = [len(llm.render_chat(c)[1]) for c in conversations]
+        outputs += llm.chat(conversations, _fit_to_model(llm, params, lengths, explicit))
     shown_prompts: list[object] = prompts + chats
     for i, out in enumerate(outputs):
         if args.json:
