@@ -44,6 +44,7 @@ from backplane.engine.sampling import (
 )
 from backplane.engine.sched import ScheduledSeq, Scheduler, SchedulerOutput
 from backplane.engine.step_rows import prompt_rows, sampling_rows
+from backplane.engine.structured_output import StructuredOutputManager
 from backplane.engine.worker.inputs import BatchInputs
 
 if TYPE_CHECKING:
@@ -129,6 +130,10 @@ class Engine(WorkerView):
         # live requests whose prompt logprobs are not all computed yet
         self._prompt_lp_reqs: set[Request] = set()
         self._ids = itertools.count()
+        #: the grammars of requests with structured output (xgrammar loads on first use)
+        self.structured_output = StructuredOutputManager(
+            worker.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         logger.info("engine ready: model=%s %s", config.model, worker.describe())
 
     def _build_scheduler(self, paged_caches: list[torch.Tensor], recurrent: bool) -> Scheduler:
@@ -178,6 +183,7 @@ class Engine(WorkerView):
         self.executor.shutdown()
         self._requests = {}
         self._prompt_lp_reqs = set()
+        self.structured_output.clear()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -235,6 +241,10 @@ class Engine(WorkerView):
                     field="request_id",
                 )
         check_for_model(params, self.vocab_size, rid)
+        spec = params.structured_outputs
+        if spec is not None:
+            # a cache hit when the caller compiled it ahead (AsyncLLM, the server)
+            self.structured_output.compile(spec)
         req = Request(
             rid,
             prompt_token_ids,
@@ -250,6 +260,8 @@ class Engine(WorkerView):
         )
         self.scheduler.add_request(req)  # the last check (does it fit the KV cache?)
         self._requests[rid] = req
+        if spec is not None:
+            self.structured_output.add(rid, spec)
         if req.prompt_logprobs is not None and not req.prompt_logprobs.complete:
             self._prompt_lp_reqs.add(req)
         return rid
@@ -279,6 +291,7 @@ class Engine(WorkerView):
         req = self._requests.get(check_request_id(request_id))
         if req is None or req.is_finished or self._closed:
             return False
+        self.structured_output.discard(request_id)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -300,7 +313,9 @@ class Engine(WorkerView):
         while the previous step's tokens are committed: the outputs returned are
         those of the previous step (and of requests finished meanwhile), so a
         request's last token arrives one call after it was sampled. Without it,
-        the step's own outputs are returned.
+        the step's own outputs are returned. While a request with structured
+        output is live, each call first waits for the step in flight and commits
+        it (a grammar's mask needs its previous token), so steps do not overlap then.
 
         A step happens whole or not at all. If anything in it raises (input
         preparation, the forward, sampling, a host-tier copy), every request
@@ -316,6 +331,11 @@ class Engine(WorkerView):
         :return: one entry per request that got a token or finished.
         """
         self._check_open()
+        if self._inflight is not None and len(self.structured_output):
+            # A grammar row's mask needs its previous token on the host, so while requests
+            # with a grammar are live every step waits for the one in flight before it is
+            # scheduled (the simplest correct rule: no overlap then, for any request).
+            self._settle()
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
         flip = self._copies.turn
         prev = self._inflight
@@ -325,6 +345,36 @@ class Engine(WorkerView):
             self._recover(sched, prev, flip)
             raise
 
+    def _settle(self) -> None:
+        """Wait for the step in flight and commit it; its outputs go out with this call's.
+
+        On failure its requests restart from their committed tokens, as in :meth:`_recover`.
+        """
+        prev, self._inflight = self._inflight, None
+        assert prev is not None
+        try:
+            sampled = self._wait(prev)
+            gone = {r.request_id for r in prev.reqs if r.is_finished}
+            self._commit(prev.sched, sampled)
+            self._keep(prev, sampled, gone)
+        except BaseException:
+            failed = [s.request for s in prev.sched.scheduled]
+            for req in failed:
+                if req.has_pending_token and not req.is_finished:
+                    req.drop_placeholder()
+            self.scheduler.restart(failed)
+            raise
+        kept = {rid: t for rid, t in sampled.items() if rid not in gone}
+        self._undelivered = {**(self._undelivered or {}), **kept}
+
+    def _commit(self, sched: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Commit a step's sampled tokens: the scheduler's requests, then their grammars."""
+        self.scheduler.commit(sched, sampled)
+        grammars = self.structured_output
+        if len(grammars):
+            grammars.accept(sampled)
+            grammars.sweep(self._requests)
+
     def _run_step(self, sched: SchedulerOutput) -> list[EngineStepOutput]:
         """Launch, wait for and commit one scheduled step (see :meth:`step`)."""
         launched = self._launch(sched) if sched.scheduled else None
@@ -332,7 +382,7 @@ class Engine(WorkerView):
             if launched is not None:
                 self.scheduler.advance(sched)
                 sampled = self._wait(launched)
-                self.scheduler.commit(sched, sampled)
+                self._commit(sched, sampled)
                 self._keep(launched, sampled)
             else:
                 sampled = {}
@@ -343,7 +393,7 @@ class Engine(WorkerView):
             sampled = self._wait(prev)
             # requests aborted since the launch drop their token (commit skips them too)
             gone = {r.request_id for r in prev.reqs if r.is_finished}
-            self.scheduler.commit(prev.sched, sampled)
+            self._commit(prev.sched, sampled)
             self._keep(prev, sampled, gone)
             if gone:
                 sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
@@ -371,7 +421,7 @@ class Engine(WorkerView):
             try:
                 sampled = self._wait(prev)
                 gone = {r.request_id for r in prev.reqs if r.is_finished}
-                self.scheduler.commit(prev.sched, sampled)
+                self._commit(prev.sched, sampled)
                 self._keep(prev, sampled, gone)
                 self._undelivered = {r: t for r, t in sampled.items() if r not in gone}
             except BaseException:
@@ -458,7 +508,8 @@ class Engine(WorkerView):
             logprobs where asked, and the prompt positions' logprobs.
         """
         pending = self._inflight.tokens if self._inflight is not None else None
-        rows = sampling_rows(reqs, pending, prompt)
+        grammar = self.structured_output.bitmask(reqs)
+        rows = sampling_rows(reqs, pending, prompt, grammar)
         return self.executor.sample_tokens(hidden, inputs, rows)
 
     def _collect(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[EngineStepOutput]:

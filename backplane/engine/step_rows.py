@@ -17,6 +17,7 @@ import torch
 from backplane.engine.outputs import PromptLaunch
 from backplane.engine.request import Request
 from backplane.engine.sampling import (
+    GrammarBitmask,
     LogitsProcessing,
     PromptLogprobRows,
     SamplingParams,
@@ -33,6 +34,7 @@ def sampling_rows(
     reqs: Sequence[Request],
     pending: torch.Tensor | None,
     prompt: PromptLogprobRows | None = None,
+    grammar: GrammarBitmask | None = None,
 ) -> SamplingRows:
     """The step's sampling rows, one per request, in order.
 
@@ -40,6 +42,7 @@ def sampling_rows(
     :param pending: the tokens of the step still in flight, on the device (a request
         whose last token is a placeholder has its value there, at ``pending_row``).
     :param prompt: prompt positions whose logprobs the step computes too.
+    :param grammar: the allowed tokens of the rows with a grammar (structured output).
     :return: the rows.
     """
     n = len(reqs)
@@ -55,6 +58,7 @@ def sampling_rows(
         processing=_processing(reqs, params, offsets, pending),
         num_logprobs=int(lp.max()) if n else -1,
         prompt=prompt,
+        grammar=grammar,
     )
 
 

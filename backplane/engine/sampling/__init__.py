@@ -28,8 +28,13 @@ from backplane.engine.sampling.params import (
     check_for_model,
     seed_as_int64,
 )
-from backplane.engine.sampling.processing import apply_processing, host_to_device
+from backplane.engine.sampling.processing import (
+    apply_processing,
+    apply_token_bitmask,
+    host_to_device,
+)
 from backplane.engine.sampling.rows import (
+    GrammarBitmask,
     LogitsProcessing,
     PromptLogprobRows,
     SamplingRows,
@@ -52,6 +57,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
     "MIN_TEMPERATURE",
+    "GrammarBitmask",
     "Logprob",
     "LogitsProcessing",
     "LogprobsTensors",
@@ -65,6 +71,7 @@ __all__ = [
     "TokenPairs",
     "apply_filters",
     "apply_processing",
+    "apply_token_bitmask",
     "as_params_list",
     "as_structured_outputs",
     "check_field",

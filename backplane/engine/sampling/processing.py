@@ -1,12 +1,12 @@
-"""Logits processing before sampling: repetition, frequency and presence penalties and
-``min_tokens`` suppression, vectorised over the step's rows."""
+"""Logits processing before sampling: repetition, frequency and presence penalties,
+``min_tokens`` suppression and grammar bitmasks, vectorised over the step's rows."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from backplane.engine.sampling.rows import SamplingRows, TokenPairs
+from backplane.engine.sampling.rows import GrammarBitmask, SamplingRows, TokenPairs
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -67,6 +67,31 @@ def apply_processing(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     if proc.suppress is not None and len(proc.suppress.rows):
         x.view(-1)[_pair_index(proc.suppress, vocab, device)] = float("-inf")
     return x
+
+
+def apply_token_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> torch.Tensor:
+    """Set the logits of tokens a row's grammar does not allow to ``-inf``, on the device.
+
+    The int32 bitmask is copied to the logits' device once and unpacked there
+    (one shift-and-test per token); rows without a grammar are untouched.
+
+    :param logits: ``[n, vocab]`` float logits.
+    :param grammar: the constrained rows and their bitmask.
+    :return: ``[n, vocab]`` logits (a new tensor; ``logits`` is left as it was).
+    """
+    n, vocab = logits.shape
+    device = logits.device
+    words = grammar.bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    # bit t % 32 of word t // 32: an arithmetic shift keeps bit 31 readable with & 1
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(grammar), -1)
+    width = allowed.shape[1]
+    if width < vocab:  # ids past the mask (a padded vocabulary) are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - width), value=False)
+    allowed = allowed[:, :vocab]
+    idx = host_to_device(np.ascontiguousarray(grammar.rows, dtype=np.int64), device)
+    masked = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, idx, masked)
 
 
 def host_to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -72,6 +72,25 @@ class PromptLogprobRows:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """The tokens that the grammars of a step's constrained rows allow next.
+
+    Bit ``t % 32`` of word ``t // 32`` of a row is 1 when token ``t`` is
+    allowed (xgrammar's layout); tokens past the mask's width are not allowed.
+
+    :param rows: ``[m]`` int64 the constrained rows (rows of the step's logits), increasing.
+    :param bitmask: ``[m, ceil(vocab / 32)]`` int32 on the host, one row per entry of
+        ``rows``; the sampler copies it to the device once per step.
+    """
+
+    rows: np.ndarray
+    bitmask: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
 class SamplingRows:
     """What a step samples: one row per sampling sequence, in logits-row order.
 
@@ -81,6 +100,8 @@ class SamplingRows:
     :param processing: penalties and ``min_tokens`` suppression, or ``None`` when no row asks.
     :param num_logprobs: the most top logprobs a row asks for, ``-1`` when none asks.
     :param prompt: prompt positions whose logprobs the step computes too, or ``None``.
+    :param grammar: the allowed tokens of the rows with a grammar (structured output),
+        or ``None`` when no row has one.
     """
 
     params: Sequence[SamplingParams]
@@ -89,6 +110,7 @@ class SamplingRows:
     processing: LogitsProcessing | None = None
     num_logprobs: int = -1
     prompt: PromptLogprobRows | None = None
+    grammar: GrammarBitmask | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -96,4 +118,9 @@ class SamplingRows:
     @property
     def needs_eager(self) -> bool:
         """True when a row asks for what the captured sampling graphs do not do."""
-        return self.processing is not None or self.num_logprobs >= 0 or self.prompt is not None
+        return (
+            self.processing is not None
+            or self.num_logprobs >= 0
+            or self.prompt is not None
+            or self.grammar is not None
+        )

@@ -35,7 +35,11 @@ import torch
 
 from backplane.engine.sampling.logprobs import LogprobsTensors, compute_logprobs
 from backplane.engine.sampling.params import SamplingParams
-from backplane.engine.sampling.processing import apply_processing, host_to_device
+from backplane.engine.sampling.processing import (
+    apply_processing,
+    apply_token_bitmask,
+    host_to_device,
+)
 from backplane.engine.sampling.rows import SamplingRows
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -191,13 +195,19 @@ class Sampler:
         return self.sample_tensors(logits, self.prepare(params, seeds, offsets, logits.device))
 
     def sample_rows(self, logits: torch.Tensor, rows: SamplingRows) -> SamplerOutput:
-        """Process (penalties, ``min_tokens``), sample, and compute logprobs where asked.
+        """Process (penalties, ``min_tokens``, grammar bitmasks), sample, and compute
+        logprobs where asked.
+
+        The grammar mask is applied after the penalties and before temperature,
+        top-k, top-p and min-p, so the filters see only allowed tokens.
 
         :param logits: ``[len(rows), vocab]`` raw logits.
         :param rows: the step's rows.
         :return: tokens, and logprobs of the raw distribution when a row asks.
         """
         processed = apply_processing(logits, rows) if rows.processing is not None else logits
+        if rows.grammar is not None and len(rows.grammar):
+            processed = apply_token_bitmask(processed, rows.grammar)
         tokens = self.sample(processed, rows.params, rows.seeds, rows.offsets)
         lp = None
         if rows.num_logprobs >= 0 and len(rows):

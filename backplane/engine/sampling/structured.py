@@ -97,7 +97,8 @@ class StructuredOutputsParams:
     def _canonical(self) -> tuple[str, str]:
         if self.json is not None:
             schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return ("json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            # key order is kept: it is the order the output's properties follow
+            return ("json", _json.dumps(schema, separators=(",", ":")))
         if self.regex is not None:
             return ("regex", self.regex)
         if self.choice is not None:

@@ -1,0 +1,152 @@
+"""Per-request grammar matchers of one engine: the step's token bitmask, advanced on commit."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.engine.request import Request
+from backplane.engine.sampling.rows import GrammarBitmask
+from backplane.engine.sampling.structured import StructuredOutputsParams
+from backplane.engine.structured_output.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler
+from backplane.engine.structured_output.vocabulary import import_xgrammar, tokenizer_info
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    """The grammars of an engine's live requests.
+
+    The tokenizer description and the compiler are built on first use (a
+    model that never sees a constrained request never imports xgrammar).
+    :meth:`compile` may run on any thread; the rest runs on the engine loop.
+
+    :param tokenizer: the model's tokenizer (Any: whatever its checkpoint's loader made).
+    :param vocab_size: the model's vocabulary size (the logits' width).
+    :param eos_token_ids: ids that end a sequence; a complete grammar allows only these.
+    :param cache_size: most compiled grammars kept.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self._eos = tuple(int(t) for t in eos_token_ids)
+        self._cache_size = cache_size
+        self._compiler: GrammarCompiler | None = None
+        self._build_lock = threading.Lock()
+        # request id -> xgrammar.GrammarMatcher (Any: xgrammar ships no type information)
+        self._matchers: dict[str, Any] = {}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The grammar compiler (built on first use, once, from any thread)."""
+        if self._compiler is None:
+            with self._build_lock:
+                if self._compiler is None:
+                    info = tokenizer_info(self._tokenizer, self.vocab_size, self._eos)
+                    self._compiler = GrammarCompiler(info, self._cache_size)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """Compile ``spec`` (or find it in the cache); safe off the engine loop.
+
+        :param spec: the constraint.
+        :return: the compiled grammar.
+        :raises InvalidFieldError: it does not compile.
+        """
+        return self.compiler.compile(spec)
+
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Give a request a matcher at the start of its grammar.
+
+        :param request_id: the request (each sample of ``n > 1`` is its own request).
+        :param spec: its constraint.
+        :raises InvalidFieldError: it does not compile.
+        """
+        compiled = self.compile(spec)
+        self._matchers[request_id] = import_xgrammar().GrammarMatcher(compiled)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request's matcher (finished or aborted); no-op when it has none.
+
+        :param request_id: the request.
+        """
+        self._matchers.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def bitmask(self, reqs: Sequence[Request]) -> GrammarBitmask | None:
+        """The allowed next tokens of the step's rows that have a grammar.
+
+        Every matcher must have taken its request's committed tokens (the
+        engine waits for a step in flight before launching one with a grammar row).
+
+        :param reqs: the step's sampling requests, in row order.
+        :return: the rows and their int32 bitmask on the host, or ``None`` when no row
+            has a grammar.
+        """
+        if not self._matchers:
+            return None
+        rows = [i for i, r in enumerate(reqs) if r.request_id in self._matchers]
+        if not rows:
+            return None
+        xgr = import_xgrammar()
+        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            matcher = self._matchers[reqs[i].request_id]
+            if matcher.is_terminated():
+                # complete (ignore_eos kept it going): only the end of sequence stays allowed
+                mask[j].zero_()
+                for t in self._eos:
+                    bit = 1 << (t % 32)
+                    mask[j, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+            else:
+                matcher.fill_next_token_bitmask(mask, j)
+        return GrammarBitmask(np.asarray(rows, dtype=np.int64), mask)
+
+    def accept(self, sampled: Mapping[str, int]) -> None:
+        """Advance the matchers of the requests that committed a token.
+
+        :param sampled: request id -> the token committed.
+        """
+        if not self._matchers:
+            return
+        for rid, token in sampled.items():
+            matcher = self._matchers.get(rid)
+            if matcher is None or matcher.is_terminated():
+                continue
+            if not matcher.accept_token(int(token)):
+                # the mask allowed only what the matcher takes: this is a bug, not a user error
+                logger.error(
+                    "request %r: its grammar refused the sampled token %d; it goes on "
+                    "unconstrained",
+                    rid,
+                    token,
+                )
+                self._matchers.pop(rid, None)
+
+    def sweep(self, live: Mapping[str, Request]) -> None:
+        """Forget the matchers of requests that finished.
+
+        :param live: the engine's requests by id.
+        """
+        for rid in [r for r in self._matchers if (q := live.get(r)) is None or q.is_finished]:
+            del self._matchers[rid]
+
+    def clear(self) -> None:
+        """Forget every matcher (the engine shuts down)."""
+        self._matchers.clear()
