@@ -458,15 +458,23 @@ class AsyncLLM:
 
         Both cost time in proportion to the stop strings (a fraction of a second
         for the largest allowed set), so they run on the caller's side, never on
-        the engine loop, where every stream would wait.
+        the engine loop, where every stream would wait. A structured-output
+        grammar is compiled here too (into the engine's cache, where the loop finds
+        it), and a schema, regex or grammar that does not compile is refused here.
         """
-        if not isinstance(params, SamplingParams) or not params.stop:
+        if not isinstance(params, SamplingParams):
+            return None
+        if params.structured_outputs is not None:
+            self.llm.engine.structured_output.compile(params.structured_outputs)
+        if not params.stop:
             return None
         self.llm._check_stops(params)
         return stop_automaton(tuple(params.stop))
 
     async def _stops_ahead(self, params: SamplingParams | None) -> StopAutomaton | None:
-        if not isinstance(params, SamplingParams) or not params.stop:
+        if not isinstance(params, SamplingParams) or (
+            not params.stop and params.structured_outputs is None
+        ):
             return None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, self._stops_ahead_sync, params)

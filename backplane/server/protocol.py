@@ -26,6 +26,7 @@ from backplane.core.errors import InvalidFieldError, RequestError
 from backplane.core.text import find_invalid_text
 from backplane.engine.sampling import SamplingParams, check_field
 from backplane.models.chat import check_template_kwargs
+from backplane.server.response_format import structured_outputs_of
 
 __all__ = [
     "BadRequest",
@@ -149,6 +150,9 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: Any = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output: both become one StructuredOutputsParams in structured_outputs
+    response_format: Any = None
+    structured_outputs: Any = None
 
     # BadRequest is no ValueError: it leaves pydantic as it is and the server answers it
     # with its own message and field, not as a schema error
@@ -160,6 +164,12 @@ class _Sampling(BaseModel):
         if self._prompt_only():
             del fields["max_tokens"]  # 0 is not an engine value; the server answers it alone
         _checked(self, fields)
+        try:
+            self.structured_outputs = structured_outputs_of(
+                self.response_format, self.structured_outputs
+            )
+        except InvalidFieldError as exc:
+            raise BadRequest(str(exc), exc.field) from None
         return self
 
     def _prompt_only(self) -> bool:
@@ -363,6 +373,8 @@ def sampling_params(
     values["include_stop_str_in_output"] = req.include_stop_str_in_output
     if req.stop_token_ids:
         values["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.structured_outputs is not None:
+        values["structured_outputs"] = req.structured_outputs
     # completions: logprobs=k; chat: logprobs=true with top_logprobs=k (0 by default)
     logprobs_field = "logprobs"
     if isinstance(req, CompletionRequest):
