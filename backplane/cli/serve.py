@@ -73,6 +73,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="answer 503 while N requests wait for the engine (1024; 0 = no cap)",
     )
+    server.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        metavar="NAME",
+        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen, SmolLM2), "
+        "llama3_json (Llama 3) or auto (by the model family; the default)",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="return <think> text as the message's reasoning_content: deepseek_r1 (the "
+        "prompt may open the block) or qwen3 (the output opens it); default: left in content",
+    )
     conn = parser.add_argument_group("connections")
     conn.add_argument(
         "--timeout-request-head",
@@ -133,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         raise ConfigError("option --max-waiting-requests: give 0 (no cap) or a positive number")
     limits = _connection_limits(args)
+    _check_parsers(args)
     try:
         from backplane.api.async_llm import AsyncLLM
         from backplane.server.app import DEFAULT_MAX_BODY_BYTES
@@ -155,9 +170,32 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key or None,
         max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
         log_level=getattr(args, "log_level", "warning"),
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **limits,
     )
     return 0
+
+
+def _check_parsers(args: argparse.Namespace) -> None:
+    """Refuse an unknown --tool-call-parser or --reasoning-parser before the model loads.
+
+    :param args: the parsed command line.
+    :raises ConfigError: naming the flag and the known parsers.
+    """
+    from backplane.api.reasoning import get_reasoning_parser
+    from backplane.api.tool_parsers import get_tool_parser
+
+    try:
+        if args.tool_call_parser != "auto":
+            get_tool_parser(args.tool_call_parser)
+    except ConfigError as exc:
+        raise ConfigError(f"option --tool-call-parser: {exc}") from None
+    try:
+        if args.reasoning_parser is not None:
+            get_reasoning_parser(args.reasoning_parser)
+    except ConfigError as exc:
+        raise ConfigError(f"option --reasoning-parser: {exc}") from None
 
 
 def _connection_limits(args: argparse.Namespace) -> dict[str, Any]:

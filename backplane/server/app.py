@@ -46,6 +46,7 @@ from backplane.api.async_llm import (
 from backplane.api.llm import split_samples
 from backplane.api.outputs import RequestOutput
 from backplane.core.errors import BackplaneError, OutOfKVMemoryError, RequestError
+from backplane.server.chat_output import ChatDeltas, ChatFormats
 from backplane.server.metrics import CONTENT_TYPE, ServerMetrics
 from backplane.server.protocol import (
     BadRequest,
@@ -158,6 +159,8 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: ServerMetrics | None = None,
+    tool_call_parser: str = "auto",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """Build the server's FastAPI application.
 
@@ -167,8 +170,13 @@ def build_app(
     :param api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
     :param max_body_bytes: larger request bodies get 413.
     :param metrics: the metrics registry (a new one by default).
+    :param tool_call_parser: the format of the model's tool calls (``"auto"``: by its family).
+    :param reasoning_parser: returns ``<think>`` text as ``reasoning_content``
+        (``deepseek_r1``, ``qwen3``; ``None``: only for requests that ask).
     :return: the application (serve it with uvicorn).
+    :raises ConfigError: an unknown parser name.
     """
+    chat_formats = ChatFormats.for_engine(engine, tool_call_parser, reasoning_parser)
     app = FastAPI(title="backplane", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics if metrics is not None else ServerMetrics(engine, model_name)
     app.state.engine = engine
@@ -353,16 +361,17 @@ def build_app(
     async def chat_completions(request: Request) -> Any:
         body = await _parse_body(request, ChatCompletionRequest)
         check_model(body.model)
-        messages = chat_messages(body.messages)
+        messages, template_kwargs, output = chat_formats.prepare(body, chat_messages(body.messages))
         # templating and tokenizing run on the engine's tokenizer threads, off this event loop
         text, ids = await engine.render_chat_async(
-            messages, body.add_generation_prompt, body.chat_template_kwargs
+            messages, body.add_generation_prompt, template_kwargs
         )
         base = engine.default_sampling_params()
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as much as the context leaves
             max_tokens = max(engine.max_model_len - len(ids), 1)
         params = engine.chat_params(sampling_params(body, base, max_tokens=max_tokens))
+        params = chat_formats.constrain(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _start(
             [
@@ -380,14 +389,17 @@ def build_app(
             }
             greeted: set[int] = set()
             sent: dict[int, int] = {}  # tokens of each choice whose logprobs were sent
+            deltas: dict[int, ChatDeltas] = {}
 
             def chunks(i: int, out: RequestOutput) -> list[dict[str, Any]]:
                 delta: dict[str, Any] = {}
                 if i not in greeted:  # each choice's first chunk names the role
                     delta["role"] = "assistant"
                     greeted.add(i)
-                if out.new_text or "role" in delta:
-                    delta["content"] = out.new_text
+                reader = deltas.setdefault(i, ChatDeltas(output))
+                delta.update(reader.update(out.text, final=out.finished))
+                if "role" in delta:
+                    delta.setdefault("content", "")
                 logprobs = None
                 if params.logprobs is not None:
                     ids, entries = _logprobs_since(out, sent.get(i, 0))
@@ -398,7 +410,9 @@ def build_app(
                         "index": i,
                         "delta": delta,
                         "logprobs": logprobs,
-                        "finish_reason": out.finish_reason if out.finished else None,
+                        "finish_reason": (
+                            reader.finish_reason(out.finish_reason) if out.finished else None
+                        ),
                         "stop_reason": out.stop_reason if out.finished else None,
                     }
                 ]
@@ -409,20 +423,21 @@ def build_app(
         if outs is None:
             return Response(status_code=499)
         head = {"id": rid, "object": "chat.completion", "created": created_at, "model": model_name}
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": (
-                    None
-                    if params.logprobs is None
-                    else _chat_logprobs(*_logprobs_since(o, 0), params.logprobs)
-                ),
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            }
-            for i, o in enumerate(outs)
-        ]
+        choices = []
+        for i, o in enumerate(outs):
+            message, finish_reason = output.message(o.text, o.finish_reason)
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = _chat_logprobs(*_logprobs_since(o, 0), params.logprobs)
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
         return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
 
     return app

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from backplane.api.tools import check_tool_choice, check_tools
 from backplane.core.errors import InvalidFieldError, RequestError
 from backplane.core.text import find_invalid_text
 from backplane.engine.sampling import SamplingParams, check_field
@@ -223,6 +224,20 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Any = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    include_reasoning: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        try:
+            if self.tools is not None:
+                self.tools = check_tools(self.tools)
+            self.tool_choice = check_tool_choice(self.tool_choice, self.tools)
+        except InvalidFieldError as exc:
+            raise BadRequest(str(exc), exc.field) from None
+        return self
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

@@ -79,6 +79,8 @@ def run_server(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "warning",
+    tool_call_parser: str = "auto",
+    reasoning_parser: str | None = None,
     **limits: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT / SIGTERM, then stop the engine loop.
@@ -90,13 +92,22 @@ def run_server(
     :param api_key: require ``Authorization: Bearer <api_key>`` on ``/v1`` routes.
     :param max_body_bytes: refuse larger request bodies (413).
     :param log_level: uvicorn's log level.
+    :param tool_call_parser: the format of the model's tool calls (``"auto"``: by its family).
+    :param reasoning_parser: returns ``<think>`` text as ``reasoning_content`` (``None``: not).
     :param limits: connection limits, as :func:`uvicorn_config` takes them
         (``timeout_keep_alive``, ``timeout_request_head``, ``max_connections``,
         ``limit_concurrency``, ``h11_max_incomplete_event_size``).
     """
     import uvicorn
 
-    app = build_app(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = build_app(
+        engine,
+        model_name=model_name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **limits)
     server = uvicorn.Server(config)
     logger.info("serving %s on http://%s:%d", model_name, host, port)
