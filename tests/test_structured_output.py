@@ -306,3 +306,19 @@ def test_compiled_grammars_are_cached_and_evicted_least_recently_used(llm):
     misses = compiler.misses
     compiler.compile(b)
     assert compiler.misses == misses + 1
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
+    params = SamplingParams(
+        max_tokens=50,
+        temperature=1.0,
+        seed=5,
+        ignore_eos=True,
+        structured_outputs={"choice": ["red", "green"]},
+    )
+    for out in _texts(llm, ["a", "b", "c"], params):
+        assert out.text in ("red", "green")
+        assert out.finish_reason == "stop"
+        # the text's tokens, then the end of sequence the grammar ends with
+        assert len(out.token_ids) <= len(out.text) + 1
+        assert out.token_ids[-1] in llm.engine.eos_token_ids

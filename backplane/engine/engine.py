@@ -34,7 +34,7 @@ from backplane.engine.outputs import (
     keep_prompt_logprobs,
     to_host,
 )
-from backplane.engine.request import Request
+from backplane.engine.request import FinishReason, Request
 from backplane.engine.sampling import (
     PromptLogprobRows,
     SamplerOutput,
@@ -372,7 +372,11 @@ class Engine(WorkerView):
         self.scheduler.commit(sched, sampled)
         grammars = self.structured_output
         if len(grammars):
-            grammars.accept(sampled)
+            for rid in grammars.accept(sampled):
+                # complete, yet its last token was no stop (ignore_eos): it ends here
+                req = self._requests.get(rid)
+                if req is not None and not req.is_finished and not req.has_pending_token:
+                    self.scheduler.finish_now(rid, FinishReason.STOP)
             grammars.sweep(self._requests)
 
     def _run_step(self, sched: SchedulerOutput) -> list[EngineStepOutput]:

@@ -148,6 +148,25 @@ class Scheduler:
         """Same as :meth:`abort`."""
         return self.abort(request_id)
 
+    def finish_now(self, request_id: str, reason: FinishReason) -> bool:
+        """Finish a live request between steps for a reason its last token does not carry
+        (its structured-output grammar is complete), freeing its pages and state slot.
+
+        :param request_id: the request; it must have no token being sampled.
+        :param reason: the finish reason to report.
+        :return: False if no live request has that id.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            del self._running[request_id]
+        else:
+            self._waiting.remove(req)
+        self._finish(req, reason)
+        self.stats.finished += 1
+        return True
+
     def pop_finished(self) -> list[Request]:
         """Requests finished since the last :meth:`pop_finished` or :meth:`schedule` call.
 

@@ -118,13 +118,15 @@ class StructuredOutputManager:
                 matcher.fill_next_token_bitmask(mask, j)
         return GrammarBitmask(np.asarray(rows, dtype=np.int64), mask)
 
-    def accept(self, sampled: Mapping[str, int]) -> None:
+    def accept(self, sampled: Mapping[str, int]) -> list[str]:
         """Advance the matchers of the requests that committed a token.
 
         :param sampled: request id -> the token committed.
+        :return: the requests whose grammar this token completed (it took the end of sequence).
         """
+        done: list[str] = []
         if not self._matchers:
-            return
+            return done
         for rid, token in sampled.items():
             matcher = self._matchers.get(rid)
             if matcher is None or matcher.is_terminated():
@@ -138,6 +140,9 @@ class StructuredOutputManager:
                     token,
                 )
                 self._matchers.pop(rid, None)
+            elif matcher.is_terminated():
+                done.append(rid)
+        return done
 
     def sweep(self, live: Mapping[str, Request]) -> None:
         """Forget the matchers of requests that finished.
