@@ -355,3 +355,15 @@ def test_template_without_tools_gets_them_in_the_system_message():
         bad = json.loads(json.dumps(CONVERSATION))
         bad[1]["tool_calls"][0]["function"]["arguments"] = "{city"
         messages_for_template(bad, tools, plain, parser)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--tool-call-parser", "mistral"), ("--reasoning-parser", "r2")]
+)
+def test_serve_refuses_an_unknown_parser_before_loading(flag, value, capsys):
+    pytest.importorskip("fastapi")
+    from backplane.cli import main
+
+    assert main(["serve", "tiny-llama", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and value in err and "choose one of" in err
