@@ -201,6 +201,32 @@ def test_exponential_noise_is_exp1_and_counter_based():
     assert torch.equal(again, e[5:9])
 
 
+def test_noise_never_reaches_zero_so_a_filtered_token_never_wins():
+    # 2048 rows of a 49152-token vocabulary: about 12 draws at the largest uniform value, where
+    # noise is smallest (a 24-bit uniform rounded up to 1.0 there: noise 0, and 0 / 0 = NaN won)
+    vocab, rows, chunk = 49152, 2048, 256
+    offsets = torch.zeros(chunk, dtype=torch.int64)
+    smallest = (math.inf, -1, -1)
+    for start in range(0, rows, chunk):
+        seeds = torch.arange(start, start + chunk, dtype=torch.int64)
+        e = exponential_noise(seeds, offsets, vocab)
+        assert bool(torch.isfinite(e).all()) and bool((e > 0).all())
+        at = int(e.argmin())
+        if float(e.view(-1)[at]) < smallest[0]:
+            smallest = (float(e.view(-1)[at]), start + at // vocab, at % vocab)
+    _, row, col = smallest
+    sampler = Sampler()
+    logits = torch.zeros(1, vocab)
+    logits[0, col] = float("-inf")  # masked (a grammar) where the noise is smallest
+    for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3)):
+        token = int(sampler.sample(logits, [p], np.array([row]), np.array([0]))[0])
+        assert token != col
+    logits = torch.zeros(1, vocab)
+    logits[0, (col + 1) % vocab] = 5.0  # top_k=1 leaves one token; col is filtered out
+    p = SamplingParams(temperature=1.0, top_k=1)
+    assert int(sampler.sample(logits, [p], np.array([row]), np.array([0]))[0]) == (col + 1) % vocab
+
+
 def test_seed_must_fit_64_bits():
     with pytest.raises(RequestError, match="seed"):
         SamplingParams(seed=2**64)

@@ -78,8 +78,10 @@ def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) ->
     row = _mix32(lo ^ _mix32(hi ^ _mix32((offsets & _M32) ^ 0x2545F491)))
     col = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0))
-    # 24 random bits fill float32's mantissa exactly; +0.5 keeps u inside (0, 1)
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 random bits plus one half need float32's 24 significant bits, so u is exact and
+    # strictly inside (0, 1); with 24 bits, (2**24 - 0.5) / 2**24 rounds to 1.0 and its noise
+    # to 0, and a token filtered to probability 0 then wins the argmax as 0 / 0 = NaN
+    u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
 
 
