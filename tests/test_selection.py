@@ -659,7 +659,26 @@ def _fake_gpu(monkeypatch, capability: tuple[int, int]) -> BackendRegistry:
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    # compiled kernels, as on a real GPU: under the interpreter auto would pass Triton over
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return BackendRegistry()
+
+
+def test_auto_passes_over_an_interpreted_backend_unless_nothing_else_runs(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reg = BackendRegistry()
+    triton = next(s for s in reg.backends("attention") if s.name == "triton")
+    if not triton.availability()[0]:
+        pytest.skip(f"triton is not installed here: {triton.availability()[1]}")
+    assert "interpret" in triton.capabilities
+    with caplog.at_level(logging.INFO, logger="backplane.engine.selection"):
+        specs = select_backends(EngineConfig(device="cpu"), ["attention"], registry=reg)
+    assert specs["attention"].name == "torch"
+    assert "triton (runs in an interpreter here; name it to use it)" in caplog.text
+    named = select_backends(
+        EngineConfig(device="cpu", backends={"attention": "triton"}), ["attention"], registry=reg
+    )
+    assert named["attention"].name == "triton"
 
 
 def test_real_plugins_on_sm90_auto_chooses_triton_attention(monkeypatch, caplog):

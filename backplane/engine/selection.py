@@ -68,6 +68,10 @@ __all__ = [
 #: to run wherever its availability check says it can.
 DEVICE_TAGS: frozenset[str] = frozenset({"cpu", "cuda", "rocm", "mps", "xpu"})
 
+#: Capability of a backend whose kernels run in an interpreter here (Triton's, under
+#: ``TRITON_INTERPRET=1``): ``auto`` takes it only when nothing else can run.
+INTERPRETED = "interpret"
+
 
 def runs_on(spec: BackendSpec, device: str | None) -> tuple[bool, str]:
     """Say whether the backend of ``spec`` can run here, on ``device``.
@@ -148,10 +152,16 @@ def _auto(
     ranked = [spec for spec in registry.backends(family) if spec.name not in exclude]
     verdicts = [(spec, *runs_on(spec, device)) for spec in ranked]
     figures = {spec.name: spec.figure(device_class, kind) for spec in ranked}
-    # a stable sort: equal figures (and no figures) keep the registry's priority order
+    # a stable sort: equal figures (and no figures) keep the registry's priority order;
+    # a backend that runs in an interpreter (a debugging aid, orders of magnitude slower)
+    # comes last, so setting TRITON_INTERPRET=1 does not change what auto picks
     usable = sorted(
         (spec for spec, ok, _ in verdicts if ok),
-        key=lambda spec: (figures[spec.name] is None, -(figures[spec.name] or 0.0)),
+        key=lambda spec: (
+            INTERPRETED in spec.capabilities,
+            figures[spec.name] is None,
+            -(figures[spec.name] or 0.0),
+        ),
     )
     if not usable:
         return usable, [f"{spec.name} (unavailable: {reason})" for spec, _, reason in verdicts], ""
@@ -165,6 +175,8 @@ def _auto(
             lost.append(f"{spec.name} (unavailable: {reason})")
         elif spec is best:
             continue
+        elif INTERPRETED in spec.capabilities and INTERPRETED not in best.capabilities:
+            lost.append(f"{spec.name} (runs in an interpreter here; name it to use it)")
         elif best_figure is not None and value is None:
             lost.append(f"{spec.name} (no {kind} figure on {device_class})")
         elif best_figure is not None and value is not None and value != best_figure:
