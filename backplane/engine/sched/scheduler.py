@@ -133,14 +133,8 @@ class Scheduler:
 
         :return: False if no live request has that id.
         """
-        req = self._requests.get(request_id)
-        if req is None:
+        if not self._end(request_id, FinishReason.ABORT):
             return False
-        if req.status is RequestStatus.RUNNING:
-            del self._running[request_id]
-        else:
-            self._waiting.remove(req)
-        self._finish(req, FinishReason.ABORT)
         self.stats.aborted += 1
         return True
 
@@ -156,6 +150,13 @@ class Scheduler:
         :param reason: the finish reason to report.
         :return: False if no live request has that id.
         """
+        if not self._end(request_id, reason):
+            return False
+        self.stats.finished += 1
+        return True
+
+    def _end(self, request_id: str, reason: FinishReason) -> bool:
+        """Take a live request out of the running or waiting queue and finish it."""
         req = self._requests.get(request_id)
         if req is None:
             return False
@@ -164,7 +165,6 @@ class Scheduler:
         else:
             self._waiting.remove(req)
         self._finish(req, reason)
-        self.stats.finished += 1
         return True
 
     def pop_finished(self) -> list[Request]:
