@@ -27,6 +27,7 @@ fast call, so that ordering is tested on CPU too.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Hashable, Sequence
 
@@ -223,6 +224,24 @@ class _Compiled:
         )
 
 
+def _parameter_defaults(kernel: Any) -> dict[str, Any]:
+    """The default values of a kernel's parameters, by name.
+
+    A ``triton.jit`` function lists its parameters in ``params``; the
+    interpreter's stand-in (``TRITON_INTERPRET=1``) has none, so the Python
+    function it wraps is read instead.
+    """
+    params = getattr(kernel, "params", None)
+    if params:
+        return {p.name: p.default for p in params if p.has_default}
+    signature = inspect.signature(getattr(kernel, "fn", kernel))
+    return {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
 class KernelLauncher:
     """Launches one ``@triton.jit`` kernel, cached per caller key.
 
@@ -234,9 +253,7 @@ class KernelLauncher:
         # The interpreter reads the variable when triton is imported, as here.
         self._interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         self._names: tuple[str, ...] = tuple(kernel.arg_names)
-        self._defaults: dict[str, Any] = {
-            p.name: p.default for p in getattr(kernel, "params", ()) if p.has_default
-        }
+        self._defaults: dict[str, Any] = _parameter_defaults(kernel)
         self._cache: dict[Hashable, _Compiled] = {}
         # Every launch goes through Triton in the interpreter and while checking.
         self._always_slow = CHECK or self._interpret
