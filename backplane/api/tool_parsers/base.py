@@ -27,6 +27,7 @@ __all__ = [
     "ToolParserDelta",
     "held_back",
     "new_call_id",
+    "next_call",
     "scan_call_object",
 ]
 
@@ -380,3 +381,28 @@ class ToolCallStream:
                 delta.tool_calls.append(piece)
         self.called = self.called or bool(self._ids)
         return delta
+
+
+def next_call(rest: str, calls: list[PartialCall], text: str, *, final: bool) -> int | ParsedText:
+    """Read one call object at the start of ``rest`` into ``calls``.
+
+    :param rest: the text from the call object's ``{`` on.
+    :param calls: the calls read so far; a complete call (or, mid-stream, a cut one) is added.
+    :param text: the whole output, returned as content when it turns out not to be calls.
+    :param final: the output is complete (a cut or malformed call is then content).
+    :return: where the call ends in ``rest`` (read on from there), or the parse's result when
+        the text ends or breaks here.
+    """
+    try:
+        call, end = scan_call_object(rest)
+    except ValueError:
+        return ParsedText(content=text) if final else ParsedText(calls=calls)
+    if end is None:
+        if final:
+            return ParsedText(content=text)
+        calls.append(call)
+        return ParsedText(calls=calls)
+    if not call.complete:
+        return ParsedText(content=text) if final else ParsedText(calls=calls)
+    calls.append(call)
+    return end

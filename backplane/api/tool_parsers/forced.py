@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from backplane.api.tool_parsers.base import ParsedText, PartialCall, ToolParser, scan_call_object
+from backplane.api.tool_parsers.base import ParsedText, PartialCall, ToolParser, next_call
 
 __all__ = ["NamedCallParser", "RequiredCallsParser", "forced_calls_schema"]
 
@@ -100,16 +100,7 @@ class RequiredCallsParser(ToolParser):
                 if final and (not rest or rest[1:].strip() or not calls):
                     return ParsedText(content=text)
                 return ParsedText(calls=calls)
-            try:
-                call, end = scan_call_object(rest)
-            except ValueError:
-                return ParsedText(content=text) if final else ParsedText(calls=calls)
-            if end is None:
-                if final:
-                    return ParsedText(content=text)
-                calls.append(call)
-                return ParsedText(calls=calls)
-            if not call.complete:
-                return ParsedText(content=text) if final else ParsedText(calls=calls)
-            calls.append(call)
-            pos += end
+            step = next_call(rest, calls, text, final=final)
+            if isinstance(step, ParsedText):
+                return step
+            pos += step

@@ -19,7 +19,7 @@ from backplane.api.tool_parsers.base import (
     PartialCall,
     ToolParser,
     held_back,
-    scan_call_object,
+    next_call,
 )
 
 __all__ = ["Llama3JsonToolParser"]
@@ -47,19 +47,10 @@ class Llama3JsonToolParser(ToolParser):
         calls: list[PartialCall] = []
         pos = 0
         while True:
-            try:
-                call, end = scan_call_object(head[pos:])
-            except ValueError:
-                return ParsedText(content=text) if final else ParsedText(calls=calls)
-            if end is None:
-                if final:
-                    return ParsedText(content=text)
-                calls.append(call)
-                return ParsedText(calls=calls)
-            if not call.complete:
-                return ParsedText(content=text) if final else ParsedText(calls=calls)
-            calls.append(call)
-            pos += end
+            step = next_call(head[pos:], calls, text, final=final)
+            if isinstance(step, ParsedText):
+                return step
+            pos += step
             rest = head[pos:].lstrip()
             if not rest:
                 return ParsedText(calls=calls)
