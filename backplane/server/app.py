@@ -548,13 +548,7 @@ def _completion_logprobs(
         top.append({(v.decoded_token or ""): v.logprob for v in d.values()})
         text_offset.append(offset)
         offset += len(s)
-    obj = {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top,
-        "text_offset": text_offset,
-    }
-    return obj, offset
+    return _logprobs_object(tokens, token_logprobs, top, text_offset), offset
 
 
 def _echo_logprobs(engine: AsyncLLM, out: RequestOutput, k: int) -> tuple[dict[str, Any], int]:
@@ -593,13 +587,22 @@ def _echo_logprobs(engine: AsyncLLM, out: RequestOutput, k: int) -> tuple[dict[s
         tokens.append(s)
         text_offset.append(offset)
         offset += len(s)
-    obj = {
+    return _logprobs_object(tokens, token_logprobs, top, text_offset), offset
+
+
+def _logprobs_object(
+    tokens: list[str],
+    token_logprobs: list[float | None],
+    top: list[dict[str, float] | None],
+    text_offset: list[int],
+) -> dict[str, Any]:
+    """OpenAI completions' ``logprobs`` object from its four parallel lists."""
+    return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": text_offset,
     }
-    return obj, offset
 
 
 def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:

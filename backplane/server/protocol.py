@@ -245,11 +245,7 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None:
             # it wins over max_tokens; held in both, a refused 0 is never skipped as unset
             self.max_tokens = self.max_completion_tokens
-        if self.chat_template_kwargs is not None:
-            try:
-                check_template_kwargs(self.chat_template_kwargs)
-            except InvalidFieldError as exc:
-                raise BadRequest(str(exc), exc.field) from None
+        check_chat_template_kwargs(self.chat_template_kwargs)
         return self
 
 
@@ -259,6 +255,20 @@ class ChatCompletionRequest(_Sampling):
 _PROMPT_FORMS = (
     "give text, a list of token ids, or a list of several texts or several lists of token ids"
 )
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """Refuse template variables the chat template cannot take, as a 400.
+
+    :param kwargs: a request's ``chat_template_kwargs`` (``None``: none given).
+    :raises BadRequest: a reserved name, or text that is not UTF-8.
+    """
+    if kwargs is None:
+        return
+    try:
+        check_template_kwargs(kwargs)
+    except InvalidFieldError as exc:
+        raise BadRequest(str(exc), exc.field) from None
 
 
 def completion_prompts(prompt: Any) -> list[Any]:

@@ -16,10 +16,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from backplane.api.async_llm import AsyncLLM
-from backplane.core.errors import InvalidFieldError
-from backplane.models.chat import check_template_kwargs
 from backplane.models.tokenizer import SPECIAL_TOKEN_NAMES
-from backplane.server.protocol import BadRequest, ChatMessage, chat_messages
+from backplane.server.protocol import (
+    BadRequest,
+    ChatMessage,
+    chat_messages,
+    check_chat_template_kwargs,
+)
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "add_tokenizer_routes"]
 
@@ -45,11 +48,7 @@ class TokenizeRequest(BaseModel):
                 "give either prompt (a text) or messages (a conversation), not both or neither",
                 "prompt" if self.prompt is not None else "messages",
             )
-        if self.chat_template_kwargs is not None:
-            try:
-                check_template_kwargs(self.chat_template_kwargs)
-            except InvalidFieldError as exc:
-                raise BadRequest(str(exc), exc.field) from None
+        check_chat_template_kwargs(self.chat_template_kwargs)
         return self
 
 
