@@ -63,7 +63,116 @@ NEMOTRON_H_085B: dict[str, Any] = {
 }
 """A ~0.85B Nemotron-H-shaped hybrid (24 layers: 10 Mamba2 + 2 attention + 12 MLP)."""
 
-SHAPES: dict[str, dict[str, Any]] = {"llama-1b": LLAMA_1B, "nemotron-h-0.85b": NEMOTRON_H_085B}
+_LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+LLAMA_32_1B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": dict(_LLAMA3_ROPE, factor=32.0),
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+"""Llama-3.2-1B's shape: the 1.1B body with a tied 128k vocabulary."""
+
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": dict(_LLAMA3_ROPE, factor=8.0),
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+"""Llama-3.1-8B's shape."""
+
+QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+"""Qwen3-8B's shape (per-head q/k RMS norm)."""
+
+NEMOTRON_H_8B: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "vocab_size": 131072,
+    "hidden_size": 4096,
+    # 52 layers: 24 Mamba2 (M), 4 attention (*) and 24 MLP (-)
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 21504,
+    "mlp_hidden_act": "relu2",
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mlp_bias": False,
+    "attention_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+"""Nemotron-H-8B's shape (a 52-layer Mamba2 / attention / MLP hybrid)."""
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1b": LLAMA_1B,
+    "nemotron-h-0.85b": NEMOTRON_H_085B,
+    "llama-3.2-1b": LLAMA_32_1B,
+    "llama-3.1-8b": LLAMA_31_8B,
+    "qwen3-8b": QWEN3_8B,
+    "nemotron-h-8b": NEMOTRON_H_8B,
+}
 """The model shapes by name, as HF ``config.json`` dicts."""
 
 

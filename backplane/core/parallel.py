@@ -1,0 +1,130 @@
+"""The tensor-parallel group a model is built for, and its collectives.
+
+A model shards its layers over the ranks of one tensor-parallel group: each
+rank holds a slice of every projection's rows or columns and the collectives
+here (all-reduce after a row-parallel projection, all-gather of a
+vocabulary-parallel LM head) put the slices back together. Layers read the
+group of the process with :func:`tensor_parallel` when they are built; with one
+rank (the default, and what every single-device engine has) each collective
+returns its input and no ``torch.distributed`` call is made.
+
+The group is set once per worker process, before the model is built, with
+:func:`set_tensor_parallel` (the engine's worker does it after
+``torch.distributed.init_process_group``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TensorParallel",
+    "divide",
+    "set_tensor_parallel",
+    "shard_range",
+    "tensor_parallel",
+]
+
+
+def divide(total: int, parts: int, what: str = "size") -> int:
+    """``total // parts``, refusing a remainder.
+
+    :param total: the size to split (heads, channels, rows).
+    :param parts: the number of ranks.
+    :param what: what ``total`` counts, for the error message.
+    :return: each rank's share.
+    :raises ValueError: ``total`` is not a multiple of ``parts``.
+    """
+    if parts <= 0 or total % parts:
+        raise ValueError(
+            f"{what} {total} cannot be split evenly over {parts} tensor-parallel ranks; "
+            f"choose a tensor_parallel_size that divides {total}"
+        )
+    return total // parts
+
+
+def shard_range(total: int, rank: int, parts: int, what: str = "size") -> tuple[int, int]:
+    """The ``[start, end)`` slice of ``total`` that ``rank`` of ``parts`` holds (even split).
+
+    :param total: the size to split.
+    :param rank: this rank.
+    :param parts: the number of ranks.
+    :param what: what ``total`` counts, for the error message.
+    :return: ``(start, end)``.
+    """
+    share = divide(total, parts, what)
+    return rank * share, (rank + 1) * share
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One process's place in its tensor-parallel group.
+
+    :param rank: this process's rank in the group (0 is the driver).
+    :param size: the number of ranks.
+    :param group: the ``torch.distributed`` process group, ``None`` with one rank.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model is split over more than one rank."""
+        return self.size > 1
+
+    def shard(self, total: int, what: str = "size") -> tuple[int, int]:
+        """This rank's ``[start, end)`` slice of ``total`` (see :func:`shard_range`)."""
+        return shard_range(total, self.rank, self.size, what)
+
+    def share(self, total: int, what: str = "size") -> int:
+        """This rank's share of ``total`` (see :func:`divide`)."""
+        return divide(total, self.size, what)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (the partial outputs of a row-parallel product).
+
+        :param x: this rank's partial result; overwritten with the sum.
+        :return: ``x``.
+        """
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim``, in rank order.
+
+        :param x: this rank's slice (same shape on every rank).
+        :param dim: the dimension the slices are joined along.
+        :return: the joined tensor (``x`` itself with one rank).
+        """
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        torch.distributed.all_gather_into_tensor(out, x, group=self.group)
+        dim = dim % x.dim()
+        return torch.cat(out.unbind(0), dim=dim)
+
+
+_current = TensorParallel()
+
+
+def tensor_parallel() -> TensorParallel:
+    """The tensor-parallel group of this process (one rank unless a worker set it)."""
+    return _current
+
+
+def set_tensor_parallel(tp: TensorParallel) -> TensorParallel:
+    """Make ``tp`` this process's group; return the one it replaces.
+
+    :param tp: the group layers built from now on shard over.
+    :return: the previous group (for restoring it).
+    """
+    global _current
+    previous, _current = _current, tp
+    return previous
