@@ -105,11 +105,27 @@ class TensorParallel:
         if self.size == 1:
             return x
         x = x.contiguous()
-        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        torch.distributed.all_gather_into_tensor(out, x, group=self.group)
         dim = dim % x.dim()
-        return torch.cat(out.unbind(0), dim=dim)
+        if torch.distributed.get_backend(self.group) == "gloo":
+            # gloo's single-tensor gather is missing from older torch releases and
+            # refuses stacked outputs; its list gather works on every release.
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            torch.distributed.all_gather(parts, x, group=self.group)
+            return torch.cat(parts, dim=dim)
+        # Gathered as flat rank-major slices: the one layout every backend's
+        # single-tensor gather accepts.
+        out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+        _gather_single(out, x.view(-1), group=self.group)
+        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
 
+
+#: the single-tensor all-gather: ``all_gather_single`` where torch has it (newer
+#: releases deprecate ``all_gather_into_tensor``), else ``all_gather_into_tensor``
+_gather_single = getattr(
+    torch.distributed,
+    "all_gather_single",
+    getattr(torch.distributed, "all_gather_into_tensor", None),
+)
 
 _current = TensorParallel()
 
