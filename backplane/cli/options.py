@@ -93,6 +93,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads (default: the cores this process may use); fewer than the "
         "cores leaves a core to other processes",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        default=sup,
+        metavar="N",
+        help="split the model over N devices, one worker process each (default: 1)",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        default=sup,
+        metavar="NAME",
+        help="how tensor-parallel workers start: mp (processes on this machine, default)",
+    )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")
     group.add_argument(

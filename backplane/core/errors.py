@@ -101,3 +101,7 @@ class OutOfKVMemoryError(BackplaneError):
 
 class EngineClosedError(BackplaneError):
     """The engine was shut down: its memory is released and it takes no more work."""
+
+
+class EngineFailedError(BackplaneError):
+    """The engine can run no more steps (a worker process died or failed); start a new one."""

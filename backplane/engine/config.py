@@ -66,6 +66,10 @@ CUDA_GRAPH_MODES: tuple[str, ...] = ("off", "decode", "piecewise", "full_and_pie
 """``off``: eager; ``decode``: monolithic graphs for decode-only batches;
 ``piecewise``: piecewise graphs for every batch; ``full_and_piecewise``: both."""
 
+DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp",)
+"""How the workers of a tensor-parallel engine are started: ``mp`` one process
+per rank on this machine (:mod:`backplane.engine.distributed`)."""
+
 FUSED_OPS_MODES: tuple[str, ...] = ("auto", "torch", "triton")
 """Who runs the models' fused elementwise work (RMS norms with the residual add,
 gated activations, rotary): ``torch`` the reference functions of plain torch ops,
@@ -179,6 +183,12 @@ class EngineConfig:
         ``"auto"``) = the cores this process may use (its CPU affinity). On a
         CPU device the projections run on it; fewer threads than cores keep a
         core free for other processes.
+    :param tensor_parallel_size: ranks the model is split over, one worker
+        process per device (``cuda:0`` .. ``cuda:N-1``, or N CPU processes with
+        gloo); ``1`` runs one worker in the engine's process.
+    :param distributed_executor_backend: one of
+        :data:`DISTRIBUTED_EXECUTOR_BACKENDS`: how the worker processes of
+        ``tensor_parallel_size > 1`` are started.
     :param seed: seed of the sampling RNG.
     :param debug: extra checks and logging (slower).
     :param backends: backend name or ``auto`` per op family; families left out
@@ -204,6 +214,8 @@ class EngineConfig:
     fused_ops: str = "auto"
     async_scheduling: bool = True
     threads: int | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     seed: int = 0
     debug: bool = False
     backends: Mapping[str, str] = field(default_factory=_default_backends)
@@ -554,6 +566,10 @@ _VALIDATORS: dict[str, Any] = {
     "fused_ops": lambda v: _choice(v.strip().lower() if isinstance(v, str) else v, FUSED_OPS_MODES),
     "async_scheduling": _bool,
     "threads": lambda v: _threads(v),
+    "tensor_parallel_size": lambda v: _int(v, minimum=1),
+    "distributed_executor_backend": lambda v: _choice(
+        v.strip().lower() if isinstance(v, str) else v, DISTRIBUTED_EXECUTOR_BACKENDS
+    ),
     "seed": lambda v: _int(v, minimum=0),
     "debug": _bool,
     "backends": _backends,

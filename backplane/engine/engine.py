@@ -22,7 +22,7 @@ import torch
 
 from backplane.core.errors import ConfigError, EngineClosedError, InvalidFieldError
 from backplane.engine.config import EngineConfig
-from backplane.engine.executor import Executor, InProcessExecutor
+from backplane.engine.executor import Executor, create_executor
 from backplane.engine.inspection import WorkerView
 from backplane.engine.outputs import (
     EngineStepOutput,
@@ -103,7 +103,7 @@ class Engine(WorkerView):
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self._closed = False
-        self.executor: Executor = InProcessExecutor(config, registry)
+        self.executor: Executor = create_executor(config, registry)
         worker = self.executor.driver
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.vocab_size

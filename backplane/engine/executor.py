@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
     from backplane.engine.config import EngineConfig
 
-__all__ = ["Executor", "InProcessExecutor"]
+__all__ = ["Executor", "InProcessExecutor", "create_executor"]
 
 
 @runtime_checkable
@@ -118,3 +118,34 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         """See :meth:`Executor.shutdown`."""
         self.driver.shutdown()
+
+
+def create_executor(config: EngineConfig, registry: BackendRegistry | None = None) -> Executor:
+    """The executor the configuration asks for: the one place an engine's executor is chosen.
+
+    ``tensor_parallel_size == 1`` runs one worker in this process
+    (:class:`InProcessExecutor`); more ranks run one worker process per rank
+    (``distributed_executor_backend="mp"``:
+    :class:`~backplane.engine.distributed.multiproc.MultiprocExecutor`).
+
+    :param config: the engine configuration.
+    :param registry: the plugin registry backends are chosen from.
+    :return: the started executor.
+    :raises ConfigError: a combination the executors do not support.
+    """
+    if int(config.tensor_parallel_size) == 1:
+        return InProcessExecutor(config, registry)
+    from backplane.core.errors import ConfigError
+
+    if config.host_kv_memory:
+        raise ConfigError(
+            f"host_kv_memory={config.host_kv_memory} with tensor_parallel_size="
+            f"{config.tensor_parallel_size}: the host KV tier runs with one rank only; "
+            "set host_kv_memory to 0 or tensor_parallel_size to 1"
+        )
+    backend = config.distributed_executor_backend
+    if backend == "mp":
+        from backplane.engine.distributed.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, registry)
+    raise ConfigError(f"distributed_executor_backend={backend!r} has no executor here; use 'mp'")

@@ -200,6 +200,8 @@ class InputBatch:
         #: placeholder (``request.pending_source_row >= 0``) are read from it on the
         #: device. ``None``: every input token is known on the host.
         self.pending_source: torch.Tensor | None = None
+        #: the packet of the last step prepared or adopted (``None`` before the first)
+        self.last_step: StepPacket | None = None
 
     @property
     def nbytes(self) -> int:
@@ -365,44 +367,116 @@ class InputBatch:
 
         # -- one host-to-device copy; device views cached by shape ----------------
         self._copy(layout.page_indices_offset + total_pages * 4)
+        if pending is not None:
+            every = bool((pending >= 0).all())
+            self._fill_pending(layout.dev, shape.num_tokens - num_decode, num_decode, every)
+        if mode is not EAGER:
+            mode.check(n, num_decode, padded)
+        step = StepPacket(
+            num_seqs=n,
+            num_prefill_seqs=num_prefill,
+            num_prefill_tokens=shape.num_tokens - num_decode,
+            padded_num_tokens=padded,
+            block_table_width=shape.block_table_width,
+            total_pages=total_pages,
+            num_sample=num_sample,
+            max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len,
+            mode=mode,
+            sample_seqs=sample_seqs,
+            order=perm,
+            nbytes=layout.page_indices_offset + total_pages * 4,
+        )
+        return self._inputs(layout, host, step)
+
+    def _inputs(self, layout: _Layout, host: HostBatch, step: StepPacket) -> BatchInputs:
+        """The step's :class:`BatchInputs` over the device views of ``layout``."""
         d = layout.dev
+        total_pages, num_sample = step.total_pages, step.num_sample
         if len(layout.views) > 4096:
             layout.views.clear()
         page_indices_dev = layout.views.get(total_pages)
         if page_indices_dev is None:
+            pi_start = layout.page_indices_start
             page_indices_dev = self._dev_typed[np.int32][pi_start : pi_start + total_pages]
             layout.views[total_pages] = page_indices_dev
         logits_dev = layout.views.get(-1 - num_sample)
         if logits_dev is None:
             logits_dev = d["logits_indices"][:num_sample]
             layout.views[-1 - num_sample] = logits_dev
-        if pending is not None:
-            every = bool((pending >= 0).all())
-            self._fill_pending(d, shape.num_tokens - num_decode, num_decode, every)
-        if mode is not EAGER:
-            mode.check(n, num_decode, padded)
+        num_decode = step.num_seqs - step.num_prefill_seqs
         metadata = BatchMetadata(
-            num_prefill_seqs=num_prefill,
-            num_prefill_tokens=shape.num_tokens - num_decode,
+            num_prefill_seqs=step.num_prefill_seqs,
+            num_prefill_tokens=step.num_prefill_tokens,
             num_decode_seqs=num_decode,
             num_decode_tokens=num_decode,
-            padded_num_tokens=padded,
+            padded_num_tokens=step.padded_num_tokens,
             page_size=self.page_size,
-            max_query_len=shape.max_query_len,
-            max_seq_len=shape.max_seq_len,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
             host=host,
             page_indices=page_indices_dev,
-            mode=mode,
+            mode=step.mode,
             **{f: d[f] for f in _SECTION_FIELDS},
         )
-        return BatchInputs(
+        inputs = BatchInputs(
             metadata=metadata,
             input_ids=d["input_ids"],
             positions=d["positions"],
             logits_indices=logits_dev,
-            sample_seqs=sample_seqs,
-            order=perm,
+            sample_seqs=step.sample_seqs,
+            order=step.order,
         )
+        self.last_step = step
+        return inputs
+
+    # -- the same step on another rank --------------------------------------------
+
+    def step_bytes(self, step: StepPacket, *, device: bool) -> torch.Tensor:
+        """The packed bytes of the step just prepared (or being adopted), as a uint8 tensor.
+
+        Another rank of a tensor-parallel group receives these bytes into its
+        own buffers (:meth:`adopt`), so its graphs read the step from their own
+        fixed addresses.
+
+        :param step: the step's packet (:attr:`last_step`, or the packet being adopted).
+        :param device: the device buffer (with the in-flight tokens already
+            resolved into ``input_ids``) instead of the host buffer.
+        :return: a view of the first ``step.nbytes`` bytes of that buffer.
+        """
+        buf = self._dev if device else self._host_t
+        return buf[: step.nbytes]
+
+    def adopt(self, step: StepPacket, host_bytes: np.ndarray) -> BatchInputs:
+        """Take over a step another rank prepared: its host bytes, its shape and mode.
+
+        The device side is either the host bytes themselves (CPU: one buffer)
+        or, when the device has its own buffer, whatever the caller writes into
+        :meth:`step_bytes` (``device=True``) before the step runs, e.g. a
+        broadcast from the rank that prepared it.
+
+        :param step: the packet of the step (its shape, counts, mode, sample order).
+        :param host_bytes: the first ``step.nbytes`` bytes of the preparing rank's host buffer.
+        :return: the step's inputs over this batch's own buffers.
+        :raises ValueError: the packet does not fit this batch's buffers.
+        """
+        if step.nbytes > self.nbytes or len(host_bytes) != step.nbytes:
+            raise ValueError(
+                f"a step of {step.nbytes} bytes ({len(host_bytes)} given) does not fit this "
+                f"batch's {self.nbytes}-byte buffers; every rank must use the same limits"
+            )
+        self._turn = (self._turn + 1) % len(self._host_ts)
+        self._host_t = self._host_ts[self._turn]
+        self._host_typed = self._host_typeds[self._turn]
+        event = self._copy_events[self._turn]
+        if event is not None:
+            event.synchronize()  # that buffer's last copy must have read it
+        layout = self._layout(step.num_seqs, step.padded_num_tokens, step.block_table_width)
+        self._host_t[: step.nbytes].numpy()[:] = host_bytes
+        pi_start = layout.page_indices_start
+        page_indices = self._host_typed[np.int32][pi_start : pi_start + step.total_pages]
+        host = HostBatch(page_indices=page_indices, **{f: layout.host[f] for f in _SECTION_FIELDS})
+        return self._inputs(layout, host, step)
 
     def _fill_pending(
         self, d: dict[str, torch.Tensor], first_decode_row: int, n: int, every: bool
@@ -426,6 +500,44 @@ class InputBatch:
             return
         picked = self.pending_source.index_select(0, src.clamp(min=0))
         ids.copy_(torch.where(src >= 0, picked, ids))
+
+
+@dataclass(frozen=True)
+class StepPacket:
+    """The shape of a prepared step: what rebuilds its inputs from its packed bytes.
+
+    A tensor-parallel driver sends it (with the step's bytes) to the other
+    ranks, which rebuild the same :class:`BatchInputs` over their own buffers
+    (:meth:`InputBatch.adopt`) instead of preparing the step again.
+
+    :param num_seqs: sequences of the step (padding sequences included).
+    :param num_prefill_seqs: prefill/extend sequences (they come first).
+    :param num_prefill_tokens: tokens of those sequences.
+    :param padded_num_tokens: the model's input length.
+    :param block_table_width: columns of the dense block table.
+    :param total_pages: entries of ``page_indices``.
+    :param num_sample: sequences that sample this step.
+    :param max_query_len: most new tokens of one sequence.
+    :param max_seq_len: longest sequence (cached + new).
+    :param mode: how the step runs.
+    :param sample_seqs: see :class:`BatchInputs`.
+    :param order: see :class:`BatchInputs`.
+    :param nbytes: bytes of the packed prefix of the buffers.
+    """
+
+    num_seqs: int
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    padded_num_tokens: int
+    block_table_width: int
+    total_pages: int
+    num_sample: int
+    max_query_len: int
+    max_seq_len: int
+    mode: StepMode
+    sample_seqs: np.ndarray
+    order: np.ndarray | None
+    nbytes: int
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""The torch.distributed group of a tensor-parallel engine: address, devices, set-up.
+
+Rank 0 (the driver, in the engine's process) and every worker process join one
+process group over a free localhost TCP port: NCCL when the devices are CUDA,
+gloo on the CPU. Each process then makes the group its
+:func:`~backplane.core.parallel.tensor_parallel` group, before its model is
+built, so that the model's layers shard themselves over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from backplane.core.parallel import TensorParallel, set_tensor_parallel
+
+if TYPE_CHECKING:
+    from backplane.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["free_tcp_address", "join_group", "leave_group", "rank_config"]
+
+#: How long a collective may wait for a peer before it fails (a dead peer ends it sooner).
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+def free_tcp_address() -> str:
+    """A ``tcp://127.0.0.1:PORT`` address on a port free now, for the group's rendezvous.
+
+    :return: the init method string for :func:`torch.distributed.init_process_group`.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The configuration the worker of ``rank`` runs with.
+
+    On CUDA rank ``r`` takes the ``r``-th device after the configured one
+    (``cuda`` or ``cuda:0`` -> ``cuda:r``). On the CPU every rank gets an even
+    share of the cores unless ``threads`` is set, so the ranks do not fight
+    over the same cores.
+
+    :param config: the engine's configuration.
+    :param rank: the worker's rank.
+    :return: the configuration with that rank's ``device`` (and ``threads``).
+    :raises ConfigError: fewer CUDA devices than ranks.
+    """
+    from backplane.core.errors import ConfigError
+
+    size = int(config.tensor_parallel_size)
+    device = config.device_resolved
+    if device.startswith("cuda"):
+        base = int(device.split(":", 1)[1]) if ":" in device else 0
+        count = torch.cuda.device_count()
+        if base + size > count:
+            raise ConfigError(
+                f"tensor_parallel_size={size} on {device} needs CUDA devices {base}.."
+                f"{base + size - 1} but {count} are visible; lower tensor_parallel_size or "
+                "make more devices visible (CUDA_VISIBLE_DEVICES)"
+            )
+        return config.merge(device=f"cuda:{base + rank}")
+    overrides: dict[str, object] = {"device": device}
+    if config.threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        overrides["threads"] = max(1, int(cores or 1) // size)
+    return config.merge(**overrides)
+
+
+def join_group(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+    """Join the engine's process group and make it this process's tensor-parallel group.
+
+    :param rank: this process's rank (0 is the driver).
+    :param size: the number of ranks.
+    :param init_method: the rendezvous address (:func:`free_tcp_address`).
+    :param device: this rank's device (CUDA: NCCL, and the current device is set).
+    :return: the group, also set with :func:`~backplane.core.parallel.set_tensor_parallel`.
+    """
+    backend = "gloo"
+    kwargs: dict[str, object] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=GROUP_TIMEOUT,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
+    set_tensor_parallel(tp)
+    logger.debug("rank %d of %d joined the %s group at %s", rank, size, backend, init_method)
+    return tp
+
+
+def leave_group() -> None:
+    """Leave the process group (if joined) and return to one rank."""
+    set_tensor_parallel(TensorParallel())
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group whose peers died cannot always be torn down cleanly
+            logger.debug("destroying the process group failed", exc_info=True)

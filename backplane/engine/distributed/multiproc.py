@@ -1,0 +1,356 @@
+"""The multi-process executor: one worker process per tensor-parallel rank on this machine.
+
+Rank 0 is a :class:`~backplane.engine.worker.device_worker.DeviceWorker` in the
+engine's own process (the driver: the engine loop, the scheduler and the KV
+bookkeeping stay there); ranks ``1..N-1`` are processes started with the
+``spawn`` method, each running :func:`~.worker_proc.worker_main`. Every call
+the engine makes is sent to the workers first and then run on the driver, so
+all ranks run the same work in the same order and their collectives meet.
+
+Per step the driver prepares the inputs once; the other ranks adopt the
+prepared step (its packed host bytes go down the pipes, and on CUDA the device
+bytes, with the in-flight tokens resolved, are broadcast from rank 0). Every
+rank runs the model and the sampling head (a vocabulary-parallel LM head
+gathers its logits there); only the driver's sampled tokens are used.
+
+Faults: a worker that raises reports it and exits, one that dies is found by
+its exit code; either ends the engine with a
+:class:`~.errors.WorkerFailedError` naming the rank, after every worker
+process was ended. Worker processes are daemonic and also ended when the
+engine's process exits, so none outlives it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from backplane.engine.distributed import messages as msg
+from backplane.engine.distributed.errors import WorkerFailedError
+from backplane.engine.distributed.group import (
+    free_tcp_address,
+    join_group,
+    leave_group,
+    rank_config,
+)
+from backplane.engine.distributed.worker_proc import worker_main
+from backplane.engine.sampling import SamplerOutput, SamplingRows
+from backplane.engine.worker.device_worker import DeviceWorker
+from backplane.engine.worker.inputs import BatchInputs, ScheduledSeqLike
+
+if TYPE_CHECKING:
+    from backplane.core.registry import BackendRegistry
+    from backplane.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MultiprocExecutor"]
+
+#: Seconds a start-up command may take on a worker (model loading, graph capture).
+START_TIMEOUT = 1800.0
+#: Seconds to wait for a failing worker to report or exit, after a collective failed.
+FAILURE_GRACE = 10.0
+#: Seconds a worker gets to exit on shutdown before it is killed.
+EXIT_TIMEOUT = 10.0
+
+
+class _Proc:
+    """A worker process and the driver's end of its pipe."""
+
+    def __init__(self, rank: int, process: mp.Process, conn: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+
+
+class MultiprocExecutor:
+    """An :class:`~backplane.engine.executor.Executor` over ``tensor_parallel_size`` ranks.
+
+    Starts the worker processes, joins their process group, and runs the
+    worker start-up sequence on every rank in lock-step (the KV page count is
+    the smallest any rank can hold).
+
+    :param config: the engine configuration (``tensor_parallel_size > 1``).
+    :param registry: the plugin registry rank 0 chooses backends from; the worker
+        processes use their process-wide registry (the installed plugins).
+    :raises WorkerFailedError: a worker failed during start-up.
+    :raises BackplaneError: rank 0 could not load the model or size its caches.
+    """
+
+    def __init__(self, config: EngineConfig, registry: BackendRegistry | None = None) -> None:
+        self.size = int(config.tensor_parallel_size)
+        self._procs: list[_Proc] = []
+        self._failure: WorkerFailedError | None = None
+        self._closed = False
+        self._joined = False
+        init_method = free_tcp_address()
+        ctx = mp.get_context("spawn")
+        driver_config = rank_config(config, 0)
+        self._on_cuda = driver_config.device_type == "cuda"
+        try:
+            for rank in range(1, self.size):
+                parent, child = ctx.Pipe(duplex=True)
+                process = ctx.Process(
+                    target=worker_main,
+                    args=(rank, self.size, rank_config(config, rank), init_method, child),
+                    name=f"backplane-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child.close()
+                self._procs.append(_Proc(rank, process, parent))
+            # ends the workers if the engine's process exits without shutting the engine down
+            self._finalizer = weakref.finalize(self, _end_processes, list(self._procs))
+            atexit.register(self._finalizer)
+            self._join(init_method, driver_config.torch_device)
+            self.driver = DeviceWorker(driver_config, registry)
+            self._send_all(msg.LOAD)
+            self._guard(self.driver.load_model)
+            pages = [self._guard(self.driver.determine_num_kv_pages)]
+            pages += self._answers()
+            self.num_pages = min(int(p) for p in pages)
+            if len(set(pages)) > 1:
+                logger.info("KV pages per rank %s: every rank uses %d", pages, self.num_pages)
+            self._send_all(msg.START, self.num_pages)
+            self._guard(self.driver.initialize_cache, self.num_pages)
+            self._guard(self.driver.compile_or_warm_up_model)
+            self._answers()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "tensor parallel: %d ranks (%s)", self.size, "nccl" if self._on_cuda else "gloo"
+        )
+
+    def _join(self, init_method: str, device: torch.device) -> None:
+        """Join the group on a helper thread, watching the workers meanwhile.
+
+        The rendezvous waits for every rank; a worker that dies before it joins
+        would leave the driver waiting for the whole group timeout.
+        """
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                join_group(0, self.size, init_method, device)
+            except BaseException as exc:
+                error.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=join, name="backplane-tp-join", daemon=True).start()
+        while not done.wait(0.1):
+            failure = self._diagnose(wait=0.0)
+            if failure is not None:
+                self._fail(failure)
+        if error:
+            raise error[0]
+        self._joined = True
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    def prepare_inputs(
+        self, scheduled: Sequence[ScheduledSeqLike], pending_tokens: torch.Tensor | None = None
+    ) -> BatchInputs:
+        """Prepare the step on the driver once and hand it to every other rank.
+
+        :param scheduled: the scheduler's sequences (prefill/extend first).
+        :param pending_tokens: the in-flight step's tokens on the driver's device, or ``None``.
+        :return: the driver's inputs.
+        """
+        self._check()
+        inputs = self.driver.prepare_inputs(scheduled, pending_tokens)
+        ib = self.driver.input_batch
+        step = ib.last_step
+        assert step is not None
+        host = ib.step_bytes(step, device=False).numpy().copy()
+        self._send_all(msg.ADOPT_STEP, (step, host))
+        if self._on_cuda:
+            self._guard(dist.broadcast, ib.step_bytes(step, device=True), src=0)
+        return inputs
+
+    def execute_model(self, inputs: BatchInputs) -> torch.Tensor:
+        """Run the model on every rank; see :meth:`Executor.execute_model`.
+
+        :param inputs: from :meth:`prepare_inputs`.
+        :return: the driver's hidden states.
+        """
+        self._check()
+        self._send_all(msg.EXECUTE)
+        return self._guard(self.driver.execute_model, inputs)
+
+    def sample_tokens(
+        self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows
+    ) -> SamplerOutput:
+        """Run the sampling head on every rank; the driver's tokens are the step's.
+
+        :param hidden: from :meth:`execute_model`.
+        :param inputs: the step's inputs.
+        :param rows: the sampling sequences' parameters.
+        :return: the driver's tokens (and logprobs where asked), on its device.
+        """
+        self._check()
+        portable = rows
+        if rows.processing is not None or rows.prompt is not None:
+            portable = dataclasses.replace(
+                rows,
+                processing=msg.to_portable(rows.processing),
+                prompt=msg.to_portable(rows.prompt),
+            )
+        self._send_all(msg.SAMPLE, portable)
+        return self._guard(self.driver.sample_tokens, hidden, inputs, rows)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shut every worker down and end its process; idempotent.
+
+        Workers get :data:`EXIT_TIMEOUT` seconds to exit on their own; any
+        still running then is killed. After a worker failed the others are
+        killed at once (they may be waiting in a collective for the dead one).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is not None:
+            _end_processes(self._procs)
+        for p in self._procs:
+            if p.process.is_alive():
+                try:
+                    p.conn.send((msg.SHUTDOWN, None))
+                except (OSError, ValueError):
+                    pass
+        driver = getattr(self, "driver", None)
+        if driver is not None:
+            driver.shutdown()
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        for p in self._procs:
+            p.process.join(max(0.0, deadline - time.monotonic()))
+        _end_processes(self._procs)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+            atexit.unregister(finalizer)
+        if self._joined:
+            leave_group()
+            self._joined = False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the worker processes (ranks 1..N-1)."""
+        return [int(p.process.pid or 0) for p in self._procs]
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _send_all(self, name: str, arg: Any = None) -> None:
+        for p in self._procs:
+            try:
+                p.conn.send((name, arg))
+            except (OSError, ValueError):
+                self._fail(
+                    self._diagnose(wait=FAILURE_GRACE) or WorkerFailedError(p.rank, "is gone")
+                )
+
+    def _answers(self) -> list[Any]:
+        """The start-up answers of every worker, in rank order."""
+        out = []
+        for p in self._procs:
+            deadline = time.monotonic() + START_TIMEOUT
+            while not p.conn.poll(0.2):
+                failure = self._diagnose(wait=0.0)
+                if failure is not None:
+                    self._fail(failure)
+                if time.monotonic() > deadline:
+                    self._fail(
+                        WorkerFailedError(p.rank, f"did not answer in {START_TIMEOUT:.0f} s")
+                    )
+            kind, value = self._recv(p)
+            out.append(value)
+        return out
+
+    def _recv(self, p: _Proc) -> tuple[str, Any]:
+        try:
+            kind, value = p.conn.recv()
+        except (EOFError, OSError):
+            self._fail(self._diagnose(wait=FAILURE_GRACE) or WorkerFailedError(p.rank, "is gone"))
+        if kind == "error":
+            self._fail(WorkerFailedError(p.rank, f"raised {value}"))
+        return kind, value
+
+    def _check(self) -> None:
+        """Raise the failure of a worker, if one failed or reported an error since the last call."""
+        if self._failure is not None:
+            raise self._failure
+        failure = self._diagnose(wait=0.0)
+        if failure is not None:
+            self._fail(failure)
+
+    def _diagnose(self, wait: float) -> WorkerFailedError | None:
+        """The first worker found failed (an error on its pipe, or its process gone), or ``None``.
+
+        :param wait: seconds to keep looking (a collective that failed because a
+            peer died may notice before the peer's exit is visible).
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            for p in self._procs:
+                try:
+                    if p.conn.poll():
+                        kind, value = p.conn.recv()
+                        if kind == "error":
+                            return WorkerFailedError(p.rank, f"raised {value}")
+                except (EOFError, OSError):
+                    pass
+                if not p.process.is_alive():
+                    return WorkerFailedError(p.rank, f"died (exit code {p.process.exitcode})")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    # Any: forwards the driver's own arguments and result
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the driver; if it fails because a worker failed, raise that instead."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            failure = self._diagnose(wait=FAILURE_GRACE if _peer_error(exc) else 0.0)
+            if failure is None:
+                raise
+            self._fail(failure, exc)
+
+    def _fail(self, failure: WorkerFailedError, cause: BaseException | None = None) -> None:
+        """End every worker and raise ``failure``; later calls raise it again."""
+        logger.error("%s", failure)
+        self._failure = failure
+        self.shutdown()
+        raise failure from cause
+
+
+def _peer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a collective that lost its peer (gloo / NCCL errors)."""
+    return isinstance(exc, (RuntimeError, dist.DistBackendError, ConnectionError, OSError))
+
+
+def _end_processes(procs: list[_Proc]) -> None:
+    """Kill every worker process still running and reap it (no orphan survives the engine)."""
+    for p in procs:
+        if p.process.is_alive():
+            p.process.kill()
+    for p in procs:
+        p.process.join(EXIT_TIMEOUT)
+        try:
+            p.conn.close()
+        except OSError:
+            pass
