@@ -55,7 +55,12 @@ from backplane.api.chat import render_chat_text
 from backplane.api.llm import LLM, Conversation, Prompt
 from backplane.api.outputs import RequestOutput
 from backplane.api.stop import StopAutomaton, stop_automaton
-from backplane.core.errors import BackplaneError, InvalidFieldError, RequestError
+from backplane.core.errors import (
+    BackplaneError,
+    EngineFailedError,
+    InvalidFieldError,
+    RequestError,
+)
 from backplane.engine.sampling import SamplingParams
 from backplane.models.tokenizer_bounds import char_bound
 
@@ -704,12 +709,13 @@ class AsyncLLM:
                 if engine.has_unfinished_requests() or llm._tracked:
                     try:
                         outs = llm.step()
-                    except Exception:
+                    except Exception as exc:
                         # a failed step is undone by the engine (its requests restart from their
                         # last committed token; one failing too often finishes with "error")
                         failures += 1
                         logger.exception("engine step failed (%d in a row)", failures)
-                        if failures >= _MAX_FAILED_STEPS:
+                        # a lost worker process cannot come back: retrying would fail again
+                        if failures >= _MAX_FAILED_STEPS or isinstance(exc, EngineFailedError):
                             raise
                         continue
                     failures = 0
