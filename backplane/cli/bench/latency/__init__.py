@@ -31,14 +31,27 @@ the floor and to transformers static + compile.
 Shapes: ``llama-1b`` (1.1B Llama: hidden 2048, 16 layers, 32/8 heads of 64,
 MLP 8192, vocabulary 32000) and ``nemotron-h-0.85b`` (a 24-layer Nemotron-H
 hybrid of the same width: 10 Mamba2 layers of 64 heads x 64 with state 128,
-2 attention layers, 12 ReLU^2 MLP layers of 8192); any built-in preset name
-(``tiny-llama``, ``tiny-nemotron-h`` ...) runs that tiny model, for CPU checks.
+2 attention layers, 12 ReLU^2 MLP layers of 8192), the defaults; the shapes of
+published models: ``llama-3.2-1b`` (the 1.1B body with a tied 128k vocabulary:
+the LM head is the embedding, read in full each step), ``llama-3.1-8b``,
+``qwen3-8b`` and ``nemotron-h-8b`` (52 layers: 24 Mamba2, 4 attention, 24
+MLP); any built-in preset name (``tiny-llama``, ``tiny-nemotron-h`` ...) runs
+that tiny model, for CPU checks; and a model directory (``config.json`` +
+safetensors) is measured with its own weights, its floor from the sizes in
+its safetensors headers.
+
+**Published figures**: where one exists for the shape, the workload (batch 1
+in bfloat16) and the GPU kind (H100, H200, from the device name), the report
+prints it beside backplane's best batch-1 configuration, with the ratio and
+the source, and the JSON keeps it under each shape's ``anchors``; the table
+is :data:`backplane.cli.bench.anchors.ANCHORS`.
 
 Examples::
 
     backplane bench latency --json latency.json --plot latency.png
     backplane bench latency --shapes llama-1b --batch-sizes 1,4,16 --attention triton
     backplane bench latency --shapes tiny-llama --prompt-len 32 --new-tokens 8   # CPU
+    backplane bench latency --shapes llama-3.2-1b --batch-sizes 1 --prompt-len 32
     backplane bench latency --plot-from latency.json --plot latency.png
 
 A default run takes several minutes on one GPU (weight initialisation, CUDA
@@ -117,8 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=csv_list,
         default=list(DEFAULT_SHAPES),
         metavar="NAME,...",
-        help=f"model shapes: {', '.join(SHAPES)} or a preset such as tiny-llama "
-        f"(default: {','.join(DEFAULT_SHAPES)})",
+        help=f"model shapes: {', '.join(SHAPES)}, a preset such as tiny-llama, or a model "
+        f"directory (config.json + safetensors) (default: {','.join(DEFAULT_SHAPES)})",
     )
     parser.add_argument(
         "--batch-sizes",

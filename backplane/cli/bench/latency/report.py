@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from backplane.cli.bench.anchors import format_comparison, latency_comparisons
 from backplane.core.errors import BackplaneError
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,14 @@ def format_report(result: dict[str, Any]) -> str:
             out.append("")
             out.append("not measured:")
             out.extend(skipped)
+        # results saved before anchors existed are compared when read back
+        anchors = shape.get("anchors")
+        if anchors is None:
+            anchors = latency_comparisons({**shape, "run": run}, m.get("gpu"))
+        if anchors:
+            out.append("")
+            out.append("against published figures:")
+            out.extend(f"  {format_comparison(row)}" for row in anchors)
         notes = [
             (c["label"], n) for c in configs for n in c.get("notes", []) if c["kind"] != "floor"
         ]

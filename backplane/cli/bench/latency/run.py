@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from backplane.cli.bench.anchors import latency_comparisons
 from backplane.cli.bench.latency.engines import run_backplane
 from backplane.cli.bench.latency.floor import floor_bytes, measure_bandwidth
 from backplane.cli.bench.latency.measure import (
@@ -29,8 +30,8 @@ from backplane.cli.bench.latency.measure import (
 from backplane.cli.bench.latency.reference import run_transformers
 from backplane.cli.bench.latency.report import si
 from backplane.cli.bench.latency.settings import Settings, check_settings, resolve_device_dtype
-from backplane.cli.bench.latency.shapes import shape_config
-from backplane.cli.bench.latency.weights import save_random_weights
+from backplane.cli.bench.latency.shapes import is_model_dir, shape_config
+from backplane.cli.bench.latency.weights import folder_weights_info, save_random_weights
 from backplane.cli.bench.machine import machine_info
 from backplane.core.errors import BackendUnavailableError, UnknownBackendError
 
@@ -82,15 +83,22 @@ def run_shape(
         configuration (floor first) with a row per batch size.
     """
     config = shape_config(name)
-    folder = os.path.join(workdir, f"{name}-{dtype_name}")
     t0 = time.perf_counter()
-    logger.info("%s: building random %s weights in %s", name, dtype_name, folder)
-    info = save_random_weights(name, config, folder, dtype)
+    if not is_model_dir(name):
+        folder = os.path.join(workdir, f"{name}-{dtype_name}")
+        logger.info("%s: building random %s weights in %s", name, dtype_name, folder)
+        info = save_random_weights(name, config, folder, dtype)
+        what = "saved"
+    else:
+        # a model directory is measured as it is: its own weights, its sizes from the headers
+        info = folder_weights_info(name, dtype)
+        what = "sized"
     logger.info(
-        "%s: %s parameters, %s, saved in %.1fs",
+        "%s: %s parameters, %s, %s in %.1fs",
         name,
         si(info.params, ""),
         si(info.weight_bytes, "B"),
+        what,
         time.perf_counter() - t0,
     )
     vocab = int(config["vocab_size"])
@@ -273,6 +281,8 @@ def run_benchmark(settings: Settings) -> dict[str, Any]:
                     progress=progress,
                 )
             )
+    for shape in shapes:
+        shape["anchors"] = latency_comparisons(shape, machine.get("gpu"))
     data = asdict(settings)
     data["dtype_resolved"] = dtype_name
     return {"machine": machine, "settings": data, "bandwidth": bandwidth, "shapes": shapes}

@@ -1,13 +1,17 @@
-"""The model shapes ``backplane bench latency`` measures, as HF ``config.json`` dicts.
+"""The model shapes ``backplane bench latency`` and ``bench throughput`` measure, as HF ``config.json`` dicts.
 
-Two shapes of the same width, a dense one and a hybrid one, plus a lookup that
-also accepts any built-in preset (the tiny ones run on a CPU).
+Two ~1B shapes of the same width, a dense one and a hybrid one
+(``llama-1b``, ``nemotron-h-0.85b``); the shapes of published models that
+published figures exist for (``llama-3.2-1b`` with its tied 128k vocabulary,
+``llama-3.1-8b``, ``qwen3-8b``, ``nemotron-h-8b``); and a lookup that also
+accepts any built-in preset (the tiny ones run on a CPU) and a model directory.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+from pathlib import Path
 from typing import Any
 
 from backplane.core.errors import ConfigError
@@ -179,9 +183,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 def shape_config(name: str) -> dict[str, Any]:
     """Return the HF config dict of shape ``name`` (a copy).
 
-    :param name: a key of :data:`SHAPES` or a built-in preset name.
+    :param name: a key of :data:`SHAPES`, a built-in preset name, or a model
+        directory (``config.json`` + safetensors), whose config is returned as
+        its architecture reads it.
     :return: a deep copy, so that callers may edit it.
-    :raises ConfigError: unknown name, listing the known ones.
+    :raises ConfigError: unknown name, listing the known ones; a directory of an
+        unsupported architecture.
     """
     from backplane.models import presets
 
@@ -189,7 +196,32 @@ def shape_config(name: str) -> dict[str, Any]:
         return json.loads(json.dumps(SHAPES[name]))
     if name in presets.PRESETS:
         return json.loads(json.dumps(presets.PRESETS[name]))
+    if is_model_dir(name):
+        from backplane.models.loader import read_config
+        from backplane.models.registry import model_class
+
+        config = read_config(name)
+        config = model_class(config.get("architectures")).normalize_config(config)
+        return json.loads(json.dumps(dict(config)))
     known = [*SHAPES, *sorted(presets.PRESETS)]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"unknown shape {name!r}{hint}; the shapes are: {', '.join(known)}")
+    raise ConfigError(
+        f"unknown shape {name!r}{hint}; the shapes are: {', '.join(known)}, "
+        "or a model directory with a config.json"
+    )
+
+
+def is_model_dir(name: str) -> bool:
+    """Whether shape ``name`` is a model directory rather than a named shape or preset.
+
+    :param name: what ``--shapes`` / ``--model`` said.
+    :return: ``True`` for a directory holding a ``config.json`` whose path is
+        not also a shape's or a preset's name (the names win).
+    """
+    from backplane.models import presets
+
+    if name in SHAPES or name in presets.PRESETS:
+        return False
+    path = Path(name)
+    return path.is_dir() and (path / "config.json").is_file()

@@ -3,7 +3,8 @@
 Each shape is built once with backplane's fixed-seed initialisation and saved
 as a Hugging Face folder (``config.json`` + safetensors), which backplane's
 loader and ``transformers`` both read; :class:`WeightsInfo` keeps the sizes
-the memory floor is computed from.
+the memory floor is computed from. A model directory given as a shape is used
+as it is, its sizes read from its safetensors headers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +82,85 @@ def _specs_bytes(specs: dict[str, dict[str, Any]]) -> int:
     return sum(spec.nbytes for layer in specs.values() for spec in layer.values())
 
 
+def _cache_sizes(model: Any, dtype: Any) -> tuple[float, int]:
+    """KV bytes per token and recurrent-state bytes per sequence of ``model``, over all layers.
+
+    :param model: a built ``CausalLM`` (its parameters may be on the ``meta`` device).
+    :param dtype: the KV / conv cache ``torch.dtype``.
+    :return: ``(kv_bytes_per_token, state_bytes_per_seq)``.
+    """
+    # as differences: one page more gives the KV bytes of PAGE_SIZE tokens,
+    # one slot more the recurrent state of one sequence
+    kw = {"page_size": PAGE_SIZE, "dtype": dtype}
+    two = _specs_bytes(model.cache_specs(num_pages=2, num_slots=1, **kw))
+    three = _specs_bytes(model.cache_specs(num_pages=3, num_slots=1, **kw))
+    two_slots = _specs_bytes(model.cache_specs(num_pages=2, num_slots=2, **kw))
+    return (three - two) / PAGE_SIZE, two_slots - two
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+"""A routed expert's tensor in a checkpoint (``mlp.experts.3.up_proj.weight``); not shared experts."""
+
+
+def folder_weights_info(folder: str | os.PathLike[str], dtype: Any) -> WeightsInfo:
+    """The sizes the memory floor needs, for a Hugging Face folder backplane did not save.
+
+    Tensor sizes come from the safetensors headers (no weight is read), counted
+    in ``dtype`` because the engine holds them so; tensors the model ignores
+    (e.g. multi-token-prediction layers) and a tied ``lm_head.weight`` are left
+    out. Cache sizes come from the model built on the ``meta`` device.
+
+    :param folder: a directory with ``config.json`` and safetensors files.
+    :param dtype: the ``torch.dtype`` the benchmark runs in.
+    :return: the sizes.
+    :raises ConfigError: an unsupported architecture, or no readable safetensors.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from backplane.engine.selection import select_backends_for
+    from backplane.models.base import build_model
+    from backplane.models.loader import read_config, weight_files
+    from backplane.models.registry import model_class
+
+    path = Path(folder)
+    config = read_config(path)
+    cls = model_class(config.get("architectures"))
+    config = cls.normalize_config(config)
+    backends = select_backends_for(dict.fromkeys(FAMILIES, "torch"), device="cpu")
+    model = build_model(cls, config, backends, dtype=dtype, device="meta")
+    element = torch.empty((), dtype=dtype).element_size()
+    tied = bool(model.tie_word_embeddings)
+
+    numels: dict[str, int] = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                if model.checkpoint_to_module_name(key) is None:
+                    continue
+                if tied and key.endswith("lm_head.weight"):
+                    continue
+                numels[key] = math.prod(fh.get_slice(key).get_shape())
+    experts = [(key, int(m.group(1))) for key in numels if (m := _EXPERT.search(key))]
+    embedding = model.embed_tokens.weight
+    head = embedding if tied else model.lm_head.weight
+    kv_bytes_per_token, state_bytes_per_seq = _cache_sizes(model, dtype)
+    return WeightsInfo(
+        folder=str(path),
+        params=sum(numels.values()),
+        weight_bytes=sum(numels.values()) * element,
+        embedding_bytes=embedding.numel() * element,
+        embedding_row_bytes=embedding.shape[1] * element,
+        lm_head_bytes=head.numel() * element,
+        tied=tied,
+        expert_bytes=sum(numels[key] for key, _ in experts) * element,
+        num_experts=max((i for _, i in experts), default=-1) + 1,
+        experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        kv_bytes_per_token=kv_bytes_per_token,
+        state_bytes_per_seq=state_bytes_per_seq,
+    )
+
+
 def save_random_weights(
     name: str, config: dict[str, Any], folder: str | os.PathLike[str], dtype: Any
 ) -> WeightsInfo:
@@ -144,12 +226,7 @@ def save_random_weights(
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    # cache sizes as differences: one page more gives the KV bytes of PAGE_SIZE
-    # tokens, one slot more the recurrent state of one sequence
-    kw = {"page_size": PAGE_SIZE, "dtype": dtype}
-    two = _specs_bytes(model.cache_specs(num_pages=2, num_slots=1, **kw))
-    three = _specs_bytes(model.cache_specs(num_pages=3, num_slots=1, **kw))
-    two_slots = _specs_bytes(model.cache_specs(num_pages=2, num_slots=2, **kw))
+    kv_bytes_per_token, state_bytes_per_seq = _cache_sizes(model, dtype)
     info = WeightsInfo(
         folder=str(folder),
         params=sum(t.numel() for t in tensors.values()),
@@ -161,8 +238,8 @@ def save_random_weights(
         expert_bytes=expert_bytes,
         num_experts=num_experts,
         experts_per_token=int(config.get("num_experts_per_tok") or 0),
-        kv_bytes_per_token=(three - two) / PAGE_SIZE,
-        state_bytes_per_seq=two_slots - two,
+        kv_bytes_per_token=kv_bytes_per_token,
+        state_bytes_per_seq=state_bytes_per_seq,
     )
     del model, tensors
     gc.collect()

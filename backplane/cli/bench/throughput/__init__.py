@@ -27,10 +27,17 @@ One engine, built from the usual engine flags, measured three ways in one run:
    needs a CUDA device and a model whose weights this command saved itself.
 
 ``--model`` takes the latency benchmark's shapes (``llama-1b``,
-``nemotron-h-0.85b``) and the built-in presets (``tiny-llama`` ...), whose
+``nemotron-h-0.85b``, ``llama-3.2-1b``, ``llama-3.1-8b``, ``qwen3-8b``,
+``nemotron-h-8b``) and the built-in presets (``tiny-llama`` ...), whose
 fixed-seed random weights are saved once as a Hugging Face folder that both
-backplane and transformers load, as well as ``smollm2``, a model directory or
-a ``.gguf`` file. When ``--max-num-seqs`` is not given, the engine takes the
+backplane and transformers load, as well as ``smollm2``, a model directory
+(its floor from its safetensors headers) or a ``.gguf`` file.
+
+Published figures: ``llama-3.1-8b`` with the ShareGPT-like mix, about 1000
+requests (900 to 1100), rate ``inf``, bfloat16 on one H100 is set against
+other engines' published output tok/s on that workload, with the ratio and
+the source (:data:`backplane.cli.bench.anchors.ANCHORS`), in the report and
+under ``anchors`` in the JSON. When ``--max-num-seqs`` is not given, the engine takes the
 largest decode batch as its sequence limit; prefix caching is off unless
 ``--prefix-caching`` is given (each rate sends the same prompts again).
 ``--seed`` seeds the request mix, the arrivals and the engine's sampling.
@@ -40,6 +47,7 @@ Examples::
     backplane bench throughput --model llama-1b --input-len 512 --output-len 128 \\
         --num-prompts 32 --backend attention=triton --json t.json --plot t.png
     backplane bench throughput --model llama-1b --num-prompts 1000 --request-rate 4,16,64,inf
+    backplane bench throughput --model llama-3.1-8b --num-prompts 1000 --decode-batch-sizes none
     backplane bench throughput --model tiny-llama --device cpu --num-prompts 8 \\
         --input-len 16 --output-len 8 --decode-batch-sizes 4,8   # a CPU check
 """

@@ -6,11 +6,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from backplane.cli.bench.latency.shapes import SHAPES, shape_config
-from backplane.cli.bench.latency.weights import WeightsInfo, save_random_weights
+from backplane.cli.bench.latency.shapes import SHAPES, is_model_dir, shape_config
+from backplane.cli.bench.latency.weights import (
+    WeightsInfo,
+    folder_weights_info,
+    save_random_weights,
+)
+from backplane.core.errors import BackplaneError
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +55,15 @@ def resolve_model(name: str, dtype: Any, workdir: str) -> Model:
         info = save_random_weights(name, shape_config(name), folder, dtype)
         logger.info("%s: saved in %.1fs", name, time.perf_counter() - t0)
         return Model(name, info.folder, info, info.folder)
-    path = Path(name)
-    if path.is_dir() and (path / "config.json").is_file():
-        return Model(name, name, None, name)
+    if is_model_dir(name):
+        # sizes from the safetensors headers give the floor; a folder they cannot be read
+        # from (GGUF beside a config.json, say) still runs, without it
+        try:
+            info = folder_weights_info(name, dtype)
+        except (BackplaneError, OSError, ValueError) as exc:
+            logger.info("%s: no floor (%s)", name, exc)
+            info = None
+        return Model(name, name, info, name)
     return Model(
         name,
         name,

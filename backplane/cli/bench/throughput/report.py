@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backplane.cli.bench.anchors import format_comparison, throughput_comparisons
 from backplane.cli.bench.workload import (
     print_table,
 )
@@ -43,6 +44,13 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["rates"]:
         if not r["exact_lengths"]:
             print(f"rate {r['rate']}: some requests did not produce exactly their output length")
+    anchors = result.get("anchors")
+    if anchors is None:
+        anchors = throughput_comparisons(result)
+    if anchors:
+        print("\nagainst published figures (rate inf):")
+        for row in anchors:
+            print(f"  {format_comparison(row)}")
     hf = result["transformers"]
     print()
     if hf["status"] == "ok":

@@ -11,6 +11,7 @@ import tempfile
 import time
 from typing import Any
 
+from backplane.cli.bench.anchors import throughput_comparisons
 from backplane.cli.bench.latency.engines import quiet_missing_tokenizer
 from backplane.cli.bench.latency.floor import measure_bandwidth
 from backplane.cli.bench.latency.measure import free_device_memory, skipped
@@ -133,8 +134,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             floor_reason = f"the HBM floor needs a CUDA device (this run is on {device.type})"
         elif model.weights is None:
             floor_reason = (
-                "the floor needs the weights' sizes, known for the shapes and presets whose "
-                f"weights this command saves (not {model.name!r})"
+                "the floor needs the weights' sizes, known for the shapes, the presets and "
+                f"model directories of safetensors files (not {model.name!r})"
             )
         try:
             decode_rows = decode_only(
@@ -174,4 +175,5 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 inf_row["output_token_throughput"] / hf["output_token_throughput"]
             )
         result["transformers"] = hf
+    result["anchors"] = throughput_comparisons(result)
     return result
