@@ -20,13 +20,24 @@ from typing import Any
 
 import torch
 
+from backplane.core.errors import ConfigError
+
 __all__ = [
     "TensorParallel",
+    "UnevenSplitError",
     "divide",
     "set_tensor_parallel",
     "shard_range",
     "tensor_parallel",
 ]
+
+
+class UnevenSplitError(ConfigError, ValueError):
+    """A model dimension (heads, channels, vocabulary) cannot be split over the tensor-parallel ranks.
+
+    A configuration error (the ``tensor_parallel_size`` does not fit the
+    model), and a ``ValueError`` for callers that catch that.
+    """
 
 
 def divide(total: int, parts: int, what: str = "size") -> int:
@@ -36,10 +47,10 @@ def divide(total: int, parts: int, what: str = "size") -> int:
     :param parts: the number of ranks.
     :param what: what ``total`` counts, for the error message.
     :return: each rank's share.
-    :raises ValueError: ``total`` is not a multiple of ``parts``.
+    :raises UnevenSplitError: ``total`` is not a multiple of ``parts``.
     """
     if parts <= 0 or total % parts:
-        raise ValueError(
+        raise UnevenSplitError(
             f"{what} {total} cannot be split evenly over {parts} tensor-parallel ranks; "
             f"choose a tensor_parallel_size that divides {total}"
         )

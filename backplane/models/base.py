@@ -36,11 +36,19 @@ from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.layouts import TensorSpec
+from backplane.core.parallel import tensor_parallel
 from backplane.models.fused import check_fused_ops
 from backplane.models.linear import Linear, MergedLinear, can_pack, dense, pack_weight
 from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
+from backplane.models.parallel import (
+    ParamShard,
+    ShardSlice,
+    lm_head,
+    module_shards,
+    vocab_parallel_embedding,
+)
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -144,6 +152,8 @@ class CausalLM(nn.Module):
         self.max_model_len = int(config.get("max_position_embeddings", 4096))
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.eos_token_ids = _eos_ids(config.get("eos_token_id"))
+        #: the tensor-parallel group the layers are split over (one rank by default)
+        self.tp = tensor_parallel()
         #: sampling defaults of the checkpoint (``generation_config.json``), filled by the loader
         self.generation_defaults: dict[str, Any] = {}
 
@@ -177,7 +187,7 @@ class CausalLM(nn.Module):
         :param hidden_size: the width of the final hidden states ``lm_head`` reads.
         """
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(hidden_size, self.vocab_size, bias=False)
+            self.lm_head = lm_head(hidden_size, self.vocab_size, tp=self.tp)
         fams: set[str] = set()
         for m in self.modules():
             if isinstance(m, CachedMixer):
@@ -256,10 +266,13 @@ class CausalLM(nn.Module):
         """Project hidden states (already gathered, e.g. last token per sequence) to logits.
 
         :param hidden: ``[N, hidden]``.
-        :return: ``[N, vocab_size]`` logits in float32.
+        :return: ``[N, vocab_size]`` logits in float32 (of the full vocabulary
+            on every tensor-parallel rank).
         """
         if self.tie_word_embeddings:
-            return dense(hidden, self.embed_tokens.weight, packed=self.packed_tied_head).float()
+            logits = dense(hidden, self.embed_tokens.weight, packed=self.packed_tied_head)
+            # A split embedding holds this rank's vocabulary rows: its logits are a slice.
+            return self.tp.all_gather(logits, dim=-1).float()
         return self.lm_head(hidden).float()
 
     # -- caches ------------------------------------------------------------------
@@ -365,17 +378,75 @@ class CausalLM(nn.Module):
                     targets[f"{mod_name}.{name}"] = (view, e)
         return targets
 
+    def param_shards(self) -> dict[str, ParamShard]:
+        """Say how each tensor-parallel parameter is cut from the full one.
+
+        :return: ``{parameter name: shard}`` for the parameters this rank holds
+            a slice of (empty with one rank).
+        """
+        return {
+            f"{mod_name}.{leaf}" if mod_name else leaf: shard
+            for mod_name, m in self.named_modules()
+            for leaf, shard in module_shards(m).items()
+        }
+
+    def weight_shards(self) -> dict[str, ShardSlice | ParamShard]:
+        """Say which slice of each checkpoint tensor this rank holds.
+
+        :return: ``{name as in weight_targets: slice of the checkpoint tensor}``
+            for every target this rank holds only part of (empty with one rank).
+        """
+        shards: dict[str, ShardSlice | ParamShard] = {}
+        if not self.tp.enabled:
+            return shards
+        for mod_name, m in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            if isinstance(m, MergedLinear):
+                parent = mod_name.rpartition(".")[0]
+                sibling = f"{parent}." if parent else ""
+                for leaf, layout in module_shards(m).items():
+                    for name, (_, _, part) in zip(m.part_names, layout.part_slices(), strict=True):
+                        if part.part.size != part.part.total:
+                            shards[f"{sibling}{name}.{leaf}"] = part
+            elif isinstance(m, MoE):
+                shards.update({prefix + k: v for k, v in m.expert_shards().items()})
+            else:
+                for leaf, layout in module_shards(m).items():
+                    if layout.sharded and len(layout.parts) == 1:
+                        shards[prefix + leaf] = ShardSlice(layout.dim, layout.parts[0])
+                    elif layout.sharded:
+                        # Slices of several parts of one tensor (Mamba2's in_proj): cut whole.
+                        shards[prefix + leaf] = layout
+        return shards
+
+    def checkpoint_shard(self, ckpt_name: str) -> ShardSlice | None:
+        """The slice of checkpoint tensor ``ckpt_name`` this rank loads (for reading only that).
+
+        :param ckpt_name: a tensor name as the checkpoint spells it.
+        :return: its slice, or ``None`` where the rank loads all of it (or ignores it).
+        """
+        shards = self.__dict__.get("_checkpoint_shards")
+        if shards is None:
+            shards = self.__dict__["_checkpoint_shards"] = self.weight_shards()
+        name = self.checkpoint_to_module_name(ckpt_name)
+        shard = None if name is None else shards.get(name)
+        # A shard of several slices is read whole and cut by load_weights.
+        return shard if isinstance(shard, ShardSlice) else None
+
     def load_weights(
         self, tensors: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
     ) -> dict[str, list[str]]:
         """Copy checkpoint tensors into the model.
 
         :param tensors: ``(checkpoint name, tensor)`` pairs (any dtype/device; cast on copy).
+            On a tensor-parallel rank a tensor may be whole (this rank's slice
+            is taken, see :meth:`weight_shards`) or already the slice.
         :param strict: raise when tensors are missing or unexpected.
         :return: ``{"missing": [...], "unexpected": [...], "ignored": [...]}``.
         :raises WeightLoadError: on a shape mismatch, or (strict) missing/unexpected names.
         """
         targets = self.weight_targets()
+        shards = self.weight_shards()
         seen: set[str] = set()
         unexpected: list[str] = []
         ignored: list[str] = []
@@ -393,10 +464,14 @@ class CausalLM(nn.Module):
                 dest, index = target
                 if index is not None:
                     dest = dest[index]
+                shard = shards.get(name)
+                expected = tuple(dest.shape) if shard is None else shard.full_shape(dest.shape)
+                if shard is not None and tuple(tensor.shape) == expected:
+                    tensor = shard.take(tensor)
                 if tuple(dest.shape) != tuple(tensor.shape):
                     raise WeightLoadError(
                         f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "
-                        f"expects {tuple(dest.shape)} for {name!r}; config.json and the weights disagree",
+                        f"expects {expected} for {name!r}; config.json and the weights disagree",
                         tensor=ckpt_name,
                     )
                 dest.copy_(tensor)
@@ -433,27 +508,34 @@ class CausalLM(nn.Module):
 
         Linear/embedding weights ~ N(0, std); norm weights at identity scale;
         Mamba/delta parameters in their usual ranges; router biases small.
+        A tensor-parallel rank draws each full tensor and keeps its slice, so
+        the ranks together hold the weights one rank would.
 
         :param seed: the generator seed.
         :param std: standard deviation of matrix weights.
         """
         g = torch.Generator().manual_seed(seed)
+        shards = self.param_shards()
         with torch.no_grad():
             for name, p in self.named_parameters():
                 leaf = name.rsplit(".", 1)[-1]
+                shard = shards.get(name)
+                shape = p.shape if shard is None else shard.full_shape(p.shape)
                 if leaf == "A_log":
-                    vals = torch.log(torch.rand(p.shape, generator=g) * 15 + 1)
+                    vals = torch.log(torch.rand(shape, generator=g) * 15 + 1)
                 elif leaf == "dt_bias":
-                    vals = torch.rand(p.shape, generator=g) * 0.5 + 0.5
+                    vals = torch.rand(shape, generator=g) * 0.5 + 0.5
                 elif leaf == "D":
-                    vals = torch.ones(p.shape)
+                    vals = torch.ones(shape)
                 elif p.dim() == 1 and ("norm" in name or "layernorm" in name):
                     zc = _is_zero_centered(self, name)
-                    vals = torch.zeros(p.shape) if zc else torch.ones(p.shape)
+                    vals = torch.zeros(shape) if zc else torch.ones(shape)
                 elif leaf == "bias":
-                    vals = torch.zeros(p.shape)
+                    vals = torch.zeros(shape)
                 else:
-                    vals = torch.randn(p.shape, generator=g) * std
+                    vals = torch.randn(shape, generator=g) * std
+                if shard is not None:
+                    vals = shard.take(vals)
                 p.copy_(vals.to(p.dtype))
             for name, b in self.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -589,7 +671,7 @@ class DecoderOnlyLM(CausalLM):
         self.norm_eps = float(config.get("rms_norm_eps", 1e-6))
         self.num_layers = int(config.require("num_hidden_layers"))
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self.model.embed_tokens = vocab_parallel_embedding(self.vocab_size, hidden, tp=self.tp)
         self.model.layers = nn.ModuleList([self.build_layer(i) for i in range(self.num_layers)])
         self.model.norm = RMSNorm(hidden, self.norm_eps, zero_centered=self.zero_centered_norms)
         self._finish_init(hidden)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from backplane.models.base import (
     build_model,
 )
 from backplane.models.loaded import LoadedModel
+from backplane.models.parallel import ShardSlice
 from backplane.models.registry import model_class
 from backplane.models.tokenizer import TextTokenizer, load_hf_tokenizer
 
@@ -157,13 +158,19 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 
 def iter_safetensors(
-    files: list[Path], *, progress: bool = True, origins: dict[str, Path] | None = None
+    files: list[Path],
+    *,
+    progress: bool = True,
+    origins: dict[str, Path] | None = None,
+    shard_of: Callable[[str], ShardSlice | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` from every file, memory-mapped, with a progress bar.
 
     :param files: safetensors files.
     :param progress: show a tqdm bar (on a terminal).
     :param origins: when given, filled with ``{tensor name: file}`` as the files are opened.
+    :param shard_of: the slice of a tensor a tensor-parallel rank loads, by
+        name (``None``: all of it); only that slice is read from the file.
     """
     from safetensors import safe_open
     from tqdm.auto import tqdm
@@ -184,13 +191,26 @@ def iter_safetensors(
         for f, h in handles:
             for name in h.keys():
                 try:
-                    tensor = h.get_tensor(name)
+                    tensor = _read(h, name, shard_of)
                 except Exception as exc:  # the data of this tensor lies past the end of the file
                     raise _unreadable(f, exc, tensor=name) from None
                 yield name, tensor
                 bar.update(1)
     finally:
         bar.close()
+
+
+def _read(handle: Any, name: str, shard_of: Callable[[str], ShardSlice | None] | None) -> Any:
+    """Tensor ``name`` of an open safetensors file, or only the slice ``shard_of`` names."""
+    shard = None if shard_of is None else shard_of(name)
+    if shard is None:
+        return handle.get_tensor(name)
+    view = handle.get_slice(name)
+    shape = view.get_shape()
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.part.total:
+        # Mis-shaped: read it whole, so that loading names its true shape.
+        return handle.get_tensor(name)
+    return view[shard.index(len(shape))]
 
 
 def _unreadable(f: Path, exc: Exception, tensor: str | None = None) -> ConfigError:
@@ -406,7 +426,9 @@ def load_model(
     lm, config = _build(cls, config, config_file, dtype, dev, backends)
     logger.info("loading %d weight file(s) from %s", len(files), path)
     origins: dict[str, Path] = {}
-    _load(lm, iter_safetensors(files, progress=progress, origins=origins), origins.get, path)
+    shard_of = lm.checkpoint_shard if lm.tp.enabled else None
+    tensors = iter_safetensors(files, progress=progress, origins=origins, shard_of=shard_of)
+    _load(lm, tensors, origins.get, path)
     eos_ids, defaults = read_generation_config(path)
     for eos in eos_ids:
         if eos not in lm.eos_token_ids:

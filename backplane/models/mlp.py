@@ -23,7 +23,12 @@ from backplane.models.fused import (
     relu_squared,
     silu_and_mul,
 )
-from backplane.models.linear import InputProjection, Linear, MergedLinear
+from backplane.models.linear import InputProjection
+from backplane.models.parallel import (
+    column_parallel_linear,
+    merged_column_parallel_linear,
+    row_parallel_linear,
+)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -74,12 +79,17 @@ class MLP(nn.Module):
 
     The gated form holds ``gate_proj`` and ``up_proj`` as one
     :class:`~backplane.models.linear.MergedLinear`, ``gate_up_proj``.
+    On a tensor-parallel rank the inner channels are split: ``gate_up_proj``
+    (or ``up_proj``) is column-parallel, ``down_proj`` row-parallel.
 
     :param hidden_size: model width.
     :param intermediate_size: inner width.
     :param act: activation name (``silu``, ``relu2``, ...).
     :param gated: has a ``gate_proj`` (Llama style); ``False`` for Nemotron-H.
     :param bias: the projections have biases.
+    :param reduce: all-reduce the output over the tensor-parallel ranks;
+        ``False`` returns this rank's partial sum, for a caller that adds it to
+        other partial results and reduces once (the MoE's shared experts).
     """
 
     #: ``"torch"`` or ``"triton"``: who runs the activation (:mod:`backplane.models.fused`)
@@ -92,19 +102,24 @@ class MLP(nn.Module):
         act: str = "silu",
         gated: bool = True,
         bias: bool = False,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.gated = gated
         self.act_fn = activation(act)
         if gated:
-            self.gate_up_proj = MergedLinear(
+            self.gate_up_proj = merged_column_parallel_linear(
                 hidden_size,
                 [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
                 bias=bias,
             )
         else:
-            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+            self.up_proj = column_parallel_linear(
+                hidden_size, intermediate_size, bias=bias, what="MLP channels"
+            )
+        self.down_proj = row_parallel_linear(
+            intermediate_size, hidden_size, bias=bias, reduce=reduce, what="MLP channels"
+        )
 
     def input_projection(self, rope: object = None) -> InputProjection | None:
         """The first projection of the input and the activation it may apply as its epilogue.

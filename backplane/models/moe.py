@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from backplane.core.errors import ConfigError
+from backplane.core.parallel import tensor_parallel
 from backplane.models.linear import Linear, dense
 from backplane.models.mlp import MLP, activation, gated_activation
+from backplane.models.parallel import ParamShard, ShardSlice, head_shard
 
 
 @torch.library.custom_op("backplane_models::moe_experts", mutates_args=())
@@ -136,6 +138,11 @@ class MoE(nn.Module):
     store them per expert and per projection; :meth:`expert_slices` says which
     slice each checkpoint tensor fills.
 
+    On a tensor-parallel rank every expert's inner channels are split (its
+    gate/up rows and its down columns, like a dense MLP's); the router is
+    replicated, so every rank picks the same experts, and the routed and
+    shared experts' partial sums are all-reduced once, after they are added.
+
     :param shared_name: attribute name of the shared MLP (HF naming differs:
         ``shared_experts`` or ``shared_expert``).
     """
@@ -184,7 +191,17 @@ class MoE(nn.Module):
             self.fc1_latent_proj = Linear(hidden_size, latent_size, bias=bias)
             self.fc2_latent_proj = Linear(latent_size, hidden_size, bias=bias)
         self.gated = gated
+        self.tp = tensor_parallel()
+        inter = head_shard(self.tp, moe_intermediate_size, 1, "MoE expert channels")
+        # The experts hold this rank's channels from here on.
+        moe_intermediate_size = inter.size
         self.intermediate_size = moe_intermediate_size
+        if self.tp.enabled:
+            in_parts = (inter, inter) if gated else (inter,)
+            self.tp_shards = {
+                "experts_gate_up" if gated else "experts_up": ParamShard(1, in_parts),
+                "experts_down": ParamShard(2, (inter,)),
+            }
         if gated:
             self.experts_gate_up = nn.Parameter(
                 torch.empty(num_experts, 2 * moe_intermediate_size, inner_dim)
@@ -198,7 +215,16 @@ class MoE(nn.Module):
             setattr(
                 self,
                 self.shared_name,
-                MLP(hidden_size, shared_intermediate_size, act=act, gated=gated, bias=bias),
+                # With a latent, the routed sum is reduced before fc2_latent_proj,
+                # so the shared experts reduce their own.
+                MLP(
+                    hidden_size,
+                    shared_intermediate_size,
+                    act=act,
+                    gated=gated,
+                    bias=bias,
+                    reduce=self.latent,
+                ),
             )
         self.shared_gate = shared_gate and bool(self.shared_name)
         if self.shared_gate:
@@ -229,6 +255,22 @@ class MoE(nn.Module):
             for proj, stacked_name, view in views:
                 yield f"experts.{e}.{proj}.weight", stacked_name, view, e
 
+    def expert_shards(self) -> dict[str, ShardSlice]:
+        """Say which slice of each per-expert checkpoint tensor this rank holds.
+
+        :return: ``{checkpoint name relative to this module: slice}`` (names as
+            :meth:`expert_slices` yields them; empty with one rank).
+        """
+        if not self.tp.enabled:
+            return {}
+        part = self.tp_shards["experts_down"].parts[0]
+        # A checkpoint tensor is one expert's: the stacked dimension is gone.
+        dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
+        return {
+            name: ShardSlice(dims[name.split(".")[2]], part)
+            for name, _, _, _ in self.expert_slices()
+        }
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(topk_ids [T, k], topk_weights [T, k] float32)`` for ``x`` ``[T, H]``."""
         logits = dense(x.float(), self.gate.weight.float())
@@ -255,10 +297,11 @@ class MoE(nn.Module):
             h, ids, weights, self.experts_in, self.experts_down, self.act_name, self.gated
         )
         if self.latent:
-            routed = self.fc2_latent_proj(routed)
+            routed = self.fc2_latent_proj(self.tp.all_reduce(routed))
         if self.shared_name is None:
-            return routed
+            return routed if self.latent else self.tp.all_reduce(routed)
         shared = getattr(self, self.shared_name)(x)
         if self.shared_gate:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return routed + shared
+        out = routed + shared
+        return out if self.latent else self.tp.all_reduce(out)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backplane.core.parallel import TensorParallel, tensor_parallel
+from backplane.core.parallel import TensorParallel, UnevenSplitError, tensor_parallel
 from backplane.models.linear import Linear, MergedLinear, dense
 
 __all__ = [
@@ -190,7 +190,7 @@ def head_shard(tp: TensorParallel, num_heads: int, head_size: int, what: str) ->
     :param head_size: rows per head.
     :param what: what the heads are, for the error message.
     :return: the rank's slice of the ``num_heads * head_size`` rows.
-    :raises ValueError: ``num_heads`` is not a multiple of the group size.
+    :raises UnevenSplitError: ``num_heads`` is not a multiple of the group size.
     """
     start, stop = tp.shard(num_heads, what)
     return PartShard(num_heads * head_size, start * head_size, stop * head_size)
@@ -207,12 +207,12 @@ def kv_head_shard(tp: TensorParallel, num_kv_heads: int, head_size: int) -> Part
     :param num_kv_heads: the model's key/value heads.
     :param head_size: rows per head.
     :return: the rank's slice of the ``num_kv_heads * head_size`` rows.
-    :raises ValueError: neither count divides the other.
+    :raises UnevenSplitError: neither count divides the other.
     """
     if tp.size <= num_kv_heads:
         return head_shard(tp, num_kv_heads, head_size, "key/value heads")
     if tp.size % num_kv_heads:
-        raise ValueError(
+        raise UnevenSplitError(
             f"{num_kv_heads} key/value heads can neither be split over nor replicated on "
             f"{tp.size} tensor-parallel ranks; choose a tensor_parallel_size that divides "
             f"{num_kv_heads} or is a multiple of it"
@@ -386,7 +386,7 @@ def column_parallel_linear(
     :param tp: the group (the process's by default).
     :return: a plain :class:`~backplane.models.linear.Linear` with one rank,
         else a :class:`ColumnParallelLinear`.
-    :raises ValueError: the units cannot be split evenly over the ranks.
+    :raises UnevenSplitError: the units cannot be split evenly over the ranks.
     """
     tp = _group(tp)
     if not tp.enabled:
@@ -412,8 +412,9 @@ def merged_column_parallel_linear(
     :param bias: every part has a bias.
     :param tp: the group (the process's by default).
     :return: a plain :class:`~backplane.models.linear.MergedLinear` of the full
-        sizes with one rank, else a :class:`MergedColumnParallelLinear`.
-    :raises ValueError: a part cannot be split evenly over the ranks.
+        sizes with one rank or when every part is whole, else a
+        :class:`MergedColumnParallelLinear`.
+    :raises UnevenSplitError: a part cannot be split evenly over the ranks.
     """
     tp = _group(tp)
     if not tp.enabled:
@@ -426,6 +427,8 @@ def merged_column_parallel_linear(
         (name, n if isinstance(n, PartShard) else head_shard(tp, n, 1, f"rows of {name}"))
         for name, n in parts
     ]
+    if all(p.size == p.total for _, p in shards):
+        return MergedLinear(in_features, [(name, p.total) for name, p in shards], bias=bias)
     return MergedColumnParallelLinear(in_features, shards, bias=bias)
 
 
@@ -450,7 +453,7 @@ def row_parallel_linear(
     :param tp: the group (the process's by default).
     :return: a plain :class:`~backplane.models.linear.Linear` with one rank,
         else a :class:`RowParallelLinear`.
-    :raises ValueError: the units cannot be split evenly over the ranks.
+    :raises UnevenSplitError: the units cannot be split evenly over the ranks.
     """
     tp = _group(tp)
     if not tp.enabled:
@@ -468,7 +471,7 @@ def vocab_parallel_embedding(
     :param embedding_dim: the embedding width.
     :param tp: the group (the process's by default).
     :return: ``nn.Embedding`` with one rank, else a :class:`VocabParallelEmbedding`.
-    :raises ValueError: the vocabulary cannot be split evenly over the ranks.
+    :raises UnevenSplitError: the vocabulary cannot be split evenly over the ranks.
     """
     tp = _group(tp)
     if not tp.enabled:
@@ -486,7 +489,7 @@ def lm_head(in_features: int, vocab_size: int, *, tp: TensorParallel | None = No
     :param tp: the group (the process's by default).
     :return: a plain :class:`~backplane.models.linear.Linear` with one rank,
         else a :class:`ParallelLMHead`.
-    :raises ValueError: the vocabulary cannot be split evenly over the ranks.
+    :raises UnevenSplitError: the vocabulary cannot be split evenly over the ranks.
     """
     tp = _group(tp)
     if not tp.enabled:

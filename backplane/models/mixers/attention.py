@@ -7,9 +7,16 @@ from typing import Any
 import torch
 
 from backplane.core.families import AttentionLayerSpec
-from backplane.models.linear import InputProjection, Linear, MergedLinear, RotaryEpilogue
+from backplane.core.parallel import tensor_parallel
+from backplane.models.linear import InputProjection, RotaryEpilogue
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
+from backplane.models.parallel import (
+    head_shard,
+    kv_head_shard,
+    merged_column_parallel_linear,
+    row_parallel_linear,
+)
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 
@@ -20,6 +27,12 @@ class AttentionMixer(PagedMixer):
     :class:`~backplane.models.linear.MergedLinear`, ``qkv_proj``; its output
     is split into views, and without q/k norms the queries and keys are
     rotated together, in place, in that output.
+
+    On a tensor-parallel rank (:func:`~backplane.core.parallel.tensor_parallel`)
+    the layer holds its share of the query heads and the key/value heads they
+    read (split, or one replicated head when there are fewer than ranks);
+    ``num_heads`` / ``num_kv_heads`` and the backend's layer spec are the
+    rank's, and ``o_proj`` is row-parallel (one all-reduce).
 
     :param layer_id: index of the layer (passed to the backend).
     :param backend: the ``attention`` backend.
@@ -51,6 +64,12 @@ class AttentionMixer(PagedMixer):
         sliding_window: int = 0,
     ) -> None:
         super().__init__()
+        tp = tensor_parallel()
+        q_rows = head_dim * (2 if output_gate else 1)
+        q_shard = head_shard(tp, num_heads, q_rows, "attention heads")
+        kv_shard = kv_head_shard(tp, num_kv_heads, head_dim)
+        # From here on the counts are this rank's.
+        num_heads, num_kv_heads = q_shard.size // q_rows, kv_shard.size // head_dim
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
@@ -61,13 +80,19 @@ class AttentionMixer(PagedMixer):
             head_dim=head_dim,
             sliding_window=sliding_window or 0,
         )
-        q_out = num_heads * head_dim * (2 if output_gate else 1)
-        kv_out = num_kv_heads * head_dim
-        self.qkv_proj = MergedLinear(
-            hidden_size, [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)], bias=bias
+        self.qkv_proj = merged_column_parallel_linear(
+            hidden_size,
+            [("q_proj", q_shard), ("k_proj", kv_shard), ("v_proj", kv_shard)],
+            bias=bias,
+            tp=tp,
         )
-        self.o_proj = Linear(
-            num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias
+        self.o_proj = row_parallel_linear(
+            num_heads * head_dim * tp.size,
+            hidden_size,
+            bias=bias if o_bias is None else o_bias,
+            head_size=head_dim,
+            what="attention heads",
+            tp=tp,
         )
         self.qk_norm = qk_norm
         if qk_norm:

@@ -7,9 +7,17 @@ from typing import Any
 import torch
 
 from backplane.core.families import MLALayerSpec
-from backplane.models.linear import Linear, MergedLinear
+from backplane.core.parallel import tensor_parallel
+from backplane.models.linear import Linear
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
+from backplane.models.parallel import (
+    PartShard,
+    column_parallel_linear,
+    head_shard,
+    merged_column_parallel_linear,
+    row_parallel_linear,
+)
 from backplane.models.rotary import RopeCosSin, RotaryEmbedding
 
 
@@ -26,6 +34,12 @@ class MLAMixer(PagedMixer):
     hidden state: they are one
     :class:`~backplane.models.linear.MergedLinear`, ``fused_qkv_a_proj``
     (unless a plain ``q_proj`` without bias meets biased ``kv_a_proj_with_mqa``).
+
+    On a tensor-parallel rank the heads are split: ``q_b_proj`` (or the plain
+    ``q_proj``) and ``kv_b_proj`` are column-parallel by head, the latent
+    projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are replicated, and so
+    is the latent cache; ``o_proj`` is row-parallel. ``num_heads`` and the
+    backend's layer spec are the rank's.
     """
 
     families = ("mla",)
@@ -48,33 +62,57 @@ class MLAMixer(PagedMixer):
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
+        tp = tensor_parallel()
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        q_shard = head_shard(tp, num_heads, qk_head_dim, "attention heads")
+        # From here on the head count is this rank's.
+        num_heads = q_shard.size // qk_head_dim
         self.backend = backend
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         kv_a_out = kv_lora_rank + qk_rope_head_dim
         # HF's plain q_proj never has a bias; merging needs the same bias setting.
         self.merged = q_lora_rank is not None or not bias
+        q_part: tuple[str, PartShard]
         if q_lora_rank is None:
-            q_part = ("q_proj", num_heads * qk_head_dim)
+            q_part = ("q_proj", q_shard)
         else:
-            q_part = ("q_a_proj", q_lora_rank)
+            q_part = ("q_a_proj", PartShard.whole(q_lora_rank))
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
-            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = column_parallel_linear(
+                q_lora_rank, q_shard.total, head_size=qk_head_dim, what="attention heads", tp=tp
+            )
         if self.merged:
-            self.fused_qkv_a_proj = MergedLinear(
-                hidden_size, [q_part, ("kv_a_proj_with_mqa", kv_a_out)], bias=bias
+            self.fused_qkv_a_proj = merged_column_parallel_linear(
+                hidden_size,
+                [q_part, ("kv_a_proj_with_mqa", PartShard.whole(kv_a_out))],
+                bias=bias,
+                tp=tp,
             )
         else:
-            self.q_proj = Linear(hidden_size, q_part[1], bias=False)
+            self.q_proj = column_parallel_linear(
+                hidden_size, q_shard.total, head_size=qk_head_dim, what="attention heads", tp=tp
+            )
             self.kv_a_proj_with_mqa = Linear(hidden_size, kv_a_out, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
-        self.kv_b_proj = Linear(
-            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
+        kv_b_head = qk_nope_head_dim + v_head_dim
+        self.kv_b_proj = column_parallel_linear(
+            kv_lora_rank,
+            num_heads * tp.size * kv_b_head,
+            head_size=kv_b_head,
+            what="attention heads",
+            tp=tp,
         )
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.o_proj = row_parallel_linear(
+            num_heads * tp.size * v_head_dim,
+            hidden_size,
+            bias=bias,
+            head_size=v_head_dim,
+            what="attention heads",
+            tp=tp,
+        )
         self.spec = MLALayerSpec(
             layer_id=layer_id,
             num_heads=num_heads,
