@@ -17,7 +17,8 @@ KEYS = (
     "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, max_stop_strings, max_stop_string_length, "
     "page_size, kv_memory, "
     "gpu_memory_utilization, num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
-    "fused_ops, async_scheduling, threads, seed, debug, backends"
+    "fused_ops, async_scheduling, threads, tensor_parallel_size, distributed_executor_backend, "
+    "data_parallel_size, seed, debug, backends"
 )
 
 

@@ -5,7 +5,9 @@ loop for many concurrent callers), ``outputs`` (:class:`RequestOutput`,
 :class:`CompletionOutput`, :class:`RequestMetrics`), ``output_processor``
 (incremental detokenising and stop handling: tokens to outputs), ``stop`` (stop-string
 limits and matching), ``chat`` (chat templates), ``prompts`` (prompts, parameters and
-request ids checked before queueing) and ``guard`` (one thread at a time in an ``LLM``).
+request ids checked before queueing), ``guard`` (one thread at a time in an ``LLM``),
+``data_parallel`` (the devices of ``AsyncLLM``'s engine replicas) and ``balancing``
+(which replica runs a request).
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from backplane.api.balancing import LoadBalancer
 from backplane.api.chat import render_chat_text
+from backplane.api.data_parallel import replica_configs
 from backplane.api.llm import LLM, Conversation, Prompt
 from backplane.api.outputs import RequestOutput
 from backplane.api.stop import StopAutomaton, stop_automaton
@@ -61,6 +63,7 @@ from backplane.core.errors import (
     InvalidFieldError,
     RequestError,
 )
+from backplane.engine.config import EngineConfig
 from backplane.engine.sampling import SamplingParams
 from backplane.models.tokenizer_bounds import char_bound
 
@@ -114,6 +117,24 @@ class EngineSnapshot:
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
 
+    @classmethod
+    def total(cls, snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
+        """The load of several engine replicas taken together.
+
+        :param snapshots: one snapshot per replica.
+        :return: the sums of the counts (steps too); alive only while every replica is.
+        """
+        return cls(
+            running=sum(s.running for s in snapshots),
+            waiting=sum(s.waiting for s in snapshots),
+            kv_pages_used=sum(s.kv_pages_used for s in snapshots),
+            kv_pages_total=sum(s.kv_pages_total for s in snapshots),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in snapshots),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in snapshots),
+            steps=sum(s.steps for s in snapshots),
+            alive=all(s.alive for s in snapshots),
+        )
+
 
 #: Failed engine steps in a row after which the loop gives up (the engine keeps failing).
 _MAX_FAILED_STEPS = 50
@@ -121,6 +142,15 @@ _MAX_FAILED_STEPS = 50
 #: Most tokenizer threads: enough that one long prompt does not queue the short ones
 #: behind it, few enough not to take the cores the engine steps on.
 _MAX_TOKENIZER_THREADS = 4
+
+
+def _engine_config(model: str | None, config: Any, overrides: dict[str, Any]) -> EngineConfig:
+    """The configuration :class:`LLM` would build from the same arguments."""
+    if model is not None:
+        overrides = {**overrides, "model": model}
+    if config is None:
+        return EngineConfig.from_dict(overrides)
+    return config.merge(**overrides) if overrides else config
 
 
 def _usable_cpus() -> int:
@@ -245,10 +275,17 @@ class RequestStream:
 class AsyncLLM:
     """Serve many concurrent callers from one engine, driven by one background loop.
 
+    With ``data_parallel_size = N`` (a configuration key) it runs N engine
+    replicas, each with its own devices (:func:`~backplane.api.data_parallel.replica_configs`)
+    and its own engine-loop thread, and gives each new request to the replica
+    with the fewest live requests (:class:`~backplane.api.balancing.LoadBalancer`);
+    an abort goes to the replica that holds the request, and :meth:`snapshot`
+    adds the replicas' loads up.
+
     :param model: as :class:`LLM` (a preset, ``smollm2``, a directory or a ``.gguf`` file).
     :param config: an ``EngineConfig`` to start from (optional).
     :param llm: an already built :class:`LLM` to drive instead of building one
-        (it must not be used directly afterwards).
+        (it must not be used directly afterwards); one replica.
     :param max_waiting_requests: refuse new requests with
         :class:`EngineOverloadedError` while this many wait for admission
         (``None``: no cap).
@@ -265,27 +302,27 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         **overrides: Any,
     ) -> None:
-        self.llm = llm if llm is not None else LLM(model, config=config, **overrides)
+        if llm is not None:
+            llms = [llm]
+        else:
+            llms = [
+                LLM(config=c) for c in replica_configs(_engine_config(model, config, overrides))
+            ]
+        self.llm = llms[0]  # the tokenizer and limits, which every replica shares
         self.max_waiting_requests = max_waiting_requests
-        self._commands: deque[tuple[Any, ...]] = deque()
-        self._commands_lock = threading.Lock()
-        self._cancelled: set[str] = set()  # aborted while their add was still queued
-        self._wake = threading.Event()
-        self._sinks: dict[str, _AsyncSink | _ThreadSink] = {}
         self._finished_callbacks: list[Callable[[RequestOutput], None]] = []
         self._ids = itertools.count()
         self._id_prefix = f"{int(time.time() * 1000):x}"
         self._stopping = False
-        self._dead: BaseException | None = None
-        self._snapshot = EngineSnapshot()
-        self._snapshot = self._take_snapshot()
+        self._balancer = LoadBalancer(len(llms))
+        self._replicas = [_EngineLoop(r, i, self) for i, r in enumerate(llms)]
         self._char_bound = char_bound(self.llm.tokenizer) if self.llm.tokenizer else None
         self._tokenizer_pool = ThreadPoolExecutor(
             max_workers=max(1, min(_MAX_TOKENIZER_THREADS, _usable_cpus())),
             thread_name_prefix="backplane-tokenize",
         )
-        self._thread = threading.Thread(target=self._loop, name="backplane-engine", daemon=True)
-        self._thread.start()
+        for replica in self._replicas:
+            replica.start()
 
     # -- what callers read --------------------------------------------------------------------
 
@@ -397,13 +434,28 @@ class AsyncLLM:
         return self.llm.chat_params(sampling_params)
 
     def snapshot(self) -> EngineSnapshot:
-        """The engine's load after the loop's last iteration (any thread)."""
-        return self._snapshot
+        """The engine's load after the loop's last iteration (any thread); with
+        several replicas, their loads added up (:meth:`EngineSnapshot.total`)."""
+        if len(self._replicas) == 1:
+            return self._replicas[0].snapshot
+        return EngineSnapshot.total(self.replica_snapshots())
+
+    def replica_snapshots(self) -> list[EngineSnapshot]:
+        """Each replica's load after its loop's last iteration (any thread).
+
+        :return: one snapshot per replica, in replica order.
+        """
+        return [r.snapshot for r in self._replicas]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many engine replicas serve the requests."""
+        return len(self._replicas)
 
     @property
     def is_alive(self) -> bool:
-        """False once the loop stopped (shut down or a step failed)."""
-        return self._dead is None and self._thread.is_alive()
+        """False once a loop stopped (shut down or a step failed)."""
+        return all(r.is_alive for r in self._replicas)
 
     def add_finished_callback(self, callback: Callable[[RequestOutput], None]) -> None:
         """Call ``callback(output)`` on the engine loop for every request that finishes
@@ -458,31 +510,39 @@ class AsyncLLM:
             return self._encode(prompt), prompt
         return prompt, None
 
-    def _stops_ahead_sync(self, params: SamplingParams | None) -> StopAutomaton | None:
+    def _stops_ahead_sync(
+        self, params: SamplingParams | None, replica: int = 0
+    ) -> StopAutomaton | None:
         """Check a request's stop strings against the limits and build their automaton.
 
         Both cost time in proportion to the stop strings (a fraction of a second
         for the largest allowed set), so they run on the caller's side, never on
         the engine loop, where every stream would wait. A structured-output
-        grammar is compiled here too (into the engine's cache, where the loop finds
-        it), and a schema, regex or grammar that does not compile is refused here.
+        grammar is compiled here too (into the cache of the engine of ``replica``,
+        where its loop finds it), and a schema, regex or grammar that does not
+        compile is refused here.
         """
         if not isinstance(params, SamplingParams):
             return None
         if params.structured_outputs is not None:
-            self.llm.engine.structured_output.compile(params.structured_outputs)
+            engine = self._replicas[replica].llm.engine
+            engine.structured_output.compile(params.structured_outputs)
         if not params.stop:
             return None
         self.llm._check_stops(params)
         return stop_automaton(tuple(params.stop))
 
-    async def _stops_ahead(self, params: SamplingParams | None) -> StopAutomaton | None:
+    async def _stops_ahead(
+        self, params: SamplingParams | None, replica: int
+    ) -> StopAutomaton | None:
         if not isinstance(params, SamplingParams) or (
             not params.stop and params.structured_outputs is None
         ):
             return None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, self._stops_ahead_sync, params)
+        return await loop.run_in_executor(
+            self._tokenizer_pool, self._stops_ahead_sync, params, replica
+        )
 
     async def _tokenize(self, prompt: Prompt) -> tuple[Any, str | None]:
         if not isinstance(prompt, str):
@@ -492,9 +552,10 @@ class AsyncLLM:
         return await loop.run_in_executor(self._tokenizer_pool, self._tokenize_sync, prompt)
 
     def _check_running(self) -> None:
-        """Refuse work once the loop stopped or is stopping (its tokenizer threads are gone)."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop is not running: {self._dead}")
+        """Refuse work once a loop stopped or is stopping (the tokenizer threads are gone)."""
+        for replica in self._replicas:
+            if replica.dead is not None:
+                raise EngineDeadError(f"the engine loop is not running: {replica.dead}")
         if self._stopping:
             raise EngineDeadError("the engine loop is not running: the engine was shut down")
 
@@ -503,12 +564,9 @@ class AsyncLLM:
             return str(request_id)
         return f"{self._id_prefix}-{next(self._ids)}"
 
-    def _submit(self, command: tuple[Any, ...]) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop is not running: {self._dead}")
-        with self._commands_lock:
-            self._commands.append(command)
-        self._wake.set()
+    def _assign(self, request_id: str) -> int:
+        """Choose the replica of a new request (it counts there until it finishes)."""
+        return self._balancer.assign(request_id)
 
     async def add_request(
         self,
@@ -531,8 +589,13 @@ class AsyncLLM:
         :raises EngineDeadError: the engine loop is not running.
         """
         ids, text = await self._tokenize(prompt)
-        automaton = await self._stops_ahead(sampling_params)
         rid = self._new_id(request_id)
+        replica = self._assign(rid)
+        try:
+            automaton = await self._stops_ahead(sampling_params, replica)
+        except BaseException:
+            self._balancer.release(rid)
+            raise
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
         sink = _AsyncSink(loop)
@@ -547,7 +610,8 @@ class AsyncLLM:
 
             loop.call_soon_threadsafe(settle)
 
-        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done, automaton))
+        command = ("add", ids, sampling_params, rid, prompt_text or text, sink, done, automaton)
+        self._replicas[replica].submit(command)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -615,8 +679,13 @@ class AsyncLLM:
         :raises EngineDeadError: the engine loop is not running.
         """
         ids, text = self._tokenize_sync(prompt)
-        automaton = self._stops_ahead_sync(sampling_params)
         rid = self._new_id(request_id)
+        replica = self._assign(rid)
+        try:
+            automaton = self._stops_ahead_sync(sampling_params, replica)
+        except BaseException:
+            self._balancer.release(rid)
+            raise
         sink = _ThreadSink()
         accepted = threading.Event()
         error: list[BaseException] = []
@@ -626,9 +695,12 @@ class AsyncLLM:
                 error.append(exc)
             accepted.set()
 
-        self._submit(("add", ids, sampling_params, rid, prompt_text or text, sink, done, automaton))
+        runner = self._replicas[replica]
+        runner.submit(
+            ("add", ids, sampling_params, rid, prompt_text or text, sink, done, automaton)
+        )
         while not accepted.wait(0.5):
-            if not self._thread.is_alive():
+            if not runner.is_alive:
                 raise EngineDeadError("the engine loop stopped before accepting the request")
         if error:
             raise error[0]
@@ -675,12 +747,12 @@ class AsyncLLM:
 
         The engine loop runs the abort before its next step: the request's KV
         pages and state slot are freed then and its stream ends with
-        ``finish_reason == "abort"`` unless it was closed.
+        ``finish_reason == "abort"`` unless it was closed. With several
+        replicas the abort goes to the one holding the request.
         """
-        if self._dead is None:
-            with self._commands_lock:
-                self._commands.appendleft(("abort", request_id))
-            self._wake.set()
+        owner = self._balancer.owner(request_id)
+        for replica in self._replicas if owner is None else (self._replicas[owner],):
+            replica.abort(request_id)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine loop and release the engine (model, caches, graphs).
@@ -688,12 +760,99 @@ class AsyncLLM:
         Live requests are aborted; streams still open end with :class:`EngineDeadError`.
         """
         self._stopping = True
-        self._wake.set()
+        for replica in self._replicas:
+            replica.stop()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        for replica in self._replicas:
+            replica.join(max(0.0, deadline - time.monotonic()))
+
+
+class _EngineLoop:
+    """One engine replica and the thread that drives it (the *engine loop*).
+
+    The loop takes the replica's queued adds and aborts between steps, steps
+    its :class:`LLM` while any request is live and hands the outputs to the
+    requests' sinks. It releases each request from the front's balancer when
+    the request ends (finished, aborted or refused).
+
+    :param llm: the replica's engine.
+    :param index: the replica's number.
+    :param front: the :class:`AsyncLLM` whose requests it runs.
+    """
+
+    def __init__(self, llm: LLM, index: int, front: AsyncLLM) -> None:
+        self.llm = llm
+        self.index = index
+        self._front = front
+        # errors name the replica only when there are several
+        self._of = f" of replica {index}" if front._balancer.num_replicas > 1 else ""
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._commands_lock = threading.Lock()
+        self._cancelled: set[str] = set()  # aborted while their add was still queued
+        self._wake = threading.Event()
+        self._sinks: dict[str, _AsyncSink | _ThreadSink] = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._snapshot = EngineSnapshot()
+        self._snapshot = self._take_snapshot()
+        name = "backplane-engine" + (f"-{index}" if self._of else "")
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The replica's load after its loop's last iteration."""
+        return self._snapshot
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the loop stopped (``None`` while it runs)."""
+        return self._dead
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the loop stopped (shut down or a step failed)."""
+        return self._dead is None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the loop's thread."""
+        self._thread.start()
+
+    def submit(self, command: tuple[Any, ...]) -> None:
+        """Queue an add for the loop.
+
+        :param command: ``("add", ids, params, request_id, text, sink, done, automaton)``.
+        :raises EngineDeadError: the loop is not running.
+        """
+        if self._dead is not None:
+            self._front._balancer.release(command[3])
+            raise EngineDeadError(f"the engine loop{self._of} is not running: {self._dead}")
+        with self._commands_lock:
+            self._commands.append(command)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Queue an abort ahead of everything else (returns at once).
+
+        :param request_id: the request's id.
+        """
+        if self._dead is None:
+            with self._commands_lock:
+                self._commands.appendleft(("abort", request_id))
+            self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the loop to stop after its current step."""
+        self._stopping = True
+        self._wake.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the loop's thread to end (not from that thread).
+
+        :param timeout: seconds.
+        """
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
-
-    # -- the engine loop ----------------------------------------------------------------------
 
     def _loop(self) -> None:
         llm = self.llm
@@ -726,8 +885,10 @@ class AsyncLLM:
                     self._wake.wait()
             reason: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # the engine keeps failing (or was interrupted): stop
-            logger.exception("the engine loop failed; no more requests can run")
-            reason = EngineDeadError(f"the engine loop failed: {type(exc).__name__}: {exc}")
+            logger.exception("the engine loop%s failed; no more requests can run", self._of)
+            reason = EngineDeadError(
+                f"the engine loop{self._of} failed: {type(exc).__name__}: {exc}"
+            )
         self._dead = reason
         self._release_all()
         self._snapshot = EngineSnapshot(alive=False)
@@ -739,10 +900,12 @@ class AsyncLLM:
         for rid, sink in list(self._sinks.items()):
             self._push(sink, reason)
             self._sinks.pop(rid, None)
+            self._front._balancer.release(rid)
         with self._commands_lock:
             pending, self._commands = list(self._commands), deque()
         for cmd in pending:
             if cmd[0] == "add":
+                self._front._balancer.release(cmd[3])
                 cmd[-1](reason)
 
     def _release_all(self) -> None:
@@ -777,10 +940,11 @@ class AsyncLLM:
             _, ids, params, rid, text, sink, done, automaton = cmd
             if rid in self._cancelled:
                 self._cancelled.discard(rid)
+                self._front._balancer.release(rid)
                 done(RequestError(f"request {rid!r} was aborted before it started"))
                 continue
             try:
-                cap = self.max_waiting_requests
+                cap = self._front.max_waiting_requests
                 if cap is not None and len(self.llm.engine.scheduler.waiting) >= cap:
                     raise EngineOverloadedError(
                         f"{cap} requests are already waiting for the engine "
@@ -788,9 +952,11 @@ class AsyncLLM:
                     )
                 self.llm._add_tokens(ids, params, rid, text, stop_automaton=automaton)
             except BackplaneError as exc:
+                self._front._balancer.release(rid)
                 done(exc)
                 continue
             except Exception as exc:  # a malformed prompt object: the caller's error, not ours
+                self._front._balancer.release(rid)
                 done(RequestError(f"request {rid!r}: {type(exc).__name__}: {exc}"))
                 continue
             self._sinks[rid] = sink
@@ -803,7 +969,8 @@ class AsyncLLM:
             sink = self._sinks.get(rid)
             if out.finished:
                 self._sinks.pop(rid, None)
-                for cb in self._finished_callbacks:
+                self._front._balancer.release(rid)
+                for cb in self._front._finished_callbacks:
                     try:
                         cb(out)
                     except Exception:

@@ -106,6 +106,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="how tensor-parallel workers start: mp (processes on this machine, default)",
     )
+    group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        default=sup,
+        metavar="N",
+        help="engine replicas behind the server, requests balanced by load; on CUDA replica i "
+        "uses the devices from cuda:i*T (T = tensor-parallel size) (default: 1)",
+    )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")
     group.add_argument(

@@ -189,6 +189,9 @@ class EngineConfig:
     :param distributed_executor_backend: one of
         :data:`DISTRIBUTED_EXECUTOR_BACKENDS`: how the worker processes of
         ``tensor_parallel_size > 1`` are started.
+    :param data_parallel_size: engine replicas behind one ``AsyncLLM`` (and
+        server), each a whole engine on its own devices, requests balanced by
+        load (:mod:`backplane.api.data_parallel`); an ``LLM`` runs one.
     :param seed: seed of the sampling RNG.
     :param debug: extra checks and logging (slower).
     :param backends: backend name or ``auto`` per op family; families left out
@@ -216,6 +219,7 @@ class EngineConfig:
     threads: int | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    data_parallel_size: int = 1
     seed: int = 0
     debug: bool = False
     backends: Mapping[str, str] = field(default_factory=_default_backends)
@@ -570,6 +574,7 @@ _VALIDATORS: dict[str, Any] = {
     "distributed_executor_backend": lambda v: _choice(
         v.strip().lower() if isinstance(v, str) else v, DISTRIBUTED_EXECUTOR_BACKENDS
     ),
+    "data_parallel_size": lambda v: _int(v, minimum=1),
     "seed": lambda v: _int(v, minimum=0),
     "debug": _bool,
     "backends": _backends,
