@@ -151,15 +151,28 @@ def test_cpu_replicas_share_the_cores(monkeypatch):
     assert [c.threads for c in configs] == [CONFIG["threads"]] * 2
 
 
-@pytest.mark.parametrize(("device", "dp", "tp"), [("cuda", 4, 1), ("cuda:1", 2, 1), ("cuda", 2, 2)])
-def test_cuda_replicas_take_consecutive_device_ranges(monkeypatch, device, dp, tp):
+@pytest.mark.parametrize(("device", "dp"), [("cuda", 4), ("cuda:1", 2), ("cuda:3", 5)])
+def test_cuda_replicas_take_consecutive_devices(monkeypatch, device, dp):
     import backplane.api.data_parallel as dpm
 
     monkeypatch.setattr(dpm, "_cuda_device_count", lambda: 8)
-    config = EngineConfig(device=device, data_parallel_size=dp, tensor_parallel_size=tp)
+    config = EngineConfig(device=device, data_parallel_size=dp)
     base = int(device.partition(":")[2] or 0)
-    expected = [f"cuda:{base + i * tp}" for i in range(dp)]
-    assert [c.device for c in replica_configs(config)] == expected
+    expected = [f"cuda:{base + i}" for i in range(dp)]
+    configs = replica_configs(config)
+    assert [c.device for c in configs] == expected
+    assert all(c.data_parallel_size == 1 for c in configs)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_replicas_with_tensor_parallel_ranks_are_refused(monkeypatch, device):
+    import backplane.api.data_parallel as dpm
+
+    monkeypatch.setattr(dpm, "_cuda_device_count", lambda: 8)
+    config = EngineConfig(device=device, data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="one tensor-parallel group") as exc:
+        replica_configs(config)
+    assert "set one of them to 1" in str(exc.value)
 
 
 def test_too_few_gpus_is_a_clear_error(monkeypatch):
