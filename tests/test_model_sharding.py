@@ -34,7 +34,7 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.packing import build_batch_metadata
 from backplane.core.parallel import TensorParallel, set_tensor_parallel
 from backplane.core.registry import get_registry
-from backplane.models import load_model
+from backplane.models import load_model, loader
 from backplane.models.base import CausalLM, ModelConfig, build_model
 from backplane.models.linear import Linear, MergedLinear
 from backplane.models.loader import iter_safetensors
@@ -185,18 +185,31 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
     previous = set_tensor_parallel(TensorParallel(rank, WORLD, dist.group.WORLD))
+    read: dict[str, tuple[int, ...]] = {}
+    original = loader.iter_safetensors
+
+    def spy(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        # The shapes the files gave, to tell slices read from whole tensors cut later.
+        for name, tensor in original(*args, **kwargs):
+            read[name] = tuple(tensor.shape)
+            yield name, tensor
+
+    loader.iter_safetensors = spy
     try:
         sources = torch.load(Path(folder) / "sources.pt", weights_only=False)
         results = {}
         for case, source in sources.items():
+            read.clear()
             lm = _build(source)
             results[case] = {
                 "logits": _run(lm),
                 "heads": _heads(lm),
                 "embedding_rows": lm.embed_tokens.weight.shape[0],
+                "read": dict(read),
             }
         torch.save(results, Path(folder) / f"rank{rank}.pt")
     finally:
+        loader.iter_safetensors = original
         set_tensor_parallel(previous)
         dist.destroy_process_group()
 
@@ -357,3 +370,24 @@ def test_safetensors_reads_only_the_slice(tmp_path: Path) -> None:
     got = dict(iter_safetensors([tmp_path / "m.safetensors"], progress=False, shard_of=shards.get))
     assert torch.equal(got["a"], a[:, 2:4])
     assert torch.equal(got["b"], b)  # dim 0 has 2 rows, not the 4 the shard expects
+
+
+def test_ranks_read_only_their_slices_of_safetensors(runs: dict[str, Any]) -> None:
+    """Split tensors come out of the files as the rank's slice; replicated ones whole."""
+    from safetensors import safe_open
+
+    for case, (_, _, fmt) in CHECKPOINT_CASES.items():
+        if fmt != "safetensors":
+            continue
+        with safe_open(str(Path(runs["sources"][case]) / "model.safetensors"), "pt") as f:
+            full = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        for results in runs["ranks"]:
+            read = results[case]["read"]
+            assert set(read) == set(full)
+            for name, shape in read.items():
+                if name.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")):
+                    assert shape == (full[name][0] // WORLD, full[name][1]), name
+                elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                    assert shape == (full[name][0], full[name][1] // WORLD), name
+                elif "norm" in name or "kv_a_proj_with_mqa" in name or ".gate.weight" in name:
+                    assert shape == full[name], name
