@@ -23,6 +23,7 @@ from backplane.models.mixers import AttentionMixer, Mamba2Mixer
 from backplane.models.mlp import MLP
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
+from backplane.models.parallel import vocab_parallel_embedding
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _BLOCK_ALIASES = {
@@ -108,7 +109,7 @@ class NemotronHForCausalLM(CausalLM):
         kinds = block_types(cfg)
         self.num_layers = len(kinds)
         self.backbone = nn.Module()
-        self.backbone.embeddings = nn.Embedding(self.vocab_size, hidden)
+        self.backbone.embeddings = vocab_parallel_embedding(self.vocab_size, hidden)
         self.backbone.layers = nn.ModuleList(
             [NemotronHBlock(k, self._mixer(i, k), hidden, eps) for i, k in enumerate(kinds)]
         )
