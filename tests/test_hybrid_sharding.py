@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backplane.core.errors import ConfigError
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.packing import build_batch_metadata
 from backplane.core.parallel import TensorParallel, set_tensor_parallel
@@ -252,3 +253,29 @@ def _local_conv_channels(config: dict[str, Any]) -> int:
     k_heads = max(config["linear_num_key_heads"] // WORLD, 1)
     v_heads = config["linear_num_value_heads"] // WORLD
     return 2 * k_heads * config["linear_key_head_dim"] + v_heads * config["linear_value_head_dim"]
+
+
+@pytest.mark.parametrize(
+    ("case", "key", "value", "named"),
+    [
+        ("nemotron_h", "n_groups", 3, "n_groups"),
+        ("nemotron_h", "mamba_num_heads", 6, "mamba_num_heads"),
+        ("qwen3_next", "linear_num_key_heads", 3, "linear_num_key_heads"),
+        ("qwen3_5", "linear_num_value_heads", 6, "linear_num_value_heads"),
+    ],
+)
+def test_a_split_that_does_not_fit_is_a_config_error(
+    case: str, key: str, value: int, named: str
+) -> None:
+    """Heads or groups that four ranks can neither split nor copy: an error naming the
+    config field and tensor_parallel_size."""
+    config = {**CASES[case], key: value}
+    if key == "linear_num_key_heads":
+        config["linear_num_value_heads"] = 2 * value
+    previous = set_tensor_parallel(TensorParallel(rank=1, size=4))
+    try:
+        with pytest.raises(ConfigError, match=named) as err:
+            _build(config)
+    finally:
+        set_tensor_parallel(previous)
+    assert "tensor_parallel_size" in str(err.value)

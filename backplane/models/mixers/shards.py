@@ -8,7 +8,7 @@ recurrence runs without communication.
 
 from __future__ import annotations
 
-from backplane.core.parallel import TensorParallel
+from backplane.core.parallel import TensorParallel, UnevenSplitError
 from backplane.models.parallel import PartShard, head_shard
 
 
@@ -25,12 +25,12 @@ def group_shard(tp: TensorParallel, num_groups: int, rows: int, what: str) -> Pa
     :param rows: rows (or channels) per group.
     :param what: what the groups are, with the config key, for the error message.
     :return: the rank's slice of the ``num_groups * rows`` rows.
-    :raises ValueError: neither count divides the other.
+    :raises UnevenSplitError: neither count divides the other (a configuration error).
     """
     if num_groups % tp.size == 0:
         return head_shard(tp, num_groups, rows, what)
     if tp.size % num_groups:
-        raise ValueError(
+        raise UnevenSplitError(
             f"{num_groups} {what} can neither be split over nor replicated on {tp.size} "
             f"tensor-parallel ranks; choose a tensor_parallel_size that divides {num_groups} "
             "or is a multiple of it"
