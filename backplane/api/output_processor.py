@@ -67,6 +67,7 @@ class TrackedRequest:
         "min_tokens",
         "logprobs",
         "prompt_logprobs",
+        "gaps",
     )
 
     def __init__(
@@ -105,6 +106,8 @@ class TrackedRequest:
         )
         # set once the engine delivers them (with the first token)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        # the gaps between the commit times of its tokens so far (see _metrics)
+        self.gaps: list[float] = []
 
 
 class OutputProcessor:
@@ -209,7 +212,7 @@ class OutputProcessor:
             prompt_logprobs=t.prompt_logprobs,
             new_token_ids=new_ids,
             new_text=new_text,
-            metrics=_metrics(t.request),
+            metrics=_metrics(t),
         )
 
     def decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
@@ -300,17 +303,43 @@ def stop_reason(t: TrackedRequest, end_ids: frozenset[int] = frozenset()) -> int
     return last if last in t.request.sampling_params.stop_token_ids else None
 
 
-def _metrics(req: Request) -> RequestMetrics:
-    """The request's timings and counters as :class:`RequestMetrics`."""
+def _metrics(t: TrackedRequest) -> RequestMetrics:
+    """The request's timings and counters as :class:`RequestMetrics`.
+
+    :param t: the request; its list of inter-token gaps is brought up to date.
+    :return: the metrics (with a list of gaps of their own).
+    """
+    req = t.request
     st = req.stats
-    times = req.output_token_times
     return RequestMetrics(
         arrival_time=st.arrival_time,
         time_to_first_token=None
         if st.first_token_time is None
         else st.first_token_time - st.arrival_time,
-        inter_token_latencies=np.diff(times).tolist() if len(times) > 1 else [],
+        inter_token_latencies=list(_gaps(t, req.output_token_times)),
         prompt_tokens_reused=int(st.cached_tokens),
         num_preemptions=int(st.num_preemptions),
         finished_time=st.finished_time,
     )
+
+
+def _gaps(t: TrackedRequest, times: np.ndarray) -> list[float]:
+    """``np.diff(times).tolist()``, computed only for the tokens committed since the last call.
+
+    A committed token's time never changes, so each step adds the gaps of its new
+    tokens instead of differencing the whole output again (O(output) per step).
+
+    :param t: the request (its ``gaps`` are extended in place).
+    :param times: the commit times of its tokens.
+    :return: ``t.gaps``.
+    """
+    gaps = t.gaps
+    n = len(times) - 1
+    k = len(gaps)
+    if n == k + 1:
+        gaps.append(float(times[n]) - float(times[k]))
+    elif n > k:
+        gaps.extend(np.diff(times[k:]).tolist())
+    elif n < k:  # fewer committed tokens than seen: start over
+        gaps = t.gaps = np.diff(times).tolist() if n > 0 else []
+    return gaps

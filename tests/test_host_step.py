@@ -1,0 +1,44 @@
+"""Host-side bookkeeping of a step stays exact where it is done incrementally.
+
+The output processor keeps each request's inter-token gaps across steps instead of
+differencing every commit time again; the gaps it reports must still equal
+``np.diff`` of the request's commit times after every step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplane.api.output_processor import OutputProcessor, TrackedRequest
+from backplane.engine.outputs import EngineStepOutput
+from backplane.engine.request import Request
+from backplane.engine.sampling import SamplingParams
+
+
+def _request(max_tokens: int) -> Request:
+    return Request("g", [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_gaps_follow_commit_times_step_by_step():
+    rng = np.random.default_rng(3)
+    req = _request(64)
+    op = OutputProcessor(None, frozenset(), lambda rid: True)
+    t = TrackedRequest(req, [5, 6, 7])
+    now = 100.0
+    seen = []
+    # one token per step, sometimes two (a failed asynchronous step delivers late), or none
+    for per_step in [1, 1, 2, 1, 0, 3, 1, 1, 2, 1]:
+        new = []
+        for _ in range(per_step):
+            now += float(rng.uniform(0.001, 0.2))
+            tok = int(rng.integers(0, 256))
+            req.append_token(tok, now=now)
+            new.append(tok)
+        out = op.update(t, EngineStepOutput("g", new))
+        gaps = out.metrics.inter_token_latencies
+        assert gaps == np.diff(req.output_token_times).tolist()
+        seen.append(gaps)
+    # each output holds its own list: changing one changes no later output
+    seen[-1].append(-1.0)
+    again = op.output(t, incremental=False).metrics.inter_token_latencies
+    assert again == np.diff(req.output_token_times).tolist()
