@@ -42,21 +42,35 @@ import torch
 
 from backplane.backends.triton.attention_launch import (
     _FORCED_SPLITS,
+    StepPlan,
     decode_layout,
     paged_decode,
     paged_prefill,
+    prefill_layout,
 )
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import AttentionBackend, AttentionLayerSpec
 from backplane.core.forward_context import get_forward_context
+from backplane.core.metadata import BatchMetadata
+
+
+class _LayerLayouts:
+    """The prefill and decode layouts of one layer's calls (each worked out on first use)."""
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self) -> None:
+        self.prefill: Any = None
+        self.decode: Any = None
 
 
 class _CacheLayouts:
-    """The decode layouts worked out for one layer's cache, by the layout of a call's tensors.
+    """The launch layouts worked out for one layer's cache, by the layout of a call's tensors.
 
     A layer calls the op with the same cache tensor and identically laid out
     q/k/v views every step, so a few strides find its layout (the planes'
     shapes, strides and alignment are the cache's, fixed while it lives).
+    No tensor is kept: a view of the cache would keep it alive.
     """
 
     __slots__ = ("__weakref__", "cache", "layouts")
@@ -65,52 +79,47 @@ class _CacheLayouts:
         key = id(kv_cache)
         # Forgotten with the cache: a later tensor may get its id.
         self.cache = weakref.ref(kv_cache, lambda _: _CACHE_LAYOUTS.pop(key, None))
-        self.layouts: dict[tuple, Any] = {}
+        self.layouts: dict[tuple, _LayerLayouts] = {}
 
 
 #: by ``id`` of the cache tensor (checked against the weak reference)
 _CACHE_LAYOUTS: dict[int, _CacheLayouts] = {}
 
 
-def _decode_layout(
+def _layer_layouts(
     kv_cache: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_plane: torch.Tensor,
-    v_plane: torch.Tensor,
     out: torch.Tensor,
-    batch: Any,
+    batch: BatchMetadata,
     scale: float,
     group: int,
     sliding_window: int,
-) -> Any:
-    """The decode layout of this call, found by the call's strides under its cache."""
+) -> _LayerLayouts:
+    """The layouts of this call, found by the call's strides under its cache."""
     entry = _CACHE_LAYOUTS.get(id(kv_cache))
     if entry is None or entry.cache() is not kv_cache:
         entry = _CACHE_LAYOUTS[id(kv_cache)] = _CacheLayouts(kv_cache)
-    table = batch.block_table
     sig = (
         q.shape[1:],
         q.stride(),
+        k.shape[1:],
         k.stride(),
         v.stride(),
         out.stride(),
         q.dtype,
         k.dtype,
-        table.stride(0),
+        v.dtype,
+        batch.block_table.stride(0),
         batch.page_size,
         scale,
-        group,
         sliding_window,
     )
-    layout = entry.layouts.get(sig)
-    if layout is None:
-        layout = entry.layouts[sig] = decode_layout(
-            q, k_plane, v_plane, out, table, batch.page_size,
-            scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
-        )  # fmt: skip
-    return layout
+    layouts = entry.layouts.get(sig)
+    if layouts is None:
+        layouts = entry.layouts[sig] = _LayerLayouts()
+    return layouts
 
 
 @cached_op(
@@ -129,6 +138,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Append ``k``/``v`` to the paged cache and attend (see the module docstring).
 
+    The step's facts come from the backend's plan when the forward context
+    holds one for this batch (:meth:`TritonAttentionBackend.plan`), else from
+    the batch; the launches' fixed part is kept per cache and layout.
+
     :param q: ``[T, Hq, D]``.
     :param k: ``[T, Hkv, D]``.
     :param v: ``[T, Hkv, D]``.
@@ -138,35 +151,65 @@ def paged_attention(
     :param out: optional ``[T, Hq, D]`` buffer.
     :return: the output or the empty sentinel.
     """
-    batch = get_forward_context().batch
-    buf = output_buffer(out, q.shape, q.dtype, q.device)
-    num_tokens = batch.num_tokens
+    ctx = get_forward_context()
+    batch = ctx.batch
+    # The engine's calls pass a matching buffer: checked here, explained by
+    # output_buffer only when it does not match.
+    if out is not None and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device:
+        buf = out
+    else:
+        buf = output_buffer(out, q.shape, q.dtype, q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    plan = ctx.plans.get("attention")
+    if plan is not None and plan.batch is not batch:
+        plan = None  # made for another batch: not this step's facts
     k_plane, v_plane = kv_cache.unbind(1)
     group = q.shape[1] // k.shape[1]
+    layouts = _layer_layouts(kv_cache, q, k, v, buf, batch, scale, group, sliding_window)
     # Both kernels append their own tokens' keys and values (no append launch).
     if batch.num_prefill_seqs:
+        layout = layouts.prefill
+        if layout is None:
+            layout = layouts.prefill = prefill_layout(
+                q, k_plane, v_plane, buf, batch.block_table, batch.page_size,
+                scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+            )  # fmt: skip
         paged_prefill(
             batch, q, k_plane, v_plane, buf,
             scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+            step=plan.prefill if plan is not None else None, layout=layout,
         )  # fmt: skip
     if batch.num_decode_seqs:
-        layout = _decode_layout(
-            kv_cache, q, k, v, k_plane, v_plane, buf, batch, scale, group, sliding_window
-        )
+        layout = layouts.decode
+        if layout is None:
+            layout = layouts.decode = decode_layout(
+                q, k_plane, v_plane, buf, batch.block_table, batch.page_size,
+                scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+            )  # fmt: skip
+        splits = _FORCED_SPLITS["value"]
+        if not splits and plan is not None:
+            splits = plan.num_splits(layout.programs_per_split)
         paged_decode(
             batch, q, k_plane, v_plane, buf,
             scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
-            num_splits=_FORCED_SPLITS["value"] or None, layout=layout,
+            num_splits=splits or None, layout=layout,
         )  # fmt: skip
-    return finish_output(out, buf, num_tokens)
+    return finish_output(out, buf, batch.num_tokens)
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with the Triton kernels of :mod:`.attention_kernels` (GQA, sliding window)."""
 
     name = "triton"
+
+    def plan(self, batch: BatchMetadata) -> StepPlan:
+        """Work out the step's prefill facts once for every layer (split counts on first use).
+
+        :param batch: the step's metadata.
+        :return: the :class:`~.attention_launch.StepPlan` the op reads.
+        """
+        return StepPlan(batch)
 
     def forward(
         self,

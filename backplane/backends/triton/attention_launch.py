@@ -5,6 +5,13 @@
 optionally appending this step's keys and values in the same launch. Grid
 sizes come from the host side of the batch (``batch.host`` and the counts);
 offsets and page tables are read on the device, so nothing synchronises.
+
+The attention op runs once per layer per step, between the piecewise graphs'
+replays, so its host path is kept short: what depends on the batch alone is
+worked out once per step (:class:`StepPlan`, the backend's plan), what
+depends on a layer's shapes and strides once per layout
+(:class:`_PrefillLayout`, :class:`_DecodeLayout`, each holding the compiled
+kernels it launched, so a later call builds one argument tuple and launches).
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         x = x.unsqueeze(1)
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rows_as_given(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`_as_rows` returns both ``k`` and ``v`` themselves (no view, no copy)."""
+    return k.dim() == 3 and v.dim() == 3 and k.stride(-1) == 1 and v.stride(-1) == 1
 
 
 def kv_append(
@@ -148,14 +160,15 @@ def _tma_supported(device_index: int) -> bool:
     return True
 
 
-def _tma_rows_ok(x: torch.Tensor, width: int) -> bool:
-    """Whether ``x`` ``[T, H, D]`` can be a ``[T, H * D]`` tensor descriptor of ``width``-wide blocks."""
-    size = x.element_size()
+def _tma_rows_shape_ok(x: torch.Tensor, width: int) -> bool:
+    """Whether ``x`` ``[T, H, D]`` is shaped to be a ``[T, H * D]`` descriptor of ``width``-wide blocks.
+
+    Its pointer must be 16-byte aligned too, which varies per call.
+    """
     return (
         x.stride(2) == 1
         and x.stride(1) == x.shape[2] == width
-        and (x.data_ptr() % 16) == 0
-        and (x.stride(0) * size) % 16 == 0
+        and (x.stride(0) * x.element_size()) % 16 == 0
     )
 
 
@@ -176,6 +189,125 @@ def _head_dims(
     return num_heads, dk, dv, dpe, max(dk, dv) + dpe > 256
 
 
+class PrefillStep:
+    """What the prefill launches of one step read from the batch's host arrays (every layer alike).
+
+    :param batch: the step's metadata; its first ``num_prefill_seqs`` sequences prefill.
+    """
+
+    __slots__ = ("any_cached", "max_q", "num_seqs")
+
+    def __init__(self, batch: BatchMetadata) -> None:
+        n = batch.num_prefill_seqs
+        host = batch.host
+        #: prefill/extend sequences of the step
+        self.num_seqs = n
+        #: the longest prefill query (host value: sizes the grid and picks the tiles)
+        self.max_q = int(host.query_lens[:n].max()) if n else 0
+        #: whether any prefill sequence has cached keys to read from the pages
+        self.any_cached = bool(host.cached_lens[:n].any()) if n else False
+
+
+class StepPlan:
+    """The Triton attention backend's plan: the host facts of one step, shared by its layers.
+
+    The launchers work these out from the batch when no plan is given; a plan
+    does it once per step instead of once per layer.
+
+    :param batch: the step's metadata.
+    """
+
+    __slots__ = ("_splits", "batch", "prefill")
+
+    def __init__(self, batch: BatchMetadata) -> None:
+        #: the batch planned for (a plan serves no other)
+        self.batch = batch
+        #: the prefill part, ``None`` without prefill sequences
+        self.prefill = PrefillStep(batch) if batch.num_prefill_seqs else None
+        self._splits: dict[int, int] = {}
+
+    def num_splits(self, programs_per_split: int) -> int:
+        """The decode's split count for layers of ``programs_per_split`` programs per split.
+
+        :param programs_per_split: :attr:`_DecodeLayout.programs_per_split` of the layer.
+        :return: :func:`choose_num_splits` for the batch, worked out once per value.
+        """
+        splits = self._splits.get(programs_per_split)
+        if splits is None:
+            batch = self.batch
+            splits = self._splits[programs_per_split] = choose_num_splits(
+                batch, programs_per_split, batch.device
+            )
+        return splits
+
+
+def prefill_layout(
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    page_size: int,
+    *,
+    scale: float,
+    group: int,
+    sliding_window: int = 0,
+    q_pe: torch.Tensor | None = None,
+    kpe_plane: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> _PrefillLayout:
+    """The fixed part of :func:`paged_prefill`'s launches for tensors laid out like these.
+
+    A caller that knows its layout stays the same (an attention layer's
+    cache, its q/k/v views) keeps the result and passes it as ``layout``.
+    Arguments as for :func:`paged_prefill`, ``table`` the batch's block table.
+
+    :return: the layout.
+    """
+    return _PrefillLayout(
+        q, k_plane, v_plane, out, table, page_size, scale, group, sliding_window,
+        q_pe, kpe_plane, k_new, v_new,
+    )  # fmt: skip
+
+
+def _prefill_layout_key(
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    group: int,
+    sliding_window: int,
+    q_pe: torch.Tensor | None,
+    kpe_plane: torch.Tensor | None,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+) -> tuple:
+    """Everything :class:`_PrefillLayout` derives from (for callers that keep no layout)."""
+    planes = (k_plane, v_plane) if kpe_plane is None else (k_plane, v_plane, kpe_plane)
+    rows = () if k_new is None or v_new is None else (k_new, v_new)
+    return (
+        tuple((t.shape[1:], t.stride(), t.dtype) for t in (q, out, *planes, *rows)),
+        None if q_pe is None else (q_pe.shape[1:], q_pe.stride(), q_pe.dtype),
+        k_plane.data_ptr() == v_plane.data_ptr(),
+        not (
+            k_plane.data_ptr()
+            | v_plane.data_ptr()
+            | (k_plane if kpe_plane is None else kpe_plane).data_ptr()
+        )
+        & 15,
+        q.device,
+        table.stride(0),
+        page_size,
+        scale,
+        group,
+        sliding_window,
+    )
+
+
 def paged_prefill(
     batch: BatchMetadata,
     q: torch.Tensor,
@@ -191,6 +323,8 @@ def paged_prefill(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     configs: list[dict] | None = None,
+    step: PrefillStep | None = None,
+    layout: _PrefillLayout | None = None,
 ) -> None:
     """Attend the prefill/extend queries of ``batch`` over their keys, writing ``out`` rows.
 
@@ -212,118 +346,217 @@ def paged_prefill(
     :param v_new: the values matching ``k_new``, appended to ``v_plane``.
     :param configs: launch configurations to try in order (tuning scripts);
         ``None`` = the defaults for the shape.
+    :param step: the step's :class:`PrefillStep` (from the backend's plan);
+        ``None`` reads it from the batch.
+    :param layout: :func:`prefill_layout`'s result for these tensors' layout
+        (the same planes), kept by the caller; ``None`` looks it up.
     """
     n = batch.num_prefill_seqs
     if n == 0:
         return
-    max_q = int(batch.host.query_lens[:n].max())
-    num_heads, dk, dv, dpe, big = _head_dims(q, out, q_pe)
-    has_pe = q_pe is not None
+    if step is None:
+        step = PrefillStep(batch)
+    max_q = step.max_q
+    if layout is None:
+        layout_key = _prefill_layout_key(
+            q, k_plane, v_plane, out, batch.block_table, batch.page_size,
+            scale, group, sliding_window, q_pe, kpe_plane, k_new, v_new,
+        )  # fmt: skip
+        layout = _PREFILL_LAYOUTS.get(layout_key)
+        if layout is None:
+            layout = _PREFILL_LAYOUTS[layout_key] = prefill_layout(
+                q, k_plane, v_plane, out, batch.block_table, batch.page_size,
+                scale=scale, group=group, sliding_window=sliding_window,
+                q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
+            )  # fmt: skip
+    if layout.has_pe:
+        qpe, kpe = q_pe, kpe_plane
+    else:
+        qpe, kpe = q, k_plane
+    if layout.from_input:
+        if layout.rows_as_given:
+            kn, vn = k_new, v_new
+        else:
+            kn, vn = _as_rows(k_new), _as_rows(v_new)
+    else:
+        if layout.appending:
+            kv_append(k_new, k_plane, batch.slot_mapping, batch.num_prefill_tokens, v_new, v_plane)
+        kn, vn = k_plane, v_plane  # unused: any tensors serve as placeholders
+    # In-kernel descriptors cost a scratch allocation per launch: worth it
+    # for long prompts only (at 4k tokens loads are as fast without).
+    use_tma = (
+        max_q >= 4096
+        and layout.tma_shapes
+        and not (kn.data_ptr() | vn.data_ptr()) & 15
+        and _tma_supported(q.device.index if q.device.index is not None else 0)
+    )
+    paged_keys = not layout.from_input or step.any_cached
     if configs is None:
-        cfg_id: Any = _prefill_class(big, max_q, dk)
+        cfg_id: Any = _prefill_class(layout.big, max_q, layout.dk)
         configs = _PREFILL_CONFIGS[cfg_id]
     else:
         cfg_id = _configs_key(configs)
-    qpe = q_pe if has_pe else q
-    kpe = kpe_plane if has_pe else k_plane
-    v_from_k = _same_storage(v_plane, k_plane) and dv == dk
-    appending = k_new is not None and v_new is not None
-    if appending:
-        k_new, v_new = _as_rows(k_new), _as_rows(v_new)
-    from_input = (
-        appending and not has_pe and k_new.dtype == k_plane.dtype and v_new.dtype == v_plane.dtype
-    )
-    if from_input:
-        block_dk, block_dv = dot_block(dk), dot_block(dv)
-        # In-kernel descriptors cost a scratch allocation per launch: worth it
-        # for long prompts only (at 4k tokens loads are as fast without).
-        use_tma = (
-            max_q >= 4096
-            and q.is_cuda
-            and block_dk == dk
-            and block_dv == dv
-            and _tma_rows_ok(k_new, dk)
-            and _tma_rows_ok(v_new, dv)
-            and _tma_supported(q.device.index if q.device.index is not None else 0)
-        )
-        kn, vn = k_new, v_new
-    else:
-        if appending:
-            kv_append(k_new, k_plane, batch.slot_mapping, batch.num_prefill_tokens, v_new, v_plane)
-        use_tma = False
-        kn, vn = k_plane, v_plane  # unused: any tensors serve as placeholders
-    paged_keys = not from_input or bool(batch.host.cached_lens[:n].any())
-    args = (
-        q,
-        qpe,
-        k_plane,
-        kpe,
-        v_plane,
-        kn,
-        vn,
-        out,
+    qsl, cached, table, slots = (
         batch.query_start_loc,
         batch.cached_lens,
         batch.block_table,
         batch.slot_mapping,
-        kn.shape[0],
-        q.stride(0),
-        q.stride(1),
-        qpe.stride(0),
-        qpe.stride(1),
-        *_plane_strides(k_plane),
-        *_plane_strides(kpe),
-        *_plane_strides(v_plane),
-        kn.stride(0),
-        kn.stride(1) if from_input else 0,
-        vn.stride(0),
-        vn.stride(1) if from_input else 0,
-        out.stride(0),
-        out.stride(1),
-        batch.block_table.stride(0),
-        scale * _LOG2E,
-        group,
-        sliding_window if sliding_window > 0 else _NO_WINDOW,
-        num_heads // group,
     )
-    meta = dict(
-        DK=dk,
-        DPE=dpe,
-        DV=dv,
-        PAGE_SIZE=batch.page_size,
-        BLOCK_DK=dot_block(dk),
-        BLOCK_DPE=dot_block(dpe) if has_pe else 16,
-        BLOCK_DV=dot_block(dv),
-        HAS_PE=has_pe,
-        V_FROM_K=v_from_k,
-        IEEE=ieee_dot(k_plane.dtype),
-        CHUNK_FROM_INPUT=from_input,
-        USE_TMA=use_tma,
-        PAGED_KEYS=paged_keys,
-        WINDOWED=sliding_window > 0,
-        APPEND=from_input,
+    num_rows = kn.shape[0]
+    args = (
+        q, qpe, k_plane, kpe, v_plane, kn, vn, out, qsl, cached, table, slots, num_rows,
+        *layout.tail,
+    )  # fmt: skip
+    device = q.device.index
+    num_heads = layout.num_heads
+    # As in paged_decode: with every pointer 16-byte aligned, the compiled
+    # kernel is found by a key of what varies per call, the rest is the layout's.
+    aligned = (
+        layout.planes_aligned
+        and not (
+            q.data_ptr()
+            | qpe.data_ptr()
+            | kn.data_ptr()
+            | vn.data_ptr()
+            | out.data_ptr()
+            | qsl.data_ptr()
+            | cached.data_ptr()
+            | table.data_ptr()
+            | slots.data_ptr()
+        )
+        & 15
     )
-    key = (
-        "prefill",
-        dk,
-        dpe,
-        dv,
-        k_plane.dtype,
-        q.dtype,
-        from_input,
-        use_tma,
-        paged_keys,
-        sliding_window > 0,
-        cfg_id,
-    )
-    _launch_fitting(
+    if aligned:
+        hit_key = (cfg_id, use_tma, paged_keys, int_key(num_rows), out.dtype, kn.dtype, vn.dtype,
+                   qsl.dtype, cached.dtype, table.dtype, slots.dtype)  # fmt: skip
+        hit = layout.hits.get(hit_key)
+        if hit is not None:
+            kernel, block_m = hit
+            kernel.launch(num_heads, cdiv(max_q, block_m), n, device, *args)
+            return
+    meta = dict(layout.meta, USE_TMA=use_tma, PAGED_KEYS=paged_keys)
+    key = (*layout.config_key, use_tma, paged_keys, layout.windowed, cfg_id)
+    launch_key = (layout.spec_key, hit_key) if aligned else None
+    choice = _launch_fitting(
         _PREFILL,
         lambda c: (num_heads, cdiv(max_q, c["BLOCK_M"]), n),
         key,
         configs,
         args,
         meta,
+        launch_key,
     )
+    if aligned:
+        kernel = _PREFILL.lookup((launch_key, choice), device)
+        if kernel is not None:
+            layout.hits[hit_key] = (kernel, configs[choice]["BLOCK_M"])
+
+
+class _PrefillLayout:
+    """What a prefill launch derives from a layer's shapes and strides alone (cached)."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_plane: torch.Tensor,
+        v_plane: torch.Tensor,
+        out: torch.Tensor,
+        table: torch.Tensor,
+        page_size: int,
+        scale: float,
+        group: int,
+        sliding_window: int,
+        q_pe: torch.Tensor | None,
+        kpe_plane: torch.Tensor | None,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+    ) -> None:
+        num_heads, dk, dv, dpe, big = _head_dims(q, out, q_pe)
+        has_pe = q_pe is not None
+        self.num_heads, self.dk, self.big, self.has_pe = num_heads, dk, big, has_pe
+        qpe = q_pe if has_pe else q
+        kpe = kpe_plane if has_pe else k_plane
+        #: this step's keys and values are given (appended by the launch or before it)
+        self.appending = k_new is not None and v_new is not None
+        #: ... and given as ``[T, H, D]`` rows with a contiguous last dimension
+        self.rows_as_given = self.appending and _rows_as_given(k_new, v_new)
+        kn, vn = (_as_rows(k_new), _as_rows(v_new)) if self.appending else (k_plane, v_plane)
+        #: the chunk's keys come from this step's rows (the kernel appends them)
+        self.from_input = (
+            self.appending
+            and not has_pe
+            and kn.dtype == k_plane.dtype
+            and vn.dtype == v_plane.dtype
+        )
+        if not self.from_input:
+            kn, vn = k_plane, v_plane
+        #: the rows could be tensor descriptors (their pointers and the device aside)
+        self.tma_shapes = (
+            self.from_input
+            and q.is_cuda
+            and dot_block(dk) == dk
+            and dot_block(dv) == dv
+            and _tma_rows_shape_ok(kn, dk)
+            and _tma_rows_shape_ok(vn, dv)
+        )
+        self.windowed = sliding_window > 0
+        #: the launch's arguments after the row count
+        self.tail = (
+            q.stride(0),
+            q.stride(1),
+            qpe.stride(0),
+            qpe.stride(1),
+            *_plane_strides(k_plane),
+            *_plane_strides(kpe),
+            *_plane_strides(v_plane),
+            kn.stride(0),
+            kn.stride(1) if self.from_input else 0,
+            vn.stride(0),
+            vn.stride(1) if self.from_input else 0,
+            out.stride(0),
+            out.stride(1),
+            table.stride(0),
+            scale * _LOG2E,
+            group,
+            sliding_window if self.windowed else _NO_WINDOW,
+            num_heads // group,
+        )
+        self.meta = dict(
+            DK=dk,
+            DPE=dpe,
+            DV=dv,
+            PAGE_SIZE=page_size,
+            BLOCK_DK=dot_block(dk),
+            BLOCK_DPE=dot_block(dpe) if has_pe else 16,
+            BLOCK_DV=dot_block(dv),
+            HAS_PE=has_pe,
+            V_FROM_K=_same_storage(v_plane, k_plane) and dv == dk,
+            IEEE=ieee_dot(k_plane.dtype),
+            CHUNK_FROM_INPUT=self.from_input,
+            WINDOWED=self.windowed,
+            APPEND=self.from_input,
+        )
+        #: the config choice's key, less what a step decides
+        self.config_key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, self.from_input)
+        #: the cache planes are 16-byte aligned (Triton specialises on it)
+        self.planes_aligned = not (k_plane.data_ptr() | kpe.data_ptr() | v_plane.data_ptr()) & 15
+        #: (compiled kernel, its BLOCK_M) by what else a launch specialises on (aligned launches)
+        self.hits: dict[tuple, tuple[Any, int]] = {}
+        #: what the kernel specialises on that the layout fixes
+        self.spec_key = (
+            tuple(self.meta.items()),
+            tuple(int_key(v) if type(v) is int else type(v) for v in self.tail),
+            self.planes_aligned,
+            q.dtype,
+            qpe.dtype,
+            k_plane.dtype,
+            kpe.dtype,
+            v_plane.dtype,
+        )
+
+
+#: the fixed part of prefill launches, by layout (see :class:`_PrefillLayout`)
+_PREFILL_LAYOUTS: dict[tuple, _PrefillLayout] = {}
 
 
 #: Per device: every arrival-counter buffer of the split-KV decode handed out
@@ -392,10 +625,12 @@ def decode_layout(
     kn, vn = (_as_rows(k_new), _as_rows(v_new)) if append else (q, q)
     qpe = q if q_pe is None else q_pe
     kpe = k_plane if kpe_plane is None else kpe_plane
-    return _DecodeLayout(
+    layout = _DecodeLayout(
         q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, page_size,
         scale, group, sliding_window, q_pe is not None, append,
     )  # fmt: skip
+    layout.rows_as_given = append and _rows_as_given(k_new, v_new)
+    return layout
 
 
 def paged_decode(
@@ -431,10 +666,12 @@ def paged_decode(
     if nd == 0:
         return
     append = k_new is not None and v_new is not None
-    if append:
-        kn, vn = _as_rows(k_new), _as_rows(v_new)
-    else:
+    if not append:
         kn, vn = q, q  # unused placeholders
+    elif layout is not None and layout.rows_as_given:
+        kn, vn = k_new, v_new
+    else:
+        kn, vn = _as_rows(k_new), _as_rows(v_new)
     qpe = q if q_pe is None else q_pe
     kpe = k_plane if kpe_plane is None else kpe_plane
     slots, seq_lens, table = batch.slot_mapping, batch.seq_lens, batch.block_table
@@ -554,6 +791,9 @@ class _DecodeLayout:
     ) -> None:
         num_heads, dk, dv, dpe, big = _head_dims(q, out, qpe if has_pe else None)
         self.num_heads, self.dk, self.big = num_heads, dk, big
+        #: this step's rows came as ``[T, H, D]`` with a contiguous last dimension
+        #: (used as given; set by :func:`decode_layout`)
+        self.rows_as_given = False
         block_h = min(dot_block(group), 16 if big else 64)
         head_blocks = cdiv(group, block_h)
         pdl = q.is_cuda and dependent_launch(q.device.index)
