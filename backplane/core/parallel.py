@@ -103,7 +103,7 @@ class TensorParallel:
         :return: ``x``.
         """
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+            torch.ops.backplane.tp_all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -115,19 +115,7 @@ class TensorParallel:
         """
         if self.size == 1:
             return x
-        x = x.contiguous()
-        dim = dim % x.dim()
-        if torch.distributed.get_backend(self.group) == "gloo":
-            # gloo's single-tensor gather is missing from older torch releases and
-            # refuses stacked outputs; its list gather works on every release.
-            parts = [torch.empty_like(x) for _ in range(self.size)]
-            torch.distributed.all_gather(parts, x, group=self.group)
-            return torch.cat(parts, dim=dim)
-        # Gathered as flat rank-major slices: the one layout every backend's
-        # single-tensor gather accepts.
-        out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        _gather_single(out, x.view(-1), group=self.group)
-        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
+        return torch.ops.backplane.tp_all_gather(x.contiguous(), dim % x.dim())
 
 
 #: the single-tensor all-gather: ``all_gather_single`` where torch has it (newer
@@ -155,3 +143,39 @@ def set_tensor_parallel(tp: TensorParallel) -> TensorParallel:
     global _current
     previous, _current = _current, tp
     return previous
+
+
+# The collectives are custom ops so that torch.compile keeps each one as a single
+# opaque call inside a piecewise graph (dynamo does not trace into
+# torch.distributed) and CUDA graphs capture it like any kernel (NCCL calls are
+# capturable). They act on the group set with set_tensor_parallel.
+
+
+@torch.library.custom_op("backplane::tp_all_reduce", mutates_args=("x",))
+def _tp_all_reduce(x: torch.Tensor) -> None:
+    """Sum ``x`` over the ranks of this process's tensor-parallel group, in place."""
+    torch.distributed.all_reduce(x, group=_current.group)
+
+
+@torch.library.custom_op("backplane::tp_all_gather", mutates_args=())
+def _tp_all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's contiguous ``x`` joined along ``dim``, in rank order."""
+    tp = _current
+    if torch.distributed.get_backend(tp.group) == "gloo":
+        # gloo's single-tensor gather is missing from older torch releases and
+        # refuses stacked outputs; its list gather works on every release.
+        parts = [torch.empty_like(x) for _ in range(tp.size)]
+        torch.distributed.all_gather(parts, x, group=tp.group)
+        return torch.cat(parts, dim=dim)
+    # Gathered as flat rank-major slices: the one layout every backend's
+    # single-tensor gather accepts.
+    out = torch.empty(tp.size * x.numel(), dtype=x.dtype, device=x.device)
+    _gather_single(out, x.view(-1), group=tp.group)
+    return torch.cat(out.view(tp.size, *x.shape).unbind(0), dim=dim)
+
+
+@_tp_all_gather.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= _current.size
+    return x.new_empty(shape)
