@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backplane.engine.sampling.greedy import greedy_tokens
 from backplane.engine.sampling.logprobs import LogprobsTensors, compute_logprobs
 from backplane.engine.sampling.params import SamplingParams
 from backplane.engine.sampling.processing import (
@@ -163,14 +164,14 @@ class Sampler:
         :return: ``[n]`` int64 token ids on ``logits.device``.
         """
         if t.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         assert t.temperature is not None and t.seeds is not None and t.offsets is not None
         filtered = apply_filters(logits, t.temperature, t.top_k, t.top_p, t.min_p)
         probs = torch.softmax(filtered, dim=-1)
         noise = exponential_noise(t.seeds, t.offsets, probs.shape[-1])
         sampled = (probs / noise).argmax(dim=-1)
         if t.greedy is not None:
-            sampled = torch.where(t.greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(t.greedy, greedy_tokens(logits), sampled)
         return sampled
 
     def sample(
