@@ -19,7 +19,7 @@ with perf_counter accumulators around the real functions (nothing is stubbed):
 
 Steps are classed by what they run: ``decode`` (only decodes, at least
 ``--min-seqs`` sequences) and ``mixed`` (prefill tokens plus at least
-``--min-seqs`` - 1 decodes). The figures are milliseconds per step (mean over
+``--min-seqs`` - 1 decodes). The figures are milliseconds per step (median over
 the steps of the class); ``host`` is the sum of the host components.
 """
 
@@ -81,14 +81,15 @@ class StepTimers:
         self.kind = None
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Mean milliseconds per step of each component, by step kind.
+        """Median milliseconds per step of each component, by step kind (the median, because
+        a shared machine's other work lands on a few steps).
 
         :return: ``{kind: {part: ms, "host": ms, "steps": count}}``.
         """
         out: dict[str, dict[str, float]] = {}
         for kind, steps in sorted(self.steps.items()):
             parts = sorted({p for s in steps for p in s})
-            row = {p: 1e3 * float(np.mean([s.get(p, 0.0) for s in steps])) for p in parts}
+            row = {p: 1e3 * float(np.median([s.get(p, 0.0) for s in steps])) for p in parts}
             row["host"] = sum(v for p, v in row.items() if p != EXCLUDED)
             row["steps"] = len(steps)
             out[kind] = row
@@ -246,7 +247,6 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_tokens": args.max_num_tokens,
         "kv_memory": args.kv_memory,
-        "enable_prefix_caching": False,
         "seed": args.seed,
     }
 

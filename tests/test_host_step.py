@@ -42,3 +42,28 @@ def test_gaps_follow_commit_times_step_by_step():
     seen[-1].append(-1.0)
     again = op.output(t, incremental=False).metrics.inter_token_latencies
     assert again == np.diff(req.output_token_times).tolist()
+
+
+def test_decode_through_the_wrapped_tokenizer_gives_the_tokenizers_text():
+    from backplane.models.presets import byte_tokenizer
+    from backplane.models.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(byte_tokenizer())
+    op = OutputProcessor(tok, frozenset(), lambda rid: True)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        ids = rng.integers(0, 258, int(rng.integers(1, 12)))  # bytes, bos and eos among them
+        want = tok.decode(ids.tolist(), skip_special_tokens=True)
+        assert op.decode(ids.tolist()) == want
+        assert op.decode(ids) == want
+        assert op.decode(tuple(ids.tolist())) == want
+    assert op.decode([]) == ""
+
+    class Upper:
+        """Another tokenizer put in place afterwards: it decodes from then on."""
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "X" * len(ids)
+
+    op.tokenizer = Upper()
+    assert op.decode([65, 66]) == "XX"
