@@ -231,6 +231,27 @@ def wait_idle(engine, timeout: float = 10.0):
     raise AssertionError(f"engine not idle: {engine.replica_snapshots()}")
 
 
+def test_a_replica_that_fails_to_start_releases_the_ones_built(monkeypatch):
+    import backplane.api.async_llm as mod
+
+    built = []
+    real = mod.LLM
+
+    class FailingSecond(real):
+        def __init__(self, *args, **kw):
+            if built:
+                raise RuntimeError("injected start-up failure of replica 1")
+            super().__init__(*args, **kw)
+            built.append(self)
+
+    monkeypatch.setattr(mod, "LLM", FailingSecond)
+    with pytest.raises(RuntimeError, match="replica 1"):
+        mod.AsyncLLM("tiny-llama", data_parallel_size=2, **CONFIG)
+    (first,) = built
+    with pytest.raises(Exception, match="shut down"):
+        first.generate(["x"], greedy(1))
+
+
 def test_two_replicas_are_two_engines(engine):
     assert engine.data_parallel_size == 2
     a, b = (r.llm.engine for r in engine._replicas)

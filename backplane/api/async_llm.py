@@ -153,6 +153,22 @@ def _engine_config(model: str | None, config: Any, overrides: dict[str, Any]) ->
     return config.merge(**overrides) if overrides else config
 
 
+def _build_replicas(configs: Sequence[EngineConfig]) -> list[LLM]:
+    """One :class:`LLM` per configuration; if one fails to start, the ones built are released."""
+    llms: list[LLM] = []
+    try:
+        for c in configs:
+            llms.append(LLM(config=c))
+    except BaseException:
+        for built in llms:
+            try:
+                built.shutdown()
+            except Exception:
+                logger.exception("releasing replica %d after a failed start failed", len(llms))
+        raise
+    return llms
+
+
 def _usable_cpus() -> int:
     """The cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -305,9 +321,7 @@ class AsyncLLM:
         if llm is not None:
             llms = [llm]
         else:
-            llms = [
-                LLM(config=c) for c in replica_configs(_engine_config(model, config, overrides))
-            ]
+            llms = _build_replicas(replica_configs(_engine_config(model, config, overrides)))
         self.llm = llms[0]  # the tokenizer and limits, which every replica shares
         self.max_waiting_requests = max_waiting_requests
         self._finished_callbacks: list[Callable[[RequestOutput], None]] = []
