@@ -202,6 +202,15 @@ def test_data_parallel_size_from_flags_and_yaml(tmp_path):
         config_from_args(parser.parse_args(["-dp", "0"]))
 
 
+def test_an_llm_runs_one_engine_and_says_so(caplog):
+    from backplane import LLM
+
+    with caplog.at_level("WARNING", logger="backplane.api.llm"):
+        llm = LLM("tiny-llama", data_parallel_size=2, **CONFIG)
+    assert any("an LLM runs one engine" in r.getMessage() for r in caplog.records)
+    assert len(llm.generate(["one engine"], greedy(2))[0].token_ids) == 2
+
+
 # -- two replicas behind one AsyncLLM ----------------------------------------------------------
 
 

@@ -78,6 +78,12 @@ class LLM:
             config = EngineConfig.from_dict(overrides)
         elif overrides:
             config = config.merge(**overrides)
+        if config.data_parallel_size > 1:
+            logger.warning(
+                "data_parallel_size=%d: an LLM runs one engine; AsyncLLM (and the server) run "
+                "the replicas",
+                config.data_parallel_size,
+            )
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._tracked: dict[str, TrackedRequest] = {}
