@@ -226,6 +226,21 @@ def finished_requests(scheduler: Scheduler, sched: SchedulerOutput) -> list[Requ
     return [*sched.finished, *scheduler.pop_finished()]
 
 
+def _attach_logprobs(o: EngineStepOutput, req: Request) -> None:
+    """Give an output with new tokens the logprobs its request kept for them (and its prompt
+    logprobs, once complete and not yet delivered)."""
+    if not o.new_token_ids:
+        return
+    kept = req.logprobs
+    if kept is not None:
+        # the request keeps one entry per committed token, in order
+        o.new_logprobs = kept[len(kept) - len(o.new_token_ids) :]
+    plp = req.prompt_logprobs
+    if plp is not None and plp.complete and not plp.delivered:
+        plp.delivered = True
+        o.prompt_logprobs = prompt_logprob_list(plp)
+
+
 def collect_outputs(
     requests: dict[str, Request],
     prompt_waiting: set[Request],
@@ -247,26 +262,28 @@ def collect_outputs(
     :return: the outputs.
     """
     outs: dict[str, EngineStepOutput] = {}
+    get = requests.get
     if undelivered is not None and undelivered is not sampled:
         # committed by a step that raised afterwards: delivered now, first
         for rid, tok in undelivered.items():
             outs[rid] = EngineStepOutput(rid, [tok])
-    for rid, tok in sampled.items():
-        o = outs.get(rid)
-        if o is None:
-            outs[rid] = EngineStepOutput(rid, [tok])
-        else:
-            o.new_token_ids.append(tok)
-    for rid, o in outs.items():
-        req = requests.get(rid)
-        kept = None if req is None else req.logprobs
-        if kept is not None and o.new_token_ids:
-            # the request keeps one entry per committed token, in order
-            o.new_logprobs = kept[len(kept) - len(o.new_token_ids) :]
-        plp = None if req is None else req.prompt_logprobs
-        if plp is not None and o.new_token_ids and plp.complete and not plp.delivered:
-            plp.delivered = True
-            o.prompt_logprobs = prompt_logprob_list(plp)
+        for rid, tok in sampled.items():
+            o = outs.get(rid)
+            if o is None:
+                outs[rid] = EngineStepOutput(rid, [tok])
+            else:
+                o.new_token_ids.append(tok)
+        for rid, o in outs.items():
+            req = get(rid)
+            if req is not None:
+                _attach_logprobs(o, req)
+    else:
+        # the common step: one token per request, so one pass builds and completes each output
+        for rid, tok in sampled.items():
+            o = outs[rid] = EngineStepOutput(rid, [tok])
+            req = get(rid)
+            if req is not None and (req.logprobs is not None or req.prompt_logprobs is not None):
+                _attach_logprobs(o, req)
     # every request the scheduler finished (stopped, length, aborted) this step
     for req in finished_requests(scheduler, sched):
         rid = req.request_id
