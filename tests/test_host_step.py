@@ -67,3 +67,45 @@ def test_decode_through_the_wrapped_tokenizer_gives_the_tokenizers_text():
 
     op.tokenizer = Upper()
     assert op.decode([65, 66]) == "XX"
+
+
+def _sampling_request(rid: str, seed: int, **kw: object) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=16, **kw))
+    r.sampling_seed = seed
+    return r
+
+
+def test_sampling_rows_follow_their_requests_as_the_batch_changes():
+    from backplane.engine.step_rows import sampling_rows
+
+    a = _sampling_request("a", 11, logprobs=2)
+    b = _sampling_request("b", 22, min_tokens=4, stop_token_ids=[9, 10])
+    c = _sampling_request("c", 33, presence_penalty=0.5)
+    d = _sampling_request("d", 44)
+    batches = [[a, b, c], [a, b, c], [c, a, b], [a, b], [a, b, d], [d], [a, b, c]]
+    for step, reqs in enumerate(batches):
+        for r in reqs:
+            r.append_token(5 + step)
+        rows = sampling_rows(reqs, None)
+        assert rows.seeds.tolist() == [r.sampling_seed for r in reqs]
+        assert list(rows.params) == [r.sampling_params for r in reqs]
+        assert rows.offsets.tolist() == [r.num_output_tokens for r in reqs]
+        asked = [r.sampling_params.logprobs for r in reqs if r.sampling_params.logprobs is not None]
+        assert rows.num_logprobs == (max(asked) if asked else -1)
+        want_penalty = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
+        want_suppress = [
+            i for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling_params.min_tokens
+        ]
+        if not want_penalty and not want_suppress:
+            assert rows.processing is None
+        else:
+            proc = rows.processing
+            got = [] if proc.penalty_rows is None else proc.penalty_rows.tolist()
+            assert got == want_penalty
+            got = [] if proc.suppress is None else sorted(set(proc.suppress.rows.tolist()))
+            assert got == want_suppress
+        # what a step's rows hold is theirs: writing into them changes no later step
+        rows.seeds[:] = -1
+        rows.params.clear()
+        if rows.processing is not None and rows.processing.penalty_rows is not None:
+            rows.processing.penalty_rows[:] = 7

@@ -30,6 +30,46 @@ from backplane.engine.worker.inputs import BatchInputs
 __all__ = ["prompt_rows", "sampling_rows"]
 
 
+class _RowFacts:
+    """What a step's rows take from their requests that does not change while they live.
+
+    In a steady decode batch the same requests sample step after step, so these are
+    gathered once per batch composition instead of once per step.
+    """
+
+    __slots__ = ("reqs", "params", "seeds", "num_logprobs", "min_tokens", "penalty_rows")
+
+    def __init__(self, reqs: tuple[Request, ...]) -> None:
+        n = len(reqs)
+        self.reqs = reqs
+        self.params = [r.sampling_params for r in reqs]
+        # the seed is drawn when the request is added, before it is ever scheduled
+        self.seeds = np.fromiter((r.sampling_seed for r in reqs), np.int64, n)
+        lp = np.fromiter(
+            (-1 if p.logprobs is None else p.logprobs for p in self.params), np.int64, n
+        )
+        self.num_logprobs = int(lp.max()) if n else -1
+        self.min_tokens = np.fromiter((p.min_tokens for p in self.params), np.int64, n)
+        self.penalty_rows = np.flatnonzero(
+            np.fromiter((p.has_penalties for p in self.params), np.bool_, n)
+        )
+
+
+# The facts of the last step's rows (one entry: consecutive steps share their requests).
+_last_facts: _RowFacts | None = None
+
+
+def _row_facts(reqs: Sequence[Request]) -> _RowFacts:
+    """The :class:`_RowFacts` of ``reqs``, reused while the same requests sample in the same
+    order (a tuple of the same objects compares equal by identity, element by element)."""
+    global _last_facts
+    key = tuple(reqs)
+    facts = _last_facts
+    if facts is None or facts.reqs != key:
+        facts = _last_facts = _RowFacts(key)
+    return facts
+
+
 def sampling_rows(
     reqs: Sequence[Request],
     pending: torch.Tensor | None,
@@ -46,17 +86,22 @@ def sampling_rows(
     :return: the rows.
     """
     n = len(reqs)
-    params = [r.sampling_params for r in reqs]
-    seeds = np.fromiter((r.sampling_seed for r in reqs), np.int64, n)
+    facts = _row_facts(reqs)
     # the index of the token being sampled: placeholders count, so it is exact in async runs
     offsets = np.fromiter((r.num_output_tokens for r in reqs), np.int64, n)
-    lp = np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int64, n)
     return SamplingRows(
-        params,
-        seeds,
+        list(facts.params),
+        facts.seeds.copy(),
         offsets,
-        processing=_processing(reqs, params, offsets, pending),
-        num_logprobs=int(lp.max()) if n else -1,
+        processing=_processing(
+            reqs,
+            facts.params,
+            offsets,
+            pending,
+            min_tokens=facts.min_tokens,
+            penalty_rows=facts.penalty_rows,
+        ),
+        num_logprobs=facts.num_logprobs,
         prompt=prompt,
         grammar=grammar,
     )
@@ -67,16 +112,24 @@ def _processing(
     params: Sequence[SamplingParams],
     offsets: np.ndarray,
     pending_tokens: torch.Tensor | None,
+    *,
+    min_tokens: np.ndarray | None = None,
+    penalty_rows: np.ndarray | None = None,
 ) -> LogitsProcessing | None:
     """The step's penalty and ``min_tokens`` inputs, or ``None`` when no row asks.
 
     Host work is a few array concatenations over the rows that ask; the
     counting happens on the device (:func:`~backplane.engine.sampling.apply_processing`).
+
+    :param min_tokens: each row's ``min_tokens`` (default: read from ``params``).
+    :param penalty_rows: the rows with a penalty on (default: read from ``params``).
     """
     n = len(reqs)
-    min_tokens = np.fromiter((p.min_tokens for p in params), np.int64, n)
+    if min_tokens is None:
+        min_tokens = np.fromiter((p.min_tokens for p in params), np.int64, n)
+    if penalty_rows is None:
+        penalty_rows = np.flatnonzero(np.fromiter((p.has_penalties for p in params), np.bool_, n))
     suppress_rows = np.flatnonzero(offsets < min_tokens)
-    penalty_rows = np.flatnonzero(np.fromiter((p.has_penalties for p in params), np.bool_, n))
     if not len(suppress_rows) and not len(penalty_rows):
         return None
     suppress = None
@@ -85,6 +138,7 @@ def _processing(
         suppress = _pairs(suppress_rows, stops)
     output = prompt = pending = None
     if len(penalty_rows):
+        penalty_rows = penalty_rows.copy()
         prs = [reqs[i] for i in penalty_rows]
         # an asynchronous step's token is a placeholder here; its value is on the device
         has_pending = np.fromiter((r.has_pending_token for r in prs), np.bool_, len(prs))
