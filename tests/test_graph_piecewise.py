@@ -103,6 +103,28 @@ def test_piecewise_replay_equals_eager_for_every_bucket(captured):
     assert pw.ctx.phase is GraphPhase.EAGER and pw.ctx.bucket is None
 
 
+def test_dynamic_segment_skips_the_dispatcher_without_autograd(monkeypatch):
+    from backplane.engine.worker.graph import piecewise
+
+    op = rowmix._opoverload
+    seen = []
+    real = rowmix._init_fn
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rowmix, "_init_fn", spy)
+    call = piecewise._python_impl(op)
+    x, pos = torch.randn(3, 8), torch.randn(8)
+    with torch.no_grad():
+        direct = call(x, pos, None)
+    assert seen == [False]  # the function itself, no dispatcher in between
+    dispatched = call(x, pos, None)  # with autograd on: through the registered op
+    torch.testing.assert_close(direct, dispatched, rtol=0, atol=0)
+    torch.testing.assert_close(direct, real(x, pos, None), rtol=0, atol=0)
+
+
 def test_out_buffers_per_op_and_bucket_share_one_allocation(captured):
     _, pw, _, _ = captured
     split, _ = pw.compiler.splits[0]
