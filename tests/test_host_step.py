@@ -109,3 +109,59 @@ def test_sampling_rows_follow_their_requests_as_the_batch_changes():
         rows.params.clear()
         if rows.processing is not None and rows.processing.penalty_rows is not None:
             rows.processing.penalty_rows[:] = 7
+
+
+def _decode_seq(tokens: list[int], pending_row: int, page: int):
+    from backplane.engine.worker.inputs import ScratchRequest, ScratchSeq
+
+    buf = np.asarray(tokens, dtype=np.int32)
+    return ScratchSeq(
+        ScratchRequest(buf, pending_source_row=pending_row),
+        num_new_tokens=1,
+        num_cached_tokens=len(tokens) - 1,
+        page_ids=np.asarray([page], dtype=np.int32),
+        state_slot=0,
+        is_prefill_chunk_final=True,
+    )
+
+
+def test_decode_inputs_take_in_flight_tokens_and_host_tokens_alike():
+    import torch
+
+    from backplane.engine.worker.inputs import InputBatch
+
+    ib = InputBatch(max_num_tokens=64, max_num_seqs=8, max_pages_per_seq=4, page_size=16)
+    in_flight = torch.tensor([901, 902, 903, 904], dtype=torch.int64)
+    prefill = _decode_seq([7, 8, 9, 10, 11], -1, 5)
+    prefill.num_new_tokens, prefill.num_cached_tokens = 5, 0
+    cases = [
+        # every decode token is in flight (the steady asynchronous state)
+        [_decode_seq([1, 2, 0], 2, 1), _decode_seq([3, 4, 5, 0], 0, 2), _decode_seq([6, 0], 3, 3)],
+        # some are known on the host
+        [
+            _decode_seq([1, 2, 33], -1, 1),
+            _decode_seq([3, 4, 5, 0], 1, 2),
+            _decode_seq([6, 44], -1, 3),
+        ],
+        # a prefill before decodes that are all in flight
+        [prefill, _decode_seq([1, 2, 0], 3, 1), _decode_seq([3, 0], 2, 2)],
+    ]
+    for seqs in cases:
+        want = []
+        for s in seqs:
+            c, q = s.num_cached_tokens, s.num_new_tokens
+            row = s.request.pending_source_row
+            if q == 1 and row >= 0:
+                want.append(int(in_flight[row]))
+            else:
+                want.extend(int(t) for t in s.request.token_buffer[c : c + q])
+        ib.pending_source = in_flight
+        inputs = ib.prepare(seqs)
+        ib.pending_source = None
+        assert inputs.input_ids[: len(want)].tolist() == want
+        positions = [
+            p
+            for s in seqs
+            for p in range(s.num_cached_tokens, s.num_cached_tokens + s.num_new_tokens)
+        ]
+        assert inputs.positions[: len(want)].tolist() == positions

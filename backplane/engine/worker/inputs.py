@@ -319,34 +319,41 @@ class InputBatch:
         final = np.fromiter((s.is_prefill_chunk_final for s in scheduled), np.bool_, n)
         tables = [s.page_ids for s in scheduled]
         num_prefill = shape.num_prefill_seqs
+        num_decode = n - num_prefill
+        layout = self._layout(n, padded, shape.block_table_width)
+        h = layout.host
+        decodes = scheduled[num_prefill:]
+        pending = None
+        every = False
+        if self.pending_source is not None and num_decode:
+            src = h["pending_src"][:num_decode]
+            src[:] = np.fromiter(
+                (s.request.pending_source_row for s in decodes), np.int64, num_decode
+            )
+            held = src >= 0
+            if held.any():
+                pending = src
+                every = bool(held.all())
         # prompt/extend slices, then the one token of each decode (at position num_cached_tokens)
         token_ids = [
             s.request.token_buffer[s.num_cached_tokens : s.num_cached_tokens + s.num_new_tokens]
             for s in scheduled[:num_prefill]
         ]
-        if num_prefill < n:
+        if every:
+            # Every decode token is a placeholder (value 0 on the host) that the device fills
+            # in from the step in flight: the steady state of asynchronous decoding, where
+            # reading each request's buffer would only fetch those zeros.
+            token_ids.append(_zeros(num_decode))
+        elif num_decode:
             token_ids.append(
                 np.fromiter(
-                    (s.request.token_buffer[s.num_cached_tokens] for s in scheduled[num_prefill:]),
+                    (s.request.token_buffer[s.num_cached_tokens] for s in decodes),
                     np.int64,
-                    n - num_prefill,
+                    num_decode,
                 )
             )
 
         # -- vectorised: every field, straight into the pinned buffer -------------
-        layout = self._layout(n, padded, shape.block_table_width)
-        h = layout.host
-        num_decode = n - num_prefill
-        pending = None
-        if self.pending_source is not None and num_decode:
-            src = h["pending_src"][:num_decode]
-            src[:] = np.fromiter(
-                (s.request.pending_source_row for s in scheduled[num_prefill:]),
-                np.int64,
-                num_decode,
-            )
-            if (src >= 0).any():
-                pending = src
 
         total_pages = shape.total_pages
         pi_start = layout.page_indices_start
@@ -368,7 +375,6 @@ class InputBatch:
         # -- one host-to-device copy; device views cached by shape ----------------
         self._copy(layout.page_indices_offset + total_pages * 4)
         if pending is not None:
-            every = bool((pending >= 0).all())
             self._fill_pending(layout.dev, shape.num_tokens - num_decode, num_decode, every)
         if mode is not EAGER:
             mode.check(n, num_decode, padded)
@@ -573,6 +579,23 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
 )
 
 _ITEMSIZE = {np.int32: 4, np.int64: 8, np.bool_: 1}
+
+_zeros_cache = np.zeros(256, dtype=np.int64)
+_zeros_cache.flags.writeable = False
+
+
+def _zeros(n: int) -> np.ndarray:
+    """A read-only int64 view of ``n`` zeros, made once and grown on demand (no per-step array).
+
+    :param n: how many.
+    :return: the zeros.
+    """
+    global _zeros_cache
+    if n > len(_zeros_cache):
+        grown = np.zeros(max(n, 2 * len(_zeros_cache)), dtype=np.int64)
+        grown.flags.writeable = False
+        _zeros_cache = grown
+    return _zeros_cache[:n]
 
 
 @dataclass
