@@ -427,11 +427,12 @@ class Scheduler:
         """
         now = time.perf_counter()
         done: list[Request] = []
+        finished = RequestStatus.FINISHED
         for s in output.scheduled:
             req = s.request
             if not s.is_prefill_chunk_final or not req.has_pending_token:
                 continue
-            if req.status is RequestStatus.FINISHED:
+            if req.status is finished:
                 continue
             try:
                 token = sampled[req.request_id]
@@ -440,7 +441,8 @@ class Scheduler:
                     f"no sampled token for request {req.request_id!r}, whose step ended its "
                     "prefill or decoded; pass one token per is_prefill_chunk_final sequence"
                 ) from None
-            reason = req.resolve_placeholder(int(token), now)
+            # the tokens come as Python ints from the host copy; others are converted
+            reason = req.resolve_placeholder(token if type(token) is int else int(token), now)
             if req.num_failed_steps:  # a step of it went through: no longer suspect
                 req.num_failed_steps = 0
                 self._suspects.pop(req.request_id, None)
