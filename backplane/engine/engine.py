@@ -142,12 +142,14 @@ class Engine(WorkerView):
 
         cfg = self.config
         host = None
-        # the host tier copies device pages in this process: it needs the worker's tensors
+        # the host tier copies device pages in this process: it needs the driver's tensors
+        # (the executor repeats its copies on any other rank)
         if cfg.host_kv_memory and paged_caches and not recurrent:
             try:
                 host = HostTier.from_bytes(paged_caches, cfg.host_kv_memory)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            self.executor.mirror_host_tier(host)
         self.kv_manager: KVCacheManager = KVCacheManager(
             self.num_pages,
             self.page_size,

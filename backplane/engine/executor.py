@@ -24,6 +24,7 @@ from backplane.engine.worker.inputs import BatchInputs, ScheduledSeqLike
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
     from backplane.engine.config import EngineConfig
+    from backplane.engine.kv_cache.host_tier import HostTier
 
 __all__ = ["Executor", "InProcessExecutor", "create_executor"]
 
@@ -72,6 +73,14 @@ class Executor(Protocol):
         """
         ...
 
+    def mirror_host_tier(self, tier: HostTier) -> None:
+        """Make every page copy of the host KV tier (built over the driver's caches) reach
+        every worker, so each rank's cache shard moves the same pages.
+
+        :param tier: the engine's host tier.
+        """
+        ...
+
     def shutdown(self) -> None:
         """Shut every worker down; idempotent."""
         ...
@@ -115,6 +124,9 @@ class InProcessExecutor:
         """See :meth:`Executor.sample_tokens`."""
         return self.driver.sample_tokens(hidden, inputs, rows)
 
+    def mirror_host_tier(self, tier: HostTier) -> None:
+        """Nothing to do: the tier's copies move the only worker's pages (see the protocol)."""
+
     def shutdown(self) -> None:
         """See :meth:`Executor.shutdown`."""
         self.driver.shutdown()
@@ -137,15 +149,13 @@ def create_executor(config: EngineConfig, registry: BackendRegistry | None = Non
         return InProcessExecutor(config, registry)
     from backplane.core.errors import ConfigError
 
-    if config.host_kv_memory:
-        raise ConfigError(
-            f"host_kv_memory={config.host_kv_memory} with tensor_parallel_size="
-            f"{config.tensor_parallel_size}: the host KV tier runs with one rank only; "
-            "set host_kv_memory to 0 or tensor_parallel_size to 1"
-        )
     backend = config.distributed_executor_backend
     if backend == "mp":
         from backplane.engine.distributed.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, registry)
+    if backend == "ray":
+        from backplane.engine.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(config, registry)
     raise ConfigError(f"distributed_executor_backend={backend!r} has no executor here; use 'mp'")

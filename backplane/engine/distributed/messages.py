@@ -22,6 +22,8 @@ import torch
 __all__ = [
     "ADOPT_STEP",
     "EXECUTE",
+    "HOST_COPY",
+    "HOST_TIER",
     "LOAD",
     "SAMPLE",
     "SHUTDOWN",
@@ -41,6 +43,10 @@ ADOPT_STEP = "adopt_step"
 EXECUTE = "execute"
 #: run the sampling head for the step (its LM head may hold collectives): ``SamplingRows``
 SAMPLE = "sample"
+#: build a host KV tier of this many pages over the rank's paged caches
+HOST_TIER = "host_tier"
+#: repeat a copy of the driver's host tier: ``(src_pages, dst_pages, to_host)``
+HOST_COPY = "host_copy"
 #: release everything and exit (answered)
 SHUTDOWN = "shutdown"
 

@@ -52,6 +52,7 @@ from backplane.engine.worker.inputs import BatchInputs, ScheduledSeqLike
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
     from backplane.engine.config import EngineConfig
+    from backplane.engine.kv_cache.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class MultiprocExecutor:
         host = ib.step_bytes(step, device=False).numpy().copy()
         self._send_all(msg.ADOPT_STEP, (step, host))
         if self._on_cuda:
-            self._guard(dist.broadcast, ib.step_bytes(step, device=True), src=0)
+            self._guard(dist.broadcast, ib.step_bytes(step, device=True), src=0, fatal=True)
         return inputs
 
     def execute_model(self, inputs: BatchInputs) -> torch.Tensor:
@@ -189,7 +190,7 @@ class MultiprocExecutor:
         """
         self._check()
         self._send_all(msg.EXECUTE)
-        return self._guard(self.driver.execute_model, inputs)
+        return self._guard(self.driver.execute_model, inputs, fatal=True)
 
     def sample_tokens(
         self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows
@@ -210,7 +211,24 @@ class MultiprocExecutor:
                 prompt=msg.to_portable(rows.prompt),
             )
         self._send_all(msg.SAMPLE, portable)
-        return self._guard(self.driver.sample_tokens, hidden, inputs, rows)
+        return self._guard(self.driver.sample_tokens, hidden, inputs, rows, fatal=True)
+
+    def mirror_host_tier(self, tier: HostTier) -> None:
+        """Give every worker a host tier of the same pages and repeat the driver's copies there.
+
+        The copies go down the pipes in the order the driver makes them, between
+        the step commands, so each rank moves its pages at the same point of its
+        stream of steps as the driver.
+
+        :param tier: the engine's host tier (over the driver's paged caches).
+        """
+        self._send_all(msg.HOST_TIER, tier.num_pages)
+
+        def mirror(src: Sequence[int], dst: Sequence[int], to_host: bool) -> None:
+            self._check()
+            self._send_all(msg.HOST_COPY, (list(map(int, src)), list(map(int, dst)), to_host))
+
+        tier.on_copy = mirror
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -320,12 +338,23 @@ class MultiprocExecutor:
             time.sleep(0.05)
 
     # Any: forwards the driver's own arguments and result
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the driver; if it fails because a worker failed, raise that instead."""
+    def _guard(self, fn: Any, *args: Any, fatal: bool = False, **kwargs: Any) -> Any:
+        """Run ``fn`` on the driver; if it fails because a worker failed, raise that instead.
+
+        :param fatal: the workers were already told to run the same call: a
+            driver that fails halfway has left them in (or before) collectives
+            it will never join, so the ranks are out of step and the engine ends.
+        """
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
             failure = self._diagnose(wait=FAILURE_GRACE if _peer_error(exc) else 0.0)
+            if failure is None and fatal:
+                failure = WorkerFailedError(
+                    0,
+                    f"(the driver) raised {type(exc).__name__}: {exc} while the other ranks ran "
+                    "the same step, so the ranks are out of step",
+                )
             if failure is None:
                 raise
             self._fail(failure, exc)

@@ -30,6 +30,7 @@ from backplane.engine.distributed.group import join_group, leave_group
 
 if TYPE_CHECKING:
     from backplane.engine.config import EngineConfig
+    from backplane.engine.kv_cache.host_tier import HostTier
     from backplane.engine.worker.device_worker import DeviceWorker
     from backplane.engine.worker.inputs import BatchInputs
 
@@ -52,6 +53,7 @@ class WorkerLoop:
         self.rank = rank
         self._inputs: BatchInputs | None = None
         self._hidden: torch.Tensor | None = None
+        self._host_tier: HostTier | None = None
 
     def run(self) -> None:
         """Receive and run commands until :data:`~.messages.SHUTDOWN` (or the pipe closes)."""
@@ -92,6 +94,16 @@ class WorkerLoop:
         if name == msg.SAMPLE:
             assert self._inputs is not None and self._hidden is not None
             w.sample_tokens(self._hidden, self._inputs, msg.from_portable(arg, w.device))
+            return None
+        if name == msg.HOST_COPY:
+            assert self._host_tier is not None
+            src, dst, to_host = arg
+            self._host_tier.copy_pages(src, dst, to_host=to_host)
+            return None
+        if name == msg.HOST_TIER:
+            from backplane.engine.kv_cache.host_tier import HostTier
+
+            self._host_tier = HostTier(w.paged_cache_tensors(), int(arg))
             return None
         if name == msg.LOAD:
             w.load_model()

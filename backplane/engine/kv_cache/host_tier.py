@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -92,6 +92,10 @@ class HostTier:
         self.num_onboarded = 0
         self.num_dropped = 0
         self.num_evicted = 0
+        #: called with ``(src_pages, dst_pages, to_host)`` after each copy this tier
+        #: makes, so that the other ranks of a tensor-parallel engine copy the same
+        #: pages of their own cache shards (:meth:`copy_pages`); ``None``: one rank
+        self.on_copy: Callable[[Sequence[int], Sequence[int], bool], None] | None = None
 
     @staticmethod
     def bytes_per_page(device_caches: Sequence[torch.Tensor]) -> int:
@@ -189,6 +193,8 @@ class HostTier:
         if src:
             try:
                 self._copy(self.device_caches, self.host_caches, src, dst, to_host=True)
+                if self.on_copy is not None:
+                    self.on_copy(src, dst, True)
             except BaseException:
                 self._forget(dst)  # their content is unknown now
                 raise
@@ -217,7 +223,26 @@ class HostTier:
             self._copy(
                 self.host_caches, self.device_caches, host_pages, device_pages, to_host=False
             )
+            if self.on_copy is not None:
+                self.on_copy(host_pages, device_pages, False)
             self.num_onboarded += len(host_pages)
+
+    def copy_pages(
+        self, src_pages: Sequence[int], dst_pages: Sequence[int], *, to_host: bool
+    ) -> None:
+        """Copy pages between the device caches and the host pages, without bookkeeping.
+
+        For the other ranks of a tensor-parallel engine: they repeat the copies
+        the driver's tier made (its :attr:`on_copy`), on their own cache shards.
+
+        :param src_pages: source pages (device pages if ``to_host``, else host pages).
+        :param dst_pages: destination pages, one per source page.
+        :param to_host: device to host (an offload) or host to device (an onboard).
+        """
+        if to_host:
+            self._copy(self.device_caches, self.host_caches, src_pages, dst_pages, to_host=True)
+        else:
+            self._copy(self.host_caches, self.device_caches, src_pages, dst_pages, to_host=False)
 
     def _copy(
         self,

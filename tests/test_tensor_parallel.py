@@ -1,0 +1,260 @@
+"""Tensor parallelism on the CPU: two ranks (two processes over gloo) against independent references.
+
+Greedy output of ``tensor_parallel_size=2`` is checked against transformers
+(the same tiny random checkpoints as the end-to-end tests, recomputing each
+sequence from scratch) for every architecture, with prefix caching,
+preemption (a KV cache too small for the batch) and the host tier where the
+model has one; then the configuration plumbing and the fault handling
+(a worker process that dies or raises ends the engine naming its rank, and
+no process is left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_tiny  # noqa: E402
+import test_e2e  # noqa: E402
+from test_e2e import ARCHS, assert_matches, hf_greedy, make_requests  # noqa: E402
+
+from backplane import LLM, SamplingParams  # noqa: E402
+from backplane.core.errors import ConfigError, EngineFailedError  # noqa: E402
+from backplane.engine.config import EngineConfig  # noqa: E402
+from backplane.engine.distributed import WorkerFailedError  # noqa: E402
+from backplane.engine.distributed.multiproc import MultiprocExecutor  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: the end-to-end tests' checkpoints: one tiny random transformers model per architecture
+hf_model = test_e2e.hf_model
+
+PAGE = 4
+VOCAB = hf_tiny.VOCAB
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id still exists (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _tp_llm(path: str, **kw: Any) -> LLM:
+    """A two-rank engine on the CPU with the end-to-end tests' small limits."""
+    settings: dict[str, Any] = dict(
+        device="cpu",
+        dtype="float32",
+        page_size=PAGE,
+        max_num_seqs=3,
+        max_num_tokens=16,
+        threads=1,
+        tensor_parallel_size=2,
+    )
+    settings.update(kw)
+    return LLM(path, **settings)
+
+
+CASES = [
+    pytest.param("llama", "0", id="llama"),
+    pytest.param("llama", "64KiB", id="llama-host_tier"),
+    pytest.param("qwen3", "0", id="qwen3"),
+    pytest.param("deepseek_v3", "64KiB", id="deepseek_v3-host_tier"),
+    # recurrent models: prefix reuse (and so the host tier) is off by design
+    pytest.param("nemotron_h", "0", id="nemotron_h"),
+    pytest.param("qwen3_next", "0", id="qwen3_next"),
+    pytest.param("qwen3_5", "0", id="qwen3_5"),
+]
+
+
+@pytest.mark.parametrize("arch,host_kv", CASES)
+def test_two_ranks_greedy_equals_transformers(hf_model, arch, host_kv):
+    model, path = hf_model(arch)
+    prompts, max_tokens = make_requests(seed=len(arch))
+    llm = _tp_llm(path, num_kv_pages=11, host_kv_memory=host_kv)
+    try:
+        assert isinstance(llm.engine.executor, MultiprocExecutor)
+        params = [
+            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens
+        ]
+        results = llm.generate(prompts, params)
+        kv = llm.engine.kv_manager
+        assert llm.engine.scheduler.stats.preemptions > 0, "the KV cache was meant to preempt"
+        if not ARCHS[arch][3]:
+            assert sum(o.metrics.prompt_tokens_reused for o in results) > 0
+            if host_kv != "0":
+                assert kv.stats.offloaded_pages > 0
+                assert kv.stats.onboarded_pages > 0, "no host page came back: the tier untested"
+        ties = 0
+        for i, (p, m, out) in enumerate(zip(prompts, max_tokens, results, strict=True)):
+            want, margins = hf_greedy(arch, model, p, m)
+            ties += assert_matches(out.token_ids, want, margins, f"{arch} TP=2 request {i}")
+        assert ties <= 1, f"{ties} requests ended in near-ties: the comparison is too weak"
+    finally:
+        llm.shutdown()
+
+
+def test_two_ranks_sampling_equals_one_rank(hf_model):
+    """Seeded sampling (temperature, top-k) gives the same tokens on two ranks as on one."""
+    _, path = hf_model("llama")
+    prompts, _ = make_requests(seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+    one = LLM(path, device="cpu", dtype="float32", page_size=PAGE, max_num_seqs=3, threads=1)
+    try:
+        want = [o.token_ids for o in one.generate(prompts[:4], params)]
+    finally:
+        one.shutdown()
+    llm = _tp_llm(path)
+    try:
+        got = [o.token_ids for o in llm.generate(prompts[:4], params)]
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
+def test_worker_killed_mid_run_ends_the_engine_naming_its_rank(hf_model):
+    _, path = hf_model("llama")
+    llm = _tp_llm(path)
+    executor = llm.engine.executor
+    (pid,) = executor.worker_pids
+    try:
+        stream = llm.stream([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=40, ignore_eos=True))
+        next(stream)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerFailedError, match=r"rank 1 died \(exit code -9\)") as info:
+            for _ in stream:
+                pass
+        assert info.value.rank == 1
+        assert isinstance(info.value, EngineFailedError)
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+        # the engine stays ended: the next step says why again, it does not hang
+        with pytest.raises(WorkerFailedError, match="rank 1"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()
+        _forget_unfinished()
+
+
+def test_worker_that_raises_ends_the_engine_and_no_process_is_left(hf_model):
+    _, path = hf_model("llama")
+    llm = _tp_llm(path)
+    executor = llm.engine.executor
+    (pid,) = executor.worker_pids
+    try:
+        # a command the worker does not know makes it raise, as a failing kernel would
+        executor._send_all("no-such-command")
+        with pytest.raises(WorkerFailedError, match="rank 1 raised ValueError: unknown worker"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        llm.shutdown()
+        _forget_unfinished()
+
+
+def test_shutdown_ends_every_worker_process(hf_model):
+    _, path = hf_model("llama")
+    llm = _tp_llm(path)
+    pids = llm.engine.executor.worker_pids
+    assert pids and all(_alive(p) for p in pids)
+    llm.shutdown()
+    assert not any(_alive(p) for p in pids)
+
+
+def _forget_unfinished() -> None:
+    """Forget the requests an ended engine could not finish (they can never run now)."""
+    import leaks
+
+    leaks.forget_all()
+
+
+def test_tensor_parallel_size_from_yaml_and_flags(tmp_path):
+    from backplane.cli.options import add_engine_arguments, config_from_args
+
+    f = tmp_path / "engine.yaml"
+    f.write_text("model: tiny-llama\ntensor_parallel_size: 4\ndistributed_executor_backend: mp\n")
+    assert EngineConfig.from_yaml(str(f)).tensor_parallel_size == 4
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert config_from_args(parser.parse_args(["-tp", "2"])).tensor_parallel_size == 2
+    args = parser.parse_args(["--config", str(f), "--tensor-parallel-size", "8"])
+    assert config_from_args(args).tensor_parallel_size == 8
+    assert EngineConfig().tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("tensor_parallel_size", 0, "expected an integer >= 1"),
+        ("distributed_executor_backend", "threads", "expected one of mp"),
+    ],
+)
+def test_bad_parallel_settings_are_refused(key, value, message):
+    with pytest.raises(ConfigError, match=f"{key}.*{message}"):
+        EngineConfig.from_dict({key: value})
+
+
+def test_server_answers_503_and_exits_with_an_error_when_a_worker_dies(hf_model):
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    import httpx
+    from server_helpers import free_port
+
+    from backplane.api.async_llm import AsyncLLM
+    from backplane.server.run import run_server
+
+    _, path = hf_model("llama")
+    engine = AsyncLLM(
+        path, device="cpu", dtype="float32", page_size=PAGE, threads=1, tensor_parallel_size=2
+    )
+    (pid,) = engine.llm.engine.executor.worker_pids
+    port = free_port()
+    ended: list[BaseException | None] = []
+
+    def serve() -> None:
+        try:
+            run_server(engine, model_name="tiny", port=port)
+            ended.append(None)
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 30, "ignore_eos": True}
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.1)
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    os.kill(pid, signal.SIGKILL)
+    # the request that meets the dead worker ends the engine loop; later ones get 503
+    statuses = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code]
+    statuses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
+    assert statuses[-1] == 503, statuses
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+    thread.join(30)
+    assert not thread.is_alive(), "the server kept running with a dead engine"
+    assert len(ended) == 1 and isinstance(ended[0], EngineFailedError), ended
+    assert not _alive(pid)
+    _forget_unfinished()
