@@ -288,3 +288,19 @@ def test_profile_decode_on_cpu(profile_decode, tmp_path, capsys):
     assert res["top_kernels"] and all(k["kind"] in profile_decode.KINDS for k in res["top_kernels"])
     report = capsys.readouterr().out
     assert "us/step" in report and "gemm" in report
+
+
+def test_saved_random_weights_are_reused_and_sized_alike(tmp_path):
+    import torch
+
+    from backplane.cli.bench.latency.shapes import shape_config
+    from backplane.cli.bench.latency.weights import save_random_weights
+
+    first = save_random_weights("tiny-llama", shape_config("tiny-llama"), tmp_path, torch.float32)
+    stamp = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    again = save_random_weights("tiny-llama", shape_config("tiny-llama"), tmp_path, torch.float32)
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert again == first
+    # another dtype is another set of weights: saved anew
+    save_random_weights("tiny-llama", shape_config("tiny-llama"), tmp_path, torch.float16)
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns != stamp

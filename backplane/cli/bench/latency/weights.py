@@ -161,6 +161,16 @@ def folder_weights_info(folder: str | os.PathLike[str], dtype: Any) -> WeightsIn
     )
 
 
+def _saved_before(folder: Path, config: dict[str, Any]) -> bool:
+    """Whether ``folder`` already holds these random weights (its config.json equals ``config``)."""
+    try:
+        return (folder / "model.safetensors").is_file() and json.loads(
+            (folder / "config.json").read_text()
+        ) == config
+    except (OSError, ValueError):
+        return False
+
+
 def save_random_weights(
     name: str, config: dict[str, Any], folder: str | os.PathLike[str], dtype: Any
 ) -> WeightsInfo:
@@ -185,6 +195,11 @@ def save_random_weights(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dtype_name = str(dtype).replace("torch.", "")
+    saved_config = dict(config)
+    saved_config["dtype"] = dtype_name
+    if _saved_before(folder, saved_config):
+        # the same shape, seed and dtype give the same weights: a kept folder is reused
+        return folder_weights_info(folder, dtype)
     with _registered_preset(name, config) as key:
         llm = LLM(
             key,
@@ -218,9 +233,9 @@ def save_random_weights(
         if index is not None:
             expert_bytes += part.numel() * part.element_size()
             num_experts = max(num_experts, int(tensor.shape[0]))
+    # the config last: a folder whose config.json matches holds its whole safetensors file
+    (folder / "config.json").unlink(missing_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    saved_config = dict(config)
-    saved_config["dtype"] = dtype_name
     (folder / "config.json").write_text(json.dumps(saved_config, indent=1))
 
     def nbytes(t: torch.Tensor) -> int:
