@@ -104,7 +104,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--distributed-executor-backend",
         default=sup,
         metavar="NAME",
-        help="how tensor-parallel workers start: mp (processes on this machine, default)",
+        help="how tensor-parallel workers start: mp (processes on this machine, default) or "
+        "ray (actors on a Ray cluster: pip install 'backplane[ray]')",
     )
     group.add_argument(
         "--data-parallel-size",
@@ -112,7 +113,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=sup,
         metavar="N",
         help="engine replicas behind the server, requests balanced by load; on CUDA replica i "
-        "uses the devices from cuda:i*T (T = tensor-parallel size) (default: 1)",
+        "runs on the i-th GPU from --device (default: 1)",
     )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")

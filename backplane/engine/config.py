@@ -66,9 +66,10 @@ CUDA_GRAPH_MODES: tuple[str, ...] = ("off", "decode", "piecewise", "full_and_pie
 """``off``: eager; ``decode``: monolithic graphs for decode-only batches;
 ``piecewise``: piecewise graphs for every batch; ``full_and_piecewise``: both."""
 
-DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp",)
+DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray")
 """How the workers of a tensor-parallel engine are started: ``mp`` one process
-per rank on this machine (:mod:`backplane.engine.distributed`)."""
+per rank on this machine (:mod:`backplane.engine.distributed`), ``ray`` one Ray
+actor per rank on a Ray cluster (:mod:`backplane.engine.distributed.ray_executor`)."""
 
 FUSED_OPS_MODES: tuple[str, ...] = ("auto", "torch", "triton")
 """Who runs the models' fused elementwise work (RMS norms with the residual add,
