@@ -138,7 +138,9 @@ def create_executor(config: EngineConfig, registry: BackendRegistry | None = Non
     ``tensor_parallel_size == 1`` runs one worker in this process
     (:class:`InProcessExecutor`); more ranks run one worker process per rank
     (``distributed_executor_backend="mp"``:
-    :class:`~backplane.engine.distributed.multiproc.MultiprocExecutor`).
+    :class:`~backplane.engine.distributed.multiproc.MultiprocExecutor`) or one
+    Ray actor per rank (``"ray"``:
+    :class:`~backplane.engine.distributed.ray_executor.RayExecutor`).
 
     :param config: the engine configuration.
     :param registry: the plugin registry backends are chosen from.
@@ -158,4 +160,6 @@ def create_executor(config: EngineConfig, registry: BackendRegistry | None = Non
         from backplane.engine.distributed.ray_executor import RayExecutor
 
         return RayExecutor(config, registry)
-    raise ConfigError(f"distributed_executor_backend={backend!r} has no executor here; use 'mp'")
+    raise ConfigError(
+        f"distributed_executor_backend={backend!r} has no executor here; use 'mp' or 'ray'"
+    )
