@@ -304,7 +304,7 @@ class AsyncLLM:
         (it must not be used directly afterwards); one replica.
     :param max_waiting_requests: refuse new requests with
         :class:`EngineOverloadedError` while this many wait for admission
-        (``None``: no cap).
+        in the replica the request would go to (``None``: no cap).
     :param overrides: ``EngineConfig`` fields, as for :class:`LLM`.
     :raises ConfigError: on an invalid configuration.
     """
