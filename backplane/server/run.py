@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from backplane.api.async_llm import AsyncLLM
+from backplane.core.errors import EngineFailedError
 from backplane.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from backplane.server.connections import (
     DEFAULT_HEAD_TIMEOUT,
@@ -110,8 +113,47 @@ def run_server(
     )
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **limits)
     server = uvicorn.Server(config)
+    died = _stop_when_engine_dies(engine, server)
     logger.info("serving %s on http://%s:%d", model_name, host, port)
     try:
         server.run()
     finally:
         engine.shutdown()
+    if died.is_set():
+        raise EngineFailedError(
+            "the engine loop stopped (the log above says why), so the server stopped too; "
+            "fix the cause and start the server again"
+        )
+
+
+#: Seconds the server keeps answering 503 after its engine died, before it exits.
+ENGINE_DEAD_GRACE = 2.0
+
+
+def _stop_when_engine_dies(engine: AsyncLLM, server: Any) -> threading.Event:
+    """Watch ``engine`` and make ``server`` exit when its loop stops on its own.
+
+    Requests meanwhile get 503 (the engine is dead); after
+    :data:`ENGINE_DEAD_GRACE` seconds the server exits, and :func:`run_server`
+    raises, so a supervisor sees a non-zero exit and can restart it.
+
+    :param engine: the served engine.
+    :param server: the ``uvicorn.Server``.
+    :return: an event set when the server was stopped because the engine died.
+    """
+    died = threading.Event()
+
+    def watch() -> None:
+        while not server.should_exit:
+            if not engine.is_alive:
+                logger.error(
+                    "the engine loop stopped; the server exits in %.0f s", ENGINE_DEAD_GRACE
+                )
+                time.sleep(ENGINE_DEAD_GRACE)
+                died.set()
+                server.should_exit = True
+                return
+            time.sleep(0.25)
+
+    threading.Thread(target=watch, name="backplane-engine-watch", daemon=True).start()
+    return died
