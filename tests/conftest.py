@@ -44,6 +44,7 @@ DEV_IMPORTS: dict[str, str] = {
     "matplotlib": "matplotlib",
     "xgrammar": "xgrammar",
     "lm-eval": "lm_eval",
+    "ray": "ray",
 }
 #: ``dev`` packages that no test imports (command-line tools).
 DEV_TOOLS = frozenset({"ruff"})
