@@ -2,7 +2,8 @@
 
 Serves many requests at once through the real engine (tiny-llama on CPU,
 ``max_num_seqs`` 256 by default) and times each host component of every step
-with perf_counter accumulators around the real functions (nothing is stubbed):
+with clock accumulators (the thread's CPU time by default, ``--clock``) around the real
+functions (nothing is stubbed):
 
 - ``schedule``: :meth:`Scheduler.schedule`;
 - ``prepare_inputs``: the worker's input preparation (``InputBatch.prepare`` and
@@ -96,16 +97,20 @@ class StepTimers:
         return out
 
 
+#: the clock of the accumulators (see ``--clock``)
+_clock: Callable[[], float] = time.thread_time
+
+
 def _wrap(owner: Any, name: str, part: str, timers: StepTimers) -> Callable[[], None]:
     """Time every call of ``owner.name`` into ``part``; return what undoes it."""
     original = getattr(owner, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             return original(*args, **kwargs)
         finally:
-            timers.add(part, time.perf_counter() - t0)
+            timers.add(part, _clock() - t0)
 
     setattr(owner, name, timed)
     return lambda: setattr(owner, name, original)
@@ -126,9 +131,9 @@ def instrument(llm: Any, timers: StepTimers) -> list[Callable[[], None]]:
     original_schedule = sched.schedule
 
     def schedule() -> Any:
-        t0 = time.perf_counter()
+        t0 = _clock()
         out = original_schedule()
-        timers.add("schedule", time.perf_counter() - t0)
+        timers.add("schedule", _clock() - t0)
         timers.classify(len(out.scheduled), out.num_prefill_seqs)
         return out
 
@@ -149,23 +154,23 @@ def instrument(llm: Any, timers: StepTimers) -> list[Callable[[], None]]:
     inner: dict[str, float] = {}
 
     def engine_step() -> Any:
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             return original_step()
         finally:
-            inner["t"] = time.perf_counter() - t0
+            inner["t"] = _clock() - t0
 
     engine.step = engine_step
     undo.append(lambda: setattr(engine, "step", original_step))
     original_llm_step = llm._step
 
     def llm_step() -> Any:
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             return original_llm_step()
         finally:
             # the output processing is LLM.step less the engine step it wraps
-            timers.add("outputs", time.perf_counter() - t0 - inner.get("t", 0.0))
+            timers.add("outputs", _clock() - t0 - inner.get("t", 0.0))
             timers.end_step()
 
     llm._step = llm_step
@@ -268,8 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-memory", default="2GiB")
     parser.add_argument("--min-seqs", type=int, default=None, help="default: max-num-seqs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: the engine thread's CPU time (steady on a machine shared with other "
+        "work, where wall time also counts the time other processes hold the core); "
+        "wall: perf_counter",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     timers = StepTimers(args.min_seqs or args.max_num_seqs)
     wall = (run_llm if args.path == "llm" else run_async)(args, timers)
@@ -280,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     cols = (*HOST_PARTS, "host", EXCLUDED)
-    lines = [f"path={args.path} wall={wall:.1f}s  (ms per step)"]
+    lines = [f"path={args.path} wall={wall:.1f}s  (ms per step, {args.clock} clock)"]
     lines.append(f"{'kind':8s}{'steps':>7s}" + "".join(f"{c:>16s}" for c in cols))
     for kind, row in summary.items():
         vals = "".join(f"{row.get(c, 0.0):16.3f}" for c in cols)
