@@ -185,6 +185,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=3, help="timed runs per point; the median is shown (3)"
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before them (1)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each backplane engine over N GPUs (one worker process per rank; "
+        "transformers runs on one device) (default: 1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
     parser.add_argument(
         "--compile-on-cpu",
@@ -232,6 +241,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         seed=args.seed,
         compile_on_cpu=args.compile_on_cpu,
         weights_dir=args.weights_dir,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

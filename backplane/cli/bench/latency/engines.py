@@ -118,6 +118,7 @@ def run_backplane(
         "cuda_graphs": None if graphs == "on" else "off",
         "seed": settings.seed,
         "backends": {**settings.backends, "attention": attention},
+        "tensor_parallel_size": settings.tensor_parallel_size,
     }
     entry: dict[str, Any] = {"engine_settings": dict(overrides), "batches": []}
     t0 = time.perf_counter()

@@ -131,6 +131,8 @@ def run_shape(
     for attention in settings.attention_backends:
         for graphs in settings.cuda_graphs:
             label = _label("backplane", attention=attention, graphs=graphs)
+            if settings.tensor_parallel_size > 1:
+                label += f", tp={settings.tensor_parallel_size}"
             entry: dict[str, Any] = {
                 "label": label,
                 "kind": "backplane",

@@ -46,6 +46,7 @@ class Settings:
     :param seed: seed of the prompts.
     :param compile_on_cpu: also compile transformers on a CPU (slow; off by default).
     :param weights_dir: keep the saved weights here (default: a temporary folder).
+    :param tensor_parallel_size: ranks each backplane engine is split over (1).
     """
 
     shapes: list[str] = field(default_factory=lambda: list(DEFAULT_SHAPES))
@@ -63,6 +64,7 @@ class Settings:
     seed: int = 0
     compile_on_cpu: bool = False
     weights_dir: str | None = None
+    tensor_parallel_size: int = 1
 
 
 def resolve_device_dtype(settings: Settings) -> tuple[Any, Any, str]:
