@@ -12,6 +12,7 @@ no process is left behind).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import threading
@@ -23,14 +24,20 @@ import pytest
 pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
+import numpy as np  # noqa: E402
 import test_e2e  # noqa: E402
+from test_batch import PAGE as BATCH_PAGE  # noqa: E402
+from test_batch import random_batch  # noqa: E402
 from test_e2e import ARCHS, assert_matches, hf_greedy, make_requests  # noqa: E402
 
 from backplane import LLM, SamplingParams  # noqa: E402
 from backplane.core.errors import ConfigError, EngineFailedError  # noqa: E402
+from backplane.core.metadata import HostBatch  # noqa: E402
+from backplane.core.packing import build_batch_metadata  # noqa: E402
 from backplane.engine.config import EngineConfig  # noqa: E402
 from backplane.engine.distributed import WorkerFailedError  # noqa: E402
 from backplane.engine.distributed.multiproc import MultiprocExecutor  # noqa: E402
+from backplane.engine.worker.inputs import InputBatch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -258,3 +265,92 @@ def test_server_answers_503_and_exits_with_an_error_when_a_worker_dies(hf_model)
     assert len(ended) == 1 and isinstance(ended[0], EngineFailedError), ended
     assert not _alive(pid)
     _forget_unfinished()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 6), (4, 0)], ids=["decode", "mixed", "prefill"])
+@pytest.mark.parametrize("padded", [None, 96])
+def test_adopted_step_equals_the_batch_metadata_reference(shape, padded):
+    """A rank that adopts the driver's packed step gets the step the packer's reference builds,
+    in its own buffers (the driver's are overwritten by the next step)."""
+    rng = np.random.default_rng(sum(shape))
+    seqs = random_batch(rng, n_prefill=shape[0], n_decode=shape[1], extra_pages=True)
+    limits = dict(max_num_tokens=128, max_num_seqs=16, max_pages_per_seq=32, page_size=BATCH_PAGE)
+    driver, other = InputBatch(**limits), InputBatch(**limits)
+    # the adopting batch held another step before: nothing of it may leak into this one
+    other.prepare(random_batch(rng, n_prefill=2, n_decode=3, extra_pages=False))
+    driver.prepare(seqs, padded_num_tokens=padded)
+    step = driver.last_step
+    got = other.adopt(step, driver.step_bytes(step, device=False).numpy().copy())
+    driver.prepare(random_batch(rng, n_prefill=1, n_decode=7, extra_pages=False))
+
+    ref = build_batch_metadata(
+        [s.num_new_tokens for s in seqs],
+        [s.num_cached_tokens for s in seqs],
+        [s.page_ids for s in seqs],
+        BATCH_PAGE,
+        state_slots=[s.state_slot for s in seqs],
+        padded_num_tokens=padded,
+    )
+    md = got.metadata
+    for name in ("num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs", "padded_num_tokens"):
+        assert getattr(md, name) == getattr(ref, name), name
+    assert (md.max_query_len, md.max_seq_len) == (ref.max_query_len, ref.max_seq_len)
+    for f in dataclasses.fields(HostBatch):
+        want = getattr(ref.host, f.name)
+        np.testing.assert_array_equal(getattr(md.host, f.name), want, err_msg=f.name)
+        np.testing.assert_array_equal(getattr(md, f.name).numpy(), want, err_msg=f"dev {f.name}")
+    expect_ids = np.concatenate(
+        [
+            s.request.token_buffer[s.num_cached_tokens : s.num_cached_tokens + s.num_new_tokens]
+            for s in seqs
+        ]
+        + [np.zeros(md.padded_num_tokens - md.num_tokens, np.int32)]
+    )
+    np.testing.assert_array_equal(got.input_ids.numpy(), expect_ids)
+    rows = [i for i, s in enumerate(seqs) if s.is_prefill_chunk_final]
+    np.testing.assert_array_equal(got.sample_seqs, rows)
+    np.testing.assert_array_equal(got.logits_indices.numpy(), ref.host.last_token_indices[rows])
+    own = other.step_bytes(step, device=True)
+    assert own.data_ptr() <= got.input_ids.data_ptr() < own.data_ptr() + own.numel()
+
+
+def test_adopting_a_step_too_large_for_the_buffers_is_refused():
+    rng = np.random.default_rng(0)
+    big = InputBatch(
+        max_num_tokens=128, max_num_seqs=16, max_pages_per_seq=32, page_size=BATCH_PAGE
+    )
+    small = InputBatch(max_num_tokens=8, max_num_seqs=2, max_pages_per_seq=4, page_size=BATCH_PAGE)
+    big.prepare(random_batch(rng, n_prefill=3, n_decode=6, extra_pages=False))
+    step = big.last_step
+    with pytest.raises(ValueError, match="every rank must use the same limits"):
+        small.adopt(step, big.step_bytes(step, device=False).numpy().copy())
+
+
+def test_worker_ends_when_the_engine_process_is_killed(tmp_path):
+    """A worker outlives no engine: killed with its driver's process, it exits on its own."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import sys\n"
+        "from backplane import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM('tiny-llama', device='cpu', threads=1, tensor_parallel_size=2)\n"
+        "    print(llm.engine.executor.worker_pids[0], flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(proc.stdout.readline())
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the worker kept running after its engine's process was killed"
+    finally:
+        proc.kill()
