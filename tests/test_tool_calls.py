@@ -367,3 +367,28 @@ def test_serve_refuses_an_unknown_parser_before_loading(flag, value, capsys):
     assert main(["serve", "tiny-llama", flag, value]) == 2
     err = capsys.readouterr().err
     assert flag in err and value in err and "choose one of" in err
+
+
+def test_llm_chat_gives_the_template_its_tools_and_earlier_calls():
+    from backplane import LLM, SamplingParams
+
+    llm = LLM("smollm2", device="cpu", max_num_seqs=2)
+    try:
+        params = SamplingParams(max_tokens=1)
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        plain = llm.chat(ask, params, use_tqdm=False)[0].prompt
+        with_tools = llm.chat(ask, params, tools=TOOLS, use_tqdm=False)[0].prompt
+        assert "get_weather" not in plain
+        for tool in TOOLS:
+            assert tool["function"]["name"] in with_tools
+            assert tool["function"].get("description", "") in with_tools
+        assert with_tools.endswith(plain[plain.rindex("<|im_start|>user") :])
+        # an earlier call is written in the model's own format, which reads back as that call
+        later = llm.chat(CONVERSATION, params, tools=TOOLS, use_tqdm=False)[0].prompt
+        parser = get_tool_parser("hermes")
+        assistant = later.split("<|im_start|>assistant")[1].split("<|im_end|>")[0]
+        assert _calls(parser.extract(assistant)[1]) == [("get_weather", WEATHER)]
+        with pytest.raises(InvalidFieldError, match="tools"):
+            llm.chat(ask, params, tools=[{"type": "retrieval"}], use_tqdm=False)
+    finally:
+        llm.shutdown()

@@ -462,6 +462,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         request_ids: Sequence[str] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -477,6 +478,10 @@ class LLM:
             ``None``: :meth:`default_sampling_params`.
         :param add_generation_prompt: end each prompt with an open assistant turn.
         :param chat_template_kwargs: further template variables (``enable_thinking``...).
+        :param tools: functions the model may call (OpenAI's ``tools`` list), given to the
+            template; earlier ``tool_calls`` in the messages are written for it too. The
+            model's calls come back as text in its format (read them with
+            :func:`backplane.api.tool_parsers.tool_parser_for_model`'s parser).
         :param request_ids: optional unique ids, one per conversation.
         :param use_tqdm: as :meth:`generate`.
         :return: one :class:`RequestOutput` per conversation, as :meth:`generate`
@@ -486,10 +491,12 @@ class LLM:
         """
         with self._guard("chat"):
             conversations = _chat.as_conversations(messages)
-            rendered = [
-                self.render_chat(c, add_generation_prompt, chat_template_kwargs)
-                for c in conversations
-            ]
+            rendered = []
+            for conversation in conversations:
+                kwargs = chat_template_kwargs
+                if tools is not None or any(m.get("tool_calls") for m in conversation):
+                    conversation, kwargs = self._with_tools(conversation, tools, kwargs)
+                rendered.append(self.render_chat(conversation, add_generation_prompt, kwargs))
             if sampling_params is None:
                 sampling_params = self.default_sampling_params()
             params = [
@@ -502,6 +509,21 @@ class LLM:
                 use_tqdm,
                 prompt_texts=[text for text, _ in rendered],
             )
+
+    def _with_tools(
+        self,
+        conversation: Conversation,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """The conversation and template variables to render with ``tools``."""
+        from backplane.api.tool_parsers import tool_parser_for_model
+        from backplane.api.tools import with_tools
+
+        template = getattr(self.tokenizer, "chat_template", None)
+        source = None if template is None else template.source
+        parser = tool_parser_for_model(self.engine.model_config.get("model_type"), source)
+        return with_tools(conversation, tools, source, parser, chat_template_kwargs)
 
     def render_chat(
         self,

@@ -219,3 +219,30 @@ def _call_for_template(i: int, call: Any) -> dict[str, Any]:
                 field="messages",
             ) from None
     return {**dict(call), "function": {**dict(function), "arguments": arguments}}
+
+
+def with_tools(
+    conversation: Sequence[Mapping[str, Any]],
+    tools: Any,
+    template_source: str | None,
+    parser: ToolParser,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A conversation and template variables ready to render with ``tools``.
+
+    :param conversation: the messages.
+    :param tools: the caller's tools (checked here), or ``None``.
+    :param template_source: the chat template's source (``None``: unknown).
+    :param parser: the model's tool-call format (for templates that render no tools).
+    :param chat_template_kwargs: the caller's further template variables.
+    :return: the messages for the template and the template variables (with ``tools``).
+    :raises InvalidFieldError: malformed tools or tool calls.
+    """
+    checked = check_tools(tools) if tools is not None else None
+    messages = [dict(m) for m in conversation]
+    if checked or any(m.get("tool_calls") for m in messages):
+        messages = messages_for_template(messages, checked, template_source, parser)
+    kwargs = dict(chat_template_kwargs) if chat_template_kwargs is not None else None
+    if checked:
+        kwargs = {**(kwargs or {}), "tools": checked}
+    return messages, kwargs
