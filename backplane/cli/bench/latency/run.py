@@ -31,6 +31,7 @@ from backplane.cli.bench.latency.reference import run_transformers
 from backplane.cli.bench.latency.report import si
 from backplane.cli.bench.latency.settings import Settings, check_settings, resolve_device_dtype
 from backplane.cli.bench.latency.shapes import is_model_dir, shape_config
+from backplane.cli.bench.latency.shard import rank_weights_info
 from backplane.cli.bench.latency.weights import folder_weights_info, save_random_weights
 from backplane.cli.bench.machine import machine_info
 from backplane.core.errors import BackendUnavailableError, UnknownBackendError
@@ -106,9 +107,14 @@ def run_shape(
         b: make_prompts(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
     }
     floor_label = "HBM floor" if device.type == "cuda" else "memory floor"
+    floor_info = info
+    if settings.tensor_parallel_size > 1:
+        # the ranks read their shards at once: the floor is one rank's bytes
+        floor_info = rank_weights_info(info, dtype, settings.tensor_parallel_size)
+        floor_label += f" per rank, tp={settings.tensor_parallel_size}"
     floor_rows = []
     for b in settings.batch_sizes:
-        parts = floor_bytes(info, b, settings.prompt_len, settings.new_tokens)
+        parts = floor_bytes(floor_info, b, settings.prompt_len, settings.new_tokens)
         floor_rows.append(
             {
                 "batch": b,

@@ -82,7 +82,7 @@ def _specs_bytes(specs: dict[str, dict[str, Any]]) -> int:
     return sum(spec.nbytes for layer in specs.values() for spec in layer.values())
 
 
-def _cache_sizes(model: Any, dtype: Any) -> tuple[float, int]:
+def cache_sizes(model: Any, dtype: Any) -> tuple[float, int]:
     """KV bytes per token and recurrent-state bytes per sequence of ``model``, over all layers.
 
     :param model: a built ``CausalLM`` (its parameters may be on the ``meta`` device).
@@ -144,7 +144,7 @@ def folder_weights_info(folder: str | os.PathLike[str], dtype: Any) -> WeightsIn
     experts = [(key, int(m.group(1))) for key in numels if (m := _EXPERT.search(key))]
     embedding = model.embed_tokens.weight
     head = embedding if tied else model.lm_head.weight
-    kv_bytes_per_token, state_bytes_per_seq = _cache_sizes(model, dtype)
+    kv_bytes_per_token, state_bytes_per_seq = cache_sizes(model, dtype)
     return WeightsInfo(
         folder=str(path),
         params=sum(numels.values()),
@@ -241,7 +241,7 @@ def save_random_weights(
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    kv_bytes_per_token, state_bytes_per_seq = _cache_sizes(model, dtype)
+    kv_bytes_per_token, state_bytes_per_seq = cache_sizes(model, dtype)
     info = WeightsInfo(
         folder=str(folder),
         params=sum(t.numel() for t in tensors.values()),

@@ -15,6 +15,7 @@ from backplane.cli.bench.anchors import throughput_comparisons
 from backplane.cli.bench.latency.engines import quiet_missing_tokenizer
 from backplane.cli.bench.latency.floor import measure_bandwidth
 from backplane.cli.bench.latency.measure import free_device_memory, skipped
+from backplane.cli.bench.latency.shard import rank_weights_info
 from backplane.cli.bench.machine import machine_info
 from backplane.cli.bench.throughput.decode import decode_only
 from backplane.cli.bench.throughput.model import resolve_model
@@ -144,7 +145,10 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 prompt_len=args.decode_prompt_len,
                 steps=args.decode_steps,
                 seed=seed,
-                weights=model.weights if floor_reason is None else None,
+                # the ranks read their shards at once: the floor is one rank's bytes
+                weights=rank_weights_info(model.weights, dtype, config.tensor_parallel_size)
+                if floor_reason is None and model.weights is not None
+                else None,
                 bandwidth=bandwidth["bytes_per_s"] if bandwidth else None,
             )
             async_engine = AsyncLLM(llm=llm)
@@ -162,6 +166,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_len": args.decode_prompt_len,
             "steps": args.decode_steps,
             "bandwidth": bandwidth,
+            "floor_per_rank_of": int(config.tensor_parallel_size),
             "floor_skipped": floor_reason,
             "batches": decode_rows,
         }
