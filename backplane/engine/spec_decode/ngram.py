@@ -1,0 +1,89 @@
+"""N-gram proposer: prompt lookup over the request's own tokens, on the host.
+
+The last ``n`` tokens of a sequence (``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``) are searched for earlier in its prompt + output; at the
+most recent earlier match, the tokens that followed it are the draft. Text
+that repeats its context (rewriting a given document, code edits, quoting)
+is drafted correctly most of the time, at no device cost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from backplane.core.errors import ConfigError
+from backplane.engine.spec_decode.config import SpeculativeConfig
+from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
+
+__all__ = ["NgramProposer", "find_draft"]
+
+logger = logging.getLogger(__name__)
+
+
+def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """The up to ``k`` tokens that followed the latest earlier occurrence of the suffix.
+
+    Longer suffixes are tried first (a longer match predicts better); for one
+    length the most recent match wins (it is the likeliest to continue alike).
+
+    :param tokens: ``[L]`` integer token ids, the sequence so far.
+    :param min_n: shortest suffix matched (``>= 1``).
+    :param max_n: longest suffix matched.
+    :param k: most tokens returned.
+    :return: the draft, ``[<= k]`` int64 (empty when nothing matches or ``k <= 0``).
+    """
+    length = len(tokens)
+    if k <= 0 or length < 2:
+        return np.empty(0, dtype=np.int64)
+    tokens = np.asarray(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        # windows starting at 0 .. length - n - 1: every occurrence before the suffix itself
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].astype(np.int64)
+    return np.empty(0, dtype=np.int64)
+
+
+class NgramProposer:
+    """Proposes drafts by prompt lookup (see :func:`find_draft`); keeps no state.
+
+    :param config: a ``method="ngram"`` :class:`SpeculativeConfig`.
+    :raises ConfigError: for another method.
+    """
+
+    method = "ngram"
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise ConfigError(f"NgramProposer takes method='ngram', got {config.method!r}")
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(
+        self, requests: Sequence[ProposalRequest], context: ProposalContext | None = None
+    ) -> list[list[int]]:
+        """Draft up to ``min(k, request.max_tokens)`` tokens per request.
+
+        :param requests: the decoding sequences.
+        :param context: unused (prompt lookup reads only the token ids).
+        :return: one draft per request.
+        """
+        k = self.num_speculative_tokens
+        return [
+            find_draft(r.token_ids, self.min_n, self.max_n, min(k, r.max_tokens)).tolist()
+            for r in requests
+        ]
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Nothing to forget: prompt lookup keeps no per-request state.
+
+        :param request_ids: the requests gone.
+        """

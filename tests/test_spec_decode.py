@@ -1,0 +1,210 @@
+"""Speculative decoding: configuration, n-gram drafts, exact rejection sampling, the engine."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from backplane.core.errors import ConfigError
+from backplane.engine.sampling import SamplingParams, apply_filters
+from backplane.engine.sampling.rejection import rejection_sample
+from backplane.engine.spec_decode import SpeculativeConfig
+from backplane.engine.spec_decode.ngram import NgramProposer, find_draft
+from backplane.engine.spec_decode.proposer import ProposalRequest, Proposer
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_config_from_mapping() -> None:
+    cfg = SpeculativeConfig.from_value(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    )
+    assert cfg == SpeculativeConfig("ngram", 3, 1, 2)
+    assert SpeculativeConfig.from_value(cfg.to_dict()) == cfg
+    assert SpeculativeConfig.from_value(None) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"method": "ngram", "num_speculative_tokens": 2.5}, "must be an integer"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 3,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "mtp", "num_speculative_tokens": 1, "model": "x"}, "only read by"),
+        ("ngram", "must be a mapping"),
+    ],
+)
+def test_config_refuses(value: object, words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig.from_value(value)
+
+
+# -- n-gram proposer --------------------------------------------------------------------------
+
+
+def _naive_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Reference: scan every earlier position, longest suffix first, latest match wins."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_find_draft_matches_naive_scan() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist()
+        lo = int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(0, 5))
+        got = find_draft(np.array(tokens, dtype=np.int32), lo, hi, k).tolist()
+        assert got == _naive_draft(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_ngram_proposer_respects_per_request_limit() -> None:
+    prop = NgramProposer(SpeculativeConfig("ngram", 4))
+    assert isinstance(prop, Proposer)
+    toks = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)
+    reqs = [ProposalRequest("a", toks, 4, 6), ProposalRequest("b", toks, 2, 6)]
+    assert prop.propose(reqs) == [[7, 8, 9, 5], [7, 8]]
+
+
+# -- rejection sampling ---------------------------------------------------------------------
+
+
+def _chi2_critical(df: int, z: float = 4.265) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (z=4.265: one-sided 1e-5)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _assert_distributed(tokens: np.ndarray, probs: np.ndarray) -> None:
+    """Chi-square goodness of fit of ``tokens`` against ``probs`` (cells with mass only)."""
+    n = len(tokens)
+    assert n > 500
+    counts = np.bincount(tokens, minlength=len(probs)).astype(np.float64)
+    assert counts[probs == 0].sum() == 0, "a token without target mass was emitted"
+    keep = probs > 0
+    expected = probs[keep] * n
+    stat = float((((counts[keep] - expected) ** 2) / expected).sum())
+    assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, counts / n, probs)
+
+
+def _target_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """The sampler's distribution (its filters, then softmax), as an independent reference."""
+    n = logits.shape[0]
+    filt = apply_filters(
+        logits,
+        torch.full((n,), params.temperature),
+        torch.full((n,), params.top_k, dtype=torch.int64) if params.top_k > 0 else None,
+        torch.full((n,), params.top_p) if params.top_p < 1 else None,
+    )
+    return torch.softmax(filt, -1).double().numpy()
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft-probs", "point-mass"])
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_rejection_sampling_exact_in_distribution(with_q: bool, top_k: int) -> None:
+    """Each emitted token at output index t is distributed as p_t, whatever q proposed.
+
+    The target here is context-free (p_t depends only on the index t), so the token
+    emitted at index t, whenever it is emitted, must follow p_t exactly.
+    """
+    gen = torch.Generator().manual_seed(1)
+    vocab, k, n = 6, 3, 40000
+    params = SamplingParams(temperature=0.9, top_k=top_k)
+    logits = torch.randn(k + 1, vocab, generator=gen) * 1.5
+    p = _target_probs(logits, params)  # [k + 1, vocab]
+    q = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, -1)
+    if with_q:
+        drafts = torch.multinomial(q, n, replacement=True, generator=gen).T.contiguous()
+    else:
+        # a fixed guess per position: likely ones, and a less likely one last
+        guess = [int(p[0].argmax()), int(p[1].argmax()), int(np.argsort(p[2])[-2])]
+        drafts = torch.tensor(guess).repeat(n, 1)
+    num_drafts = np.random.default_rng(2).integers(0, k + 1, size=n)
+    seeds = np.random.default_rng(3).integers(-(2**62), 2**62, size=n)
+    out = rejection_sample(
+        logits.expand(n, k + 1, vocab).contiguous(),
+        drafts,
+        num_drafts,
+        [params] * n,
+        seeds,
+        np.zeros(n, dtype=np.int64),
+        q.expand(n, k, vocab).contiguous() if with_q else None,
+    )
+    tokens = out.tokens.numpy()
+    acc = out.num_accepted.numpy()
+    assert (acc <= num_drafts).all()
+    emitted = acc + 1
+    assert ((tokens >= 0).sum(1) == emitted).all()
+    assert (
+        tokens[:, :k][np.arange(k) < acc[:, None]] == drafts.numpy()[np.arange(k) < acc[:, None]]
+    ).all()
+    assert acc.mean() > 0.1  # drafts are accepted at all
+    for t in range(k + 1):
+        col = tokens[:, t]
+        _assert_distributed(col[col >= 0], p[t])
+
+
+def test_point_mass_matches_plain_sampling_token_for_token() -> None:
+    """n-gram verification draws with the sampler's noise: the first emitted token is the
+    plain sampler's token at the same seed and index."""
+    from backplane.engine.sampling import Sampler
+
+    gen = torch.Generator().manual_seed(4)
+    n, k, vocab = 64, 2, 11
+    logits = torch.randn(n, k + 1, vocab, generator=gen)
+    params = [SamplingParams(temperature=1.0)] * n
+    seeds = np.arange(n, dtype=np.int64) * 7919
+    offsets = np.arange(n, dtype=np.int64) % 5
+    drafts = torch.randint(0, vocab, (n, k), generator=gen)
+    out = rejection_sample(logits, drafts, np.full(n, k), params, seeds, offsets)
+    plain = Sampler().sample(logits[:, 0], params, seeds, offsets)
+    assert torch.equal(out.tokens[:, 0], plain)
+
+
+def test_greedy_accepts_while_argmax_agrees() -> None:
+    logits = torch.zeros(2, 4, 5)
+    best = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0]])
+    logits.scatter_(2, best.unsqueeze(-1), 5.0)
+    drafts = torch.tensor([[1, 2, 0], [0, 1, 0]])
+    out = rejection_sample(
+        logits,
+        drafts,
+        np.array([3, 3]),
+        [SamplingParams(temperature=0.0)] * 2,
+        np.zeros(2, np.int64),
+        np.zeros(2, np.int64),
+    )
+    assert out.num_accepted.tolist() == [2, 1]
+    assert out.tokens.tolist() == [[1, 2, 3, -1], [0, 0, -1, -1]]
+    # fewer drafts than the width: the bonus comes from the position after the last one
+    out = rejection_sample(
+        logits,
+        drafts,
+        np.array([1, 0]),
+        [SamplingParams(temperature=0.0)] * 2,
+        np.zeros(2, np.int64),
+        np.zeros(2, np.int64),
+    )
+    assert out.tokens.tolist() == [[1, 2, -1, -1], [0, -1, -1, -1]]
