@@ -166,7 +166,7 @@ def test_missing_file(tmp_path):
     [
         ("page_size: 0", "page_size", "expected an integer >= 1, got 0"),
         ("page_size: sixteen", "page_size", "expected an integer >= 1, got 'sixteen'"),
-        ("max_num_seqs: true", "max_num_seqs", "expected an integer >= 1, got True"),
+        ("max_num_seqs: true", "max_num_seqs", "expected an integer >= 1 or null, got True"),
         ("max_model_len: -5", "max_model_len", "expected an integer >= 1, got -5"),
         ("dtype: int8", "dtype", "expected one of auto, float32, bfloat16, float16, got 'int8'"),
         ("device: tpu", "device", "expected auto, cpu, cuda or cuda:N, got 'tpu'"),
@@ -223,7 +223,7 @@ def test_bad_size_lists_the_units(tmp_path):
 def test_bad_flag_names_the_option():
     with pytest.raises(ConfigError) as err:
         config_from_args(_parser().parse_args(["--max-num-seqs", "many"]))
-    assert str(err.value) == "option --max-num-seqs: expected an integer >= 1, got 'many'"
+    assert str(err.value) == "option --max-num-seqs: expected an integer >= 1 or null, got 'many'"
     with pytest.raises(ConfigError) as err:
         config_from_args(_parser().parse_args(["--fused-ops", "cuda"]))
     assert str(err.value) == "option --fused-ops: expected one of auto, torch, triton, got 'cuda'"
@@ -253,7 +253,7 @@ def test_token_budget_must_cover_every_sequence(tmp_path):
         EngineConfig.from_yaml(path)
     assert str(err.value) == (
         f"config file {path!r}, key 'max_num_tokens': max_num_tokens (8) must be at least "
-        f"max_num_seqs ({EngineConfig().max_num_seqs}), since every running sequence decodes "
+        f"max_num_seqs ({EngineConfig().max_num_seqs_resolved}), since every running sequence decodes "
         "one token per step"
     )
     with pytest.raises(ConfigError) as err:
@@ -351,3 +351,17 @@ def test_gpu_memory_utilization_flag():
     args = _parser().parse_args(["--gpu-memory-utilization", "0.5"])
     assert config_from_args(args).gpu_memory_utilization == 0.5
     assert EngineConfig().gpu_memory_utilization == 0.9
+
+
+def test_scheduling_limits_left_unset_follow_the_device():
+    cpu = EngineConfig(device="cpu")
+    assert (cpu.max_num_seqs_resolved, cpu.max_num_tokens_resolved) == (32, 2048)
+    cuda = EngineConfig(device="cuda")
+    assert (cuda.max_num_seqs_resolved, cuda.max_num_tokens_resolved) == (256, 8192)
+    # a value that is set is kept, and the budget never falls below the sequence limit
+    assert EngineConfig(device="cuda", max_num_seqs=512).max_num_seqs_resolved == 512
+    assert EngineConfig(device="cpu", max_num_seqs=4096).max_num_tokens_resolved == 4096
+    assert EngineConfig(device="cuda", max_num_tokens=300).max_num_tokens_resolved == 300
+    assert cuda.resolved().max_num_seqs == 256 and cuda.resolved().max_num_tokens == 8192
+    with pytest.raises(ConfigError, match=r"max_num_tokens \(100\) must be at least max_num_seqs"):
+        EngineConfig(device="cuda", max_num_tokens=100)

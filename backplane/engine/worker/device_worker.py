@@ -75,8 +75,8 @@ class DeviceWorker:
         torch.manual_seed(int(config.seed))
         apply_threads(config.threads)
         self.page_size = int(config.page_size)
-        self.max_num_seqs = int(config.max_num_seqs)
-        self.max_num_tokens = int(config.max_num_tokens)
+        self.max_num_seqs = config.max_num_seqs_resolved
+        self.max_num_tokens = config.max_num_tokens_resolved
         self.sampler = Sampler()
         self.graph_mode = GraphMode.OFF
         self.kv_budget: KVBudget | None = None

@@ -69,9 +69,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     decode_batches = sorted(set(args.decode_batch_sizes))
     if decode_batches and config.origin("max_num_seqs").kind == "default":
         biggest = max(decode_batches)
-        if biggest > config.max_num_seqs:
+        if biggest > config.max_num_seqs_resolved:
             config = config.merge(
-                max_num_seqs=biggest, max_num_tokens=max(config.max_num_tokens, biggest)
+                max_num_seqs=biggest, max_num_tokens=max(config.max_num_tokens_resolved, biggest)
             )
             logger.info("max_num_seqs %d: the largest decode-only batch", biggest)
     if config.origin("enable_prefix_caching").kind == "default":
