@@ -31,9 +31,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=sup, help="model directory or preset name")
     group.add_argument("--dtype", default=sup, help="auto | float32 | bfloat16 | float16")
     group.add_argument("--device", default=sup, help="auto | cpu | cuda | cuda:N")
-    group.add_argument("--max-num-seqs", default=sup, metavar="N", help="sequences per step")
     group.add_argument(
-        "--max-num-tokens", default=sup, metavar="N", help="tokens per step (prefill chunk)"
+        "--max-num-seqs",
+        default=sup,
+        metavar="N",
+        help="sequences per step (default: 256 on CUDA, 32 on a CPU)",
+    )
+    group.add_argument(
+        "--max-num-tokens",
+        default=sup,
+        metavar="N",
+        help="tokens per step, the prefill chunk (default: 8192 on CUDA, 2048 on a CPU)",
     )
     group.add_argument("--max-model-len", default=sup, metavar="N", help="longest prompt + output")
     group.add_argument("--page-size", default=sup, metavar="N", help="tokens per KV page")
