@@ -18,7 +18,7 @@ KEYS = (
     "page_size, kv_memory, "
     "gpu_memory_utilization, num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
     "fused_ops, async_scheduling, threads, tensor_parallel_size, distributed_executor_backend, "
-    "data_parallel_size, seed, debug, backends"
+    "data_parallel_size, speculative_config, seed, debug, backends"
 )
 
 

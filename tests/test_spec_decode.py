@@ -54,6 +54,32 @@ def test_config_refuses(value: object, words: str) -> None:
         SpeculativeConfig.from_value(value)
 
 
+def test_engine_config_yaml_and_cli(tmp_path) -> None:
+    import argparse
+
+    from backplane.cli.options import add_engine_arguments, config_from_args
+    from backplane.engine.config import EngineConfig
+
+    want = SpeculativeConfig("ngram", 2, 1, 3)
+    path = tmp_path / "engine.yaml"
+    path.write_text(
+        "speculative_config:\n  method: ngram\n  num_speculative_tokens: 2\n"
+        "  prompt_lookup_max: 3\n"
+    )
+    cfg = EngineConfig.from_yaml(str(path))
+    assert cfg.speculative_config == want
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    flag = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+    args = parser.parse_args(["--speculative-config", flag])
+    assert config_from_args(args).speculative_config == want
+    with pytest.raises(ConfigError, match="--speculative-config.*num_speculative_tokens"):
+        config_from_args(parser.parse_args(["--speculative-config", '{"method": "ngram"}']))
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        EngineConfig(speculative_config="{method: ngram}")
+
+
 # -- n-gram proposer --------------------------------------------------------------------------
 
 

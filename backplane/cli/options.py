@@ -123,6 +123,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine replicas behind the server, requests balanced by load; on CUDA replica i "
         "runs on the i-th GPU from --device (default: 1)",
     )
+    group.add_argument(
+        "--speculative-config",
+        default=sup,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4}\' (methods: ngram, draft_model with "model", mtp)',
+    )
     group.add_argument("--seed", default=sup, metavar="N", help="sampling seed")
     group.add_argument("--debug", action="store_true", default=sup, help="extra checks and logging")
     group.add_argument(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import difflib
+import json
 import logging
 import os
 import re
@@ -43,6 +44,7 @@ import yaml
 from backplane.core.errors import ConfigError
 from backplane.core.hookspecs import FAMILIES
 from backplane.engine.sizes import parse_size
+from backplane.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -198,6 +200,12 @@ class EngineConfig:
     :param data_parallel_size: engine replicas behind one ``AsyncLLM`` (and
         server), each a whole engine on its own devices, requests balanced by
         load (:mod:`backplane.api.data_parallel`); an ``LLM`` runs one.
+    :param speculative_config: speculative decoding, ``None`` (off) or a mapping as
+        vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, ``{"method": "draft_model",
+        "model": ..., "num_speculative_tokens": k}`` or ``{"method": "mtp", ...}`` (a JSON
+        string of one too); kept as a
+        :class:`~backplane.engine.spec_decode.config.SpeculativeConfig`.
     :param seed: seed of the sampling RNG.
     :param debug: extra checks and logging (slower).
     :param backends: backend name or ``auto`` per op family; families left out
@@ -226,6 +234,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     data_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | None = None
     seed: int = 0
     debug: bool = False
     backends: Mapping[str, str] = field(default_factory=_default_backends)
@@ -245,6 +254,7 @@ class EngineConfig:
     def __hash__(self) -> int:
         data = self.to_dict()
         data["backends"] = tuple(sorted(data["backends"].items()))
+        data["speculative_config"] = self.speculative_config
         if data["cuda_graph_buckets"] is not None:
             data["cuda_graph_buckets"] = tuple(data["cuda_graph_buckets"])
         return hash(tuple(data.items()))
@@ -465,6 +475,8 @@ class EngineConfig:
         data["backends"] = dict(self.backends)
         if self.cuda_graph_buckets is not None:
             data["cuda_graph_buckets"] = list(self.cuda_graph_buckets)
+        if self.speculative_config is not None:
+            data["speculative_config"] = self.speculative_config.to_dict()
         return data
 
 
@@ -606,10 +618,27 @@ _VALIDATORS: dict[str, Any] = {
         v.strip().lower() if isinstance(v, str) else v, DISTRIBUTED_EXECUTOR_BACKENDS
     ),
     "data_parallel_size": lambda v: _int(v, minimum=1),
+    "speculative_config": lambda v: _speculative(v),
     "seed": lambda v: _int(v, minimum=0),
     "debug": _bool,
     "backends": _backends,
 }
+
+
+def _speculative(value: Any) -> SpeculativeConfig | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                "expected a JSON object such as "
+                + json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+                + f", got {value!r} ({exc.msg})"
+            ) from None
+    try:
+        return SpeculativeConfig.from_value(value)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _raise_model(value: Any) -> str:
