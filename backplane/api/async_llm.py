@@ -959,7 +959,7 @@ class _EngineLoop:
                 continue
             try:
                 cap = self._front.max_waiting_requests
-                if cap is not None and len(self.llm.engine.scheduler.waiting) >= cap:
+                if cap is not None and self.llm.engine.scheduler.num_waiting >= cap:
                     raise EngineOverloadedError(
                         f"{cap} requests are already waiting for the engine "
                         "(max_waiting_requests); retry later"
@@ -1018,8 +1018,8 @@ class _EngineLoop:
         kv = engine.kv_manager
         stats = kv.stats
         return EngineSnapshot(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
+            running=sched.num_running,
+            waiting=sched.num_waiting,
             kv_pages_used=int(kv.num_used_pages),
             kv_pages_total=int(kv.pool.num_usable),
             prefix_cache_queries=int(stats.lookup_pages),

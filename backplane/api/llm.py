@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from backplane.api import chat as _chat
@@ -88,6 +88,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._tracked: dict[str, TrackedRequest] = {}
         self._ready: dict[str, deque[RequestOutput]] = {}
+        # the requests of a generate call (only their final outputs are built) and those of
+        # them that finished since the call last looked
+        self._final_only: set[str] = set()
+        self._finished: list[str] = []
         self._guard = ThreadGuard()
         self._sample_ids = itertools.count()
         end_of_turn = None if self.tokenizer is None else self.tokenizer.token_id("eos_token")
@@ -218,16 +222,32 @@ class LLM:
         with self._guard("step"):
             return self._step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, *, lean: bool = False) -> list[RequestOutput]:
+        """Run one engine step and process its outputs.
+
+        :param lean: the caller drops the returned list (``generate``): the
+            running requests of a ``generate`` call get no output object, only
+            their finished ones do.
+        :return: the outputs built (see :meth:`step`).
+        """
         outs = []
+        tracked, ready, final_only = self._tracked, self._ready, self._final_only
         for so in self.engine.step():
-            t = self._tracked.get(so.request_id)
+            rid = so.request_id
+            t = tracked.get(rid)
             if t is None:
                 continue
-            out = self._outputs.update(t, so)
+            if lean and rid in final_only:
+                if not self._outputs.absorb(t, so):
+                    continue
+                out = self._outputs.output(t, incremental=True)
+            else:
+                out = self._outputs.update(t, so)
             if t.finished:
-                self._tracked.pop(so.request_id, None)
-            queue = self._ready.get(so.request_id)
+                tracked.pop(rid, None)
+                if rid in final_only:
+                    self._finished.append(rid)
+            queue = ready.get(rid)
             if queue is not None:
                 queue.append(out)
             outs.append(out)
@@ -343,22 +363,26 @@ class LLM:
         groups = self._add_all(prompts, sampling_params, request_ids, prompt_texts)
         rids = [rid for group in groups for rid in group]
         final: dict[str, RequestOutput] = {}
+        self._final_only.update(rids)
         bar = _progress_bar(len(rids)) if use_tqdm and len(rids) > 1 else None
         try:
             while len(final) < len(rids):
                 before = len(final)
-                self._drain(rids, final)
+                self._drain(final)
                 if bar is not None and len(final) > before:
                     bar.update(len(final) - before)
                 if len(final) < len(rids):
-                    self.step()
+                    with self._guard("step"):
+                        self._step(lean=True)
         finally:
             if bar is not None:
                 bar.close()
+            self._final_only.difference_update(rids)
             for rid in rids:
                 if rid not in final:
                     self.abort(rid)
                 self._ready.pop(rid, None)
+            self._finished = [rid for rid in self._finished if rid in self._final_only]
         self._settle()
         results = []
         for group in groups:
@@ -384,8 +408,14 @@ class LLM:
                 return
             self._step()
 
-    def _drain(self, rids: Iterable[str], final: dict[str, RequestOutput]) -> None:
-        for rid in rids:
+    def _drain(self, final: dict[str, RequestOutput]) -> None:
+        """Move the final outputs of the ``generate`` requests finished since the last call
+        into ``final`` (O(finished): the running requests are not visited).
+
+        :param final: request id -> its final output.
+        """
+        done, self._finished = self._finished, []
+        for rid in done:
             q = self._ready.get(rid)
             while q:
                 out = q.popleft()
@@ -568,6 +598,8 @@ class LLM:
         """
         self._tracked.clear()
         self._ready.clear()
+        self._final_only.clear()
+        self._finished.clear()
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OutputProcessor", "TrackedRequest"]
 
+# Most tokens of the detokenising window before its start moves up: a longer window
+# costs a little more per decode, a shorter one a second decode more often.
+_MAX_WINDOW = 16
+
 
 class TrackedRequest:
     """The API's view of one live request, with incremental detokenization state.
@@ -61,6 +65,7 @@ class TrackedRequest:
         "reason",
         "prefix_offset",
         "read_offset",
+        "window",
         "stops",
         "matcher",
         "include_stop",
@@ -94,6 +99,8 @@ class TrackedRequest:
         self.reason: str | None = None
         self.prefix_offset = 0
         self.read_offset = 0
+        #: the text of the tokens ``[prefix_offset:read_offset]`` when known (saves a decode)
+        self.window: str | None = None
         params = getattr(request, "sampling_params", None)
         self.stops: tuple[str, ...] = tuple(getattr(params, "stop", ()) or ())
         self.matcher = StopMatcher(self.stops, stop_automaton) if self.stops else None
@@ -174,6 +181,32 @@ class OutputProcessor:
             t.reason = step_output.finish_reason
         return self.output(t, incremental=True)
 
+    def absorb(self, t: TrackedRequest, step_output: EngineStepOutput) -> bool:
+        """Take one engine step's output for ``t`` without building an output object.
+
+        For callers that hand out only a request's final output
+        (:meth:`backplane.LLM.generate`): the tokens, logprobs and finish state
+        are taken as :meth:`update` takes them, but the text is detokenised only
+        where stop strings must be searched in it; without stop strings the
+        finished request's text is decoded once, whole, by :meth:`output`.
+
+        :param t: the request.
+        :param step_output: the engine's output for it.
+        :return: whether ``t`` is finished (then build its output with :meth:`output`).
+        """
+        t.token_ids.extend(step_output.new_token_ids)
+        if t.logprobs is not None and step_output.new_logprobs:
+            t.logprobs.extend(self.decoded(d) for d in step_output.new_logprobs)
+        if step_output.prompt_logprobs is not None:
+            t.prompt_logprobs = self.decoded_list(step_output.prompt_logprobs)
+        if step_output.finished:
+            t.finished = True
+            t.reason = step_output.finish_reason
+            return True
+        if t.matcher is not None and t.stop_str is None:
+            self._catch_up(t)
+        return t.finished
+
     def output(self, t: TrackedRequest, *, incremental: bool) -> RequestOutput:
         """Bring ``t``'s text up to date with its tokens and build its output.
 
@@ -185,23 +218,7 @@ class OutputProcessor:
         new_ids = t.token_ids[t.emitted :] if incremental else list(t.token_ids)
         t.emitted = len(t.token_ids)
         if t.stop_str is None:  # a matched stop string froze the text
-            if t.finished:
-                final = self.decode(t.token_ids)  # the exact final text
-                if t.matcher is not None and not final.startswith(t.text):
-                    t.matcher.rewind(_common_prefix(t.text, final))
-                t.text = final
-            elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
-                ids = t.token_ids
-                old = self.decode(ids[t.prefix_offset : t.read_offset])
-                new = self.decode(ids[t.prefix_offset :])
-                if len(new) > len(old) and not new.endswith("\ufffd"):
-                    t.text += new[len(old) :]
-                    t.prefix_offset = t.read_offset
-                    t.read_offset = len(ids)
-            if t.matcher is not None:
-                t.matcher.consume(t.text)
-                if len(t.token_ids) > t.min_tokens:
-                    self._match_stop(t)
+            self._catch_up(t)
         visible = len(t.text)
         if t.matcher is not None and not t.finished:  # the end that may grow into a stop string
             visible -= t.matcher.partial()
@@ -227,6 +244,39 @@ class OutputProcessor:
             new_text=new_text,
             metrics=_metrics(t),
         )
+
+    def _catch_up(self, t: TrackedRequest) -> None:
+        """Bring ``t``'s text up to date with its tokens and search it for stop strings.
+
+        The text of a finished request is decoded whole (the exact final text);
+        a running one's from its sliding window, and only when it has tokens the
+        text has not read yet.
+        """
+        if t.finished:
+            final = self.decode(t.token_ids)  # the exact final text
+            if t.matcher is not None and not final.startswith(t.text):
+                t.matcher.rewind(_common_prefix(t.text, final))
+            t.text = final
+        elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
+            ids = t.token_ids
+            old = t.window
+            if old is None:
+                old = t.window = self.decode(ids[t.prefix_offset : t.read_offset])
+            new = self.decode(ids[t.prefix_offset :])
+            if len(new) > len(old) and not new.endswith("\ufffd"):
+                t.text += new[len(old) :]
+                if len(ids) - t.prefix_offset <= _MAX_WINDOW:
+                    # The window keeps its start, so the text just decoded is the next
+                    # step's old text: one decode per step instead of two.
+                    t.window = new
+                else:
+                    t.prefix_offset = t.read_offset
+                    t.window = None
+                t.read_offset = len(ids)
+        if t.matcher is not None:
+            t.matcher.consume(t.text)
+            if len(t.token_ids) > t.min_tokens:
+                self._match_stop(t)
 
     def decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         """One position's logprobs with each token's text filled in (when there is a tokenizer).

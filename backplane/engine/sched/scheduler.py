@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from backplane.core.errors import ConfigError, RequestError
@@ -191,6 +191,16 @@ class Scheduler:
         return len(self._requests)
 
     @property
+    def num_running(self) -> int:
+        """Running requests (counted, not copied)."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests (counted, not copied)."""
+        return len(self._waiting)
+
+    @property
     def running(self) -> list[Request]:
         """Running requests in admission order (a copy)."""
         return list(self._running.values())
@@ -247,16 +257,25 @@ class Scheduler:
                 num_prefilling += 1
                 continue
             st: RequestKV = req.kv_state
-            if c >= st.num_pages * ps and not self._make_room(req, 1, preempted):
+            drafts = req.spec_token_ids
+            if drafts:
+                # speculative lookahead: the token and its drafts as one extend chunk,
+                # pages and budget reserved for all of them
+                del drafts[budget - 1 :]
+                if drafts and c + 1 + len(drafts) > st.num_pages * ps:
+                    if not self._make_room(req, 1 + len(drafts), preempted):
+                        drafts.clear()  # no room to speculate: a plain decode
+            n = 1 + len(drafts)
+            if c + n > st.num_pages * ps and not self._make_room(req, n, preempted):
                 self._preempt(req, preempted)
                 continue
             req.scheduled_step = step
-            seq = ScheduledSeq(req, 1, c, st.table, st.slot, True)
-            if c:
+            seq = ScheduledSeq(req, n, c, st.table, st.slot, True, n - 1)
+            if c and n == 1:
                 decodes.append(seq)
             else:
                 prefills.append(seq)
-            budget -= 1
+            budget -= n
 
         # 2. chunked prefills in progress.
         if num_prefilling:
@@ -406,23 +425,36 @@ class Scheduler:
             req = s.request
             if req.status is not running:  # aborted or finished since schedule()
                 continue
-            computed = s.num_cached_tokens + s.num_new_tokens
+            # draft tokens count as computed only once accepted (in commit)
+            computed = s.num_cached_tokens + s.num_new_tokens - s.num_draft_tokens
             req.num_computed_tokens = computed
             if ps and computed // ps > req.kv_state.num_registered:
                 kv.on_computed(req)
             if s.is_prefill_chunk_final:
                 req.append_placeholder()
 
-    def commit(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def commit(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        accepted: Mapping[str, Sequence[int]] | None = None,
+    ) -> list[Request]:
         """Write a step's sampled tokens into its placeholders and finish requests.
 
         Requests finished or aborted since the step was advanced are skipped
         (their tokens are dropped); a request preempted since then still gets its
         token, which it recomputes from on readmission.
 
+        A sequence that verified draft tokens commits its accepted drafts, then its
+        sampled token, stopping at the first that finishes the request (a stop
+        token or its length); its computed length then covers the accepted drafts
+        and the pages holding only rejected ones go back.
+
         :param output: the step given to :meth:`advance`.
         :param sampled: the sampled token of every sequence with
             ``is_prefill_chunk_final`` (request id -> token id).
+        :param accepted: the accepted draft tokens of sequences with draft tokens
+            (request id -> tokens; a missing id accepted none).
         :return: requests that finished (also reported in the next output's ``finished``).
         """
         now = time.perf_counter()
@@ -442,7 +474,11 @@ class Scheduler:
                     "prefill or decoded; pass one token per is_prefill_chunk_final sequence"
                 ) from None
             # the tokens come as Python ints from the host copy; others are converted
-            reason = req.resolve_placeholder(token if type(token) is int else int(token), now)
+            token = token if type(token) is int else int(token)
+            if s.num_draft_tokens:
+                reason = self._commit_verified(req, s, token, accepted, now)
+            else:
+                reason = req.resolve_placeholder(token, now)
             if req.num_failed_steps:  # a step of it went through: no longer suspect
                 req.num_failed_steps = 0
                 self._suspects.pop(req.request_id, None)
@@ -455,6 +491,37 @@ class Scheduler:
                 done.append(req)
         self.stats.finished += len(done)
         return done
+
+    def _commit_verified(
+        self,
+        req: Request,
+        seq: ScheduledSeq,
+        token: int,
+        accepted: Mapping[str, Sequence[int]] | None,
+        now: float,
+    ) -> FinishReason | None:
+        """Commit a verified sequence's accepted drafts and sampled token (see :meth:`commit`)."""
+        drafts = list(accepted.get(req.request_id, ())) if accepted else []
+        st = req.stats
+        st.num_spec_steps += 1
+        st.num_draft_tokens += seq.num_draft_tokens
+        st.num_accepted_tokens += len(drafts)
+        tokens = [*drafts, token]
+        reason = req.resolve_placeholder(tokens[0], now)
+        for t in tokens[1:]:
+            if reason is not None:
+                break
+            reason = req.append_token(int(t), now)
+        req.spec_token_ids.clear()
+        if reason is None and req.status is RequestStatus.RUNNING:
+            kv = self.kv
+            req.num_computed_tokens = req.num_tokens - 1  # the accepted drafts' KV is written
+            kv.release_tail(req, req.num_tokens)
+            if kv.prefix_caching and req.num_computed_tokens // kv.page_size > (
+                req.kv_state.num_registered
+            ):
+                kv.on_computed(req)
+        return reason
 
     # -- failed steps ---------------------------------------------------------------------------
 
