@@ -21,6 +21,12 @@ below. Each provides:
   arguments that every backend passes to
   :func:`~backplane.core.contract.cached_op` as its fake implementation.
 
+The recurrent families (``ssm``, ``delta``) derive from :class:`RecurrentBackend`:
+their ops also keep the state after every position of a speculative
+verification chunk (``batch.verify_states``), and ``copy_state_slots`` copies
+the kept one back into each sequence's slot once the engine knows what was
+accepted.
+
 A backend that runs part of its work on another backend of its family sets
 ``needs_fallback`` and receives that backend through ``set_fallback`` when it is
 selected.
@@ -323,7 +329,35 @@ class MLABackend(Backend):
         """
 
 
-class SSMBackend(Backend):
+class RecurrentBackend(Backend):
+    """A family whose caches hold one state per sequence slot (``ssm`` and its conv, ``delta``).
+
+    A speculative verification step (``batch.verify_states`` set, see
+    :class:`~backplane.core.metadata.VerifyStates`) runs each verifying
+    sequence's chunk as an extend sequence; the family's cached ops then also
+    write the state after every position of that chunk into the scratch slots
+    ``batch.verify_states.slots`` names. Once the engine knows how many
+    proposals each sequence accepted, it copies the kept position's state back
+    into the sequence's slot with :meth:`copy_state_slots`.
+    """
+
+    def copy_state_slots(
+        self, state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Copy the states of slots ``src_slots`` into slots ``dst_slots`` of one state cache.
+
+        Every source is read before any destination is written, and nothing is
+        read on the host, so the copy may follow a step's sampling on the device.
+
+        :param state: one of the family's state caches (``[num_slots, ...]``).
+        :param src_slots: ``[V]`` slot indices to read (from
+            :meth:`~backplane.core.metadata.VerifyStates.keep_slots`).
+        :param dst_slots: ``[V]`` distinct slot indices to write.
+        """
+        state.index_copy_(0, dst_slots, state.index_select(0, src_slots))
+
+
+class SSMBackend(RecurrentBackend):
     """Mamba2: causal depthwise convolution with state, and the selective scan."""
 
     family: ClassVar[str] = "ssm"
@@ -418,7 +452,7 @@ class SSMBackend(Backend):
         """
 
 
-class DeltaBackend(Backend):
+class DeltaBackend(RecurrentBackend):
     """Gated delta rule with one float32 state per sequence slot."""
 
     family: ClassVar[str] = "delta"

@@ -128,6 +128,118 @@ class StepMode:
 EAGER = StepMode()
 
 
+@dataclass(frozen=True)
+class VerifyStates:
+    """Where a speculative verification step keeps the recurrent state after each chunk position.
+
+    A sequence verifying ``d`` proposed tokens runs a chunk of ``d + 1`` tokens
+    (the last committed token, then the proposals) as an extend sequence.
+    Only the first ``j + 1`` of them (``j`` accepted proposals) may advance
+    its conv and SSM / delta states, and ``j`` is known only after sampling.
+    So the recurrent ops of such a step also write the state after position
+    ``t`` of each verifying chunk into a scratch slot, and
+    :meth:`keep_slots` then names the copies (scratch slot -> the sequence's
+    own slot) that leave each sequence's state after its last accepted token.
+    The sequence's own slot is still left holding the state after the whole
+    chunk, as in any step, so keeping the last position needs no scratch slot.
+
+    Build one with :meth:`build`; a step carries it as
+    :attr:`BatchMetadata.verify_states` (``None``: no verification chunk).
+
+    :param seqs_host: ``int64 [V]``, the batch index of each verifying sequence.
+    :param slots_host: ``int64 [V, W]``, the scratch slot receiving the state
+        after position ``t`` of verifying sequence ``v`` (``-1``: not kept).
+    :param max_len: the longest verifying chunk (host), the recurrence's step count.
+    :param seqs: ``seqs_host`` on the device.
+    :param slots: ``slots_host`` on the device, ``-1`` replaced by the reserved
+        scratch slot 0 so that the ops write unkept positions there, unread.
+    :param sources: ``[V, W]`` on the device: the slot that holds the state
+        after position ``t`` once the step ran (the scratch slot, the
+        sequence's own slot for its last position, else slot 0).
+    :param own_slots: ``[V]`` on the device, each verifying sequence's own slot.
+    """
+
+    seqs_host: np.ndarray
+    slots_host: np.ndarray
+    max_len: int
+    seqs: torch.Tensor
+    slots: torch.Tensor
+    sources: torch.Tensor
+    own_slots: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, host: HostBatch, seqs: np.ndarray, slots: np.ndarray, device: torch.device | str
+    ) -> VerifyStates:
+        """Describe the verifying sequences of a batch and their scratch slots.
+
+        :param host: the batch's host arrays (query lengths, state slots).
+        :param seqs: the batch index of each verifying sequence.
+        :param slots: ``[len(seqs), W]``, the scratch slot for the state after
+            each chunk position (``-1``: not kept), ``W`` at least the longest chunk.
+        :param device: where the batch's tensors live.
+        :return: the description.
+        :raises ValueError: a scratch slot is the reserved slot 0, appears
+            twice, or is a slot of a sequence of the batch (the ops would
+            overwrite a state they still read), or a chunk is longer than ``W``.
+        """
+        seqs = np.asarray(seqs, dtype=np.int64).reshape(-1)
+        slots = np.asarray(slots, dtype=np.int64).reshape(len(seqs), -1)
+        lens = host.query_lens[seqs].astype(np.int64)
+        own = host.state_slots[seqs].astype(np.int64)
+        if len(lens) and lens.max() > slots.shape[1]:
+            raise ValueError(
+                f"a verifying chunk has {int(lens.max())} tokens but the scratch slot table only "
+                f"{slots.shape[1]} columns; give one column per chunk position"
+            )
+        # columns past a shorter chunk's end hold no position
+        slots = np.where(np.arange(slots.shape[1])[None, :] < lens[:, None], slots, -1)
+        kept = slots[slots >= 0]
+        if (kept == NULL_SLOT).any() or len(np.unique(kept)) != len(kept):
+            raise ValueError(
+                "verification scratch slots must be distinct and never the reserved slot 0; "
+                "give each kept chunk position its own slot, or -1 not to keep it"
+            )
+        if np.isin(kept, host.state_slots).any():
+            raise ValueError(
+                "a verification scratch slot is also a sequence's own state slot in this batch; "
+                "allocate scratch slots apart from the sequences' slots"
+            )
+        sources = np.where(slots >= 0, slots, NULL_SLOT)
+        sources[np.arange(len(seqs)), lens - 1] = own
+        dev = torch.device(device)
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        return cls(
+            seqs_host=seqs,
+            slots_host=slots,
+            max_len=int(lens.max()) if len(lens) else 0,
+            seqs=put(seqs),
+            slots=put(np.where(slots >= 0, slots, NULL_SLOT)),
+            sources=put(sources),
+            own_slots=put(own),
+        )
+
+    def keep_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Name the copies that leave each verifying sequence's state after chunk position ``j``.
+
+        Computed on the device, so ``positions`` may come straight from the
+        rejection sampler without a synchronisation.
+
+        :param positions: ``[V]``, the position ``j`` to keep per verifying
+            sequence (its accepted proposals): ``0`` keeps only the first
+            chunk token, ``len - 1`` the whole chunk.
+        :return: ``(src, dst)`` slot indices ``[V]`` for
+            :meth:`~backplane.core.families.RecurrentBackend.copy_state_slots`
+            on every recurrent state tensor of the model; a sequence keeping its
+            last position copies its own slot onto itself.
+        """
+        j = positions.to(device=self.sources.device, dtype=torch.long)
+        return self.sources.gather(1, j[:, None])[:, 0], self.own_slots
+
+
 @dataclass
 class HostBatch:
     """Host (numpy) arrays of a batch; see the module docstring for meanings.
@@ -187,6 +299,9 @@ class BatchMetadata:
     last_token_indices: torch.Tensor
     #: how the engine runs this step (backends' ``plan`` reads it)
     mode: StepMode = EAGER
+    #: the verifying sequences of a speculative step and where the recurrent ops
+    #: keep their per-position states (``None``: no verification chunk)
+    verify_states: VerifyStates | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -282,6 +282,21 @@ class CausalLM(nn.Module):
             if isinstance(m, CachedMixer):
                 yield name, m
 
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """After a speculative verification step, keep each sequence's state at its accepted token.
+
+        Every layer with per-slot recurrent state (conv, SSM, delta) copies the
+        states of ``src_slots`` into ``dst_slots``; attention layers have
+        nothing to copy. Call it once the accepted counts are known and before
+        the next step runs (the copies are queued on the device in order).
+
+        :param src_slots: ``[V]`` slots holding the states to keep, from
+            :meth:`~backplane.core.metadata.VerifyStates.keep_slots`.
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        for _, mixer in self.cached_layers():
+            mixer.keep_verified_states(src_slots, dst_slots)
+
     def cache_specs(
         self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
     ) -> dict[str, dict[str, TensorSpec]]:

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from backplane.backends.flashinfer import _common
+from backplane.backends.torch.verify_states import record_scan_states
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.errors import BackendUnavailableError
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
@@ -287,6 +288,8 @@ def _ssm_scan_op(
     batch = step.batch
     layer = SSMLayerSpec(layer_id, nheads, head_dim, d_state, n_groups, dt_softplus, chunk_size)
     buf = output_buffer(out, x.shape, x.dtype, x.device)
+    # per-position states of verification chunks, over the whole batch (the prefill view has none)
+    record_scan_states(x, dt, A, B, dt_bias, ssm_state, dt_softplus)
     npt = batch.num_prefill_tokens
     n = batch.num_tokens
     if npt:

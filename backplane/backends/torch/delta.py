@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from backplane.backends.torch.verify_states import record_delta_states
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -153,6 +154,7 @@ def gated_delta_rule(
     hv = v.shape[1]
     host = batch.host
     dev = v.device
+    record_delta_states(k, v, g, beta, state, use_qk_l2norm, L2NORM_EPS)
 
     if batch.num_prefill_seqs > 0:
         p = batch.num_prefill_seqs

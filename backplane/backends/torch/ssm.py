@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backplane.backends.torch.verify_states import record_conv_states, record_scan_states
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -87,6 +88,7 @@ def causal_conv1d(
     buf = output_buffer(out, x.shape, x.dtype, x.device)
     n = batch.num_tokens
     width = weight.shape[1] - 1  # the state holds kernel_size - 1 inputs
+    record_conv_states(x, conv_state)  # before the sequences' slots are overwritten
     if n > 0:
         seq, offset, slot, has_state = _token_layout(batch, x.device)
         tok = torch.arange(n, device=x.device)
@@ -238,6 +240,7 @@ def ssm_scan(
     rep = nheads // B.shape[1]  # heads per B/C group
     A32, D32 = A.float(), D.float()
     host = batch.host
+    record_scan_states(x, dt, A, B, dt_bias, ssm_state, dt_softplus)
 
     def discretise(dt_rows: torch.Tensor) -> torch.Tensor:
         d = dt_rows.float() + dt_bias.float()

@@ -26,6 +26,8 @@ import types
 import numpy as np
 import torch
 
+from backplane.backends.torch.delta import L2NORM_EPS
+from backplane.backends.torch.verify_states import record_delta_states
 from backplane.backends.triton._common import exact_fp32_dots, sequence_blocks
 from backplane.backends.triton.delta_decode import delta_decode
 from backplane.core.contract import cached_op, finish_output, output_buffer
@@ -103,6 +105,8 @@ def gated_delta(
     ctx = get_forward_context()
     batch = ctx.batch
     buf = output_buffer(out, v.shape, v.dtype, v.device)
+    # speculative verification: per-position states, before the kernels overwrite the slots
+    record_delta_states(k, v, g, beta, state, use_qk_l2norm, L2NORM_EPS)
     plan = ctx.plan("delta")
     if not isinstance(plan, dict):
         plan = _plan(batch)

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backplane.backends.torch.verify_states import record_conv_states, record_scan_states
 from backplane.backends.triton import _mamba_import
 from backplane.backends.triton._common import (
     dot_block,
@@ -278,6 +279,8 @@ def causal_conv(
     batch = get_forward_context().batch
     buf = output_buffer(out, x.shape, x.dtype, x.device)
     n = batch.num_seqs
+    # speculative verification: per-position states, before the kernels overwrite the slots
+    record_conv_states(x, conv_state)
     if n and batch.num_tokens:
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -627,6 +630,7 @@ def ssm_scan(
     ctx = get_forward_context()
     batch = ctx.batch
     buf = output_buffer(out, x.shape, x.dtype, x.device)
+    record_scan_states(x, dt, A, B, dt_bias, ssm_state, dt_softplus)
     mamba = _mamba_import.load()
     H, P = x.shape[1], x.shape[2]
     N = B.shape[-1]

@@ -42,6 +42,19 @@ class CachedMixer(nn.Module):
         """Use ``caches`` (allocated from :meth:`cache_specs`) from now on."""
         self.caches = dict(caches)
 
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy recurrent states from slots ``src_slots`` into ``dst_slots`` after a verification.
+
+        Only mixers with per-slot recurrent state hold anything to copy; the
+        default does nothing (paged KV of rejected tokens is simply overwritten
+        by later steps).
+
+        :param src_slots: ``[V]`` slots holding the kept states
+            (:meth:`~backplane.core.metadata.VerifyStates.keep_slots`).
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        return None
+
     def cache(self, name: str) -> torch.Tensor:
         """Return the bound cache ``name``.
 
@@ -86,6 +99,8 @@ class ConvStateMixer(CachedMixer):
     conv_backend: Any
     state_backend: Any
     state_spec: Any
+    #: the names of the caches the conv backend describes (the rest are the recurrence's)
+    conv_cache_names: frozenset[str] = frozenset({"conv_state"})
 
     def init_conv(
         self, layer_id: int, conv_kernel: int, num_heads: int, *, act: str, name: str, bias: bool
@@ -136,6 +151,7 @@ class ConvStateMixer(CachedMixer):
         specs = dict(
             self.conv_backend.conv_cache_spec(self.conv_spec, num_slots=num_slots, dtype=dtype)
         )
+        self.conv_cache_names = frozenset(specs)
         specs.update(
             self.state_backend.cache_spec(self.state_spec, num_slots=num_slots, dtype=dtype)
         )
@@ -153,3 +169,16 @@ class ConvStateMixer(CachedMixer):
             self.cache("conv_state"),
             self.conv_spec,
         )
+
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the conv and recurrent states of ``src_slots`` into ``dst_slots``.
+
+        Each cache goes through the backend that describes it
+        (:meth:`~backplane.core.families.RecurrentBackend.copy_state_slots`).
+
+        :param src_slots: ``[V]`` slots holding the kept states.
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        for name, state in self.caches.items():
+            backend = self.conv_backend if name in self.conv_cache_names else self.state_backend
+            backend.copy_state_slots(state, src_slots, dst_slots)
