@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["free_tcp_address", "join_group", "leave_group", "rank_config"]
+__all__ = ["abort_group", "free_tcp_address", "join_group", "leave_group", "rank_config"]
 
 #: How long a collective may wait for a peer before it fails (a dead peer ends it sooner).
 GROUP_TIMEOUT = timedelta(minutes=10)
@@ -112,3 +112,23 @@ def leave_group() -> None:
             dist.destroy_process_group()
         except Exception:  # a group whose peers died cannot always be torn down cleanly
             logger.debug("destroying the process group failed", exc_info=True)
+
+
+def abort_group() -> None:
+    """Make the collectives this process is blocked in return with an error, from any thread.
+
+    A NCCL collective whose peer died waits for it forever (until the group
+    timeout); aborting the communicators ends the wait, so the caller can say
+    which rank was lost. gloo notices a dead peer by itself (its sockets
+    close), so there is nothing to abort.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() != "nccl":
+        return
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:  # an older torch, or a group already torn down
+        logger.warning("aborting the NCCL communicators failed", exc_info=True)

@@ -16,29 +16,42 @@ gathers its logits there); only the driver's sampled tokens are used.
 Faults: a worker that raises reports it and exits, one that dies is found by
 its exit code; either ends the engine with a
 :class:`~.errors.WorkerFailedError` naming the rank, after every worker
-process was ended. Worker processes are daemonic and also ended when the
-engine's process exits, so none outlives it.
+process was ended. A watchdog thread waits on the workers' process sentinels:
+when one dies while the driver is blocked in a collective that would wait for
+it forever (NCCL), it aborts the group so that the collective returns and the
+step fails naming the rank.
+
+Shutdown: the engine's shutdown (also :class:`~backplane.api.AsyncLLM`'s)
+ends the workers and destroys the process group; an engine never shut down
+is shut down the same way at interpreter exit, before torch's own teardown,
+because a process group still alive then can abort the process
+(``terminate called without an active exception``). Worker processes are
+daemonic and also ended when the engine's process is killed, so none
+outlives it.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backplane.core.errors import EngineClosedError
 from backplane.engine.distributed import messages as msg
 from backplane.engine.distributed.errors import WorkerFailedError
 from backplane.engine.distributed.group import (
+    abort_group,
     free_tcp_address,
     join_group,
     leave_group,
@@ -64,6 +77,8 @@ START_TIMEOUT = 1800.0
 FAILURE_GRACE = 10.0
 #: Seconds a worker gets to exit on shutdown before it is killed.
 EXIT_TIMEOUT = 10.0
+#: Seconds between the watchdog's looks at whether the executor was shut down.
+WATCH_INTERVAL = 0.5
 
 
 class _Proc:
@@ -94,7 +109,12 @@ class MultiprocExecutor:
         self._procs: list[_Proc] = []
         self._failure: WorkerFailedError | None = None
         self._closed = False
+        self._closing = False
         self._joined = False
+        # held by each call into the ranks, so that a shutdown from another thread (at
+        # interpreter exit) never tears the group down under a step in a collective
+        self._lock = threading.RLock()
+        self._stop_watch = threading.Event()
         init_method = free_tcp_address()
         ctx = mp.get_context("spawn")
         driver_config = rank_config(config, 0)
@@ -111,9 +131,11 @@ class MultiprocExecutor:
                 process.start()
                 child.close()
                 self._procs.append(_Proc(rank, process, parent))
-            # ends the workers if the engine's process exits without shutting the engine down
+            # ends the workers if the executor is dropped without being shut down
             self._finalizer = weakref.finalize(self, _end_processes, list(self._procs))
-            atexit.register(self._finalizer)
+            # registered after torch's own exit hooks, so it runs before them
+            self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
             self._join(init_method, driver_config.torch_device)
             self.driver = DeviceWorker(driver_config, registry)
             self._send_all(msg.LOAD)
@@ -130,6 +152,12 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+        threading.Thread(
+            target=_watch,
+            args=(weakref.ref(self), list(self._procs), self._stop_watch),
+            name="backplane-tp-watchdog",
+            daemon=True,
+        ).start()
         logger.info(
             "tensor parallel: %d ranks (%s)", self.size, "nccl" if self._on_cuda else "gloo"
         )
@@ -171,16 +199,17 @@ class MultiprocExecutor:
         :param pending_tokens: the in-flight step's tokens on the driver's device, or ``None``.
         :return: the driver's inputs.
         """
-        self._check()
-        inputs = self.driver.prepare_inputs(scheduled, pending_tokens)
-        ib = self.driver.input_batch
-        step = ib.last_step
-        assert step is not None
-        host = ib.step_bytes(step, device=False).numpy().copy()
-        self._send_all(msg.ADOPT_STEP, (step, host))
-        if self._on_cuda:
-            self._guard(dist.broadcast, ib.step_bytes(step, device=True), src=0, fatal=True)
-        return inputs
+        with self._lock:
+            self._check()
+            inputs = self.driver.prepare_inputs(scheduled, pending_tokens)
+            ib = self.driver.input_batch
+            step = ib.last_step
+            assert step is not None
+            host = ib.step_bytes(step, device=False).numpy().copy()
+            self._send_all(msg.ADOPT_STEP, (step, host))
+            if self._on_cuda:
+                self._guard(dist.broadcast, ib.step_bytes(step, device=True), src=0, fatal=True)
+            return inputs
 
     def execute_model(self, inputs: BatchInputs) -> torch.Tensor:
         """Run the model on every rank; see :meth:`Executor.execute_model`.
@@ -188,9 +217,10 @@ class MultiprocExecutor:
         :param inputs: from :meth:`prepare_inputs`.
         :return: the driver's hidden states.
         """
-        self._check()
-        self._send_all(msg.EXECUTE)
-        return self._guard(self.driver.execute_model, inputs, fatal=True)
+        with self._lock:
+            self._check()
+            self._send_all(msg.EXECUTE)
+            return self._guard(self.driver.execute_model, inputs, fatal=True)
 
     def sample_tokens(
         self, hidden: torch.Tensor, inputs: BatchInputs, rows: SamplingRows
@@ -202,16 +232,17 @@ class MultiprocExecutor:
         :param rows: the sampling sequences' parameters.
         :return: the driver's tokens (and logprobs where asked), on its device.
         """
-        self._check()
-        portable = rows
-        if rows.processing is not None or rows.prompt is not None:
-            portable = dataclasses.replace(
-                rows,
-                processing=msg.to_portable(rows.processing),
-                prompt=msg.to_portable(rows.prompt),
-            )
-        self._send_all(msg.SAMPLE, portable)
-        return self._guard(self.driver.sample_tokens, hidden, inputs, rows, fatal=True)
+        with self._lock:
+            self._check()
+            portable = rows
+            if rows.processing is not None or rows.prompt is not None:
+                portable = dataclasses.replace(
+                    rows,
+                    processing=msg.to_portable(rows.processing),
+                    prompt=msg.to_portable(rows.prompt),
+                )
+            self._send_all(msg.SAMPLE, portable)
+            return self._guard(self.driver.sample_tokens, hidden, inputs, rows, fatal=True)
 
     def mirror_host_tier(self, tier: HostTier) -> None:
         """Give every worker a host tier of the same pages and repeat the driver's copies there.
@@ -225,8 +256,9 @@ class MultiprocExecutor:
         self._send_all(msg.HOST_TIER, tier.num_pages)
 
         def mirror(src: Sequence[int], dst: Sequence[int], to_host: bool) -> None:
-            self._check()
-            self._send_all(msg.HOST_COPY, (list(map(int, src)), list(map(int, dst)), to_host))
+            with self._lock:
+                self._check()
+                self._send_all(msg.HOST_COPY, (list(map(int, src)), list(map(int, dst)), to_host))
 
         tier.on_copy = mirror
 
@@ -242,6 +274,8 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
+        self._closing = True  # workers exiting from here on are not failures
+        self._stop_watch.set()
         if self._failure is not None:
             _end_processes(self._procs)
         for p in self._procs:
@@ -260,7 +294,9 @@ class MultiprocExecutor:
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-            atexit.unregister(finalizer)
+        at_exit = getattr(self, "_at_exit", None)
+        if at_exit is not None:
+            atexit.unregister(at_exit)
         if self._joined:
             leave_group()
             self._joined = False
@@ -311,6 +347,11 @@ class MultiprocExecutor:
         """Raise the failure of a worker, if one failed or reported an error since the last call."""
         if self._failure is not None:
             raise self._failure
+        if self._closed:
+            raise EngineClosedError(
+                "the tensor-parallel engine was shut down (its worker processes have ended); "
+                "start a new engine"
+            )
         failure = self._diagnose(wait=0.0)
         if failure is not None:
             self._fail(failure)
@@ -383,3 +424,55 @@ def _end_processes(procs: list[_Proc]) -> None:
             p.conn.close()
         except OSError:
             pass
+
+
+def _shutdown_at_exit(ref: weakref.ReferenceType[MultiprocExecutor]) -> None:
+    """Shut down an executor its engine never shut down, at interpreter exit.
+
+    Waits up to :data:`EXIT_TIMEOUT` for a step another thread is running (an
+    engine loop still busy) to finish; a step that does not finish (blocked on
+    a lost peer) is left alone and only the worker processes are ended, since
+    destroying the group under it would fail.
+    """
+    executor = ref()
+    if executor is None or executor._closed:
+        return
+    if executor._lock.acquire(timeout=EXIT_TIMEOUT):
+        try:
+            executor.shutdown()
+        finally:
+            executor._lock.release()
+    else:
+        logger.warning("a tensor-parallel step was still running at exit; ending its workers")
+        _end_processes(executor._procs)
+
+
+def _watch(
+    ref: weakref.ReferenceType[MultiprocExecutor], procs: list[_Proc], stop: threading.Event
+) -> None:
+    """The watchdog: abort the group when a worker process dies while the engine runs.
+
+    Waits on the workers' process sentinels (they become ready when a process
+    ends, without reaping it); a death that is not part of a shutdown aborts
+    the group, so a collective the driver is blocked in returns with an error
+    and the step's :meth:`MultiprocExecutor._guard` names the dead rank.
+    Holds the executor only weakly, so an executor dropped without shutdown
+    is still collected.
+    """
+    sentinels = {p.process.sentinel: p for p in procs}
+    while not stop.is_set():
+        ready = wait(list(sentinels), timeout=WATCH_INTERVAL)
+        if not ready:
+            continue
+        executor = ref()
+        if executor is None or executor._closing or stop.is_set():
+            return
+        p = sentinels[ready[0]]
+        logger.error(
+            "tensor-parallel worker rank %d died (exit code %s); aborting the group so that "
+            "the driver's collectives stop waiting for it",
+            p.rank,
+            p.process.exitcode,
+        )
+        abort_group()
+        return
