@@ -3,7 +3,8 @@
 The first ``first_k_dense_replace`` layers use a dense MLP, the rest a MoE with
 shared experts and group-limited top-k routing (sigmoid scores,
 ``e_score_correction_bias``, ``routed_scaling_factor``). Multi-token-prediction
-layers stored after the last decoder layer are ignored.
+layers stored after the last decoder layer are ignored unless speculation asks
+for them (:func:`backplane.models.mtp.attach_mtp`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from backplane.models.base import DecoderLayer, DecoderOnlyLM
 from backplane.models.mixers import MLAMixer
 from backplane.models.mlp import MLP
 from backplane.models.moe import MoE
+from backplane.models.mtp import DeepseekMTP, MTPHost
 from backplane.models.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 
 
-class DeepseekV3ForCausalLM(DecoderOnlyLM):
+class DeepseekV3ForCausalLM(MTPHost, DecoderOnlyLM):
     """DeepSeek-V3 / R1 style models; uses the ``mla`` family."""
+
+    mtp_class = DeepseekMTP
 
     def build_layer(self, layer_id: int) -> nn.Module:
         """MLA + dense MLP or MoE layer."""

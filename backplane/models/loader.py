@@ -40,6 +40,7 @@ from backplane.models.base import (
     build_model,
 )
 from backplane.models.loaded import LoadedModel
+from backplane.models.mtp import attach_mtp
 from backplane.models.parallel import ShardSlice
 from backplane.models.registry import model_class
 from backplane.models.tokenizer import TextTokenizer, load_hf_tokenizer
@@ -393,6 +394,7 @@ def load_model(
     device: torch.device | str = "auto",
     backends: dict[str, Any],
     progress: bool = True,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load a model directory or GGUF file, or build a preset.
 
@@ -404,6 +406,8 @@ def load_model(
     :param device: where the weights go (``"auto"``: CUDA when available).
     :param backends: ``{family: backend object}`` for the families the model uses.
     :param progress: show a progress bar while reading weights.
+    :param mtp: also load the checkpoint's multi-token-prediction layers (as
+        ``model.mtp``, see :func:`backplane.models.mtp.attach_mtp`) for speculative decoding.
     :return: the model, its tokenizer and config.
     :raises ConfigError: unknown path / name, hub id, unsupported architecture
         or quantisation, unreadable files, or weights that do not match the
@@ -413,7 +417,7 @@ def load_model(
     dev = resolve_device(device)
     if name in presets.PRESETS:
         return presets.build_preset(
-            name, dtype=resolve_dtype(dtype, None, dev), device=dev, backends=backends
+            name, dtype=resolve_dtype(dtype, None, dev), device=dev, backends=backends, mtp=mtp
         )
     path = _resolve(name)
     gguf_path = gguf_file_of(path)
@@ -424,6 +428,8 @@ def load_model(
     cls = _model_class(config, config_file)
     files = weight_files(path)
     lm, config = _build(cls, config, config_file, dtype, dev, backends)
+    if mtp:
+        attach_mtp(lm)
     logger.info("loading %d weight file(s) from %s", len(files), path)
     origins: dict[str, Path] = {}
     shard_of = lm.checkpoint_shard if lm.tp.enabled else None

@@ -24,6 +24,7 @@ import torch
 from backplane.core.errors import ConfigError
 from backplane.models.base import ModelConfig, build_model
 from backplane.models.loaded import LoadedModel
+from backplane.models.mtp import attach_mtp
 from backplane.models.registry import model_class
 from backplane.models.tokenizer import TextTokenizer, byte_alphabet
 
@@ -113,6 +114,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "v_head_dim": 16,
         "rope_interleave": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "num_nextn_predict_layers": 1,
     },
     "tiny-qwen3-next": {
         **_COMMON,
@@ -147,6 +149,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.25,
         },
+        "mtp_num_hidden_layers": 1,
     },
 }
 
@@ -187,6 +190,7 @@ def build_preset(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     backends: dict[str, Any],
+    mtp: bool = False,
 ) -> LoadedModel:
     """Build preset ``name`` with its fixed-seed weights and byte-level tokenizer.
 
@@ -194,13 +198,17 @@ def build_preset(
     :param dtype: the parameters' dtype.
     :param device: where the parameters go.
     :param backends: ``{family: backend object}`` for the families the model uses.
+    :param mtp: also build the multi-token-prediction layers (their weights are
+        drawn after the model's, so the model's own weights do not change).
     :return: the model, its tokenizer and config.
-    :raises ConfigError: unknown name, listing the presets.
+    :raises ConfigError: unknown name, listing the presets; ``mtp`` for a preset without MTP layers.
     """
     config = preset_config(name)
     model = build_model(
         model_class(config.architecture), config, backends, dtype=dtype, device=device
     )
+    if mtp:
+        attach_mtp(model)
     model.init_random_weights_(seed=PRESET_SEED)
     tokenizer = TextTokenizer(
         byte_tokenizer(), special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>"}

@@ -4,7 +4,8 @@
 attention, the rest are gated DeltaNet layers. Full attention has an output
 gate, zero-centred q/k norms and partial rotary embeddings. Feed-forward layers
 are a softmax-routed MoE with a sigmoid-gated shared expert, except those in
-``mlp_only_layers`` (dense). Multi-token-prediction weights (``mtp.*``) are ignored.
+``mlp_only_layers`` (dense). Multi-token-prediction weights (``mtp.*``) are ignored
+unless speculation asks for them (:func:`backplane.models.mtp.attach_mtp`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from backplane.models.base import DecoderLayer, DecoderOnlyLM
 from backplane.models.mixers import GatedDeltaNetMixer
 from backplane.models.mlp import MLP
 from backplane.models.moe import MoE
+from backplane.models.mtp import MTPHost, Qwen3NextMTP
 
 
 def layer_types(cfg) -> list[str]:
@@ -29,8 +31,10 @@ def layer_types(cfg) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
 
 
-class Qwen3NextForCausalLM(DecoderOnlyLM):
+class Qwen3NextForCausalLM(MTPHost, DecoderOnlyLM):
     """Qwen3-Next; uses the ``attention``, ``delta`` and ``ssm`` (its causal conv) families."""
+
+    mtp_class = Qwen3NextMTP
 
     zero_centered_norms = True
     ignored_checkpoint_patterns: ClassVar[tuple[str, ...]] = (r"^mtp\.",)
