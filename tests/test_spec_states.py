@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from backplane.core.families import ConvLayerSpec, DeltaLayerSpec, SSMLayerSpec
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import NULL_SLOT, BatchMetadata, VerifyStates
 from backplane.core.packing import build_batch_metadata
@@ -88,7 +89,15 @@ def test_mamba2_verify_keep_then_decode_matches_the_accepted_tokens_alone(keep):
     """Conv and SSM states after keeping position ``j`` equal the states after ``j + 1`` tokens,
     the next decode step's outputs those of the reference, and the plain sequences of the
     verification step are untouched by it."""
-    backend = _torch_backend("ssm")
+    check_mamba2(_torch_backend("ssm"), keep)
+
+
+def check_mamba2(backend: Any, keep: tuple[int, ...]) -> None:
+    """Run the Mamba2 verification check on one SSM backend (the Triton one runs it too).
+
+    :param backend: the SSM backend under test.
+    :param keep: the position to keep per verifying sequence of :data:`CHUNKS`.
+    """
     gen = torch.Generator().manual_seed(sum(keep))
     H, P, N, G, K = 4, 8, 8, 2, 4
     C = H * P  # the conv output feeds the scan as x
@@ -100,10 +109,8 @@ def test_mamba2_verify_keep_then_decode_matches_the_accepted_tokens_alone(keep):
     weight, bias = torch.randn(C, K, generator=gen) * 0.5, torch.randn(C, generator=gen) * 0.1
     A = -torch.rand(H, generator=gen) - 0.5
     D, dt_bias = torch.randn(H, generator=gen), torch.randn(H, generator=gen) * 0.1
-    from backplane.core.families import ConvLayerSpec, SSMLayerSpec
-
     conv_spec = ConvLayerSpec(layer_id=0, conv_dim=C, kernel_size=K)
-    scan_spec = SSMLayerSpec(layer_id=0, nheads=H, head_dim=P, d_state=N, n_groups=G, chunk_size=2)
+    scan_spec = SSMLayerSpec(layer_id=0, nheads=H, head_dim=P, d_state=N, n_groups=G, chunk_size=16)
 
     def run(b: BatchMetadata, x: torch.Tensor, dt: torch.Tensor, B, Cm) -> tuple[torch.Tensor, ...]:
         with forward_context(b, {"ssm": backend.plan(b)}):
@@ -176,9 +183,15 @@ def _delta_inputs(T: int, gen: torch.Generator, hk: int = 2, hv: int = 4, dk: in
 def test_delta_verify_keep_then_decode_matches_the_accepted_tokens_alone(keep):
     """The delta-rule state after keeping position ``j`` equals the state after ``j + 1``
     tokens, and the next decode token's output that of the float64 reference."""
-    from backplane.core.families import DeltaLayerSpec
+    check_delta(_torch_backend("delta"), keep)
 
-    backend = _torch_backend("delta")
+
+def check_delta(backend: Any, keep: tuple[int, ...]) -> None:
+    """Run the delta-rule verification check on one delta backend (the Triton one runs it too).
+
+    :param backend: the delta backend under test.
+    :param keep: the position to keep per verifying sequence of :data:`CHUNKS`.
+    """
     gen = torch.Generator().manual_seed(10 + sum(keep))
     hk, hv, dk, dv = 2, 4, 8, 6
     spec = DeltaLayerSpec(layer_id=0, num_k_heads=hk, num_v_heads=hv, k_head_dim=dk, v_head_dim=dv)
