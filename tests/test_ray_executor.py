@@ -1,7 +1,8 @@
 """distributed_executor_backend="ray": tensor-parallel ranks as Ray actors on a local CPU cluster.
 
 A local Ray cluster of two CPUs is started for the module; TP=2 through Ray
-must give the same greedy tokens as one rank, a rank whose actor dies must end
+must give the same greedy tokens as one rank with rank 0's CPU reserved in the
+placement group's first bundle, a rank whose actor dies must end
 the engine with an error naming it, and no actor may outlive its engine.
 """
 
@@ -74,15 +75,58 @@ def test_tp2_through_ray_matches_one_rank(ray):
     try:
         executor = llm.engine.executor
         assert isinstance(executor, RayExecutor)
-        # rank 1 runs in an actor of its own, holding one of the cluster's CPUs
+        # rank 1 runs in an actor of its own; rank 0's CPU is reserved too, so Ray
+        # hands neither to anything else
         (pid,) = executor.worker_pids
         assert pid != os.getpid()
-        assert ray.available_resources().get("CPU", 0.0) == CLUSTER_CPUS - 1
+        assert ray.available_resources().get("CPU", 0.0) == CLUSTER_CPUS - 2
+        (group,) = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert [b for b in group["bundles"].values()] == [
+            {"CPU": 1.0, f"node:{ray.util.get_node_ip_address()}": 0.001},
+            {"CPU": 1.0},
+        ]
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
     finally:
         llm.shutdown()
     assert got == expected
     assert _free_cpus(ray, CLUSTER_CPUS) == CLUSTER_CPUS  # the actor is gone with its engine
+    # and the reservation with it
+    states = {g["state"] for g in ray.util.placement_group_table().values()}
+    assert "CREATED" not in states
+
+
+def test_rank_zero_bundle_is_pinned_to_the_driver_node():
+    from backplane.engine.distributed.ray_executor import placement_bundles
+
+    assert placement_bundles(3, "GPU", "10.0.0.7") == [
+        {"GPU": 1.0, "node:10.0.0.7": 0.001},
+        {"GPU": 1.0},
+        {"GPU": 1.0},
+    ]
+
+
+@pytest.mark.parametrize(
+    "ids,visible,index",
+    [
+        (["2"], None, 2),
+        (["2"], "", 2),
+        (["2"], "1,2,3", 1),
+        (["GPU-ab12"], "GPU-cd34, GPU-ab12", 1),
+    ],
+)
+def test_driver_runs_on_the_gpu_ray_reserved_for_rank_zero(ids, visible, index):
+    from backplane.engine.distributed.ray_executor import driver_cuda_index
+
+    assert driver_cuda_index(ids, visible) == index
+
+
+def test_reserved_gpu_the_driver_cannot_see_is_a_clear_error():
+    from backplane.engine.distributed.ray_executor import driver_cuda_index
+
+    with pytest.raises(ConfigError, match="Ray reserved GPU 3 .* CUDA_VISIBLE_DEVICES=0,1"):
+        driver_cuda_index(["3"], "0,1")
+    with pytest.raises(ConfigError, match="not one"):
+        driver_cuda_index(["0", "1"], None)
 
 
 def test_a_dead_rank_ends_the_engine_naming_it(ray):
@@ -105,7 +149,7 @@ def test_a_dead_rank_ends_the_engine_naming_it(ray):
 def test_too_few_cluster_resources_is_a_clear_error(ray):
     from backplane import LLM
 
-    with pytest.raises(ConfigError, match="needs 3 free CPU") as exc:
+    with pytest.raises(ConfigError, match="needs 4 free CPU") as exc:
         LLM("tiny-llama", tensor_parallel_size=4, distributed_executor_backend="ray", **CONFIG)
     assert f"has {CLUSTER_CPUS:g} free" in str(exc.value)
     assert _free_cpus(ray, CLUSTER_CPUS) == CLUSTER_CPUS

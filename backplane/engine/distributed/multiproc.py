@@ -133,9 +133,6 @@ class MultiprocExecutor:
                 self._procs.append(_Proc(rank, process, parent))
             # ends the workers if the executor is dropped without being shut down
             self._finalizer = weakref.finalize(self, _end_processes, list(self._procs))
-            # registered after torch's own exit hooks, so it runs before them
-            self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
-            atexit.register(self._at_exit)
             self._join(init_method, driver_config.torch_device)
             self.driver = DeviceWorker(driver_config, registry)
             self._send_all(msg.LOAD)
@@ -152,15 +149,22 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+        self._watch_and_exit_hooks()
+        logger.info(
+            "tensor parallel: %d ranks (%s)", self.size, "nccl" if self._on_cuda else "gloo"
+        )
+
+    def _watch_and_exit_hooks(self) -> None:
+        """Start the watchdog and register the exit hook (once the ranks are up)."""
+        # registered after torch's own exit hooks, so it runs before them
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         threading.Thread(
             target=_watch,
             args=(weakref.ref(self), list(self._procs), self._stop_watch),
             name="backplane-tp-watchdog",
             daemon=True,
         ).start()
-        logger.info(
-            "tensor parallel: %d ranks (%s)", self.size, "nccl" if self._on_cuda else "gloo"
-        )
 
     def _join(self, init_method: str, device: torch.device) -> None:
         """Join the group on a helper thread, watching the workers meanwhile.
@@ -459,15 +463,20 @@ def _watch(
     Holds the executor only weakly, so an executor dropped without shutdown
     is still collected.
     """
-    sentinels = {p.process.sentinel: p for p in procs}
+    # a process has a sentinel; a rank elsewhere (a Ray actor) is asked whether it lives
+    sentinels = {p.process.sentinel: p for p in procs if hasattr(p.process, "sentinel")}
     while not stop.is_set():
-        ready = wait(list(sentinels), timeout=WATCH_INTERVAL)
+        if sentinels:
+            ready = [sentinels[s] for s in wait(list(sentinels), timeout=WATCH_INTERVAL)]
+        else:
+            stop.wait(WATCH_INTERVAL)
+            ready = [p for p in procs if not p.process.is_alive()]
         if not ready:
             continue
         executor = ref()
         if executor is None or executor._closing or stop.is_set():
             return
-        p = sentinels[ready[0]]
+        p = ready[0]
         logger.error(
             "tensor-parallel worker rank %d died (exit code %s); aborting the group so that "
             "the driver's collectives stop waiting for it",

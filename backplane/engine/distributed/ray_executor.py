@@ -18,15 +18,19 @@ rank, and every actor of the engine is killed, on failure and on shutdown.
 
 Ray is an optional extra (``pip install 'backplane[ray]'``).
 
-Under Ray each actor sees only the GPU Ray gave it, as ``cuda:0``. Rank 0
-uses the engine's configured device, which Ray does not know about: on a
-machine where the driver's GPU is also one of Ray's, start Ray with that GPU
-left out (``CUDA_VISIBLE_DEVICES`` or ``--num-gpus``).
+The ranks are placed through one placement group of ``N`` bundles (strategy
+``PACK``: as few nodes as the resources allow). Bundle 0 is rank 0's: it sits
+on the driver's node and holds the driver's CPU or GPU, so Ray never hands
+that device to a rank's actor; ranks ``1..N-1`` take bundles ``1..N-1``. Each
+actor sees only the GPU Ray gave it, as ``cuda:0``; on CUDA a small actor
+holds bundle 0's GPU for the life of the engine and tells the driver which
+one it is, and the driver runs on that GPU (:func:`driver_cuda_index`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -51,7 +55,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayExecutor", "RankActor"]
+__all__ = ["RankActor", "RayExecutor", "driver_cuda_index", "placement_bundles"]
 
 #: Seconds Ray may take to place and start the ranks' actors.
 ACTOR_START_TIMEOUT = 300.0
@@ -111,6 +115,62 @@ class RankActor:
         conn = Client(address, authkey=authkey)
         conn.send(rank)  # the driver takes the links in any order and sorts them by rank
         worker_main(rank, size, config, init_method, conn)
+
+
+class DeviceHolder:
+    """What the actor holding rank 0's bundle runs: it only says which GPUs Ray gave it."""
+
+    def gpu_ids(self) -> list[str]:
+        """The ids of the GPUs Ray assigned to this actor (as ``CUDA_VISIBLE_DEVICES`` names them).
+
+        :return: the ids, as strings.
+        """
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+def placement_bundles(size: int, device_key: str, node_ip: str) -> list[dict[str, float]]:
+    """The placement group's bundles of a ``size``-rank engine: rank 0's first, on the driver's node.
+
+    :param size: the number of ranks.
+    :param device_key: the resource each rank takes one of (``"GPU"`` or ``"CPU"``).
+    :param node_ip: the driver's node address (bundle 0 is pinned there through
+        Ray's ``node:<ip>`` resource).
+    :return: ``size`` bundles, bundle ``r`` for rank ``r``.
+    """
+    bundles: list[dict[str, float]] = [{device_key: 1.0, f"node:{node_ip}": 0.001}]
+    bundles += [{device_key: 1.0} for _ in range(size - 1)]
+    return bundles
+
+
+def driver_cuda_index(ray_gpu_ids: list[str], visible: str | None) -> int:
+    """The driver's CUDA device index for the GPU Ray reserved for rank 0.
+
+    Ray names GPUs as the node sees them (``CUDA_VISIBLE_DEVICES`` of the Ray
+    node); the driver's process may see a subset of them, renumbered from 0.
+
+    :param ray_gpu_ids: the ids :meth:`DeviceHolder.gpu_ids` reported (one).
+    :param visible: the driver's ``CUDA_VISIBLE_DEVICES`` (``None``: every GPU, in order).
+    :return: the index of that GPU in the driver's process.
+    :raises ConfigError: the GPU is not visible to the driver.
+    """
+    if len(ray_gpu_ids) != 1:
+        raise ConfigError(
+            f"Ray gave rank 0's bundle {len(ray_gpu_ids)} GPUs ({ray_gpu_ids}), not one; "
+            "check the cluster's GPU resources (ray status)"
+        )
+    gpu = ray_gpu_ids[0].strip()
+    if visible is None or not visible.strip():
+        return int(gpu)
+    names = [v.strip() for v in visible.split(",")]
+    if gpu not in names:
+        raise ConfigError(
+            f"Ray reserved GPU {gpu} of this node for rank 0, but this process sees only "
+            f"CUDA_VISIBLE_DEVICES={visible}; start the engine with that GPU visible, or start "
+            "Ray with the same CUDA_VISIBLE_DEVICES as the engine's process"
+        )
+    return names.index(gpu)
 
 
 class _ActorProcess:
@@ -194,16 +254,24 @@ class RayExecutor(MultiprocExecutor):
         self._procs: list[_Proc] = []
         self._failure: WorkerFailedError | None = None
         self._closed = False
+        self._closing = False
         self._joined = False
+        self._lock = threading.RLock()
+        self._stop_watch = threading.Event()
         self._actors: list[Any] = []  # every actor started, connected or not
+        self._holder: Any = None
+        self._placement: Any = None
         driver_config = rank_config(config, 0)
         self._on_cuda = driver_config.device_type == "cuda"
         host = _node_address()
+        self._host = host
         init_method = f"tcp://{host}:{_free_port(host)}"
         authkey = secrets.token_bytes(32)
         self._listener = Listener((host, 0), authkey=authkey)
         try:
             self._actors = actors = self._start_actors()
+            if self._on_cuda:
+                driver_config = self._driver_on_reserved_gpu(driver_config)
             pids = self._actor_pids(actors)
             dones = [
                 a.run.remote(
@@ -232,31 +300,72 @@ class RayExecutor(MultiprocExecutor):
         except BaseException:
             self.shutdown()
             raise
+        self._watch_and_exit_hooks()
         logger.info(
             "tensor parallel on Ray: %d ranks (%s)", self.size, "nccl" if self._on_cuda else "gloo"
         )
 
     def _start_actors(self) -> list[Any]:
-        """One actor per rank 1..N-1, with the resources of one rank."""
+        """Reserve a bundle per rank (rank 0's on this node) and start ranks 1..N-1's actors."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         ray = self._ray
         if self._on_cuda:
             resources: dict[str, float] = {"num_gpus": 1, "num_cpus": 0}
         else:
             resources = {"num_cpus": 1}
-        cls = ray.remote(RankActor)
-        need = self.size - 1
-        have = ray.available_resources()
         key = "GPU" if self._on_cuda else "CPU"
-        if have.get(key, 0.0) < need:
+        have = ray.available_resources()
+        if have.get(key, 0.0) < self.size:
             raise ConfigError(
-                f"tensor_parallel_size={self.size} on Ray needs {need} free {key}(s) for ranks "
-                f"1..{need}, but the cluster has {have.get(key, 0.0):g} free; add nodes, free "
-                "resources, or lower tensor_parallel_size"
+                f"tensor_parallel_size={self.size} on Ray needs {self.size} free {key}(s), one "
+                f"per rank (rank 0's on this node), but the cluster has {have.get(key, 0.0):g} "
+                "free; add nodes, free resources, or lower tensor_parallel_size"
             )
+        self._placement = pg = placement_group(
+            placement_bundles(self.size, key, self._host), strategy="PACK"
+        )
+        try:
+            ray.get(pg.ready(), timeout=ACTOR_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                f"Ray could not reserve {self.size} {key}(s), one on this node ({self._host}), "
+                f"in {ACTOR_START_TIMEOUT:.0f} s; check the nodes' free resources (ray status)"
+            ) from None
+
+        def placed(index: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            )
+
+        if self._on_cuda:
+            # holds rank 0's GPU inside its bundle, so no rank's actor is given it
+            self._holder = (
+                ray.remote(DeviceHolder)
+                .options(max_restarts=0, scheduling_strategy=placed(0), **resources)
+                .remote()
+            )
+        cls = ray.remote(RankActor)
         return [
-            cls.options(name=None, max_restarts=0, **resources).remote()  # type: ignore[arg-type]
-            for _ in range(need)
+            cls.options(  # type: ignore[arg-type]
+                name=None, max_restarts=0, scheduling_strategy=placed(rank), **resources
+            ).remote()
+            for rank in range(1, self.size)
         ]
+
+    def _driver_on_reserved_gpu(self, config: EngineConfig) -> EngineConfig:
+        """Rank 0's configuration on the GPU its bundle holds (logged when it moves)."""
+        ids = self._ray.get(self._holder.gpu_ids.remote(), timeout=ACTOR_START_TIMEOUT)
+        index = driver_cuda_index(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        device = f"cuda:{index}"
+        if device != config.device_resolved:
+            logger.info(
+                "rank 0 runs on %s: the GPU Ray reserved for it (configured: %s)",
+                device,
+                config.device_resolved,
+            )
+        return config.merge(device=device)
 
     def _actor_pids(self, actors: list[Any]) -> list[int]:
         """Wait for the actors to start; their process ids."""
@@ -342,6 +451,20 @@ class RayExecutor(MultiprocExecutor):
             except Exception:  # Ray itself is shutting down: the actor goes with it
                 logger.debug("killing a rank's actor failed", exc_info=True)
         self._actors = []
+        if self._holder is not None:
+            try:
+                self._ray.kill(self._holder, no_restart=True)
+            except Exception:
+                logger.debug("killing rank 0's device holder failed", exc_info=True)
+            self._holder = None
+        if self._placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._placement)
+            except Exception:  # Ray itself is shutting down: the group goes with it
+                logger.debug("removing the placement group failed", exc_info=True)
+            self._placement = None
         try:
             self._listener.close()
         except OSError:
