@@ -1,0 +1,110 @@
+"""The KV pages and state slots of a proposer that runs a model of its own.
+
+A draft model or the MTP layers keep caches apart from the target's: the
+scheduler never sees them, so the proposer hands out their pages and slots
+itself, one page table and one slot per request, and takes them back when the
+request goes away. Page 0 and slot 0 stay reserved (the backends' scratch),
+as in the engine's own pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backplane.core.errors import ConfigError
+
+__all__ = ["OwnCache", "SequenceCache", "common_prefix"]
+
+
+@dataclass
+class SequenceCache:
+    """One request's share of a proposer's cache.
+
+    :param slot: its recurrent-state slot.
+    :param pages: its page ids, in order.
+    :param tokens: the token ids whose keys and values (or state) are in the cache, in order.
+    """
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+class OwnCache:
+    """Pages and slots of a proposer's own caches, handed out per request.
+
+    :param num_pages: pages per layer, page 0 included (reserved).
+    :param page_size: tokens per page.
+    :param num_slots: state slots, slot 0 included (reserved).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        # Popped from the end: the lowest ids go out first.
+        self._free_pages = list(range(num_pages - 1, 0, -1))
+        self._free_slots = list(range(num_slots - 1, 0, -1))
+        self.sequences: dict[str, SequenceCache] = {}
+
+    def get(self, request_id: str) -> SequenceCache:
+        """The request's cache, taking a slot for a request seen for the first time.
+
+        :param request_id: the request.
+        :return: its :class:`SequenceCache`.
+        :raises ConfigError: when every slot is taken.
+        """
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            if not self._free_slots:
+                raise ConfigError(
+                    f"the speculative proposer's cache holds {self.num_slots - 1} sequences and "
+                    "all are in use; lower max_num_seqs or give the proposer more sequences"
+                )
+            seq = self.sequences[request_id] = SequenceCache(slot=self._free_slots.pop())
+        return seq
+
+    def reserve(self, seq: SequenceCache, num_tokens: int) -> np.ndarray:
+        """Make ``seq``'s pages hold ``num_tokens`` tokens.
+
+        :param seq: the request's cache.
+        :param num_tokens: tokens it must hold.
+        :return: its page table (int32).
+        :raises ConfigError: when the pages run out.
+        """
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need > len(self._free_pages):
+            raise ConfigError(
+                f"the speculative proposer's cache ran out of pages ({self.num_pages - 1} of "
+                f"{self.page_size} tokens); lower max_num_seqs or max_model_len"
+            )
+        for _ in range(max(need, 0)):
+            seq.pages.append(self._free_pages.pop())
+        return np.asarray(seq.pages, dtype=np.int32)
+
+    def release(self, request_id: str) -> None:
+        """Give a request's pages and slot back (nothing for an unknown request).
+
+        :param request_id: the request.
+        """
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return
+        self._free_pages.extend(reversed(seq.pages))
+        self._free_slots.append(seq.slot)
+
+
+def common_prefix(cached: list[int], tokens: np.ndarray) -> int:
+    """How many leading tokens of ``cached`` equal those of ``tokens``.
+
+    :param cached: the token ids in a cache.
+    :param tokens: the sequence now.
+    :return: the length of the common prefix.
+    """
+    n = min(len(cached), len(tokens))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(cached[:n]) != np.asarray(tokens[:n]))
+    return int(diff[0]) if len(diff) else n
