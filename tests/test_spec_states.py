@@ -245,6 +245,16 @@ def test_keep_slots_name_the_scratch_slot_of_each_position_and_the_own_slot_last
     assert vs.slots.tolist() == [[10, NULL_SLOT, 12], [13, 14, NULL_SLOT]]
 
 
+def test_a_scratch_region_gives_every_position_but_the_last_its_own_slot():
+    """Positions ``0 .. len - 2`` of each chunk get consecutive slots from the region's start;
+    keeping the last position reads the sequence's own slot."""
+    batch, _ = _verify_batch((3, 2))
+    vs = VerifyStates.in_scratch_region(batch.host, [1, 2], 20, "cpu")
+    assert vs.slots.tolist() == [[20, 21, NULL_SLOT], [22, NULL_SLOT, NULL_SLOT]]
+    assert vs.keep_slots(torch.tensor([1, 0]))[0].tolist() == [21, 22]
+    assert vs.keep_slots(torch.tensor([2, 1]))[0].tolist() == [2, 3]
+
+
 @pytest.mark.parametrize(
     ("slots", "match"),
     [
@@ -343,11 +353,13 @@ def test_model_verify_keep_then_decode_equals_decoding_the_accepted_tokens(arch,
     width = 4
     num = len(prompts)
 
-    spec = _Stepper(lm, backends, num, scratch=num * width)
+    spec = _Stepper(lm, backends, num, scratch=num * (width - 1))
     spec.step(dict(enumerate(prompts)))
     verify = spec.batch(dict(enumerate(chunks)))
-    scratch = np.arange(num + 1, num + 1 + num * width).reshape(num, width)
-    verify.verify_states = VerifyStates.build(verify.host, np.arange(num), scratch, "cpu")
+    # the scratch region follows the sequences' own slots 1..num
+    verify.verify_states = VerifyStates.in_scratch_region(
+        verify.host, np.arange(num), num + 1, "cpu"
+    )
     verified = spec.step(dict(enumerate(chunks)), verify)
     lm.keep_verified_states(*verify.verify_states.keep_slots(torch.tensor(keep)))
     spec.lens = [len(p) + j + 1 for p, j in zip(prompts, keep, strict=True)]

@@ -222,6 +222,33 @@ class VerifyStates:
             own_slots=put(own),
         )
 
+    @classmethod
+    def in_scratch_region(
+        cls, host: HostBatch, seqs: np.ndarray, first_slot: int, device: torch.device | str
+    ) -> VerifyStates:
+        """Describe the verifying sequences with their scratch slots taken from one region.
+
+        Verifying sequence ``v`` keeps chunk position ``t`` (every position but
+        its last, which stays in its own slot) in slot
+        ``first_slot + v * (W - 1) + t``, ``W`` the longest chunk. An engine
+        that copies the kept states back before its next step runs can so
+        reuse one region of ``max_num_seqs * num_speculative_tokens`` slots,
+        past those its slot pool hands out, for every step.
+
+        :param host: the batch's host arrays.
+        :param seqs: the batch index of each verifying sequence.
+        :param first_slot: the region's first slot.
+        :param device: where the batch's tensors live.
+        :return: the description (see :meth:`build`).
+        """
+        seqs = np.asarray(seqs, dtype=np.int64).reshape(-1)
+        lens = host.query_lens[seqs].astype(np.int64)
+        width = int(lens.max()) if len(seqs) else 1
+        cols = np.arange(width)[None, :]
+        region = first_slot + (np.arange(len(seqs))[:, None] * (width - 1) + cols)
+        slots = np.where(cols < lens[:, None] - 1, region, -1)
+        return cls.build(host, seqs, slots, device)
+
     def keep_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Name the copies that leave each verifying sequence's state after chunk position ``j``.
 
