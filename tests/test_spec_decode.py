@@ -234,3 +234,133 @@ def test_greedy_accepts_while_argmax_agrees() -> None:
         np.zeros(2, np.int64),
     )
     assert out.tokens.tolist() == [[1, 2, -1, -1], [0, -1, -1, -1]]
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_tokens=64, page_size=4)
+
+
+def _qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    transformers = pytest.importorskip("transformers")
+    import hf_tiny
+
+    torch.manual_seed(1234)
+    cfg = hf_tiny.qwen3()
+    cfg.initializer_range = 0.15  # well-separated logits: greedy ties are rare
+    path = tmp_path_factory.mktemp("qwen3")
+    transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+def _run(engine, prompts, params):
+    """Token ids of every request, driving the engine step by step and checking that
+    pages past the tokens a request holds are never kept (drafts rejected give theirs back)
+    and that no page holding a draft token is registered for reuse."""
+    from backplane.core.launch import cdiv
+
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        for req in engine.scheduler.running:
+            assert req.kv_state.num_pages <= cdiv(req.num_tokens, engine.page_size)
+            # only pages of computed (never of rejected draft) tokens reach the prefix cache
+            assert req.kv_state.num_registered <= req.num_computed_tokens // engine.page_size
+        engine.scheduler.check_invariants()
+    return [got[i] for i in ids]
+
+
+def _engines(model: str, **kw):
+    from backplane.engine.engine import Engine
+
+    plain = Engine(model=model, **{**ENGINE, **kw})
+    spec = Engine(model=model, speculative_config=NGRAM, **{**ENGINE, **kw})
+    return plain, spec
+
+
+def _repetitive_prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    base = rng.integers(1, vocab, size=9).tolist()
+    return [base * 3, (base[3:] + base) * 2, rng.integers(1, vocab, size=7).tolist()]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-deepseek-v3", "qwen3"])
+def test_greedy_and_seeded_tokens_equal_decoding_without_speculation(
+    arch: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = _qwen3_dir(tmp_path_factory) if arch == "qwen3" else arch
+    plain, spec = _engines(model)
+    prompts = _repetitive_prompts(min(plain.vocab_size, 96))
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=20, temperature=0.0),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=11),
+    ]
+    want = _run(plain, prompts, params)
+    got = _run(spec, prompts, params)
+    assert got == want
+    stats = spec.spec.stats
+    assert stats.accepted_tokens > 0 and stats.verified_seqs > 0
+    assert plain.spec is None
+    # fewer steps than tokens: several tokens were committed in one step
+    assert spec.scheduler.stats.steps < plain.scheduler.stats.steps
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_max_tokens_and_stop_token_inside_an_accepted_run() -> None:
+    plain, spec = _engines("tiny-llama")
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    prompts = _repetitive_prompts(plain.vocab_size)
+    fulls = _run(plain, prompts, [greedy] * len(prompts))
+    prompt, full = prompts[0], fulls[0]
+    for n in range(1, 12):
+        sp = SamplingParams(max_tokens=n, temperature=0.0)
+        assert _run(spec, [prompt], [sp])[0] == full[:n]
+    # a stop token first sampled after drafts were accepted: the output ends right after it
+    prompt, full, first = next(
+        (p, f, j)
+        for p, f in zip(prompts, fulls, strict=True)
+        for j, t in enumerate(f)
+        if j >= 10 and f.index(t) == j
+    )
+    sp = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[full[first]])
+    before = spec.spec.stats.accepted_tokens
+    assert _run(spec, [prompt], [sp])[0] == full[: first + 1]
+    assert spec.spec.stats.accepted_tokens > before
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_prefix_caching_and_preemption_with_speculation() -> None:
+    """Few pages: requests are preempted and recompute; shared prefixes hit the cache.
+    A page registered with a rejected draft would corrupt later hits."""
+    kw = dict(num_kv_pages=24, enable_prefix_caching=True)
+    plain, spec = _engines("tiny-llama", **kw)
+    rng = np.random.default_rng(8)
+    base = rng.integers(1, plain.vocab_size, size=6).tolist()
+    prompts = [base * 2 + rng.integers(1, 50, size=i % 3 + 1).tolist() for i in range(6)]
+    params = [SamplingParams(max_tokens=14 + i, temperature=0.0) for i in range(6)]
+    want = _run(plain, prompts, params)
+    got = _run(spec, prompts, params)
+    assert got == want
+    assert spec.scheduler.stats.preemptions > 0
+    assert (
+        spec.kv_manager.stats.reused_pages > 0
+        if hasattr(spec.kv_manager.stats, "reused_pages")
+        else True
+    )
+    assert spec.spec.stats.accepted_tokens > 0
+    # again, now from a warm prefix cache holding pages of the first round's outputs
+    assert _run(spec, [p + o for p, o in zip(prompts, got, strict=True)], params) == _run(
+        plain, [p + o for p, o in zip(prompts, want, strict=True)], params
+    )
+
+
+def test_recurrent_models_are_refused() -> None:
+    from backplane.engine.engine import Engine
+
+    with pytest.raises(ConfigError, match="recurrent.*remove speculative_config"):
+        Engine(model="tiny-nemotron-h", speculative_config=NGRAM, **ENGINE)

@@ -43,6 +43,7 @@ from backplane.engine.sampling import (
     seed_as_int64,
 )
 from backplane.engine.sched import ScheduledSeq, Scheduler, SchedulerOutput
+from backplane.engine.spec_decode.verify import SpecDecoder
 from backplane.engine.step_rows import prompt_rows, sampling_rows
 from backplane.engine.structured_output import StructuredOutputManager
 from backplane.engine.worker.inputs import BatchInputs
@@ -120,6 +121,25 @@ class Engine(WorkerView):
             worker.paged_cache_tensors(), worker.has_recurrent_state
         )
         self.async_scheduling = bool(config.async_scheduling)
+        #: speculative decoding (``None`` when off): proposes drafts, verifies them
+        self.spec: SpecDecoder | None = None
+        if config.speculative_config is not None:
+            try:
+                self.spec = SpecDecoder(
+                    config.speculative_config,
+                    model=config.model,
+                    recurrent=worker.has_recurrent_state,
+                    tensor_parallel_size=config.tensor_parallel_size,
+                    max_model_len=self.max_model_len,
+                    vocab_size=self.vocab_size,
+                )
+            except BaseException:
+                self.executor.shutdown()
+                raise
+            if self.async_scheduling:
+                # a verified step's token count is known only on the host, after it ran
+                logger.info("speculative decoding: steps run without asynchronous scheduling")
+                self.async_scheduling = False
         # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
         self._seed_rng = np.random.default_rng(int(config.seed))
         self._inflight: LaunchedStep | None = None
@@ -338,6 +358,8 @@ class Engine(WorkerView):
             # with a grammar are live every step waits for the one in flight before it is
             # scheduled (the simplest correct rule: no overlap then, for any request).
             self._settle()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
         flip = self._copies.turn
         prev = self._inflight
@@ -371,7 +393,8 @@ class Engine(WorkerView):
 
     def _commit(self, sched: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Commit a step's sampled tokens: the scheduler's requests, then their grammars."""
-        self.scheduler.commit(sched, sampled)
+        accepted = self.spec.accepted if self.spec is not None else None
+        self.scheduler.commit(sched, sampled, accepted)
         grammars = self.structured_output
         if len(grammars):
             for rid in grammars.accept(sampled):
@@ -455,6 +478,9 @@ class Engine(WorkerView):
         reqs = [scheduled[i].request for i in inputs.sample_seqs]
         out = self.sample(hidden, inputs, reqs, prompt.rows if prompt is not None else None)
         tokens = out.tokens
+        if self.spec is not None:
+            # the verified sequences' own tokens replace what the plain sampler drew for them
+            self.spec.verify(self.model, hidden, inputs, scheduled, reqs, tokens)
         host, event = self._copies.start(tokens, wait_too=prompt is not None)
         lp_host = to_host(out.logprobs) if len(reqs) and out.logprobs is not None else None
         if prompt is not None and out.prompt_logprobs is not None:
@@ -521,6 +547,9 @@ class Engine(WorkerView):
     def _collect(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[EngineStepOutput]:
         """The outputs of a call to :meth:`step` (see :func:`collect_outputs`)."""
         undelivered, self._undelivered = self._undelivered, None
-        return collect_outputs(
+        outs = collect_outputs(
             self._requests, self._prompt_lp_reqs, self.scheduler, sched, sampled, undelivered
         )
+        if self.spec is not None:
+            self.spec.deliver(outs)
+        return outs

@@ -84,6 +84,9 @@ class RequestStats:
     :param missed_pages: full pages looked up in the prefix cache and not found.
     :param missed_tokens: tokens that had to be computed at admission.
     :param num_preemptions: how often the request lost its pages.
+    :param num_spec_steps: decode steps that verified speculative draft tokens.
+    :param num_draft_tokens: draft tokens verified in those steps.
+    :param num_accepted_tokens: draft tokens accepted (each one a token gained).
     """
 
     reused_pages: int = 0
@@ -94,6 +97,9 @@ class RequestStats:
     missed_pages: int = 0
     missed_tokens: int = 0
     num_preemptions: int = 0
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -201,6 +207,7 @@ class Request:
         "num_failed_steps",
         "logprobs",
         "prompt_logprobs",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -297,6 +304,9 @@ class Request:
         self.prompt_logprobs: PromptLogprobs | None = (
             None if k is None else PromptLogprobs(n, int(k))
         )
+        # draft tokens proposed for the next step (speculative decoding), written after the
+        # last token in the buffer; the scheduler verifies them with it or drops them
+        self.spec_token_ids: list[int] = []
 
     # -- tokens -------------------------------------------------------------------------------
 

@@ -528,6 +528,29 @@ class KVCacheManager:
             register(int(pages[i]), hashes[i])
         st.num_registered = full
 
+    def release_tail(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's pages past those holding its first ``num_tokens`` tokens.
+
+        Speculative verification reserves pages for every draft token; when drafts
+        are rejected, the pages that held only rejected tokens go back (never
+        registered in the prefix cache: only pages of computed tokens are).
+
+        :param request: a running request.
+        :param num_tokens: tokens whose pages it keeps.
+        :return: how many pages went back.
+        """
+        st: RequestKV = request.kv_state
+        keep = cdiv(num_tokens, self.page_size)
+        n = st.num_pages
+        if keep >= n:
+            return 0
+        pages = st.pages[keep:n][::-1]
+        refs = self.pool.ref_counts
+        refs[pages] -= 1
+        self._let_go(pages[refs[pages] == 0].tolist())
+        st.set_num_pages(keep)
+        return n - keep
+
     def free(self, request: Request) -> None:
         """Release everything the request holds (finish, abort, preemption).
 

@@ -28,6 +28,9 @@ class ScheduledSeq:
     :param state_slot: recurrent-state slot (0 when the model has no recurrent layers).
     :param is_prefill_chunk_final: the step computes the request's last uncomputed
         token, so a token is sampled from it.
+    :param num_draft_tokens: speculative draft tokens computed after that last token
+        (``request.spec_token_ids``), verified from the step's logits at each of the
+        ``num_draft_tokens + 1`` positions.
     """
 
     __slots__ = (
@@ -37,6 +40,7 @@ class ScheduledSeq:
         "page_ids",
         "state_slot",
         "is_prefill_chunk_final",
+        "num_draft_tokens",
     )
 
     def __init__(
@@ -47,6 +51,7 @@ class ScheduledSeq:
         page_ids: np.ndarray,
         state_slot: int,
         is_prefill_chunk_final: bool,
+        num_draft_tokens: int = 0,
     ) -> None:
         self.request = request
         self.num_new_tokens = num_new_tokens
@@ -54,6 +59,7 @@ class ScheduledSeq:
         self.page_ids = page_ids
         self.state_slot = state_slot
         self.is_prefill_chunk_final = is_prefill_chunk_final
+        self.num_draft_tokens = num_draft_tokens
 
     @property
     def is_decode(self) -> bool:

@@ -1,0 +1,50 @@
+"""Which proposer a speculative configuration gets, and whether the model can speculate."""
+
+from __future__ import annotations
+
+from backplane.core.errors import ConfigError
+from backplane.engine.spec_decode.config import SpeculativeConfig
+from backplane.engine.spec_decode.ngram import NgramProposer
+from backplane.engine.spec_decode.proposer import Proposer
+
+__all__ = ["check_target", "create_proposer"]
+
+
+def check_target(
+    config: SpeculativeConfig, *, model: str, recurrent: bool, tensor_parallel_size: int
+) -> None:
+    """Refuse targets speculative verification does not handle yet.
+
+    :param config: the speculative configuration.
+    :param model: the target model's name (for the message).
+    :param recurrent: the model has recurrent state (Mamba2 / delta-rule layers).
+    :param tensor_parallel_size: ranks the target is split over.
+    :raises ConfigError: saying what is unsupported and what to do.
+    """
+    if recurrent:
+        # verification needs each sequence's recurrent state at its last accepted token
+        raise ConfigError(
+            f"speculative_config (method={config.method!r}) is not supported for {model!r}: "
+            "it has recurrent (Mamba2 / delta-rule) layers, whose states cannot roll back "
+            "rejected draft tokens yet; remove speculative_config for this model"
+        )
+    if tensor_parallel_size > 1:
+        raise ConfigError(
+            f"speculative_config is not supported with tensor_parallel_size="
+            f"{tensor_parallel_size} yet; use tensor_parallel_size=1 or remove speculative_config"
+        )
+
+
+def create_proposer(config: SpeculativeConfig) -> Proposer:
+    """Build the proposer of a configuration.
+
+    :param config: the speculative configuration.
+    :return: the proposer.
+    :raises ConfigError: for a method whose proposer is not available.
+    """
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ConfigError(
+        f"speculative_config method={config.method!r} has no proposer in this engine yet; "
+        "use method='ngram'"
+    )

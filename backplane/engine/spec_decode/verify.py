@@ -1,0 +1,237 @@
+"""The engine's side of speculative decoding: drafts before a step, verification after it.
+
+Before each step :meth:`SpecDecoder.propose` asks the proposer for drafts of
+every decoding request that may speculate and writes them after the
+request's last token (``Request.spec_token_ids``); the scheduler then runs
+the token and its drafts as one extend chunk. After the forward,
+:meth:`SpecDecoder.verify` projects the hidden states of all ``d + 1``
+positions of each such sequence to logits and rejection-samples them
+(:mod:`backplane.engine.sampling.rejection`): the accepted drafts are
+committed ahead of the step's sampled token, which is replaced by the
+verified one.
+
+A request speculates only when its next tokens depend on nothing but the
+logits: no penalties, ``min_tokens`` reached, no grammar, no logprobs and no
+prompt logprobs still owed (its other steps decode one token as usual).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from backplane.engine.request import Request, RequestStatus
+from backplane.engine.sampling.rejection import rejection_sample
+from backplane.engine.spec_decode.config import SpeculativeConfig
+from backplane.engine.spec_decode.factory import check_target, create_proposer
+from backplane.engine.spec_decode.proposer import ProposalRequest
+
+if TYPE_CHECKING:
+    from backplane.engine.outputs import EngineStepOutput
+    from backplane.engine.sched.output import ScheduledSeq
+    from backplane.engine.worker.inputs import BatchInputs
+
+__all__ = ["SpecDecoder", "SpecStats", "may_speculate"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters of an engine (monotonic).
+
+    :param verified_seqs: sequences verified (one per sequence and step with drafts).
+    :param draft_tokens: draft tokens verified.
+    :param accepted_tokens: draft tokens accepted.
+    """
+
+    verified_seqs: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens (0 before any)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verified sequence step: accepted drafts + the verified token."""
+        return 1.0 + self.accepted_tokens / self.verified_seqs if self.verified_seqs else 0.0
+
+
+def may_speculate(req: Request) -> bool:
+    """Whether a running request's next step may verify drafts.
+
+    :param req: a request.
+    :return: True when it decodes one token on cached context and its sampling
+        reads nothing but the logits (see the module docstring).
+    """
+    if req.status is not RequestStatus.RUNNING or req.has_pending_token or req.final_pending:
+        return False
+    c = req.num_computed_tokens
+    if c == 0 or req.num_tokens - c != 1:
+        return False
+    p = req.sampling_params
+    if getattr(p, "has_penalties", False) or getattr(p, "structured_outputs", None) is not None:
+        return False
+    if req.num_output_tokens < getattr(p, "min_tokens", 0) or req.logprobs is not None:
+        return False
+    return req.prompt_logprobs is None or req.prompt_logprobs.complete
+
+
+class SpecDecoder:
+    """Drafts for the engine's decoding requests and verifies them after the forward.
+
+    :param config: the speculative configuration.
+    :param model: the target model's name (for messages).
+    :param recurrent: the target has recurrent state.
+    :param tensor_parallel_size: ranks the target is split over.
+    :param max_model_len: the engine's longest prompt + output.
+    :param vocab_size: the target's vocabulary (drafts outside it are dropped).
+    :raises ConfigError: for a target or method that cannot speculate.
+    """
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        model: str,
+        recurrent: bool,
+        tensor_parallel_size: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        check_target(
+            config, model=model, recurrent=recurrent, tensor_parallel_size=tensor_parallel_size
+        )
+        self.config = config
+        self.proposer = create_proposer(config)
+        self.max_model_len = int(max_model_len)
+        self.vocab_size = int(vocab_size)
+        self.stats = SpecStats()
+        #: accepted drafts of the step just verified, by request id (read by commit)
+        self.accepted: dict[str, list[int]] = {}
+        # request id -> (request, index of its first token of the verified step)
+        self._starts: dict[str, tuple[Request, int]] = {}
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Draft for every running request that may speculate (see :func:`may_speculate`).
+
+        Each draft is written after the request's last token (the scheduler
+        reads it from there) and kept in ``Request.spec_token_ids``; others get none.
+
+        :param running: the scheduler's running requests.
+        """
+        reqs: list[Request] = []
+        asks: list[ProposalRequest] = []
+        for req in running:
+            req.spec_token_ids.clear()
+            if not may_speculate(req):
+                continue
+            # the drafts and the verified token must fit max_tokens and the model length
+            room = min(
+                req.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            if room <= 0:
+                continue
+            reqs.append(req)
+            asks.append(
+                ProposalRequest(req.request_id, req.all_token_ids, room, req.num_computed_tokens)
+            )
+        if not asks:
+            return
+        drafts = self.proposer.propose(asks)
+        for req, ask, draft in zip(reqs, asks, drafts, strict=True):
+            draft = [int(t) for t in draft[: ask.max_tokens]]
+            if not draft or min(draft) < 0 or max(draft) >= self.vocab_size:
+                continue
+            n = req.num_tokens
+            req.token_buffer[n : n + len(draft)] = draft
+            req.spec_token_ids.extend(draft)
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        model: torch.nn.Module,
+        hidden: torch.Tensor,
+        inputs: BatchInputs,
+        scheduled: Sequence[ScheduledSeq],
+        reqs: Sequence[Request],
+        tokens: torch.Tensor,
+    ) -> None:
+        """Rejection-sample the step's drafts; write each verified sequence's token into
+        ``tokens`` and keep its accepted drafts in :attr:`accepted`.
+
+        :param model: the target (its ``compute_logits`` is the LM head).
+        :param hidden: the step's hidden states.
+        :param inputs: the step's inputs.
+        :param scheduled: the scheduler's sequences, as given to input preparation.
+        :param reqs: the requests of ``inputs.sample_seqs``, in that order.
+        :param tokens: ``[len(reqs)]`` the step's sampled tokens on the device (updated).
+        """
+        self.accepted = {}
+        self._starts = {}
+        idx = [i for i, s in enumerate(scheduled) if s.num_draft_tokens]
+        if not idx:
+            return
+        seqs = [scheduled[i] for i in idx]
+        d = np.fromiter((s.num_draft_tokens for s in seqs), np.int64, len(seqs))
+        k = int(d.max())
+        first = inputs.first_token_rows(np.asarray(idx, dtype=np.int64))
+        # row j of a sequence is its position j (positions past its drafts repeat its last)
+        rows = first[:, None] + np.minimum(np.arange(k + 1)[None, :], d[:, None])
+        dev = hidden.device
+        gathered = hidden.index_select(0, torch.from_numpy(rows.reshape(-1)).to(dev))
+        logits = model.compute_logits(gathered).view(len(seqs), k + 1, -1)
+        drafts = np.zeros((len(seqs), k), dtype=np.int64)
+        for b, s in enumerate(seqs):
+            drafts[b, : d[b]] = s.request.spec_token_ids[: d[b]]
+        out = rejection_sample(
+            logits,
+            torch.from_numpy(drafts).to(dev),
+            d,
+            [s.request.sampling_params for s in seqs],
+            np.fromiter((s.request.sampling_seed for s in seqs), np.int64, len(seqs)),
+            np.fromiter((s.request.num_output_tokens for s in seqs), np.int64, len(seqs)),
+        )
+        verified = out.tokens.cpu().numpy()
+        accepted = out.num_accepted.cpu().numpy()
+        row_of = {id(r): i for i, r in enumerate(reqs)}
+        rows_out = []
+        finals = []
+        for b, s in enumerate(seqs):
+            req = s.request
+            a = int(accepted[b])
+            self.accepted[req.request_id] = verified[b, :a].tolist()
+            self._starts[req.request_id] = (req, req.num_output_tokens)
+            rows_out.append(row_of[id(req)])
+            finals.append(int(verified[b, a]))
+        tokens[torch.tensor(rows_out, device=tokens.device)] = torch.tensor(
+            finals, dtype=tokens.dtype, device=tokens.device
+        )
+        st = self.stats
+        st.verified_seqs += len(seqs)
+        st.draft_tokens += int(d.sum())
+        st.accepted_tokens += int(accepted.sum())
+
+    def deliver(self, outs: Sequence[EngineStepOutput]) -> None:
+        """Give each verified request's output every token it committed in the step.
+
+        :param outs: the step's outputs (their ``new_token_ids`` are replaced).
+        """
+        starts, self._starts = self._starts, {}
+        self.accepted = {}
+        if not starts:
+            return
+        for o in outs:
+            hit = starts.get(o.request_id)
+            if hit is not None and o.new_token_ids:
+                req, start = hit
+                o.new_token_ids = req.output_token_ids[start:].tolist()
