@@ -1,0 +1,198 @@
+"""MTP proposer: the target's own multi-token-prediction layers draft from its hidden states.
+
+Step 0 of a sequence of length ``L`` runs the MTP layer at position ``L - 2``
+on the target's hidden state there (:attr:`ProposalContext.hidden_states`,
+the state the last token was sampled from) and the embedding of the last token
+``token_ids[L - 1]``; it predicts the token at ``L``. Each further draft token
+runs the layer (the next one, cycling, when there are several) on the
+previous step's output and the embedding of the token it just drafted, one
+position on.
+
+The MTP attention layers keep a cache of their own per sequence (pages from
+:class:`~backplane.engine.spec_decode.own_cache.OwnCache`), holding one entry
+per position the layer has run at: every step-0 entry, and the entries of
+drafted tokens the target went on to accept. An entry stays valid while the
+token it was fed is still the sequence's token at the following position; the
+cache is cut at the first one that is not. Entries are stored densely and
+carry their own positions (for the rotary embedding), so positions the layer
+never ran at (the prompt, whose hidden states the engine does not keep) are
+simply not attended to: drafts are then less likely to be accepted, never wrong,
+since verification decides what is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from backplane.core.errors import ConfigError
+from backplane.core.forward_context import forward_context, plan_step
+from backplane.core.packing import build_batch_metadata
+from backplane.engine.spec_decode.own_cache import OwnCache, SequenceCache
+from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
+from backplane.models.base import CausalLM
+from backplane.models.mtp import MultiTokenPredictor
+
+__all__ = ["MTPProposer"]
+
+logger = logging.getLogger(__name__)
+
+
+class MTPProposer:
+    """Drafts tokens with the target's MTP layers (``model.mtp``, see
+    :func:`backplane.models.mtp.attach_mtp`), greedily.
+
+    :param target: the target model, its MTP layers attached and loaded.
+    :param backends: ``{family: backend object}`` of the target (the MTP layers use its
+        attention or MLA family).
+    :param num_speculative_tokens: ``k``, the most tokens drafted per sequence.
+    :param max_num_seqs: the most sequences drafted for at once.
+    :param max_model_len: the longest sequence (tokens), drafts included.
+    :param page_size: tokens per page of the MTP layers' KV cache.
+    :raises ConfigError: when the target has no MTP layers attached, or more than one.
+    """
+
+    method = "mtp"
+
+    def __init__(
+        self,
+        target: CausalLM,
+        backends: dict[str, Any],
+        *,
+        num_speculative_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        page_size: int = 16,
+    ) -> None:
+        mtp = getattr(target, "mtp", None)
+        if not isinstance(mtp, MultiTokenPredictor):
+            raise ConfigError(
+                f"speculative method 'mtp' needs {type(target).__name__}'s multi-token-prediction "
+                "layers loaded (load the model with mtp=True); use 'ngram' or 'draft_model' for "
+                "a model without them"
+            )
+        if mtp.num_layers != 1:
+            raise ConfigError(
+                f"speculative method 'mtp' drafts with one MTP layer; this checkpoint has "
+                f"{mtp.num_layers}, which is not supported yet (use 'draft_model' or 'ngram')"
+            )
+        self.mtp = mtp
+        families = {f for _, m in mtp.cached_layers() for f in m.families}
+        self.backends = {f: backends[f] for f in families}
+        self.num_speculative_tokens = num_speculative_tokens
+        pages_per_seq = -(-(max_model_len + num_speculative_tokens) // page_size)
+        self.cache = OwnCache(max_num_seqs * pages_per_seq + 1, page_size, max_num_seqs + 1)
+        param = next(mtp.parameters())
+        self.device = param.device
+        self.caches = mtp.allocate_caches(
+            num_pages=self.cache.num_pages,
+            page_size=page_size,
+            num_slots=self.cache.num_slots,
+            dtype=param.dtype,
+            device=self.device,
+        )
+        #: per request: the position of each cache entry (``SequenceCache.tokens`` holds
+        #: the token each entry was fed)
+        self._positions: dict[str, list[int]] = {}
+
+    def propose(
+        self, requests: Sequence[ProposalRequest], context: ProposalContext | None = None
+    ) -> list[list[int]]:
+        """Draft up to ``min(k, request.max_tokens)`` tokens per request, greedily.
+
+        :param requests: the decoding sequences.
+        :param context: the target's hidden state each request's last token was sampled
+            from (row ``i`` for ``requests[i]``).
+        :return: one draft per request.
+        :raises ValueError: without hidden states, or with a row count other than the requests'.
+        """
+        drafts: list[list[int]] = [[] for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.max_tokens > 0 and len(r.token_ids) >= 2]
+        if not active:
+            return drafts
+        if context is None or context.hidden_states is None:
+            raise ValueError("the MTP proposer needs the target's hidden states in its context")
+        hidden_rows = context.hidden_states
+        if hidden_rows.shape[0] != len(requests):
+            raise ValueError(
+                f"the MTP proposer got {hidden_rows.shape[0]} hidden states for "
+                f"{len(requests)} requests; give one row per request"
+            )
+        seqs = {i: self._rolled_back(requests[i]) for i in active}
+        order = active
+        hidden = hidden_rows[torch.as_tensor(order, device=hidden_rows.device)].to(self.device)
+        tokens = [int(requests[i].token_ids[-1]) for i in order]
+        positions = [len(requests[i].token_ids) - 2 for i in order]
+        for step in range(self.num_speculative_tokens):
+            hidden, drafted = self._forward(step, order, requests, seqs, tokens, positions, hidden)
+            for i, t in zip(order, drafted, strict=True):
+                drafts[i].append(t)
+            keep = [j for j, i in enumerate(order) if requests[i].max_tokens > step + 1]
+            if not keep:
+                break
+            order = [order[j] for j in keep]
+            hidden = hidden[torch.as_tensor(keep, device=hidden.device)]
+            tokens = [drafted[j] for j in keep]
+            positions = [positions[j] + 1 for j in keep]
+        return drafts
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Give back the pages of requests that went away.
+
+        :param request_ids: the requests gone.
+        """
+        for rid in request_ids:
+            self.cache.release(rid)
+            self._positions.pop(rid, None)
+
+    def _rolled_back(self, request: ProposalRequest) -> SequenceCache:
+        """The request's cache cut at its first entry whose token the sequence no longer holds
+        (or at the position step 0 is about to run at)."""
+        seq = self.cache.get(request.request_id)
+        positions = self._positions.setdefault(request.request_id, [])
+        token_ids = request.token_ids
+        last = len(token_ids) - 2
+        keep = 0
+        for pos, tok in zip(positions, seq.tokens, strict=True):
+            if pos >= last or int(token_ids[pos + 1]) != tok:
+                break
+            keep += 1
+        del seq.tokens[keep:]
+        del positions[keep:]
+        return seq
+
+    @torch.no_grad()
+    def _forward(
+        self,
+        step: int,
+        order: list[int],
+        requests: Sequence[ProposalRequest],
+        seqs: dict[int, SequenceCache],
+        tokens: list[int],
+        positions: list[int],
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One MTP step, one token per sequence; returns its output rows and greedy tokens."""
+        cached = [len(seqs[i].tokens) for i in order]
+        tables = [self.cache.reserve(seqs[i], c + 1) for i, c in zip(order, cached, strict=True)]
+        batch = build_batch_metadata(
+            [1] * len(order),
+            cached,
+            tables,
+            self.cache.page_size,
+            state_slots=[seqs[i].slot for i in order],
+            device=self.device,
+        )
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        # The entries are dense in the cache; the rotary embedding takes the true positions.
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with forward_context(batch, plan_step(self.backends, batch)):
+            out = self.mtp(ids, pos, hidden, step)
+            logits = self.mtp.compute_logits(out, step)
+        for i, t, p in zip(order, tokens, positions, strict=True):
+            seqs[i].tokens.append(t)
+            self._positions[requests[i].request_id].append(p)
+        return out, logits.argmax(dim=-1).tolist()
