@@ -56,8 +56,8 @@ def _edit_config(path: Path, **changes) -> None:
 
 
 def _quantised(path: Path) -> tuple[str, ...]:
-    _edit_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    return ("config.json", "quant_method 'fp8'")
+    _edit_config(path, quantization_config={"quant_method": "awq", "bits": 4})
+    return ("config.json", "quant_method 'awq'")
 
 
 def _truncated(path: Path) -> tuple[str, ...]:

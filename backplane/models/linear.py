@@ -122,9 +122,14 @@ class Linear(nn.Linear):
     fused_ops: str = "torch"
     #: the one-row projections built so far, by what rides along (see :meth:`_projection`)
     _projections: dict[tuple, Any] | None = None
+    #: how a quantised weight is multiplied (an ``apply(linear, x)`` object, e.g.
+    #: :class:`~backplane.models.quant.projection.Fp8Projection`); ``None``: full precision
+    quant: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project ``x``; see :func:`dense` and the class docstring."""
+        if self.quant is not None:
+            return self.quant.apply(self, x)
         proj = self._projection(x, ("plain",))
         if proj is not None:
             return proj(x)[0]

@@ -42,6 +42,13 @@ from backplane.models.base import (
 from backplane.models.loaded import LoadedModel
 from backplane.models.mtp import attach_mtp
 from backplane.models.parallel import ShardSlice
+from backplane.models.quant.loading import (
+    checkpoint_keys,
+    convert_for_checkpoint,
+    fp8_checkpoint_tensors,
+    quantize_model,
+)
+from backplane.models.quant.scheme import SUPPORTED, Fp8Scheme, scheme_from_config
 from backplane.models.registry import model_class
 from backplane.models.tokenizer import TextTokenizer, load_hf_tokenizer
 
@@ -95,7 +102,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a model directory.
 
     :raises ConfigError: when it is missing, not valid JSON, or declares a
-        ``quantization_config`` (see :func:`check_quantization`).
+        ``quantization_config`` backplane cannot load (see :func:`check_quantization`).
     """
     f = Path(path) / "config.json"
     if not f.is_file():
@@ -110,25 +117,24 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     return config
 
 
-def check_quantization(config: ModelConfig, origin: str | os.PathLike) -> None:
-    """Refuse a quantised checkpoint: backplane loads full-precision safetensors weights.
+def check_quantization(config: ModelConfig, origin: str | os.PathLike) -> Fp8Scheme | None:
+    """Read the quantisation a checkpoint declares, refusing what backplane cannot load.
 
     A ``quantization_config`` (top level, or in a nested ``text_config``)
-    means the tensors are stored in a form (fp8 with scales, GPTQ, AWQ...)
-    that loading them as plain weights would get wrong.
+    means the tensors are stored quantised. FP8 checkpoints load (see
+    :func:`~backplane.models.quant.scheme.scheme_from_config`); GPTQ, AWQ,
+    bitsandbytes and every other method are refused.
 
-    :raises ConfigError: naming the file and the quantisation method.
+    :param config: the ``config.json`` as read.
+    :param origin: the file, for messages.
+    :return: the FP8 scheme, or ``None`` for a full-precision checkpoint.
+    :raises ConfigError: naming the file, the method and what is supported.
     """
     for where, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
         quant = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-        if not quant:
-            continue
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ConfigError(
-            f"{origin}: {where}quantization_config declares quant_method {method!r}, which "
-            "backplane cannot load (it reads float32/bfloat16/float16 safetensors and GGUF "
-            "files); use the unquantised checkpoint or a GGUF file of the model"
-        )
+        if quant:
+            return scheme_from_config(quant, f"{origin}: {where}quantization_config")
+    return None
 
 
 def weight_files(path: str | os.PathLike) -> list[Path]:
@@ -395,6 +401,7 @@ def load_model(
     backends: dict[str, Any],
     progress: bool = True,
     mtp: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model directory or GGUF file, or build a preset.
 
@@ -408,6 +415,10 @@ def load_model(
     :param progress: show a progress bar while reading weights.
     :param mtp: also load the checkpoint's multi-token-prediction layers (as
         ``model.mtp``, see :func:`backplane.models.mtp.attach_mtp`) for speculative decoding.
+    :param quantization: ``"fp8"`` quantises a full-precision checkpoint's (or
+        preset's) projections to FP8 on load (see
+        :func:`~backplane.models.quant.loading.quantize_model`); ``None`` loads
+        the weights as stored (an FP8 checkpoint stays FP8 either way).
     :return: the model, its tokenizer and config.
     :raises ConfigError: unknown path / name, hub id, unsupported architecture
         or quantisation, unreadable files, or weights that do not match the
@@ -415,16 +426,26 @@ def load_model(
     """
     name = os.fspath(model)
     dev = resolve_device(device)
+    quantize = _quantization(quantization)
     if name in presets.PRESETS:
-        return presets.build_preset(
+        loaded = presets.build_preset(
             name, dtype=resolve_dtype(dtype, None, dev), device=dev, backends=backends, mtp=mtp
         )
+        if quantize:
+            quantize_model(loaded.model)
+        return loaded
     path = _resolve(name)
     gguf_path = gguf_file_of(path)
+    if gguf_path is not None and quantize:
+        raise ConfigError(
+            f"{gguf_path}: quantization='fp8' applies to safetensors checkpoints and presets; "
+            "a GGUF file keeps its own quantisation (drop the quantization option)"
+        )
     if gguf_path is not None:
         return _load_gguf(gguf_path, dtype=dtype, device=dev, backends=backends, progress=progress)
     config_file = path / "config.json"
     config = read_config(path)
+    scheme = check_quantization(config, config_file)
     cls = _model_class(config, config_file)
     files = weight_files(path)
     lm, config = _build(cls, config, config_file, dtype, dev, backends)
@@ -434,13 +455,30 @@ def load_model(
     origins: dict[str, Path] = {}
     shard_of = lm.checkpoint_shard if lm.tp.enabled else None
     tensors = iter_safetensors(files, progress=progress, origins=origins, shard_of=shard_of)
+    if scheme is not None:
+        convert_for_checkpoint(lm, checkpoint_keys(files), scheme)
+        tensors = fp8_checkpoint_tensors(lm, tensors, scheme)
     _load(lm, tensors, origins.get, path)
+    if quantize and scheme is None:
+        quantize_model(lm)
     eos_ids, defaults = read_generation_config(path)
     for eos in eos_ids:
         if eos not in lm.eos_token_ids:
             lm.eos_token_ids.append(eos)
     lm.generation_defaults = defaults
     return LoadedModel(model=lm, tokenizer=load_tokenizer(path), config=config)
+
+
+def _quantization(value: str | None) -> bool:
+    """Whether ``quantization`` asks for FP8 on load.
+
+    :raises ConfigError: a method other than ``fp8``, naming what is supported.
+    """
+    if value is None or str(value).lower() in ("", "none"):
+        return False
+    if str(value).lower() == "fp8":
+        return True
+    raise ConfigError(f"quantization={value!r} is not supported; supported: {SUPPORTED}")
 
 
 def _load_gguf(
