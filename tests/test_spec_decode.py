@@ -364,3 +364,53 @@ def test_recurrent_models_are_refused() -> None:
 
     with pytest.raises(ConfigError, match="recurrent.*remove speculative_config"):
         Engine(model="tiny-nemotron-h", speculative_config=NGRAM, **ENGINE)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_llm_metrics_stop_string_and_server_counters() -> None:
+    """Through the api: the same text as without speculation, a stop string met inside a
+    run of accepted drafts truncates alike, and the request's metrics and the server's
+    counters report the drafts."""
+    from backplane import LLM
+    from backplane.api.async_llm import EngineSnapshot
+    from backplane.server.metrics import ServerMetrics
+
+    plain = LLM("tiny-llama", **ENGINE)
+    spec = LLM("tiny-llama", speculative_config=NGRAM, **ENGINE)
+    prompt = _repetitive_prompts(plain.engine.vocab_size)[1]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    want = plain.generate(prompt, greedy)[0]
+    got = spec.generate(prompt, greedy)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].text == want.outputs[0].text
+    m = got.metrics
+    assert m.spec_verify_steps > 0 and m.spec_draft_tokens >= m.spec_accepted_tokens > 0
+    assert m.spec_acceptance_rate == m.spec_accepted_tokens / m.spec_draft_tokens
+    assert m.spec_mean_accepted_length > 1.0
+    assert want.metrics.spec_acceptance_rate is None
+    text = want.outputs[0].text
+    stop = text[2 * len(text) // 3 :][:3]
+    with_stop = SamplingParams(max_tokens=30, temperature=0.0, stop=[stop])
+    a = plain.generate(prompt, with_stop)[0].outputs[0]
+    b = spec.generate(prompt, with_stop)[0].outputs[0]
+    assert (b.text, b.finish_reason) == (a.text, a.finish_reason)
+    assert a.finish_reason == "stop" and len(a.text) < len(text)
+
+    class _Engine:  # what ServerMetrics reads of an AsyncLLM
+        def add_finished_callback(self, callback):
+            pass
+
+        def snapshot(self):
+            return EngineSnapshot()
+
+    metrics = ServerMetrics(_Engine(), "m")
+    metrics.on_finished(got)
+    page = metrics.render().decode()
+    assert (
+        f'backplane_spec_decode_accepted_tokens_total{{model_name="m"}} {float(m.spec_accepted_tokens)}'
+        in page
+    )
+    assert (
+        f'backplane_spec_decode_draft_tokens_total{{model_name="m"}} {float(m.spec_draft_tokens)}'
+        in page
+    )

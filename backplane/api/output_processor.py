@@ -383,6 +383,9 @@ def _metrics(t: TrackedRequest) -> RequestMetrics:
         prompt_tokens_reused=int(st.cached_tokens),
         num_preemptions=int(st.num_preemptions),
         finished_time=st.finished_time,
+        spec_verify_steps=st.num_spec_steps,
+        spec_draft_tokens=st.num_draft_tokens,
+        spec_accepted_tokens=st.num_accepted_tokens,
     )
 
 

@@ -29,6 +29,9 @@ class RequestMetrics:
         re-admissions after preemption).
     :param num_preemptions: how often the request lost its KV pages.
     :param finished_time: when it finished (``None`` while running).
+    :param spec_verify_steps: speculative decoding: steps that verified draft tokens.
+    :param spec_draft_tokens: draft tokens verified in them.
+    :param spec_accepted_tokens: draft tokens accepted.
     """
 
     arrival_time: float
@@ -37,6 +40,24 @@ class RequestMetrics:
     prompt_tokens_reused: int
     num_preemptions: int = 0
     finished_time: float | None = None
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted over verified draft tokens (``None`` when no draft was verified)."""
+        if not self.spec_draft_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens committed per verifying step: accepted drafts plus the verified token
+        (``None`` when no step verified drafts)."""
+        if not self.spec_verify_steps:
+            return None
+        return 1.0 + self.spec_accepted_tokens / self.spec_verify_steps
 
 
 @dataclass

@@ -183,6 +183,26 @@ class ServerMetrics:
             label,
             registry=reg,
         ).labels(model_name)
+        self.spec_verify_steps = Counter(
+            "backplane_spec_decode_verify_steps",
+            "Speculative decoding: sequence steps that verified draft tokens (finished requests).",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        self.spec_draft_tokens = Counter(
+            "backplane_spec_decode_draft_tokens",
+            "Speculative decoding: draft tokens verified (finished requests).",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        self.spec_accepted_tokens = Counter(
+            "backplane_spec_decode_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (finished requests); over "
+            "draft_tokens the acceptance rate, over verify_steps plus one the mean "
+            "accepted length.",
+            label,
+            registry=reg,
+        ).labels(model_name)
         self._requests = Counter(
             "backplane_requests_finished",
             "Finished requests by finish reason.",
@@ -206,6 +226,10 @@ class ServerMetrics:
             self.itl.observe(gap)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.spec_verify_steps:
+            self.spec_verify_steps.inc(m.spec_verify_steps)
+            self.spec_draft_tokens.inc(m.spec_draft_tokens)
+            self.spec_accepted_tokens.inc(m.spec_accepted_tokens)
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format."""
