@@ -16,7 +16,9 @@ Packing takes two calls, because the sizes of the arrays depend on the facts:
    input ids and the rows to sample.
 
 Both are vectorised with numpy: the Python work is O(1) per sequence (one
-page table per sequence is concatenated), everything else runs in numpy.
+page table per sequence is concatenated, or, with the engine's
+:class:`~backplane.core.block_table.PersistentBlockTable`, written only when it
+changed since the previous step), everything else runs in numpy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backplane.core.block_table import PersistentBlockTable
 from backplane.core.launch import cdiv
 from backplane.core.metadata import EAGER, NULL_PAGE, BatchMetadata, HostBatch, StepMode
 
@@ -223,6 +226,7 @@ def pack_batch(
     input_ids: np.ndarray | None = None,
     sample: np.ndarray | None = None,
     logits_indices: np.ndarray | None = None,
+    table: PersistentBlockTable | None = None,
 ) -> np.ndarray | None:
     """Write every field of the step's layout into ``out`` (and the input ids and sampled rows).
 
@@ -242,6 +246,10 @@ def pack_batch(
     :param sample: bool per sequence: whether it samples a token this step.
     :param logits_indices: int64 with room for every sequence; its first entries
         receive the flat token row of the last token of each sampling sequence.
+    :param table: a block table kept between steps (by the engine's input batch):
+        ``page_tables`` are written into it, only where they changed since the
+        previous step, and the step's page fields are read from it instead of
+        joining every page table again. The result is the same.
     :return: the indices of the sampling sequences (in packing order) when
         ``sample`` is given, else ``None``.
     :raises ValueError: a page table too short for its sequence.
@@ -272,7 +280,10 @@ def pack_batch(
     page_indptr[0] = 0
     np.add.accumulate(pages_needed, out=page_indptr[1:])
     page_indices = out.page_indices
-    if n:
+    block_table = out.block_table
+    if table is not None:
+        _pack_pages_from(table, shape, page_tables, block_table, page_indices)
+    elif n:
         # one concatenation of every page table, then one gather of the needed prefixes
         have = np.fromiter(map(len, page_tables), np.int64, n)
         if (have < pages_needed).any():
@@ -287,11 +298,11 @@ def pack_batch(
         else:
             shift = np.repeat(np.cumsum(have) - have - page_indptr[:n], pages_needed)
             page_indices[:] = flat[ar[:total_pages] + shift]
-    block_table = out.block_table
-    block_table.fill(NULL_PAGE)
-    page_seq = np.repeat(ar[:n], pages_needed)
-    page_col = ar[:total_pages] - np.repeat(page_indptr[:n], pages_needed)
-    block_table.reshape(-1)[page_seq * width + page_col] = page_indices
+    if table is None:
+        block_table.fill(NULL_PAGE)
+        page_seq = np.repeat(ar[:n], pages_needed)
+        page_col = ar[:total_pages] - np.repeat(page_indptr[:n], pages_needed)
+        block_table.reshape(-1)[page_seq * width + page_col] = page_indices
     np.subtract(shape.seq_lens, (pages_needed - 1) * ps, out=out.last_page_lens)
     np.greater(c, 0, out=out.has_initial_state)
 
@@ -327,6 +338,47 @@ def pack_batch(
     if logits_indices is not None:
         logits_indices[: len(rows)] = rows if shape.one_token_each else last_tok[rows]
     return rows
+
+
+def _pack_pages_from(
+    table: PersistentBlockTable,
+    shape: BatchShape,
+    page_tables: Sequence[np.ndarray],
+    block_table: np.ndarray,
+    page_indices: np.ndarray,
+) -> None:
+    """The step's dense block table and flat page indices, read from a kept block table.
+
+    Each sequence's row keeps its first ``pages_needed`` entries, the rest is
+    ``NULL_PAGE``; the flat page indices are those entries, row by row.
+    """
+    n = shape.num_seqs
+    table.update(page_tables)
+    pages_needed = shape.pages_needed
+    have = table.lens[:n]
+    if n and (have < pages_needed).any():
+        bad = int(np.argmax(have < pages_needed))
+        raise ValueError(
+            f"sequence {bad} needs {pages_needed[bad]} pages for {shape.seq_lens[bad]} "
+            f"tokens, its page table has {have[bad]}; allocate its pages before packing"
+        )
+    if shape.max_pages > table.max_pages:
+        raise ValueError(
+            f"a sequence needs {shape.max_pages} pages, more than the block table's "
+            f"{table.max_pages} columns; size it for the longest sequence"
+        )
+    w = min(shape.block_table_width, table.max_pages)
+    keep = _arange(w)[None, :] < pages_needed[:, None]
+    if w < shape.block_table_width:
+        block_table[:, w:] = NULL_PAGE
+    if np.array_equal(have, pages_needed):
+        # every table holds just the pages its sequence needs (the usual case): its row
+        # is already what the step's table must hold, NULL_PAGE past its pages
+        block_table[:, :w] = table.rows[:n, :w]
+    else:
+        block_table[:, :w] = NULL_PAGE
+        np.copyto(block_table[:, :w], table.rows[:n, :w], where=keep)
+    page_indices[:] = block_table[:, :w][keep]
 
 
 def build_batch_metadata(

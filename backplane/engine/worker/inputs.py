@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from backplane.core.block_table import PersistentBlockTable
 from backplane.core.launch import cdiv
 from backplane.core.metadata import EAGER, NULL_PAGE, NULL_SLOT, BatchMetadata, HostBatch, StepMode
 from backplane.core.packing import measure_batch, pack_batch
@@ -195,6 +196,8 @@ class InputBatch:
         self._copy_events: list[torch.cuda.Event | None] = [None] * len(self._host_ts)
         self._on_cuda = on_cuda
         self._layouts: dict[tuple[int, int, int, int], _Layout] = {}
+        # the page tables of the last step, rewritten only where a sequence's pages changed
+        self._block_table = PersistentBlockTable(s, p)
         #: The previous step's sampled tokens (``[rows]`` int64 on the device) while
         #: that step is still running: decode tokens whose request's last token is a
         #: placeholder (``request.pending_source_row >= 0``) are read from it on the
@@ -368,6 +371,7 @@ class InputBatch:
             input_ids=h["input_ids"],
             sample=final,
             logits_indices=h["logits_indices"],
+            table=self._block_table,
         )
         num_sample = len(sample_rows)
         sample_seqs = sample_rows if perm is None else perm[sample_rows]
