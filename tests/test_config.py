@@ -14,7 +14,8 @@ from backplane.engine.config import EngineConfig
 from backplane.engine.sizes import format_size, parse_size
 
 KEYS = (
-    "model, dtype, device, max_num_seqs, max_num_tokens, max_model_len, max_stop_strings, max_stop_string_length, "
+    "model, dtype, device, quantization, kv_cache_dtype, "
+    "max_num_seqs, max_num_tokens, max_model_len, max_stop_strings, max_stop_string_length, "
     "page_size, kv_memory, "
     "gpu_memory_utilization, num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
     "fused_ops, async_scheduling, threads, tensor_parallel_size, distributed_executor_backend, "

@@ -32,6 +32,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=sup, help="auto | float32 | bfloat16 | float16")
     group.add_argument("--device", default=sup, help="auto | cpu | cuda | cuda:N")
     group.add_argument(
+        "--quantization",
+        default=sup,
+        metavar="METHOD",
+        help="fp8: quantise a full-precision checkpoint's projections on load",
+    )
+    group.add_argument(
+        "--kv-cache-dtype", default=sup, help="auto (the model's dtype) | fp8 (e4m3)"
+    )
+    group.add_argument(
         "--max-num-seqs",
         default=sup,
         metavar="N",

@@ -64,6 +64,8 @@ class AttentionLayerSpec:
 
     :param sliding_window: attend to at most this many most recent keys
         (including the query's own position); ``0`` means full causal attention.
+    :param k_scale: with an FP8 KV cache, the cache holds ``key / k_scale``.
+    :param v_scale: with an FP8 KV cache, the cache holds ``value / v_scale``.
     """
 
     layer_id: int
@@ -72,6 +74,8 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float | None = None
     sliding_window: int = 0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def softmax_scale(self) -> float:
@@ -218,6 +222,9 @@ class AttentionBackend(Backend):
     """Causal attention over a paged KV cache for a ragged batch."""
 
     family: ClassVar[str] = "attention"
+    #: whether :meth:`forward` reads and writes a float8_e4m3fn KV cache (with
+    #: the layer's ``k_scale`` / ``v_scale``)
+    supports_fp8_kv_cache: ClassVar[bool] = False
 
     # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod

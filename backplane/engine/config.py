@@ -14,6 +14,8 @@ Example YAML::
 
     model: tiny-llama
     dtype: auto            # float32 | bfloat16 | float16 | auto
+    quantization: fp8      # quantise a full-precision checkpoint's projections on load
+    kv_cache_dtype: fp8    # auto (the model's dtype) | fp8 (e4m3, torch attention backend)
     device: auto           # cpu | cuda | cuda:N | auto
     threads: auto          # torch CPU threads; auto = the cores this process may use
     max_num_seqs: 16
@@ -78,6 +80,9 @@ FUSED_OPS_MODES: tuple[str, ...] = ("auto", "torch", "triton")
 gated activations, rotary): ``torch`` the reference functions of plain torch ops,
 ``triton`` one Triton kernel per function (needs CUDA and triton), ``auto``
 Triton on CUDA when triton imports, else torch."""
+
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+"""Accepted ``kv_cache_dtype`` values: the model's dtype, or FP8 (e4m3)."""
 
 # -- where a value came from ------------------------------------------------------------------
 
@@ -154,6 +159,12 @@ class EngineConfig:
         ``bfloat16`` or ``float16`` (also ``fp32``, ``bf16``, ``fp16``, ``half``).
     :param device: ``auto`` (``cuda`` when available, else ``cpu``), ``cpu``,
         ``cuda`` or ``cuda:N``.
+    :param quantization: ``None`` (the weights as stored; an FP8 checkpoint
+        stays FP8) or ``"fp8"``: quantise a full-precision checkpoint's
+        projections to FP8 (e4m3) on load.
+    :param kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`: ``auto`` keeps the
+        KV cache in the model's dtype, ``fp8`` stores it as e4m3 (the torch
+        attention backend).
     :param max_num_seqs: most sequences in one step; ``None`` = 256 on CUDA, 32 on a CPU.
     :param max_num_tokens: most tokens in one step (the chunked-prefill budget);
         at least ``max_num_seqs``, since every running sequence decodes one token;
@@ -215,6 +226,8 @@ class EngineConfig:
     model: str = "tiny-llama"
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int | None = None
     max_num_tokens: int | None = None
     max_model_len: int | None = None
@@ -597,6 +610,10 @@ _VALIDATORS: dict[str, Any] = {
     "model": lambda v: v if isinstance(v, str) and v.strip() else _raise_model(v),
     "dtype": _dtype,
     "device": _device,
+    "quantization": lambda v: _quantization(v),
+    "kv_cache_dtype": lambda v: _choice(
+        v.strip().lower() if isinstance(v, str) else v, KV_CACHE_DTYPES
+    ),
     "max_num_seqs": lambda v: _int(v, minimum=1, allow_none=True),
     "max_num_tokens": lambda v: _int(v, minimum=1, allow_none=True),
     "max_model_len": lambda v: _int(v, minimum=1, allow_none=True),
@@ -639,6 +656,18 @@ def _speculative(value: Any) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_value(value)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _quantization(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "fp8":
+        return "fp8"
+    raise ValueError(
+        f"quantization {value!r} is not supported; use fp8 (quantise a full-precision "
+        "checkpoint on load) or leave it unset (FP8 checkpoints load as they are; AWQ, GPTQ "
+        "and bitsandbytes are not supported)"
+    )
 
 
 def _raise_model(value: Any) -> str:

@@ -15,7 +15,12 @@ device/dtype the backend declares; the output is compared with a naive float64
 per-sequence, per-token, per-head reference (:func:`reference_attention`) and
 the KV cache with the expected contents (new keys/values at their slots,
 every other entry untouched). Grouped-query heads and sliding windows are
-tested when the backend declares the ``gqa`` / ``sliding_window`` capability.
+tested when the backend declares the ``gqa`` / ``sliding_window`` capability,
+and a quantised cache (``float8_e4m3fn`` with per-layer ``k_scale`` /
+``v_scale``) when it sets ``supports_fp8_kv_cache``: the new rows must land
+in the cache as ``key / k_scale`` rounded to e4m3 (bit for bit), and the output
+must match the reference over the keys and values the cache holds within
+:data:`FP8_KV_TOLERANCE`.
 Class attributes set the shapes for backends with restrictions.
 """
 
@@ -33,6 +38,17 @@ from backplane.core.layouts import TensorSpec
 from backplane.testing.batches import BatchCase
 from backplane.testing.paged import PagedBackendTests
 from backplane.testing.plugin import require_feature
+
+#: ``(atol, rtol)`` of the FP8-cache case against the float64 reference over the
+#: keys and values as the cache holds them (dequantised): room for kernels that
+#: scale in another order or attend to the step's own keys before rounding.
+FP8_KV_TOLERANCE = (2e-2, 2e-2)
+
+
+def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` rounded to e4m3, saturated at its largest value."""
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    return (x.double() / scale).clamp(-limit, limit).to(torch.float8_e4m3fn)
 
 
 def reference_attention(
@@ -292,6 +308,54 @@ class AttentionBackendTests(PagedBackendTests):
             return replace(inputs, q=q, k=k.view(t, hk, d), v=v.view(t, hk, d))
 
         self.check_against_reference(backend, case, layer, dtype, device, relayout=as_fused_views)
+
+    @pytest.mark.parametrize("case_name", ["mixed", "decode", "page_crossing", "chunked_prefill"])
+    def test_fp8_kv_cache(
+        self, backend: Any, case_name: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """A ``float8_e4m3fn`` KV cache holding ``key / k_scale`` and ``value / v_scale``."""
+        if not getattr(backend, "supports_fp8_kv_cache", False):
+            pytest.skip("the backend does not declare supports_fp8_kv_cache")
+        case = self.get_case(case_name)
+        k_scale, v_scale = 0.5, 2.0
+        layer = self.layer(k_scale=k_scale, v_scale=v_scale)
+        self.check_cache_spec(backend, case, layer, torch.float8_e4m3fn)
+        inputs = self.make_inputs(case, layer, dtype, device)
+        start, expected = inputs.kv_cache.cpu(), inputs.expected_cache
+
+        def quantised(cache: torch.Tensor) -> torch.Tensor:
+            return torch.stack(
+                [_to_fp8(cache[:, 0], k_scale), _to_fp8(cache[:, 1], v_scale)], dim=1
+            )
+
+        kv_cache = quantised(start).to(device)
+        # the reference attends to every key and value as the cache holds it
+        rounded = [
+            (_to_fp8(k, k_scale).double() * k_scale, _to_fp8(v, v_scale).double() * v_scale)
+            for k, v in zip(inputs.keys, inputs.values, strict=True)
+        ]
+        inputs = replace(
+            inputs,
+            kv_cache=kv_cache,
+            keys=[k for k, _ in rounded],
+            values=[v for _, v in rounded],
+        )
+        out = self.run_step(backend, case.metadata(device), inputs, layer)
+        assert out.dtype == dtype
+        atol, rtol = FP8_KV_TOLERANCE
+        torch.testing.assert_close(
+            out[: case.num_tokens].to("cpu", torch.float64),
+            self.reference(case, inputs, layer),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m: f"case {case.name} with an FP8 KV cache\n{m}",
+        )
+        got = kv_cache.cpu().view(torch.uint8)
+        assert torch.equal(got, quantised(expected).view(torch.uint8)), (
+            f"case {case.name}: the FP8 kv_cache after the step is not the expected contents "
+            "(new keys / k_scale and values / v_scale rounded to e4m3 at slot_mapping, every "
+            "other entry untouched)"
+        )
 
     @pytest.mark.parametrize("window_index", [0, 1], ids=["w0", "w1"])
     @pytest.mark.parametrize("case_name", ["mixed", "page_crossing", "chunked_prefill"])

@@ -21,7 +21,10 @@ One cached op, ``backplane_torch::attention``, does a whole layer's step:
      length.
 
 Half-precision inputs attend in float32; float32 and float64 attend in their own
-dtype. Host counts come from ``batch.host``; every index tensor is a device
+dtype. A ``float8_e4m3fn`` cache holds ``key / k_scale`` and ``value / v_scale``
+(the layer's scales), saturated at +-448; the keys and values are read back
+times their scale in the attention dtype, and a fresh prompt then attends to
+the rounded keys and values from the cache, as later steps do. Host counts come from ``batch.host``; every index tensor is a device
 tensor of the batch, so the op never synchronises with the device.
 """
 
@@ -60,6 +63,27 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> t
     return allowed
 
 
+#: cache dtypes stored scaled (see the module docstring)
+_FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` stores it (scaled and saturated for FP8)."""
+    if cache_dtype not in _FP8_DTYPES:
+        return x
+    limit = torch.finfo(cache_dtype).max
+    # e4m3fn has no infinity: a value past the largest one would become NaN
+    return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+
+
+def _from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache rows ``x`` in the attention dtype (times ``scale`` for an FP8 cache)."""
+    if x.dtype in _FP8_DTYPES:
+        y = x.to(dtype)
+        return y if scale == 1.0 else y.mul_(scale)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype attention runs in: float32 for half types, else the input's own."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -74,6 +98,7 @@ def _prefill(
     batch: BatchMetadata,
     scale: float,
     sliding_window: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Attention for the prefill/extend sequences, one SDPA call per sequence (or query chunk)."""
     host = batch.host
@@ -93,8 +118,8 @@ def _prefill(
             keys, values = gather_kv_pages(kv_cache, pages)
             keys, values = keys[lo:total], values[lo:total]
         # [1, heads, tokens, head_dim] views; SDPA takes them strided
-        keys = keys.to(dtype).transpose(0, 1).unsqueeze(0)
-        values = values.to(dtype).transpose(0, 1).unsqueeze(0)
+        keys = _from_cache(keys, dtype, kv_scales[0]).transpose(0, 1).unsqueeze(0)
+        values = _from_cache(values, dtype, kv_scales[1]).transpose(0, 1).unsqueeze(0)
         chunk = query_chunk(num_heads, total - lo) if chunked else end - start
         for c0 in range(start, end, chunk):
             c1 = min(end, c0 + chunk)
@@ -168,6 +193,7 @@ def _decode(
     plan: StepPlan,
     scale: float,
     sliding_window: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Attention for all decode sequences at once, through the dense block table."""
     batch = plan.batch
@@ -181,8 +207,7 @@ def _decode(
     shape = (nd, plan.num_keys, num_kv_heads, head_dim)
     keys, values = gather_kv_pages(kv_cache, plan.decode_pages, plan.decode_rows)
     keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
-    if keys.dtype != dtype:
-        keys, values = keys.to(dtype), values.to(dtype)
+    keys, values = _from_cache(keys, dtype, kv_scales[0]), _from_cache(values, dtype, kv_scales[1])
     # One query per sequence: the group's heads become the KV head's query rows.
     qd = q[t0:t1]
     if qd.dtype != dtype:
@@ -210,6 +235,8 @@ def paged_attention(
     kv_cache: torch.Tensor,
     scale: float,
     sliding_window: int,
+    k_scale: float,
+    v_scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append ``k``/``v`` to the paged cache and attend; the batch comes from the forward context.
@@ -221,6 +248,8 @@ def paged_attention(
         at ``slot_mapping``.
     :param scale: softmax scale.
     :param sliding_window: attend to at most this many most recent keys; ``0`` = all.
+    :param k_scale: an FP8 cache holds ``k / k_scale`` (ignored for other dtypes).
+    :param v_scale: an FP8 cache holds ``v / v_scale``.
     :param out: optional ``[T, num_heads, head_dim]`` buffer.
     :return: the output, or an empty sentinel when ``out`` is given.
     """
@@ -233,11 +262,16 @@ def paged_attention(
     plan = ctx.plan("attention")
     if not (isinstance(plan, StepPlan) and plan.batch is batch and plan.page_size == page_size):
         plan = StepPlan(batch, page_size)
-    plan.slots.write((k_cache, v_cache), (k[:n], v[:n]))
+    rows = (
+        _to_cache(k[:n], kv_cache.dtype, k_scale),
+        _to_cache(v[:n], kv_cache.dtype, v_scale),
+    )
+    plan.slots.write((k_cache, v_cache), rows)
+    kv_scales = (k_scale, v_scale)
     if batch.num_prefill_seqs:
-        _prefill(q, k, v, kv_cache, buf, batch, scale, sliding_window)
+        _prefill(q, k, v, kv_cache, buf, batch, scale, sliding_window, kv_scales)
     if batch.num_decode_seqs:
-        _decode(q, kv_cache, buf, plan, scale, sliding_window)
+        _decode(q, kv_cache, buf, plan, scale, sliding_window, kv_scales)
     return finish_output(out, buf, n)
 
 
@@ -249,6 +283,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    supports_fp8_kv_cache = True
 
     def plan(self, batch: BatchMetadata) -> StepPlan | None:
         """Derive the step's slot indices, decode pages and masks once for all layers.
@@ -295,7 +330,15 @@ class TorchAttentionBackend(AttentionBackend):
                 f"head_dim={layer.head_dim}"
             )
         return paged_attention(
-            q, k, v, kv_cache, layer.softmax_scale, layer.sliding_window, out=out
+            q,
+            k,
+            v,
+            kv_cache,
+            layer.softmax_scale,
+            layer.sliding_window,
+            float(layer.k_scale),
+            float(layer.v_scale),
+            out=out,
         )
 
     def dynamic_ops(self) -> tuple[Any, ...]:

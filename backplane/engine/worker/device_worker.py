@@ -145,6 +145,7 @@ class DeviceWorker:
         self,
     ) -> tuple[LoadedModel, dict[str, Backend], dict[str, BackendSpec]]:
         from backplane.models import load_model
+        from backplane.models.quant.kv_cache import use_fp8_kv_cache
 
         cfg = self.config
         selection = BackendSelection(cfg, FAMILIES, registry=self.registry)
@@ -155,7 +156,10 @@ class DeviceWorker:
                     dtype=self.dtype,
                     device=self.device,
                     backends=dict(selection.backends),
+                    quantization=cfg.quantization,
                 )
+                if cfg.kv_cache_dtype != "auto":
+                    use_fp8_kv_cache(loaded.model)
                 # backends check the layers they are given when describing their caches
                 loaded.model.cache_specs(
                     num_pages=2, page_size=self.page_size, num_slots=2, dtype=self.dtype

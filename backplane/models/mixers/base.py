@@ -77,13 +77,19 @@ class PagedMixer(CachedMixer):
 
     backend: Any
     spec: Any
+    #: the dtype of this layer's cache when it differs from the model's (an FP8
+    #: KV cache, see :func:`backplane.models.quant.kv_cache.use_fp8_kv_cache`)
+    kv_cache_dtype: torch.dtype | None = None
 
     def cache_specs(
         self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
-        """The backend's paged cache for this layer."""
+        """The backend's paged cache for this layer (in :attr:`kv_cache_dtype` when set)."""
         return self.backend.cache_spec(
-            self.spec, num_pages=num_pages, page_size=page_size, dtype=dtype
+            self.spec,
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=self.kv_cache_dtype or dtype,
         )
 
 
