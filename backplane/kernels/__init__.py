@@ -17,7 +17,7 @@ from types import ModuleType
 
 from backplane.kernels.availability import interpreting, unavailable_reason
 
-__all__ = ["interpreting", "load", "load_gemv", "unavailable_reason"]
+__all__ = ["interpreting", "load", "load_gemv", "load_qgemv", "unavailable_reason"]
 
 
 @functools.cache
@@ -38,3 +38,13 @@ def load_gemv() -> ModuleType:
     :raises ImportError: when ``triton`` cannot be imported.
     """
     return importlib.import_module("backplane.kernels.gemv")
+
+
+@functools.cache
+def load_qgemv() -> ModuleType:
+    """Import the quantised one-row projection kernel once and return :mod:`.qgemv`.
+
+    :return: the module.
+    :raises ImportError: when ``triton`` cannot be imported.
+    """
+    return importlib.import_module("backplane.kernels.qgemv")
