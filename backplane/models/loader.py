@@ -489,12 +489,15 @@ def _load_gguf(
     backends: dict[str, Any],
     progress: bool,
 ) -> LoadedModel:
-    """Load a GGUF file: config, tokenizer and weights (dequantised on ``device``)."""
+    """Load a GGUF file: config, tokenizer and weights (on ``device``; Q8_0 and k-quant
+    projections kept quantised, see :mod:`backplane.models.gguf.qlinear`)."""
     from backplane.models.gguf import open_gguf_checkpoint
 
     ckpt = open_gguf_checkpoint(path)
     cls = _model_class(ckpt.config, path)
     lm, config = _build(cls, ckpt.config, path, dtype, device, backends)
+    # Q8_0 / Q4_K / Q5_K / Q6_K projections stay quantised, as in vLLM (no switch).
+    ckpt.keep_quantized(lm)
 
     def origin_of(tensor: str) -> str:
         return f"{path}: tensor {ckpt.gguf_name(tensor)!r}"

@@ -73,6 +73,31 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def raw_rows(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of a quantised matrix as rows of blocks, without dequantising them.
+
+    :param data: the tensor's bytes, 1-D ``uint8``.
+    :param ggml_type: its ggml type id.
+    :param shape: its shape in torch order, ``(rows, values per row)``.
+    :return: ``data`` viewed as ``[rows, bytes per row]``.
+    :raises ConfigError: not a matrix of whole blocks per row, or a byte count that
+        does not fit the shape.
+    """
+    layout = GGML_TYPES[int(ggml_type)]
+    if len(shape) != 2 or shape[1] % layout.block_size:
+        raise ConfigError(
+            f"{layout.name} tensor of shape {tuple(shape)} is not a matrix of whole "
+            f"{layout.block_size}-value blocks per row"
+        )
+    row = shape[1] // layout.block_size * layout.type_size
+    if data.numel() != shape[0] * row:
+        raise ConfigError(
+            f"{layout.name} data of {data.numel()} bytes does not hold a tensor of shape "
+            f"{tuple(shape)}; the file is damaged"
+        )
+    return data.reshape(shape[0], row)
+
+
 def check_tensor_types(file: GGUFFile) -> None:
     """Refuse a file with a tensor type backplane cannot dequantise, before loading anything.
 
@@ -104,6 +129,7 @@ def iter_gguf_weights(
     *,
     device: torch.device | str,
     progress: bool = True,
+    raw: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF name, tensor)`` for every tensor of ``file``, dequantised on ``device``.
 
@@ -112,6 +138,9 @@ def iter_gguf_weights(
     :param config: the config built from the file (head counts).
     :param device: where the bytes are copied and dequantised.
     :param progress: show a tqdm bar (on a terminal).
+    :param raw: GGUF names of 2-D tensors to yield as their raw blocks, ``uint8``
+        ``[rows, bytes per row]`` (for projections that stay quantised, see
+        :mod:`~backplane.models.gguf.qlinear`); their q/k rows are unpermuted too.
     :raises ConfigError: a tensor whose bytes do not fit its shape, naming the file and tensor.
     """
     from tqdm.auto import tqdm
@@ -126,7 +155,10 @@ def iter_gguf_weights(
         if t.name == ROPE_FREQS_TENSOR:
             continue  # read into the config's rope parameters, not a weight
         try:
-            value = dequantize(t.raw(device), t.ggml_type, t.shape)
+            if t.name in raw:
+                value = raw_rows(t.raw(device), t.ggml_type, t.shape)
+            else:
+                value = dequantize(t.raw(device), t.ggml_type, t.shape)
         except ConfigError as exc:
             raise ConfigError(f"{file.path}: tensor {t.name!r}: {exc}") from None
         if arch.permuted_qk:
