@@ -334,10 +334,12 @@ def test_max_tokens_and_stop_token_inside_an_accepted_run() -> None:
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_prefix_caching_and_preemption_with_speculation() -> None:
-    """Few pages: requests are preempted and recompute; shared prefixes hit the cache.
-    A page registered with a rejected draft would corrupt later hits."""
-    kw = dict(num_kv_pages=24, enable_prefix_caching=True)
+@pytest.mark.parametrize("host_kv_memory", [0, "1MiB"], ids=["device", "host-tier"])
+def test_prefix_caching_and_preemption_with_speculation(host_kv_memory: object) -> None:
+    """Few pages: requests are preempted and recompute; shared prefixes hit the cache
+    (with the host tier too). A page registered with a rejected draft would corrupt
+    later hits."""
+    kw = dict(num_kv_pages=24, enable_prefix_caching=True, host_kv_memory=host_kv_memory)
     plain, spec = _engines("tiny-llama", **kw)
     rng = np.random.default_rng(8)
     base = rng.integers(1, plain.vocab_size, size=6).tolist()
@@ -357,6 +359,47 @@ def test_prefix_caching_and_preemption_with_speculation() -> None:
     assert _run(spec, [p + o for p, o in zip(prompts, got, strict=True)], params) == _run(
         plain, [p + o for p, o in zip(prompts, want, strict=True)], params
     )
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_abort_while_speculating() -> None:
+    plain, spec = _engines("tiny-llama")
+    prompts = _repetitive_prompts(plain.vocab_size)[:2]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    want = _run(plain, prompts[1:], [greedy])[0]
+    gone = spec.add_request(prompts[0], greedy)
+    kept = spec.add_request(prompts[1], greedy)
+    got: list[int] = []
+    for _ in range(4):
+        for out in spec.step():
+            if out.request_id == kept:
+                got.extend(out.new_token_ids)
+    assert spec.abort_request(gone)
+    while spec.has_unfinished_requests():
+        for out in spec.step():
+            if out.request_id == kept:
+                got.extend(out.new_token_ids)
+        spec.scheduler.check_invariants()
+    assert got == want
+    # every page is back, as in an engine that never speculated
+    assert spec.kv_manager.num_available_pages == plain.kv_manager.num_available_pages
+    assert spec.spec.stats.accepted_tokens > 0
+
+
+@pytest.mark.gpu
+def test_graphs_on_engine_speculates_with_the_same_greedy_tokens() -> None:
+    """Verification steps run piecewise or eager beside captured decode graphs."""
+    from backplane.engine.engine import Engine
+
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=4, max_num_tokens=64, page_size=16)
+    plain = Engine(model="tiny-llama", cuda_graphs="full_and_piecewise", **kw)
+    spec = Engine(
+        model="tiny-llama", cuda_graphs="full_and_piecewise", speculative_config=NGRAM, **kw
+    )
+    prompts = _repetitive_prompts(plain.vocab_size)
+    params = [SamplingParams(max_tokens=24, temperature=0.0)] * len(prompts)
+    assert _run(spec, prompts, params) == _run(plain, prompts, params)
+    assert spec.spec.stats.accepted_tokens > 0
 
 
 def test_recurrent_models_are_refused() -> None:
