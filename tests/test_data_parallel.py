@@ -164,15 +164,30 @@ def test_cuda_replicas_take_consecutive_devices(monkeypatch, device, dp):
     assert all(c.data_parallel_size == 1 for c in configs)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_replicas_with_tensor_parallel_ranks_are_refused(monkeypatch, device):
+@pytest.mark.parametrize(("device", "dp", "tp"), [("cuda", 2, 2), ("cuda:2", 3, 2), ("cuda", 2, 4)])
+def test_cuda_replicas_with_tensor_parallel_ranks_take_a_block_of_devices(
+    monkeypatch, device, dp, tp
+):
     import backplane.api.data_parallel as dpm
 
     monkeypatch.setattr(dpm, "_cuda_device_count", lambda: 8)
-    config = EngineConfig(device=device, data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="one tensor-parallel group") as exc:
-        replica_configs(config)
-    assert "set one of them to 1" in str(exc.value)
+    config = EngineConfig(device=device, data_parallel_size=dp, tensor_parallel_size=tp)
+    base = int(device.partition(":")[2] or 0)
+    configs = replica_configs(config)
+    # replica i's ranks take cuda:base + i*tp .. base + i*tp + tp - 1
+    assert [c.device for c in configs] == [f"cuda:{base + i * tp}" for i in range(dp)]
+    assert all(c.tensor_parallel_size == tp for c in configs)
+    with pytest.raises(ConfigError, match="need GPUs up to cuda:9"):
+        replica_configs(EngineConfig(device="cuda:2", data_parallel_size=2, tensor_parallel_size=4))
+
+
+def test_cpu_replicas_with_ranks_share_the_cores_among_all_ranks(monkeypatch):
+    import backplane.api.data_parallel as dp
+
+    monkeypatch.setattr(dp, "available_cores", lambda: 16)
+    cpu = {k: v for k, v in CONFIG.items() if k != "threads"}
+    configs = replica_configs(EngineConfig(**cpu, data_parallel_size=2, tensor_parallel_size=2))
+    assert [c.threads for c in configs] == [16 // 4] * 2
 
 
 def test_too_few_gpus_is_a_clear_error(monkeypatch):

@@ -53,7 +53,8 @@ from typing import Any
 
 from backplane.api.balancing import LoadBalancer
 from backplane.api.chat import render_chat_text
-from backplane.api.data_parallel import replica_configs
+from backplane.api.data_parallel import replica_configs, replica_in_own_process
+from backplane.api.engine_process import ProcessLLM
 from backplane.api.llm import LLM, Conversation, Prompt
 from backplane.api.outputs import RequestOutput
 from backplane.api.stop import StopAutomaton, stop_automaton
@@ -154,12 +155,25 @@ def _engine_config(model: str | None, config: Any, overrides: dict[str, Any]) ->
 
 
 def _build_replicas(configs: Sequence[EngineConfig]) -> list[LLM]:
-    """One :class:`LLM` per configuration; if one fails to start, the ones built are released."""
+    """One :class:`LLM` per configuration; if one fails to start, the ones built are released.
+
+    A replica that needs a process of its own (:func:`replica_in_own_process`)
+    is a :class:`ProcessLLM`; those start first and build their engines while
+    this process builds its own.
+    """
     llms: list[LLM] = []
+    # ProcessLLM: the same calls as an LLM, answered by the engine process
+    started: dict[int, Any] = {}
     try:
-        for c in configs:
-            llms.append(LLM(config=c))
+        for i, c in enumerate(configs):
+            if replica_in_own_process(c, i):
+                started[i] = ProcessLLM(c, i)
+        for i, c in enumerate(configs):
+            llms.append(started[i] if i in started else LLM(config=c))
+        for replica in started.values():
+            replica.wait_ready()
     except BaseException:
+        llms += [r for r in started.values() if r not in llms]
         for built in llms:
             try:
                 built.shutdown()
