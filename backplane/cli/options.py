@@ -130,7 +130,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=sup,
         metavar="N",
         help="engine replicas behind the server, requests balanced by load; on CUDA replica i "
-        "runs on the i-th GPU from --device (default: 1)",
+        "runs on GPUs i*TP .. i*TP+TP-1 from --device (default: 1)",
     )
     group.add_argument(
         "--speculative-config",
