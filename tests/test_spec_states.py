@@ -42,7 +42,7 @@ def _torch_backend(family: str) -> Any:
     return load_backend(get_registry().get(family, "torch"))
 
 
-def _verify_batch(chunks: tuple[int, ...]) -> tuple[BatchMetadata, int]:
+def _verify_batch(chunks: tuple[int, ...], device: str = "cpu") -> tuple[BatchMetadata, int]:
     """A plain prefill, the verifying extends of ``chunks`` and a plain decode, one batch.
 
     Own slots are ``1 .. S``; the scratch slots follow them.
@@ -53,12 +53,17 @@ def _verify_batch(chunks: tuple[int, ...]) -> tuple[BatchMetadata, int]:
     cached = [0, *[CACHED] * len(chunks), CACHED]
     n = len(query)
     batch = build_batch_metadata(
-        query, cached, [[i + 1] for i in range(n)], PAGE_SIZE, state_slots=list(range(1, n + 1))
+        query,
+        cached,
+        [[i + 1] for i in range(n)],
+        PAGE_SIZE,
+        state_slots=list(range(1, n + 1)),
+        device=device,
     )
     width = max(chunks)
     scratch = np.arange(n + 1, n + 1 + len(chunks) * width).reshape(len(chunks), width)
     batch.verify_states = VerifyStates.build(
-        batch.host, np.arange(1, 1 + len(chunks)), scratch, "cpu"
+        batch.host, np.arange(1, 1 + len(chunks)), scratch, device
     )
     return batch, n + 1 + scratch.size
 
@@ -74,6 +79,11 @@ def _seq_rows(batch: BatchMetadata, i: int, count: int | None = None) -> slice:
     start = int(batch.host.query_start_loc[i])
     end = int(batch.host.query_start_loc[i + 1]) if count is None else start + count
     return slice(start, end)
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    """A float64 CPU copy, to compare with the references."""
+    return t.double().cpu()
 
 
 def _keep(batch: BatchMetadata, keep: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,23 +102,24 @@ def test_mamba2_verify_keep_then_decode_matches_the_accepted_tokens_alone(keep):
     check_mamba2(_torch_backend("ssm"), keep)
 
 
-def check_mamba2(backend: Any, keep: tuple[int, ...]) -> None:
+def check_mamba2(backend: Any, keep: tuple[int, ...], device: str = "cpu") -> None:
     """Run the Mamba2 verification check on one SSM backend (the Triton one runs it too).
 
     :param backend: the SSM backend under test.
     :param keep: the position to keep per verifying sequence of :data:`CHUNKS`.
+    :param device: where the batch, the inputs and the states live.
     """
     gen = torch.Generator().manual_seed(sum(keep))
     H, P, N, G, K = 4, 8, 8, 2, 4
     C = H * P  # the conv output feeds the scan as x
-    batch, num_slots = _verify_batch(CHUNKS)
+    batch, num_slots = _verify_batch(CHUNKS, device)
     T = batch.num_tokens
-    conv_state = _state(num_slots, C, K - 1, gen=gen)
-    ssm_state = _state(num_slots, H, P, N, gen=gen)
-    conv0, ssm0 = conv_state.clone(), ssm_state.clone()
+    conv0, ssm0 = _state(num_slots, C, K - 1, gen=gen), _state(num_slots, H, P, N, gen=gen)
+    conv_state, ssm_state = conv0.to(device, copy=True), ssm0.to(device, copy=True)
     weight, bias = torch.randn(C, K, generator=gen) * 0.5, torch.randn(C, generator=gen) * 0.1
     A = -torch.rand(H, generator=gen) - 0.5
     D, dt_bias = torch.randn(H, generator=gen), torch.randn(H, generator=gen) * 0.1
+    weight, bias, A, D, dt_bias = (t.to(device) for t in (weight, bias, A, D, dt_bias))
     conv_spec = ConvLayerSpec(layer_id=0, conv_dim=C, kernel_size=K)
     scan_spec = SSMLayerSpec(layer_id=0, nheads=H, head_dim=P, d_state=N, n_groups=G, chunk_size=16)
 
@@ -119,9 +130,9 @@ def check_mamba2(backend: Any, keep: tuple[int, ...]) -> None:
                              scan_spec)  # fmt: skip
         return y_conv, y
 
-    x = torch.randn(T, C, generator=gen)
-    dt = torch.randn(T, H, generator=gen)
-    B, Cm = torch.randn(T, G, N, generator=gen), torch.randn(T, G, N, generator=gen)
+    x = torch.randn(T, C, generator=gen).to(device)
+    dt = torch.randn(T, H, generator=gen).to(device)
+    B, Cm = (torch.randn(T, G, N, generator=gen).to(device) for _ in range(2))
     # the conv output feeds the scan as x (a Mamba2 layer splits it; one tensor will do)
     conv_out, y = run(batch, x, dt, B, Cm)
 
@@ -131,32 +142,32 @@ def check_mamba2(backend: Any, keep: tuple[int, ...]) -> None:
     ref_y, ref_ssm = reference_ssm_scan(
         batch, conv_out.view(-1, H, P), dt, A, B, Cm, D, dt_bias, None, ssm0, True
     )
-    torch.testing.assert_close(conv_out.double(), ref_conv_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(y.double(), ref_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_f64(conv_out), ref_conv_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_f64(y), ref_y, atol=1e-4, rtol=1e-4)
     for slot in (1, len(CHUNKS) + 2):  # the plain prefill and the plain decode
-        torch.testing.assert_close(conv_state[slot].double(), ref_conv[slot])
-        torch.testing.assert_close(ssm_state[slot].double(), ref_ssm[slot], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_f64(conv_state[slot]), ref_conv[slot])
+        torch.testing.assert_close(_f64(ssm_state[slot]), ref_ssm[slot], atol=1e-4, rtol=1e-4)
 
     src, dst = _keep(batch, keep)
     backend.copy_state_slots(conv_state, src, dst)
     backend.copy_state_slots(ssm_state, src, dst)
 
     # reference: only the first j + 1 chunk tokens, one at a time, then one decode token
-    nxt = torch.randn(4, C, generator=gen), torch.randn(4, H, generator=gen)
-    nxt_b, nxt_c = torch.randn(4, G, N, generator=gen), torch.randn(4, G, N, generator=gen)
+    nxt = torch.randn(4, C, generator=gen).to(device), torch.randn(4, H, generator=gen).to(device)
+    nxt_b, nxt_c = (torch.randn(4, G, N, generator=gen).to(device) for _ in range(2))
     for v, j in enumerate(keep):
         i, slot = v + 1, v + 2
         rows = _seq_rows(batch, i, j + 1)
-        only = single_sequence_batch(j + 1, CACHED, slot, torch.device("cpu"), padding=0)
+        only = single_sequence_batch(j + 1, CACHED, slot, torch.device(device), padding=0)
         c_out, c_ref = reference_causal_conv1d(only, x[rows], weight, bias, conv0, "silu")
         _, s_ref = reference_ssm_scan(
-            only, c_out.float().view(-1, H, P), dt[rows], A, B[rows], Cm[rows], D, dt_bias,
+            only, c_out.float().to(device).view(-1, H, P), dt[rows], A, B[rows], Cm[rows], D, dt_bias,
             None, ssm0, True,
         )  # fmt: skip
-        torch.testing.assert_close(conv_state[slot].double(), c_ref[slot], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(ssm_state[slot].double(), s_ref[slot], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_f64(conv_state[slot]), c_ref[slot], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(_f64(ssm_state[slot]), s_ref[slot], atol=1e-4, rtol=1e-4)
 
-        dec = single_sequence_batch(1, CACHED + j + 1, slot, torch.device("cpu"), padding=0)
+        dec = single_sequence_batch(1, CACHED + j + 1, slot, torch.device(device), padding=0)
         got_conv, got_y = run(dec, nxt[0][v : v + 1], nxt[1][v : v + 1], nxt_b[v : v + 1],
                               nxt_c[v : v + 1])  # fmt: skip
         want_conv, _ = reference_causal_conv1d(dec, nxt[0][v : v + 1], weight, bias, c_ref, "silu")
@@ -164,8 +175,8 @@ def check_mamba2(backend: Any, keep: tuple[int, ...]) -> None:
             dec, got_conv.view(-1, H, P), nxt[1][v : v + 1], A, nxt_b[v : v + 1],
             nxt_c[v : v + 1], D, dt_bias, None, s_ref, True,
         )  # fmt: skip
-        torch.testing.assert_close(got_conv.double(), want_conv, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_y.double(), want_y, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_f64(got_conv), want_conv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_f64(got_y), want_y, atol=1e-4, rtol=1e-4)
 
 
 # -- gated delta rule ------------------------------------------------------------------------
@@ -186,19 +197,20 @@ def test_delta_verify_keep_then_decode_matches_the_accepted_tokens_alone(keep):
     check_delta(_torch_backend("delta"), keep)
 
 
-def check_delta(backend: Any, keep: tuple[int, ...]) -> None:
+def check_delta(backend: Any, keep: tuple[int, ...], device: str = "cpu") -> None:
     """Run the delta-rule verification check on one delta backend (the Triton one runs it too).
 
     :param backend: the delta backend under test.
     :param keep: the position to keep per verifying sequence of :data:`CHUNKS`.
+    :param device: where the batch, the inputs and the state live.
     """
     gen = torch.Generator().manual_seed(10 + sum(keep))
     hk, hv, dk, dv = 2, 4, 8, 6
     spec = DeltaLayerSpec(layer_id=0, num_k_heads=hk, num_v_heads=hv, k_head_dim=dk, v_head_dim=dv)
-    batch, num_slots = _verify_batch(CHUNKS)
-    state = _state(num_slots, hv, dk, dv, gen=gen)
-    state0 = state.clone()
-    q, k, v, g, beta = _delta_inputs(batch.num_tokens, gen)
+    batch, num_slots = _verify_batch(CHUNKS, device)
+    state0 = _state(num_slots, hv, dk, dv, gen=gen)
+    state = state0.to(device, copy=True)
+    q, k, v, g, beta = (t.to(device) for t in _delta_inputs(batch.num_tokens, gen))
 
     def run(b: BatchMetadata, *inputs: torch.Tensor) -> torch.Tensor:
         with forward_context(b, {"delta": backend.plan(b)}):
@@ -208,25 +220,42 @@ def check_delta(backend: Any, keep: tuple[int, ...]) -> None:
     ref_o, ref_state = reference_gated_delta_rule(
         batch, q, k, v, g, beta, state0, spec.q_scale, True
     )
-    torch.testing.assert_close(o.double(), ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_f64(o), ref_o, atol=1e-4, rtol=1e-4)
     for slot in (1, len(CHUNKS) + 2):
-        torch.testing.assert_close(state[slot].double(), ref_state[slot], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_f64(state[slot]), ref_state[slot], atol=1e-4, rtol=1e-4)
 
     backend.copy_state_slots(state, *_keep(batch, keep))
-    nxt = _delta_inputs(len(keep), gen)
+    nxt = [t.to(device) for t in _delta_inputs(len(keep), gen)]
     for i, j in enumerate(keep, start=1):
         slot = i + 1
         rows = _seq_rows(batch, i, j + 1)
-        only = single_sequence_batch(j + 1, CACHED, slot, torch.device("cpu"), padding=0)
+        only = single_sequence_batch(j + 1, CACHED, slot, torch.device(device), padding=0)
         chunk = (t[rows] for t in (q, k, v, g, beta))
         _, want_state = reference_gated_delta_rule(only, *chunk, state0, spec.q_scale, True)
-        torch.testing.assert_close(state[slot].double(), want_state[slot], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_f64(state[slot]), want_state[slot], atol=1e-4, rtol=1e-4)
 
-        dec = single_sequence_batch(1, CACHED + j + 1, slot, torch.device("cpu"), padding=0)
+        dec = single_sequence_batch(1, CACHED + j + 1, slot, torch.device(device), padding=0)
         one = [t[i - 1 : i] for t in nxt]
         got = run(dec, *one)
         want, _ = reference_gated_delta_rule(dec, *one, want_state, spec.q_scale, True)
-        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_f64(got), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("family", "name"), [("ssm", "triton"), ("ssm", "flashinfer"), ("delta", "triton")]
+)
+def test_verify_keep_then_decode_on_cuda(family, name):
+    """The op checks on the CUDA backends: the Triton conv, scan and delta rule, and the
+    FlashInfer SSM backend (decode scan on FlashInfer, the rest on its fallback)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    from backplane.engine.selection import select_backends_for
+
+    backend = select_backends_for({family: name}, [family], device="cuda")[family]
+    check = check_mamba2 if family == "ssm" else check_delta
+    for keep in KEEPS:
+        check(backend, keep, "cuda")
 
 
 # -- the verification description ------------------------------------------------------------
