@@ -129,3 +129,41 @@ def test_merged_fp8_projection_loads_each_part_into_its_rows() -> None:
     with torch.no_grad():
         slices["k_proj.weight_scale"].fill_(3.0)
     assert lin.weight_scale[16:].eq(3.0).all() and lin.weight_scale[:16].eq(1.0).all()
+
+
+def test_fp8_projection_traces_as_one_graph() -> None:
+    """The piecewise CUDA-graph runner traces the model with ``torch.compile``."""
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(64, 32)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(32, 64, generator=g))
+    quantize_linear(lin)
+    x = torch.randn(4, 64, generator=g)
+    with torch.no_grad():
+        traced = torch.compile(lin, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(traced(x), lin(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_scaled_mm_matches_per_token_quantised_activations(rows: int) -> None:
+    """On sm89+ the product runs in FP8: the activations rounded per token, the weight per row."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA device of compute capability 8.9 or higher")
+    g = torch.Generator().manual_seed(4)
+    lin = Linear(256, 128, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, generator=g))
+        lin.bias.copy_(torch.randn(128, generator=g))
+    quantize_linear(lin)
+    # Module.to(dtype) would cast the e4m3 weight too: move it, then make the bias bfloat16
+    lin = lin.to("cuda")
+    lin.bias.data = lin.bias.data.to(torch.bfloat16)
+    x = torch.randn(rows, 256, generator=g).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        got = lin(x)
+    qx, sx = quantize_per_token(x.cpu())
+    want = (qx.double() * sx.double()) @ (
+        lin.weight.cpu().double() * lin.weight_scale.cpu().double()
+    ).T + lin.bias.cpu().double()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
