@@ -30,7 +30,18 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0-narrow", "module"]
+CHECKS = [
+    "Q8_0",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_0-narrow",
+    "dequant-Q8_0",
+    "dequant-Q4_K",
+    "dequant-Q5_K",
+    "dequant-Q6_K",
+    "module",
+]
 
 
 def _check(name: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -46,6 +57,17 @@ def _check(name: str, device: torch.device, dtype: torch.dtype) -> None:
     rng = np.random.default_rng(len(name))
     if name == "module":
         _check_module(device, dtype)
+        return
+    if name.startswith("dequant-"):
+        qtype = QT[name.removeprefix("dequant-")]
+        blocks = random_blocks(qtype, 21, 768, rng)
+        want = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+        got = qgemv.dequantize_blocks(torch.from_numpy(blocks).to(device), int(qtype), 768, dtype)
+        assert got.shape == (21, 768) and got.dtype == dtype, (got.shape, got.dtype)
+        # float32: the reference's values (a contracted multiply-add may move the last bit)
+        tol = torch.finfo(dtype).eps * want.abs() if dtype != torch.float32 else 2e-7 * want.abs()
+        err = (got.float().cpu() - want).abs()
+        assert (err <= tol).all(), f"{name}: max error {err.max().item():.3g}"
         return
     qtype = QT[name.split("-")[0]]
     # 37 rows: not a multiple of the rows per program; 96 values: a partial tile of Q8_0
@@ -81,30 +103,35 @@ def _check_module(device: torch.device, dtype: torch.dtype) -> None:
         for (part, _, _), b in zip(parts, blocks, strict=True):
             targets[f"{part}.weight"].copy_(torch.from_numpy(b))
     qgemv = kernels.load_qgemv()
-    calls = []
-    real = qgemv.quantized_gemv
-
-    def counted(*args, **kwargs):
-        calls.append(args[2])
-        return real(*args, **kwargs)
-
-    qgemv.quantized_gemv = counted
-    try:
-        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
-        with torch.no_grad():
-            got = m(x.to(device))
-    finally:
-        qgemv.quantized_gemv = real
-    assert calls == [int(QT.Q4_K), int(QT.Q6_K)], calls
     w = torch.cat(
         [
             torch.from_numpy(gguf.quants.dequantize(b, t).astype(np.float64))
             for b, t in zip(blocks, (QT.Q4_K, QT.Q6_K), strict=True)
         ]
     )
-    want = x.double() @ w.T
-    bound = 1e-5 * (x.double().abs() @ w.abs().T) + torch.finfo(dtype).eps * want.abs() + 1e-6
-    assert ((got.double().cpu() - want).abs() <= bound).all()
+    # one row: the one-row kernel per run of rows; three rows: the dequantising kernel
+    for rows, kernel, type_at in ((1, "quantized_gemv", 2), (3, "dequantize_blocks", 1)):
+        calls = []
+        real = getattr(qgemv, kernel)
+
+        def counted(*args, real=real, calls=calls, type_at=type_at, **kwargs):
+            calls.append(args[type_at])
+            return real(*args, **kwargs)
+
+        setattr(qgemv, kernel, counted)
+        try:
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            with torch.no_grad():
+                got = m(x.to(device))
+        finally:
+            setattr(qgemv, kernel, real)
+        assert calls == [int(QT.Q4_K), int(QT.Q6_K)], (kernel, calls)
+        want = x.double() @ w.T
+        eps = torch.finfo(dtype).eps
+        bound = 1e-5 * (x.double().abs() @ w.abs().T) + eps * want.abs() + 1e-6
+        if dtype != torch.float32:  # the matrix itself is rounded to the dtype first
+            bound = bound + eps * (x.double().abs() @ w.abs().T)
+        assert ((got.double().cpu() - want).abs() <= bound).all(), kernel
 
 
 def _interpreting() -> bool:

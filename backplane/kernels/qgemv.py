@@ -10,6 +10,11 @@ value's quant bits, its sub-block scale (and min) and its block's float16
 scale from the raw bytes, multiplying by the input and accumulating in
 float32. Output rows are written in the input's dtype.
 
+For several input rows a GEMM is compute-bound enough that the blocks can be
+expanded first: :func:`dequantize_blocks` writes the matrix in the input's
+dtype with the same per-value decoding, in one kernel, for the caller to
+multiply (and drop).
+
 The byte layouts are ggml's (see :mod:`backplane.models.gguf.dequant`, whose
 torch code is the reference the tests hold this kernel to); the arithmetic
 keeps its order (``(d * scale) * q - dmin * min``).
@@ -65,6 +70,44 @@ def _k_scale_min(s_ptr, j, mask):
 
 
 @triton.jit
+def _dequant_tile(base, i, mask, GGML_TYPE: tl.constexpr):
+    """Float32 values at positions ``i`` of the blocks starting at ``base`` (``mask``: which load)."""
+    if GGML_TYPE == 8:  # Q8_0: d, 32 int8
+        d = _f16_at(base, mask)
+        q = tl.load(base + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+        w = q.to(tl.float32) * d
+    elif GGML_TYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes
+        j = i // 32
+        d = _f16_at(base, mask)
+        dmin = _f16_at(base + 2, mask)
+        sc, mn = _k_scale_min(base + 4, j, mask)
+        qb = _byte_at(base + 16 + (j // 2) * 32 + i % 32, mask)
+        q = ((qb >> ((j % 2) * 4)) & 0xF).to(tl.float32)
+        w = (d * sc) * q - dmin * mn
+    elif GGML_TYPE == 13:  # Q5_K: d, dmin, 12 scale bytes, 32 high-bit bytes, 128 nibbles
+        j = i // 32
+        l = i % 32  # noqa: E741 - ggml's name for the position in a sub-block
+        d = _f16_at(base, mask)
+        dmin = _f16_at(base + 2, mask)
+        sc, mn = _k_scale_min(base + 4, j, mask)
+        qh = _byte_at(base + 16 + l, mask)
+        qb = _byte_at(base + 48 + (j // 2) * 32 + l, mask)
+        q = (((qb >> ((j % 2) * 4)) & 0xF) | (((qh >> j) & 1) << 4)).to(tl.float32)
+        w = (d * sc) * q - dmin * mn
+    else:  # Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 int8 scales, d
+        half = i // 128
+        quarter = (i % 128) // 32
+        l = i % 32  # noqa: E741
+        ql = _byte_at(base + half * 64 + (quarter % 2) * 32 + l, mask)
+        qh = _byte_at(base + 128 + half * 32 + l, mask)
+        q = ((ql >> ((quarter // 2) * 4)) & 0xF) | (((qh >> (quarter * 2)) & 3) << 4)
+        sc = tl.load(base + 192 + i // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+        d = _f16_at(base + 208, mask)
+        w = (d * sc.to(tl.float32)) * (q - 32).to(tl.float32)
+    return w
+
+
+@triton.jit
 def _qgemv_kernel(
     x_ptr,
     w_ptr,
@@ -89,41 +132,31 @@ def _qgemv_kernel(
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         mask = row_ok[:, None] & k_ok[None, :]
         base = w_ptr + row_base + ((k // BLOCK_SIZE) * TYPE_SIZE)[None, :]
-        i = (k % BLOCK_SIZE)[None, :]
-        if GGML_TYPE == 8:  # Q8_0: d, 32 int8
-            d = _f16_at(base, mask)
-            q = tl.load(base + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
-            w = q.to(tl.float32) * d
-        elif GGML_TYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes
-            j = i // 32
-            d = _f16_at(base, mask)
-            dmin = _f16_at(base + 2, mask)
-            sc, mn = _k_scale_min(base + 4, j, mask)
-            qb = _byte_at(base + 16 + (j // 2) * 32 + i % 32, mask)
-            q = ((qb >> ((j % 2) * 4)) & 0xF).to(tl.float32)
-            w = (d * sc) * q - dmin * mn
-        elif GGML_TYPE == 13:  # Q5_K: d, dmin, 12 scale bytes, 32 high-bit bytes, 128 nibbles
-            j = i // 32
-            l = i % 32  # noqa: E741 - ggml's name for the position in a sub-block
-            d = _f16_at(base, mask)
-            dmin = _f16_at(base + 2, mask)
-            sc, mn = _k_scale_min(base + 4, j, mask)
-            qh = _byte_at(base + 16 + l, mask)
-            qb = _byte_at(base + 48 + (j // 2) * 32 + l, mask)
-            q = (((qb >> ((j % 2) * 4)) & 0xF) | (((qh >> j) & 1) << 4)).to(tl.float32)
-            w = (d * sc) * q - dmin * mn
-        else:  # Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 int8 scales, d
-            half = i // 128
-            quarter = (i % 128) // 32
-            l = i % 32  # noqa: E741
-            ql = _byte_at(base + half * 64 + (quarter % 2) * 32 + l, mask)
-            qh = _byte_at(base + 128 + half * 32 + l, mask)
-            q = ((ql >> ((quarter // 2) * 4)) & 0xF) | (((qh >> (quarter * 2)) & 3) << 4)
-            sc = tl.load(base + 192 + i // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
-            d = _f16_at(base + 208, mask)
-            w = (d * sc.to(tl.float32)) * (q - 32).to(tl.float32)
+        w = _dequant_tile(base, (k % BLOCK_SIZE)[None, :], mask, GGML_TYPE)
         acc += tl.sum(tl.where(mask, w, 0.0) * x[None, :], axis=1)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    row_bytes,
+    GGML_TYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = (rows < N)[:, None] & (k < K)[None, :]
+    base = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + ((k // BLOCK_SIZE) * TYPE_SIZE)[None, :]
+    w = _dequant_tile(base, (k % BLOCK_SIZE)[None, :], mask, GGML_TYPE)
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(ggml_type: int, in_features: int, dtype: torch.dtype) -> bool:
@@ -153,18 +186,8 @@ def quantized_gemv(
     :raises ValueError: a type, width or dtype :func:`supports` refuses, or
         blocks whose row size does not match.
     """
-    if not supports(ggml_type, in_features, x.dtype):
-        raise ValueError(
-            f"quantized_gemv does not run ggml type {ggml_type} rows of {in_features} values "
-            f"for {x.dtype} inputs; dequantise the weight and multiply instead"
-        )
+    _check(blocks, ggml_type, in_features, x.dtype)
     block_size, type_size = LAYOUTS[int(ggml_type)]
-    row_bytes = in_features // block_size * type_size
-    if blocks.dim() != 2 or blocks.shape[1] != row_bytes or blocks.stride(-1) != 1:
-        raise ValueError(
-            f"blocks of shape {tuple(blocks.shape)} are not rows of {row_bytes} bytes "
-            f"({in_features} values of ggml type {ggml_type})"
-        )
     n = blocks.shape[0]
     xr = x.reshape(-1).contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -182,3 +205,53 @@ def quantized_gemv(
         BLOCK_N=_BLOCK_N,
     )
     return y
+
+
+def dequantize_blocks(
+    blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dequantise raw GGUF blocks into a new matrix of ``dtype`` in one kernel (the
+    several-row products multiply it; it is not kept).
+
+    :param blocks: ``[out_features, row_bytes]`` ``uint8``, rows contiguous.
+    :param ggml_type: their ggml type id (see :func:`supports`).
+    :param in_features: values per row.
+    :param dtype: the matrix's dtype (one of :data:`DTYPES`).
+    :return: ``[out_features, in_features]`` on the blocks' device.
+    :raises ValueError: as :func:`quantized_gemv`.
+    """
+    _check(blocks, ggml_type, in_features, dtype)
+    block_size, type_size = LAYOUTS[int(ggml_type)]
+    n = blocks.shape[0]
+    out = torch.empty(n, in_features, dtype=dtype, device=blocks.device)
+    grid = (cdiv(n, _BLOCK_N), cdiv(in_features, _TILE))
+    _dequant_kernel[grid](
+        blocks,
+        out,
+        n,
+        in_features,
+        blocks.stride(0),
+        GGML_TYPE=int(ggml_type),
+        BLOCK_SIZE=block_size,
+        TYPE_SIZE=type_size,
+        TILE=_TILE,
+        BLOCK_N=_BLOCK_N,
+    )
+    return out
+
+
+def _check(blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype) -> int:
+    """Refuse what the kernels do not run; return the bytes per row."""
+    if not supports(ggml_type, in_features, dtype):
+        raise ValueError(
+            f"the GGUF kernels do not run ggml type {ggml_type} rows of {in_features} values "
+            f"in {dtype}; dequantise the weight in torch instead"
+        )
+    block_size, type_size = LAYOUTS[int(ggml_type)]
+    row_bytes = in_features // block_size * type_size
+    if blocks.dim() != 2 or blocks.shape[1] != row_bytes or blocks.stride(-1) != 1:
+        raise ValueError(
+            f"blocks of shape {tuple(blocks.shape)} are not rows of {row_bytes} bytes "
+            f"({in_features} values of ggml type {ggml_type})"
+        )
+    return row_bytes

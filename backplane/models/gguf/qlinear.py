@@ -11,10 +11,11 @@ reads about a quarter of the bytes of its bfloat16 form per token:
 - on CUDA with the Triton fused ops (``fused_ops = "triton"``, which
   ``auto`` picks there), one input row runs the kernel of
   :mod:`backplane.kernels.qgemv`, which reads the blocks and dequantises in
-  registers; more rows (and traced forwards) dequantise the matrix to the
-  input's dtype and multiply;
-- elsewhere (CPU) the matrix is dequantised per call with the vectorised torch
-  code of :mod:`~backplane.models.gguf.dequant` (kept nowhere) and multiplied.
+  registers; more rows expand the blocks into a matrix of the input's dtype
+  with one kernel of the same module and multiply (the matrix is dropped);
+- elsewhere (CPU, traced forwards) the matrix is dequantised per call with
+  the vectorised torch code of :mod:`~backplane.models.gguf.dequant` (kept
+  nowhere) and multiplied.
 
 Like vLLM, the loader keeps every projection stored as Q8_0, Q4_K, Q5_K or
 Q6_K quantised (:data:`KEPT_TYPES`), with no option to turn it off; other
@@ -161,14 +162,16 @@ class QuantizedLinear(MergedLinear):
     def _run(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
         """One run of rows: ``x [n, in] @ dequant(blocks).T`` -> ``[n, rows]`` in ``x``'s dtype."""
         if (
-            x.shape[0] == 1
-            and self.fused_ops == "triton"
+            self.fused_ops == "triton"
             and (x.is_cuda or kernels.interpreting())
             and not torch.compiler.is_compiling()
         ):
             qgemv = kernels.load_qgemv()
             if qgemv.supports(ggml_type, self.in_features, x.dtype):
-                return qgemv.quantized_gemv(x, blocks, ggml_type, self.in_features)
+                if x.shape[0] == 1:
+                    return qgemv.quantized_gemv(x, blocks, ggml_type, self.in_features)
+                w = qgemv.dequantize_blocks(blocks, ggml_type, self.in_features, x.dtype)
+                return dense(x, w)
         w = _dequantize_rows(blocks, ggml_type, self.in_features)
         return dense(x, w.to(x.dtype))
 
