@@ -164,10 +164,10 @@ def instrument(llm: Any, timers: StepTimers) -> list[Callable[[], None]]:
     undo.append(lambda: setattr(engine, "step", original_step))
     original_llm_step = llm._step
 
-    def llm_step() -> Any:
+    def llm_step(*args: Any, **kwargs: Any) -> Any:
         t0 = _clock()
         try:
-            return original_llm_step()
+            return original_llm_step(*args, **kwargs)
         finally:
             # the output processing is LLM.step less the engine step it wraps
             timers.add("outputs", _clock() - t0 - inner.get("t", 0.0))
