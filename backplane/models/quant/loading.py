@@ -11,7 +11,8 @@ activations ``input_scale``). Loading it:
    scales become row form under the module's ``weight_scale`` name, static
    ``input_scale`` values are set on their projection (the largest of a merged
    projection's parts), and an FP8 weight whose target stayed in full
-   precision (MoE experts, an unquantised sibling) is dequantised as it passes.
+   precision (MoE experts, MLA's ``kv_b_proj``, an unquantised sibling) is
+   dequantised as it passes.
 
 :func:`quantize_model` instead quantises a loaded full-precision model's
 projections (``quantization="fp8"``): one scale per output row, dynamic
@@ -41,8 +42,12 @@ logger = logging.getLogger(__name__)
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 #: per-layer KV-cache scales a compressed-tensors checkpoint may carry (not used yet)
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+#: projections whose weight a model reads as a matrix besides multiplying by it
+#: (MLA splits ``kv_b_proj`` into per-head factors): always full precision, an
+#: FP8 checkpoint's tensors dequantised as they load
+_READ_AS_MATRIX = ("kv_b_proj",)
 #: projections quantize_model leaves alone (by the module name's last part)
-_KEEP_FULL_PRECISION = ("lm_head", "shared_expert_gate")
+_KEEP_FULL_PRECISION = ("lm_head", "shared_expert_gate", *_READ_AS_MATRIX)
 
 
 def checkpoint_keys(files: Iterable[Path]) -> list[str]:
@@ -105,6 +110,8 @@ def convert_for_checkpoint(lm: CausalLM, keys: Iterable[str], scheme: Fp8Scheme)
                 break
     converted = 0
     for name, (linear, parts) in _projections(lm).items():
+        if name.rpartition(".")[2] in _READ_AS_MATRIX:
+            continue
         have = [p in scaled for p in parts]
         if all(have):
             convert_linear(linear, scheme.block_k, static=scheme.activations == "static")
