@@ -408,3 +408,20 @@ def test_engine_runs_fp8_weights_and_an_fp8_kv_cache() -> None:
     assert engine.model.get_submodule("model.layers.0.mlp.down_proj").weight.dtype == FP8_DTYPE
     got = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert len(got) == len(want) and got[:4] == want[:4]
+
+
+def test_fp8_options_from_the_command_line_and_yaml(tmp_path) -> None:
+    import argparse
+
+    from backplane.cli.options import add_engine_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8"]))
+    assert (cfg.quantization, cfg.kv_cache_dtype) == ("fp8", "fp8")
+    with pytest.raises(ConfigError, match="--quantization.*'awq' is not supported"):
+        config_from_args(parser.parse_args(["--quantization", "awq"]))
+    path = tmp_path / "engine.yaml"
+    path.write_text("quantization: fp8\nkv_cache_dtype: fp8\n")
+    cfg = EngineConfig.from_yaml(path)
+    assert (cfg.quantization, cfg.kv_cache_dtype) == ("fp8", "fp8")
