@@ -402,13 +402,6 @@ def test_graphs_on_engine_speculates_with_the_same_greedy_tokens() -> None:
     assert spec.spec.stats.accepted_tokens > 0
 
 
-def test_recurrent_models_are_refused() -> None:
-    from backplane.engine.engine import Engine
-
-    with pytest.raises(ConfigError, match="recurrent.*remove speculative_config"):
-        Engine(model="tiny-nemotron-h", speculative_config=NGRAM, **ENGINE)
-
-
 @pytest.mark.usefixtures("one_torch_thread")
 def test_llm_metrics_stop_string_and_server_counters() -> None:
     """Through the api: the same text as without speculation, a stop string met inside a
