@@ -425,3 +425,24 @@ def test_fp8_options_from_the_command_line_and_yaml(tmp_path) -> None:
     path.write_text("quantization: fp8\nkv_cache_dtype: fp8\n")
     cfg = EngineConfig.from_yaml(path)
     assert (cfg.quantization, cfg.kv_cache_dtype) == ("fp8", "fp8")
+
+
+def test_fp8_kv_cache_takes_the_checkpoints_per_layer_scales(base) -> None:
+    tmp, state, ids, ref = base
+    fp8_dir, _ = _fp8_checkpoints(tmp, state, "ct-channel")
+    from safetensors.torch import load_file
+
+    ckpt = load_file(str(fp8_dir / "model.safetensors"))
+    scales = {0: (0.5, 2.0), 2: (0.25, 0.125)}
+    for layer, (k, v) in scales.items():
+        ckpt[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        ckpt[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(ckpt, str(fp8_dir / "model.safetensors"))
+    lm = load_model(str(fp8_dir), dtype="float32", device="cpu", backends=_backends()).model
+    use_fp8_kv_cache(lm, {1: (3.0, 4.0)})
+    for layer in range(4):
+        spec = lm.get_submodule(f"model.layers.{layer}.self_attn").spec
+        want = {**scales, 1: (3.0, 4.0)}.get(layer, (1.0, 1.0))
+        assert (spec.k_scale, spec.v_scale) == want, layer
+    got = _logits(lm, ids, cache_dtype=torch.float32)
+    _accurate(got, ref, MAX_MEAN_LOGIT_ERROR, MAX_LOGIT_ERROR)

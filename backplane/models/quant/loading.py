@@ -32,6 +32,7 @@ from torch import nn
 from backplane.core.errors import ConfigError
 from backplane.models.base import CausalLM, WeightLoadError
 from backplane.models.linear import Linear, MergedLinear
+from backplane.models.mixers import AttentionMixer
 from backplane.models.quant.fp8 import FP8_DTYPE, dequantize_rows, row_scales
 from backplane.models.quant.projection import convert_linear, quantize_linear
 from backplane.models.quant.scheme import Fp8Scheme
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 #: checkpoint tensor suffixes of weight scales, either layout
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
-#: per-layer KV-cache scales a compressed-tensors checkpoint may carry (not used yet)
+#: per-layer KV-cache scales a compressed-tensors checkpoint may carry (kept on the
+#: attention layer as ``kv_cache_scales``, used by an FP8 KV cache)
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 #: projections whose weight a model reads as a matrix besides multiplying by it
 #: (MLA splits ``kv_b_proj`` into per-head factors): always full precision, an
@@ -158,7 +160,7 @@ def fp8_checkpoint_tensors(
     scales: dict[str, torch.Tensor] = {}  # their scales, awaiting the weight
     for name, tensor in tensors:
         if name.endswith(_KV_SCALE_SUFFIXES):
-            logger.debug("ignoring KV-cache scale %s", name)
+            _keep_kv_scale(lm, name, tensor)
             continue
         if name.endswith(".input_scale"):
             module = _module_of(lm, name, ".input_scale")
@@ -215,6 +217,21 @@ def fp8_checkpoint_tensors(
             f"the checkpoint holds a scale for {first!r} but not that weight",
             tensor=first,
         )
+
+
+def _keep_kv_scale(lm: CausalLM, name: str, tensor: torch.Tensor) -> None:
+    """Keep a checkpoint's ``k_scale`` / ``v_scale`` on its attention layer."""
+    leaf = name.rpartition(".")[2]
+    module = _module_of(lm, name, f".{leaf}")
+    try:
+        mixer = lm.get_submodule(module) if module is not None else None
+    except AttributeError:
+        mixer = None
+    if not isinstance(mixer, AttentionMixer):
+        logger.debug("ignoring KV-cache scale %s (no attention layer of that name)", name)
+        return
+    scales = mixer.__dict__.setdefault("kv_cache_scales", {})
+    scales[leaf] = float(tensor.float().reshape(-1).amax())
 
 
 def _dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme) -> torch.Tensor:
