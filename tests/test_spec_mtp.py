@@ -249,10 +249,11 @@ def test_presets_with_mtp_keep_the_target_weights(preset):
     with_mtp = build_preset(preset, backends=backends, mtp=True).model
     mtp_params = [n for n, _ in with_mtp.named_parameters() if n.startswith("mtp.")]
     assert mtp_params
-    target_params = dict(plain.named_parameters())
-    for name, p in with_mtp.named_parameters():
-        if not name.startswith("mtp."):
-            assert torch.equal(p, target_params[name]), name
+    target_state = plain.state_dict()
+    state = with_mtp.state_dict()
+    assert set(target_state) == {k for k in state if not k.startswith("mtp.")}
+    for name, t in target_state.items():
+        assert torch.equal(state[name], t), name
     assert [n for n, _ in plain.cached_layers()] == [n for n, _ in with_mtp.cached_layers()]
 
 

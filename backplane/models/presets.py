@@ -199,7 +199,7 @@ def build_preset(
     :param device: where the parameters go.
     :param backends: ``{family: backend object}`` for the families the model uses.
     :param mtp: also build the multi-token-prediction layers (their weights are
-        drawn after the model's, so the model's own weights do not change).
+        drawn apart from the model's, so the model's own weights do not change).
     :return: the model, its tokenizer and config.
     :raises ConfigError: unknown name, listing the presets; ``mtp`` for a preset without MTP layers.
     """
@@ -207,9 +207,15 @@ def build_preset(
     model = build_model(
         model_class(config.architecture), config, backends, dtype=dtype, device=device
     )
-    if mtp:
-        attach_mtp(model)
     model.init_random_weights_(seed=PRESET_SEED)
+    if mtp:
+        # The MTP layers get weights of their own draw; the model keeps those it has
+        # without them (a second draw over every tensor would shift the generator).
+        own = {k: v.clone() for k, v in model.state_dict().items()}
+        attach_mtp(model)
+        model.init_random_weights_(seed=PRESET_SEED + 1)
+        model.load_state_dict(own, strict=False)
+        model.finalize_weights()
     tokenizer = TextTokenizer(
         byte_tokenizer(), special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
     )

@@ -24,6 +24,7 @@ import torch
 
 from backplane.core.errors import ConfigError
 from backplane.core.forward_context import forward_context, plan_step
+from backplane.core.hookspecs import FAMILIES
 from backplane.core.packing import build_batch_metadata
 from backplane.engine.spec_decode.config import SpeculativeConfig
 from backplane.engine.spec_decode.own_cache import OwnCache, SequenceCache, common_prefix
@@ -203,7 +204,8 @@ def load_draft_proposer(
 
     :param config: a ``method="draft_model"`` configuration.
     :param target: the target model (for the dtype, device and vocabulary size).
-    :param backends: ``{family: backend object}``: the draft's families must be among them.
+    :param backends: ``{family: backend object}`` of the target; families the draft uses
+        beyond them get the same-named backend where it runs here, else ``auto``'s choice.
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence.
     :param page_size: tokens per page of the draft's KV cache.
@@ -217,6 +219,7 @@ def load_draft_proposer(
             f"load_draft_proposer takes method='draft_model' with a model, got {config.method!r}"
         )
     param = next(target.parameters())
+    backends = _with_every_family(backends, param.device)
     loaded = load_model(
         config.model, dtype=param.dtype, device=param.device, backends=backends, progress=False
     )
@@ -236,3 +239,17 @@ def load_draft_proposer(
         max_model_len=max_model_len,
         page_size=page_size,
     )
+
+
+def _with_every_family(backends: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``backends`` plus a backend for every other op family (a hybrid draft of an
+    attention-only target needs the SSM and delta families too)."""
+    from backplane.engine.selection import select_backends_for
+
+    missing = [f for f in FAMILIES if f not in backends]
+    if not missing:
+        return dict(backends)
+    names = {getattr(b, "name", None) for b in backends.values()}
+    prefer = next(iter(names)) if len(names) == 1 else None
+    extra = select_backends_for({}, missing, prefer=prefer, device=device.type)
+    return {**extra, **backends}

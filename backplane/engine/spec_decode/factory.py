@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from backplane.core.errors import ConfigError
 from backplane.engine.spec_decode.config import SpeculativeConfig
 from backplane.engine.spec_decode.ngram import NgramProposer
@@ -17,12 +19,17 @@ def check_target(
 
     :param config: the speculative configuration.
     :param model: the target model's name (for the message).
-    :param recurrent: the model has recurrent state (Mamba2 / delta-rule layers; supported).
+    :param recurrent: the model has recurrent state (Mamba2 / delta-rule layers).
     :param tensor_parallel_size: ranks the target is split over.
     :raises ConfigError: saying what is unsupported and what to do.
     """
-    # A recurrent target (Mamba2 / delta-rule layers) verifies too: its ops keep the state
-    # after every chunk position and the accepted one is kept (SpecDecoder.mark_verification).
+    if recurrent:
+        # verification needs each sequence's recurrent state at its last accepted token
+        raise ConfigError(
+            f"speculative_config (method={config.method!r}) is not supported for {model!r}: "
+            "it has recurrent (Mamba2 / delta-rule) layers, whose states cannot roll back "
+            "rejected draft tokens yet; remove speculative_config for this model"
+        )
     if tensor_parallel_size > 1:
         raise ConfigError(
             f"speculative_config is not supported with tensor_parallel_size="
@@ -30,15 +37,41 @@ def check_target(
         )
 
 
-def create_proposer(config: SpeculativeConfig) -> Proposer:
+def create_proposer(
+    config: SpeculativeConfig,
+    *,
+    target: Any = None,
+    backends: dict[str, Any] | None = None,
+    max_num_seqs: int = 1,
+    max_model_len: int = 0,
+) -> Proposer:
     """Build the proposer of a configuration.
 
     :param config: the speculative configuration.
+    :param target: the target model (``draft_model``: its dtype, device and
+        vocabulary; ``mtp``: its MTP layers, loaded with it).
+    :param backends: ``{family: backend object}`` the draft model or MTP layers run on.
+    :param max_num_seqs: the most sequences a model-running proposer drafts for at once.
+    :param max_model_len: the longest sequence.
     :return: the proposer.
     :raises ConfigError: for a method whose proposer is not available.
     """
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method in ("draft_model", "mtp") and target is not None and backends is not None:
+        limits = {
+            "max_num_seqs": max_num_seqs,
+            "max_model_len": max_model_len or target.max_model_len,
+        }
+        if config.method == "draft_model":
+            from backplane.engine.spec_decode.draft import load_draft_proposer
+
+            return load_draft_proposer(config, target=target, backends=backends, **limits)
+        from backplane.engine.spec_decode.mtp import MTPProposer
+
+        return MTPProposer(
+            target, backends, num_speculative_tokens=config.num_speculative_tokens, **limits
+        )
     raise ConfigError(
         f"speculative_config method={config.method!r} has no proposer in this engine yet; "
         "use method='ngram'"

@@ -20,17 +20,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from backplane.core.metadata import VerifyStates
 from backplane.engine.request import Request, RequestStatus
 from backplane.engine.sampling.rejection import rejection_sample
 from backplane.engine.spec_decode.config import SpeculativeConfig
 from backplane.engine.spec_decode.factory import check_target, create_proposer
-from backplane.engine.spec_decode.proposer import ProposalRequest
+from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
 
 if TYPE_CHECKING:
     from backplane.engine.outputs import EngineStepOutput
@@ -95,6 +94,9 @@ class SpecDecoder:
     :param tensor_parallel_size: ranks the target is split over.
     :param max_model_len: the engine's longest prompt + output.
     :param vocab_size: the target's vocabulary (drafts outside it are dropped).
+    :param target: the target model (``draft_model`` and ``mtp`` proposers read it).
+    :param backends: the target's ``{family: backend object}`` (for those proposers).
+    :param max_num_seqs: the most sequences the engine runs at once.
     :raises ConfigError: for a target or method that cannot speculate.
     """
 
@@ -107,14 +109,27 @@ class SpecDecoder:
         tensor_parallel_size: int,
         max_model_len: int,
         vocab_size: int,
+        target: Any = None,
+        backends: dict[str, Any] | None = None,
+        max_num_seqs: int = 1,
     ) -> None:
         check_target(
             config, model=model, recurrent=recurrent, tensor_parallel_size=tensor_parallel_size
         )
         self.config = config
-        #: the target has recurrent state: its verification steps keep per-position states
-        self.recurrent = bool(recurrent)
-        self.proposer = create_proposer(config)
+        self.proposer = create_proposer(
+            config,
+            target=target,
+            backends=backends,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
+        #: the MTP proposer reads the hidden state each request's last token was sampled from
+        self._keeps_hidden = config.method == "mtp"
+        #: request id -> that hidden state (``[hidden]`` on the device)
+        self._hidden: dict[str, torch.Tensor] = {}
+        # requests the proposer may hold state for (released once they stop running)
+        self._known: set[str] = set()
         self.max_model_len = int(max_model_len)
         self.vocab_size = int(vocab_size)
         self.stats = SpecStats()
@@ -133,9 +148,19 @@ class SpecDecoder:
         """
         reqs: list[Request] = []
         asks: list[ProposalRequest] = []
+        live = {req.request_id for req in running}
+        gone = self._known - live
+        if gone:
+            # finished, aborted or preempted: their proposer state (a draft cache) goes
+            self.proposer.release(gone)
+            for rid in gone:
+                self._hidden.pop(rid, None)
+        self._known = live
         for req in running:
             req.spec_token_ids.clear()
             if not may_speculate(req):
+                continue
+            if self._keeps_hidden and req.request_id not in self._hidden:
                 continue
             # the drafts and the verified token must fit max_tokens and the model length
             room = min(
@@ -150,7 +175,12 @@ class SpecDecoder:
             )
         if not asks:
             return
-        drafts = self.proposer.propose(asks)
+        context = None
+        if self._keeps_hidden:
+            context = ProposalContext(
+                hidden_states=torch.stack([self._hidden[a.request_id] for a in asks])
+            )
+        drafts = self.proposer.propose(asks, context)
         for req, ask, draft in zip(reqs, asks, drafts, strict=True):
             draft = [int(t) for t in draft[: ask.max_tokens]]
             if not draft or min(draft) < 0 or max(draft) >= self.vocab_size:
@@ -158,38 +188,6 @@ class SpecDecoder:
             n = req.num_tokens
             req.token_buffer[n : n + len(draft)] = draft
             req.spec_token_ids.extend(draft)
-
-    def mark_verification(
-        self, inputs: BatchInputs, scheduled: Sequence[ScheduledSeq], first_scratch_slot: int
-    ) -> None:
-        """Before the forward of a recurrent target: mark the step's verifying chunks.
-
-        Sets ``inputs.metadata.verify_states``
-        (:meth:`~backplane.core.metadata.VerifyStates.in_scratch_region`), so that the
-        recurrent ops keep the state after every position of each sequence's drafts in
-        scratch slots from ``first_scratch_slot`` on; :meth:`verify` then copies each
-        sequence's state after its last accepted token back into its own slot. Does
-        nothing for a target without recurrent state.
-
-        :param inputs: the step's prepared inputs.
-        :param scheduled: the scheduler's sequences, as given to input preparation.
-        :param first_scratch_slot: the first state slot past those the slot pool hands out
-            (the worker allocates ``max_num_seqs * num_speculative_tokens`` more).
-        """
-        if not self.recurrent:
-            return
-        meta = inputs.metadata
-        idx = np.fromiter((i for i, s in enumerate(scheduled) if s.num_draft_tokens), np.int64)
-        if not len(idx):
-            meta.verify_states = None
-            return
-        if inputs.order is not None:  # scheduled index -> packed sequence index
-            packed = np.empty(len(inputs.order), dtype=np.int64)
-            packed[inputs.order] = np.arange(len(inputs.order))
-            idx = packed[idx]
-        meta.verify_states = VerifyStates.in_scratch_region(
-            meta.host, idx, first_scratch_slot, meta.device
-        )
 
     @torch.inference_mode()
     def verify(
@@ -215,6 +213,8 @@ class SpecDecoder:
         self._starts = {}
         idx = [i for i, s in enumerate(scheduled) if s.num_draft_tokens]
         if not idx:
+            if self._keeps_hidden:
+                self._keep_hidden(hidden, inputs.logits_indices, reqs)
             return
         seqs = [scheduled[i] for i in idx]
         d = np.fromiter((s.num_draft_tokens for s in seqs), np.int64, len(seqs))
@@ -236,10 +236,6 @@ class SpecDecoder:
             np.fromiter((s.request.sampling_seed for s in seqs), np.int64, len(seqs)),
             np.fromiter((s.request.num_output_tokens for s in seqs), np.int64, len(seqs)),
         )
-        vs = inputs.metadata.verify_states
-        if vs is not None:
-            # recurrent layers: each sequence's state after its last accepted token
-            model.keep_verified_states(*vs.keep_slots(out.num_accepted))
         verified = out.tokens.cpu().numpy()
         accepted = out.num_accepted.cpu().numpy()
         row_of = {id(r): i for i, r in enumerate(reqs)}
@@ -255,10 +251,30 @@ class SpecDecoder:
         tokens[torch.tensor(rows_out, device=tokens.device)] = torch.tensor(
             finals, dtype=tokens.dtype, device=tokens.device
         )
+        if self._keeps_hidden:
+            # a verified sequence's token was sampled from the row after its last accepted draft
+            sample_rows = inputs.logits_indices.clone()
+            sample_rows[torch.tensor(rows_out, device=sample_rows.device)] = torch.as_tensor(
+                first + accepted, dtype=sample_rows.dtype
+            ).to(sample_rows.device)
+            self._keep_hidden(hidden, sample_rows, reqs)
         st = self.stats
         st.verified_seqs += len(seqs)
         st.draft_tokens += int(d.sum())
         st.accepted_tokens += int(accepted.sum())
+
+    def _keep_hidden(
+        self, hidden: torch.Tensor, rows: torch.Tensor, reqs: Sequence[Request]
+    ) -> None:
+        """Keep, per request, the hidden state its step's token was sampled from.
+
+        :param hidden: the step's hidden states.
+        :param rows: ``[len(reqs)]`` the row of each request's sampled token.
+        :param reqs: the step's sampling requests.
+        """
+        kept = hidden.index_select(0, rows[: len(reqs)].to(hidden.device))
+        for j, req in enumerate(reqs):
+            self._hidden[req.request_id] = kept[j]
 
     def deliver(self, outs: Sequence[EngineStepOutput]) -> None:
         """Give each verified request's output every token it committed in the step.
