@@ -3,7 +3,7 @@
 The reference is built from transformers: a model with one decoder layer more
 than the target is saved, and that extra layer becomes the MTP layer's decoder
 block (stored as DeepSeek-V3 stores it, ``model.layers.{N}.*``, or as
-Qwen3-Next does, ``mtp.layers.0.*``), next to the MTP layer's own tensors drawn
+Qwen3-Next and Qwen3.5 do, ``mtp.layers.0.*``), next to the MTP layer's own tensors drawn
 here. The reference forward is float64: the norms, the concatenation and the
 projections written out below, the block run by transformers' own layer.
 """
@@ -59,7 +59,7 @@ class _Checkpoint:
         if arch == "deepseek_v3":
             cfg = hf_tiny.deepseek_v3()
         else:
-            cfg = hf_tiny.qwen3_next()
+            cfg = getattr(hf_tiny, arch)()
             cfg.layer_types = [*cfg.layer_types, "full_attention"]
         n = cfg.num_hidden_layers
         cfg.num_hidden_layers = n + 1
@@ -89,7 +89,7 @@ class _Checkpoint:
             "shared_head.head.weight": 0.15 * torch.randn(VOCAB, hidden, generator=gen),
             "embed_tokens.weight": 0.15 * torch.randn(VOCAB, hidden, generator=gen),
         }
-        if arch == "qwen3_next":
+        if arch != "deepseek_v3":
             own = {
                 "fc.weight": own["eh_proj.weight"],
                 "pre_fc_norm_embedding.weight": 0.2 * torch.randn(hidden, generator=gen),
@@ -100,7 +100,7 @@ class _Checkpoint:
         block_prefix = f"model.layers.{n}."
         saved: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            if name.startswith(block_prefix) and arch == "qwen3_next":
+            if name.startswith(block_prefix) and arch != "deepseek_v3":
                 saved["mtp.layers.0." + name[len(block_prefix) :]] = t
             else:
                 saved[name] = t
@@ -122,9 +122,11 @@ class _Checkpoint:
         self.eps = cfg.rms_norm_eps
 
     def _hf_class(self) -> str:
-        return {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}[
-            self.arch
-        ]
+        return {
+            "deepseek_v3": "DeepseekV3ForCausalLM",
+            "qwen3_next": "Qwen3NextForCausalLM",
+            "qwen3_5": "Qwen3_5ForCausalLM",
+        }[self.arch]
 
     @torch.no_grad()
     def reference(
@@ -180,7 +182,7 @@ class _Checkpoint:
         return out, out @ self.hf.lm_head.weight.T
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_next"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_next", "qwen3_5"])
 def checkpoint(request, tmp_path_factory) -> _Checkpoint:
     return _Checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
