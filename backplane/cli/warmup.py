@@ -424,6 +424,10 @@ def run(args: argparse.Namespace) -> int:
     :return: 0 when every shape ran, 1 otherwise.
     :raises ConfigError: nothing to warm, or a bad engine flag or ``--config`` key.
     """
+    from backplane.engine.worker.graph.compile_cache import configure_compile_caches
+
+    # the engines' start-up looks for the compiled kernels in these same directories
+    configure_compile_caches()
     config, model = _warmup_config(args)
     backends = _select_backends(config)
     specs = explicit_specs(args)

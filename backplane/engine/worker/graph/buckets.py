@@ -29,11 +29,17 @@ def token_buckets(max_num_tokens: int, sizes: Iterable[int] | None = None) -> li
     Pure-prefill batches can fill the whole token budget, so ``max_num_tokens``
     always has a bucket, whatever the configured sizes.
 
+    One token gets no bucket of its own when larger ones exist: ``torch.compile``
+    specialises a dimension of size 1, so that bucket alone would trace and split
+    the model a second time at start-up. A one-token step pads to the next bucket
+    (a decode of one sequence runs its decode graph anyway).
+
     :param max_num_tokens: the scheduler's token budget per step.
     :param sizes: configured sizes (default: powers of two).
     :return: sorted sizes, none above ``max_num_tokens``.
     """
-    return _buckets_up_to(max_num_tokens, sizes)
+    chosen = _buckets_up_to(max_num_tokens, sizes)
+    return chosen[1:] if len(chosen) > 1 and chosen[0] == 1 else chosen
 
 
 def decode_buckets(max_num_seqs: int, sizes: Iterable[int] | None = None) -> list[int]:
