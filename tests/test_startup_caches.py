@@ -131,3 +131,31 @@ def test_every_piecewise_bucket_replays_one_trace(limit, sizes):
         got = pw.run(bucket, xs[:bucket], ps[:bucket]).clone()
         torch.testing.assert_close(got, model(xs[:bucket], ps[:bucket]), rtol=0, atol=0)
     assert len(pw.compiler.splits) == 1
+
+
+def test_an_engine_sets_the_caches_before_its_worker_starts(tmp_path, monkeypatch):
+    from backplane.engine import executor as executor_mod
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def worker_starts(config, registry=None):
+        seen.update({k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")})
+        raise Started
+
+    monkeypatch.setattr(executor_mod, "InProcessExecutor", worker_starts)
+    from backplane.engine.config import EngineConfig
+
+    with pytest.raises(Started):
+        executor_mod.create_executor(
+            EngineConfig.from_dict({"model": "tiny-llama", "device": "cpu"})
+        )
+    assert seen == {
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }

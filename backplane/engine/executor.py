@@ -147,6 +147,10 @@ def create_executor(config: EngineConfig, registry: BackendRegistry | None = Non
     :return: the started executor.
     :raises ConfigError: a combination the executors do not support.
     """
+    from backplane.engine.worker.graph.compile_cache import configure_compile_caches
+
+    # before any worker compiles a kernel; worker processes inherit the variables
+    configure_compile_caches()
     if int(config.tensor_parallel_size) == 1:
         return InProcessExecutor(config, registry)
     from backplane.core.errors import ConfigError
