@@ -102,6 +102,9 @@ def test_streaming_detokenises_once_per_step():
             cached_tokens=0,
             num_preemptions=0,
             finished_time=None,
+            num_spec_steps=0,
+            num_draft_tokens=0,
+            num_accepted_tokens=0,
         ),
         output_token_times=np.zeros(0),
     )
