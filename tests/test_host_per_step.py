@@ -8,9 +8,6 @@ tokens stay those of the full decode and of the streaming path.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 import torch
 
@@ -93,21 +90,9 @@ def test_streaming_detokenises_once_per_step():
     ids = list(tok.encode(text).ids)
     proc = OutputProcessor(tok, frozenset(), lambda rid: True)
     calls = _count_calls(pytest.MonkeyPatch(), proc, "decode")
-    req = SimpleNamespace(
-        request_id="r",
-        sampling_params=SamplingParams(max_tokens=len(ids)),
-        stats=SimpleNamespace(
-            arrival_time=0.0,
-            first_token_time=None,
-            cached_tokens=0,
-            num_preemptions=0,
-            finished_time=None,
-            num_spec_steps=0,
-            num_draft_tokens=0,
-            num_accepted_tokens=0,
-        ),
-        output_token_times=np.zeros(0),
-    )
+    from backplane.engine.request import Request
+
+    req = Request("r", [1, 2], SamplingParams(max_tokens=len(ids)))
     t = TrackedRequest(req, [1, 2])
     streamed = ""
     for i, tid in enumerate(ids):
