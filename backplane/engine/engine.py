@@ -476,6 +476,9 @@ class Engine(WorkerView):
         scheduled = sched.scheduled
         prev = self._inflight
         inputs = self.executor.prepare_inputs(scheduled, prev.tokens if prev is not None else None)
+        if self.spec is not None:
+            # verifying chunks of a recurrent target: scratch slots follow the pool's
+            self.spec.mark_verification(inputs, scheduled, self.num_slots)
         prompt = self._prompt_rows(scheduled, inputs)
         hidden = self.execute(inputs)
         reqs = [scheduled[i].request for i in inputs.sample_seqs]

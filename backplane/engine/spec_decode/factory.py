@@ -19,17 +19,12 @@ def check_target(
 
     :param config: the speculative configuration.
     :param model: the target model's name (for the message).
-    :param recurrent: the model has recurrent state (Mamba2 / delta-rule layers).
+    :param recurrent: the model has recurrent state (Mamba2 / delta-rule layers; supported).
     :param tensor_parallel_size: ranks the target is split over.
     :raises ConfigError: saying what is unsupported and what to do.
     """
-    if recurrent:
-        # verification needs each sequence's recurrent state at its last accepted token
-        raise ConfigError(
-            f"speculative_config (method={config.method!r}) is not supported for {model!r}: "
-            "it has recurrent (Mamba2 / delta-rule) layers, whose states cannot roll back "
-            "rejected draft tokens yet; remove speculative_config for this model"
-        )
+    # A recurrent target (Mamba2 / delta-rule layers) verifies too: its ops keep the state
+    # after every chunk position and the accepted one is kept (SpecDecoder.mark_verification).
     if tensor_parallel_size > 1:
         raise ConfigError(
             f"speculative_config is not supported with tensor_parallel_size="

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from backplane.core.metadata import VerifyStates
 from backplane.engine.request import Request, RequestStatus
 from backplane.engine.sampling.rejection import rejection_sample
 from backplane.engine.spec_decode.config import SpeculativeConfig
@@ -117,6 +118,8 @@ class SpecDecoder:
             config, model=model, recurrent=recurrent, tensor_parallel_size=tensor_parallel_size
         )
         self.config = config
+        #: the target has recurrent state: its verification steps keep per-position states
+        self.recurrent = bool(recurrent)
         self.proposer = create_proposer(
             config,
             target=target,
@@ -189,6 +192,38 @@ class SpecDecoder:
             req.token_buffer[n : n + len(draft)] = draft
             req.spec_token_ids.extend(draft)
 
+    def mark_verification(
+        self, inputs: BatchInputs, scheduled: Sequence[ScheduledSeq], first_scratch_slot: int
+    ) -> None:
+        """Before the forward of a recurrent target: mark the step's verifying chunks.
+
+        Sets ``inputs.metadata.verify_states``
+        (:meth:`~backplane.core.metadata.VerifyStates.in_scratch_region`), so that the
+        recurrent ops keep the state after every position of each sequence's drafts in
+        scratch slots from ``first_scratch_slot`` on; :meth:`verify` then copies each
+        sequence's state after its last accepted token back into its own slot. Does
+        nothing for a target without recurrent state.
+
+        :param inputs: the step's prepared inputs.
+        :param scheduled: the scheduler's sequences, as given to input preparation.
+        :param first_scratch_slot: the first state slot past those the slot pool hands out
+            (the worker allocates ``max_num_seqs * num_speculative_tokens`` more).
+        """
+        if not self.recurrent:
+            return
+        meta = inputs.metadata
+        idx = np.fromiter((i for i, s in enumerate(scheduled) if s.num_draft_tokens), np.int64)
+        if not len(idx):
+            meta.verify_states = None
+            return
+        if inputs.order is not None:  # scheduled index -> packed sequence index
+            packed = np.empty(len(inputs.order), dtype=np.int64)
+            packed[inputs.order] = np.arange(len(inputs.order))
+            idx = packed[idx]
+        meta.verify_states = VerifyStates.in_scratch_region(
+            meta.host, idx, first_scratch_slot, meta.device
+        )
+
     @torch.inference_mode()
     def verify(
         self,
@@ -236,6 +271,10 @@ class SpecDecoder:
             np.fromiter((s.request.sampling_seed for s in seqs), np.int64, len(seqs)),
             np.fromiter((s.request.num_output_tokens for s in seqs), np.int64, len(seqs)),
         )
+        vs = inputs.metadata.verify_states
+        if vs is not None:
+            # recurrent layers: each sequence's state after its last accepted token
+            model.keep_verified_states(*vs.keep_slots(out.num_accepted))
         verified = out.tokens.cpu().numpy()
         accepted = out.num_accepted.cpu().numpy()
         row_of = {id(r): i for i, r in enumerate(reqs)}

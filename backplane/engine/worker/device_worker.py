@@ -131,6 +131,14 @@ class DeviceWorker:
         self.has_recurrent_state = bool(self.model.has_recurrent_state)
         self.max_pages_per_seq = pages_per_seq(self.max_model_len, self.page_size)
         self.num_slots = self.max_num_seqs + 1 if self.has_recurrent_state else 0
+        # speculative verification keeps the per-position recurrent states of its chunks in
+        # scratch slots past the pool's (VerifyStates.in_scratch_region)
+        spec = cfg.speculative_config
+        self.num_scratch_slots = (
+            self.max_num_seqs * spec.num_speculative_tokens
+            if spec is not None and self.has_recurrent_state
+            else 0
+        )
         self.input_batch = InputBatch(
             max_num_tokens=self.max_num_tokens,
             max_num_seqs=self.max_num_seqs,
@@ -174,7 +182,7 @@ class DeviceWorker:
         return self.model.cache_specs(
             num_pages=num_pages,
             page_size=self.page_size,
-            num_slots=max(self.num_slots, 1),
+            num_slots=max(self.num_slots + self.num_scratch_slots, 1),
             dtype=self.dtype,
         )
 
