@@ -53,11 +53,13 @@ class _Req:
             self.view = self.pages[:need]
 
 
+@pytest.mark.parametrize("vectorise_from", [0, 1000])
 @pytest.mark.parametrize("width", [None, 80])
-def test_kept_table_packs_like_joined_tables(width):
+def test_kept_table_packs_like_joined_tables(width, vectorise_from):
     rng = np.random.default_rng(3)
     reqs = [_Req(rng, 1000 * i, int(rng.integers(1, 60))) for i in range(12)]
     kept = PersistentBlockTable(max_rows=16, max_pages=80)
+    kept.vectorise_from = vectorise_from  # rows rewritten one by one, or all in one pass
     for step in range(60):
         live = [r for r in reqs if rng.random() < 0.8]  # some sit out a step: rows move
         if step % 7 == 3:

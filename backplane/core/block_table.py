@@ -41,6 +41,8 @@ class PersistentBlockTable:
         self._sources: list[np.ndarray | None] = [None] * self.max_rows
         #: rows rewritten by the last :meth:`update` (for tests and statistics)
         self.rewritten = 0
+        #: above this many changed rows they are rewritten in one vectorised pass
+        self.vectorise_from = 32
 
     def update(self, page_tables: Sequence[np.ndarray]) -> None:
         """Make rows ``0..len(page_tables)-1`` hold these page tables.
@@ -56,6 +58,10 @@ class PersistentBlockTable:
             )
         sources = self._sources
         changed = [j for j in range(n) if page_tables[j] is not sources[j]]
+        self.rewritten = len(changed)
+        if len(changed) > self.vectorise_from:
+            self._rewrite_many(page_tables, changed)
+            return
         rows, lens, width = self.rows, self.lens, self.max_pages
         for j in changed:
             table = page_tables[j]
@@ -67,7 +73,31 @@ class PersistentBlockTable:
                 rows[j, k:old] = NULL_PAGE
             lens[j] = m
             sources[j] = table
-        self.rewritten = len(changed)
+
+    def _rewrite_many(self, page_tables: Sequence[np.ndarray], changed: list[int]) -> None:
+        """Rewrite many rows at once: one join of their tables and one scatter.
+
+        When the sequences move between positions (prefills admitted ahead of
+        the decodes) most rows change, and one row write per sequence would cost
+        more than the join it saves.
+        """
+        tables = [page_tables[j] for j in changed]
+        at = np.asarray(changed, dtype=np.int64)
+        m = np.fromiter(map(len, tables), np.int64, len(tables))
+        k = np.minimum(m, self.max_pages)
+        total = int(k.sum())
+        # past its table a row holds NULL_PAGE: clear as far as the old tables reached
+        reach = min(int(self.lens[at].max()), self.max_pages)
+        self.rows[at, :reach] = NULL_PAGE
+        if total:
+            flat = np.concatenate(tables)
+            first = np.repeat(np.cumsum(k) - k, k)
+            col = np.arange(total, dtype=np.int64) - first
+            self.rows[np.repeat(at, k), col] = flat[np.repeat(np.cumsum(m) - m, k) + col]
+        self.lens[at] = m
+        sources = self._sources
+        for j, table in zip(changed, tables, strict=True):
+            sources[j] = table
 
     def forget(self) -> None:
         """Drop every row's source, so the next :meth:`update` rewrites them all."""
