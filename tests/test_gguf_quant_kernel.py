@@ -18,16 +18,12 @@ The tests marked ``gpu`` run the same checks on a CUDA device in bfloat16 too.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
+from interpreter_checks import interpreting, main, run_in_child
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = [
@@ -134,10 +130,6 @@ def _check_module(device: torch.device, dtype: torch.dtype) -> None:
         assert ((got.double().cpu() - want).abs() <= bound).all(), kernel
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 # -- the pytest side ------------------------------------------------------------------------
 
 if __name__ != "__main__":
@@ -148,24 +140,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, dict[str, str]]:
         """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        pytest.importorskip("triton", reason="triton is not installed")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = Path(tmp) / "results.json"
-            proc = subprocess.run(
-                [sys.executable, __file__, "--json", str(result_file), *CHECKS],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            if not result_file.exists():
-                pytest.fail(
-                    f"interpreter checks crashed (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                )
-            return json.loads(result_file.read_text())
+        return run_in_child(__file__, CHECKS)
 
     @pytest.mark.parametrize("check", CHECKS)
     def test_in_interpreter(interpret_results, check):
@@ -180,7 +155,7 @@ if __name__ != "__main__":
     def test_on_gpu(check, dtype):
         """One check, run on a CUDA device."""
         pytest.importorskip("triton", reason="triton is not installed")
-        if not torch.cuda.is_available() or _interpreting():
+        if not torch.cuda.is_available() or interpreting():
             pytest.skip("needs a CUDA device (and TRITON_INTERPRET unset)")
         _check(check, torch.device("cuda"), dtype)
 
@@ -188,26 +163,7 @@ if __name__ != "__main__":
 # -- the child side -------------------------------------------------------------------------
 
 
-def _main(argv: list[str]) -> int:
-    out_file = None
-    if argv[:1] == ["--json"]:
-        out_file, argv = Path(argv[1]), argv[2:]
-    if not _interpreting():
-        print("set TRITON_INTERPRET=1 before running these checks", file=sys.stderr)
-        return 2
-    results: dict[str, dict[str, str]] = {}
-    for check in argv or CHECKS:
-        try:
-            _check(check, torch.device("cpu"), torch.float32)
-            results[check] = {"status": "ok", "detail": ""}
-        except Exception:  # noqa: BLE001 - every failure is reported to the pytest side
-            results[check] = {"status": "fail", "detail": traceback.format_exc()[-6000:]}
-        print(f"{check}: {results[check]['status']}", file=sys.stderr)
-    if out_file is not None:
-        out_file.write_text(json.dumps(results))
-    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
-
-
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    raise SystemExit(_main(sys.argv[1:]))
+    sys.exit(
+        main(sys.argv[1:], CHECKS, lambda check: _check(check, torch.device("cpu"), torch.float32))
+    )

@@ -35,19 +35,15 @@ tests marked ``gpu``.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from interpreter_checks import interpreting, main, run_in_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,10 +66,6 @@ MODEL_CHECKS = (
 CHECKS = KERNEL_CHECKS + MODEL_CHECKS
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 # -- the pytest side ----------------------------------------------------------------
 
 if __name__ != "__main__":
@@ -85,24 +77,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, dict[str, str]]:
         """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        pytest.importorskip("triton", reason="triton is not installed")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = Path(tmp) / "results.json"
-            proc = subprocess.run(
-                [sys.executable, __file__, "--json", str(result_file), *CHECKS],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
-            if not result_file.exists():
-                pytest.fail(
-                    f"interpreter checks crashed (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                )
-            return json.loads(result_file.read_text())
+        return run_in_child(__file__, CHECKS, timeout=900)
 
     @pytest.mark.parametrize("check", CHECKS)
     def test_in_interpreter(interpret_results, check):
@@ -116,13 +91,13 @@ if __name__ != "__main__":
     def test_on_gpu(check):
         """One check, run on a CUDA device at larger shapes."""
         pytest.importorskip("triton", reason="triton is not installed")
-        if _interpreting():
+        if interpreting():
             pytest.skip("TRITON_INTERPRET is set: the kernels would not run on the GPU")
         run_check(check, torch.device("cuda"))
 
     def test_auto_is_torch_on_cpu_and_triton_there_is_refused():
         """Without CUDA (and outside the interpreter) ``auto`` means torch and ``triton`` is an error."""
-        if _interpreting():
+        if interpreting():
             pytest.skip("TRITON_INTERPRET is set: the Triton kernels run on the CPU")
         from backplane.models.presets import build_preset
 
@@ -136,7 +111,7 @@ if __name__ != "__main__":
 
     def test_engine_applies_the_setting_and_refuses_triton_on_cpu():
         """The engine hands ``fused_ops`` to its model; ``triton`` on a CPU engine is a ConfigError."""
-        if _interpreting():
+        if interpreting():
             pytest.skip("TRITON_INTERPRET is set: the Triton kernels run on the CPU")
         from backplane.engine.config import EngineConfig
         from backplane.engine.engine import Engine
@@ -1082,31 +1057,8 @@ def run_check(check: str, device: torch.device) -> None:
 # -- the child side -------------------------------------------------------------------------
 
 
-def _main(argv: list[str]) -> int:
-    out_file = None
-    if argv[:1] == ["--json"]:
-        out_file, argv = Path(argv[1]), argv[2:]
-    if not _interpreting():
-        print("set TRITON_INTERPRET=1 before running these checks", file=sys.stderr)
-        return 2
-    results: dict[str, dict[str, str]] = {}
-    for check in argv or CHECKS:
-        try:
-            run_check(check, torch.device("cpu"))
-            results[check] = {"status": "ok", "detail": ""}
-        except Exception:  # noqa: BLE001 - every failure is reported to the pytest side
-            results[check] = {"status": "fail", "detail": traceback.format_exc()[-6000:]}
-        print(f"{check}: {results[check]['status']}", file=sys.stderr)
-        if results[check]["status"] != "ok":
-            print(results[check]["detail"], file=sys.stderr)
-    if out_file is not None:
-        out_file.write_text(json.dumps(results))
-    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
-
-
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    raise SystemExit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], CHECKS, lambda check: run_check(check, torch.device("cpu"))))
 
 
 def test_fake_implementations_run_under_fake_tensors():

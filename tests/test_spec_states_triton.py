@@ -15,13 +15,10 @@ The scan check runs when mamba-ssm can be made importable as
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import traceback
 from pathlib import Path
+
+from interpreter_checks import main, run_in_child
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the accepted positions each check keeps (none, all, mixed)
@@ -35,24 +32,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, dict[str, str]]:
         """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        pytest.importorskip("triton", reason="triton is not installed")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = Path(tmp) / "results.json"
-            proc = subprocess.run(
-                [sys.executable, __file__, "--json", str(result_file)],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
-            if not result_file.exists():
-                pytest.fail(
-                    f"interpreter checks crashed (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                )
-            return json.loads(result_file.read_text())
+        return run_in_child(__file__, CHECKS, timeout=900)
 
     @pytest.mark.parametrize("check", CHECKS)
     def test_verification_states_on_triton_in_interpreter(interpret_results, check):
@@ -122,28 +102,5 @@ def check_delta() -> tuple[str, str]:
     return "ok", ""
 
 
-def _main(argv: list[str]) -> int:
-    """Run the checks; with ``--json FILE`` write ``{check: {status, detail}}`` there."""
-    result_file = None
-    if argv[:1] == ["--json"]:
-        result_file, argv = argv[1], argv[2:]
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("set TRITON_INTERPRET=1 before running these checks", file=sys.stderr)
-        return 2
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    results, failed = {}, False
-    for name in argv or CHECKS:
-        try:
-            status, detail = globals()[f"check_{name}"]()
-        except Exception:
-            status, detail = "fail", traceback.format_exc()
-            failed = True
-        results[name] = {"status": status, "detail": detail}
-        sys.stderr.write(f"{name}: {status}{(' ' + detail) if detail else ''}\n")
-    if result_file:
-        Path(result_file).write_text(json.dumps(results))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], CHECKS, lambda name: globals()[f"check_{name}"]()))

@@ -15,13 +15,11 @@ Two kinds of check:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from interpreter_checks import main, run_in_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,23 +217,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, dict[str, str]]:
         """Run the numerical checks in one child process under ``TRITON_INTERPRET=1``."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = Path(tmp) / "results.json"
-            proc = subprocess.run(
-                [sys.executable, __file__, "--json", str(result_file), *CHECKS],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            if not result_file.exists():
-                pytest.fail(
-                    f"interpreter checks crashed (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                )
-            return json.loads(result_file.read_text())
+        return run_in_child(__file__, CHECKS)
 
     @pytest.mark.parametrize("check", CHECKS)
     def test_mixed_batch_in_interpreter(interpret_results, check):
@@ -308,34 +290,5 @@ def check_mixed_window() -> None:
     _mixed_case("float32", 6, 1e-4)
 
 
-def _main(argv: list[str]) -> int:
-    """Run the named checks; with ``--json FILE`` write ``{check: {status, detail}}`` there."""
-    import logging
-    import traceback
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    log = logging.getLogger("triton_attention_plan")
-    result_file = None
-    if argv[:1] == ["--json"]:
-        result_file, argv = argv[1], argv[2:]
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        log.error("set TRITON_INTERPRET=1 before running these checks")
-        return 2
-    sys.path.insert(0, str(ROOT))
-    results, failed = {}, False
-    for name in argv or CHECKS:
-        try:
-            globals()[f"check_{name}"]()
-            status, detail = "ok", ""
-        except Exception:
-            status, detail = "fail", traceback.format_exc()
-            failed = True
-        results[name] = {"status": status, "detail": detail}
-        log.info("%s: %s %s", name, status, detail)
-    if result_file:
-        Path(result_file).write_text(json.dumps(results))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], CHECKS, lambda name: globals()[f"check_{name}"]()))

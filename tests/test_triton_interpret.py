@@ -17,15 +17,13 @@ the reason. Shapes are small and float32 so the interpreter finishes quickly.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import tarfile
 import tempfile
-import traceback
 import zipfile
 from pathlib import Path
+
+from interpreter_checks import main, run_in_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,24 +55,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, dict[str, str]]:
         """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        pytest.importorskip("triton", reason="triton is not installed")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = Path(tmp) / "results.json"
-            proc = subprocess.run(
-                [sys.executable, __file__, "--json", str(result_file), *CHECKS],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            if not result_file.exists():
-                pytest.fail(
-                    f"interpreter checks crashed (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                )
-            return json.loads(result_file.read_text())
+        return run_in_child(__file__, CHECKS)
 
     @pytest.mark.parametrize("check", CHECKS)
     def test_kernel_in_interpreter(interpret_results, check):
@@ -777,29 +758,5 @@ def check_delta_decode_in_place():
     return "ok", ""
 
 
-def _main(argv: list[str]) -> int:
-    """Run the named checks; with ``--json FILE`` write ``{check: {status, detail}}`` there."""
-    result_file = None
-    if argv[:1] == ["--json"]:
-        result_file, argv = argv[1], argv[2:]
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("set TRITON_INTERPRET=1 before running these checks", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(ROOT))
-    results, failed = {}, False
-    for name in argv or CHECKS:
-        try:
-            res = globals()[f"check_{name}"]()
-            status, detail = res if isinstance(res, tuple) else ("ok", "")
-        except Exception:
-            status, detail = "fail", traceback.format_exc()
-            failed = True
-        results[name] = {"status": status, "detail": detail}
-        print(f"{name}: {status}{(' ' + detail) if detail else ''}", flush=True)
-    if result_file:
-        Path(result_file).write_text(json.dumps(results))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], CHECKS, lambda name: globals()[f"check_{name}"]()))
