@@ -81,8 +81,14 @@ EXIT_TIMEOUT = 10.0
 WATCH_INTERVAL = 0.5
 
 
-class _Proc:
-    """A worker process and the driver's end of its pipe."""
+class RankProcess:
+    """A rank's worker process and the driver's end of its command link.
+
+    :param rank: the rank (1..N-1; rank 0 is the driver).
+    :param process: the rank's process, or an object with its ``pid``,
+        ``is_alive``, ``exitcode``, ``join`` and ``kill``.
+    :param conn: the driver's end of the rank's command link.
+    """
 
     def __init__(self, rank: int, process: mp.Process, conn: Connection) -> None:
         self.rank = rank
@@ -105,16 +111,7 @@ class MultiprocExecutor:
     """
 
     def __init__(self, config: EngineConfig, registry: BackendRegistry | None = None) -> None:
-        self.size = int(config.tensor_parallel_size)
-        self._procs: list[_Proc] = []
-        self._failure: WorkerFailedError | None = None
-        self._closed = False
-        self._closing = False
-        self._joined = False
-        # held by each call into the ranks, so that a shutdown from another thread (at
-        # interpreter exit) never tears the group down under a step in a collective
-        self._lock = threading.RLock()
-        self._stop_watch = threading.Event()
+        self._init_state(config)
         init_method = free_tcp_address()
         ctx = mp.get_context("spawn")
         driver_config = rank_config(config, 0)
@@ -130,22 +127,12 @@ class MultiprocExecutor:
                 )
                 process.start()
                 child.close()
-                self._procs.append(_Proc(rank, process, parent))
+                self._procs.append(RankProcess(rank, process, parent))
             # ends the workers if the executor is dropped without being shut down
             self._finalizer = weakref.finalize(self, _end_processes, list(self._procs))
             self._join(init_method, driver_config.torch_device)
             self.driver = DeviceWorker(driver_config, registry)
-            self._send_all(msg.LOAD)
-            self._guard(self.driver.load_model)
-            pages = [self._guard(self.driver.determine_num_kv_pages)]
-            pages += self._answers()
-            self.num_pages = min(int(p) for p in pages)
-            if len(set(pages)) > 1:
-                logger.info("KV pages per rank %s: every rank uses %d", pages, self.num_pages)
-            self._send_all(msg.START, self.num_pages)
-            self._guard(self.driver.initialize_cache, self.num_pages)
-            self._guard(self.driver.compile_or_warm_up_model)
-            self._answers()
+            self._start_up()
         except BaseException:
             self.shutdown()
             raise
@@ -153,6 +140,40 @@ class MultiprocExecutor:
         logger.info(
             "tensor parallel: %d ranks (%s)", self.size, "nccl" if self._on_cuda else "gloo"
         )
+
+    def _init_state(self, config: EngineConfig) -> None:
+        """Set the executor's bookkeeping before any rank starts (no ranks, no failure).
+
+        :param config: the engine configuration (``tensor_parallel_size > 1``).
+        """
+        self.size = int(config.tensor_parallel_size)
+        self._procs: list[RankProcess] = []
+        self._failure: WorkerFailedError | None = None
+        self._closed = False
+        self._closing = False
+        self._joined = False
+        # held by each call into the ranks, so that a shutdown from another thread (at
+        # interpreter exit) never tears the group down under a step in a collective
+        self._lock = threading.RLock()
+        self._stop_watch = threading.Event()
+
+    def _start_up(self) -> None:
+        """Run the worker start-up sequence on every rank in lock-step.
+
+        Every rank loads the model and says how many KV pages it can hold; all
+        of them then size their caches to the smallest count and warm up.
+        """
+        self._send_all(msg.LOAD)
+        self._guard(self.driver.load_model)
+        pages = [self._guard(self.driver.determine_num_kv_pages)]
+        pages += self._answers()
+        self.num_pages = min(int(p) for p in pages)
+        if len(set(pages)) > 1:
+            logger.info("KV pages per rank %s: every rank uses %d", pages, self.num_pages)
+        self._send_all(msg.START, self.num_pages)
+        self._guard(self.driver.initialize_cache, self.num_pages)
+        self._guard(self.driver.compile_or_warm_up_model)
+        self._answers()
 
     def _watch_and_exit_hooks(self) -> None:
         """Start the watchdog and register the exit hook (once the ranks are up)."""
@@ -338,7 +359,7 @@ class MultiprocExecutor:
             out.append(value)
         return out
 
-    def _recv(self, p: _Proc) -> tuple[str, Any]:
+    def _recv(self, p: RankProcess) -> tuple[str, Any]:
         try:
             kind, value = p.conn.recv()
         except (EOFError, OSError):
@@ -417,7 +438,7 @@ def _peer_error(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, dist.DistBackendError, ConnectionError, OSError))
 
 
-def _end_processes(procs: list[_Proc]) -> None:
+def _end_processes(procs: list[RankProcess]) -> None:
     """Kill every worker process still running and reap it (no orphan survives the engine)."""
     for p in procs:
         if p.process.is_alive():
@@ -452,7 +473,7 @@ def _shutdown_at_exit(ref: weakref.ReferenceType[MultiprocExecutor]) -> None:
 
 
 def _watch(
-    ref: weakref.ReferenceType[MultiprocExecutor], procs: list[_Proc], stop: threading.Event
+    ref: weakref.ReferenceType[MultiprocExecutor], procs: list[RankProcess], stop: threading.Event
 ) -> None:
     """The watchdog: abort the group when a worker process dies while the engine runs.
 

@@ -44,7 +44,7 @@ from backplane.engine.distributed.group import rank_config
 from backplane.engine.distributed.multiproc import (
     START_TIMEOUT,
     MultiprocExecutor,
-    _Proc,
+    RankProcess,
 )
 from backplane.engine.distributed.worker_proc import worker_main
 from backplane.engine.worker.device_worker import DeviceWorker
@@ -250,14 +250,7 @@ class RayExecutor(MultiprocExecutor):
             logger.info("joining a Ray cluster (RAY_ADDRESS, or a local one)")
             ray.init()
         self._ray = ray
-        self.size = int(config.tensor_parallel_size)
-        self._procs: list[_Proc] = []
-        self._failure: WorkerFailedError | None = None
-        self._closed = False
-        self._closing = False
-        self._joined = False
-        self._lock = threading.RLock()
-        self._stop_watch = threading.Event()
+        self._init_state(config)
         self._actors: list[Any] = []  # every actor started, connected or not
         self._holder: Any = None
         self._placement: Any = None
@@ -291,7 +284,7 @@ class RayExecutor(MultiprocExecutor):
             conns = self._accept(processes)
             # the multi-process executor's steps, shutdown and fault handling take it from here
             self._procs = [
-                _Proc(rank, p, conns[rank])  # type: ignore[arg-type]
+                RankProcess(rank, p, conns[rank])  # type: ignore[arg-type]
                 for rank, p in enumerate(processes, start=1)
             ]
             self._join(init_method, driver_config.torch_device)
@@ -426,22 +419,6 @@ class RayExecutor(MultiprocExecutor):
             raise error[0]
         return conns
 
-    def _start_up(self) -> None:
-        """The worker start-up sequence on every rank in lock-step (as the multi-process one)."""
-        from backplane.engine.distributed import messages as msg
-
-        self._send_all(msg.LOAD)
-        self._guard(self.driver.load_model)
-        pages = [self._guard(self.driver.determine_num_kv_pages)]
-        pages += self._answers()
-        self.num_pages = min(int(p) for p in pages)
-        if len(set(pages)) > 1:
-            logger.info("KV pages per rank %s: every rank uses %d", pages, self.num_pages)
-        self._send_all(msg.START, self.num_pages)
-        self._guard(self.driver.initialize_cache, self.num_pages)
-        self._guard(self.driver.compile_or_warm_up_model)
-        self._answers()
-
     def shutdown(self) -> None:
         """Shut every rank down, then kill its actor (freeing its resources); idempotent."""
         super().shutdown()
@@ -469,8 +446,3 @@ class RayExecutor(MultiprocExecutor):
             self._listener.close()
         except OSError:
             pass
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """The process ids of the ranks' actors (ranks 1..N-1)."""
-        return [int(p.process.pid or 0) for p in self._procs]
