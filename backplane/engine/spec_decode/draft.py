@@ -27,7 +27,11 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.packing import build_batch_metadata
 from backplane.engine.spec_decode.config import SpeculativeConfig
-from backplane.engine.spec_decode.own_cache import OwnCache, SequenceCache, common_prefix
+from backplane.engine.spec_decode.own_cache import (
+    SequenceCache,
+    allocate_own_cache,
+    common_prefix,
+)
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
 from backplane.models.base import CausalLM
 
@@ -84,17 +88,15 @@ class DraftModelProposer:
         self.backends = {f: backends[f] for f in draft.families}
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
-        pages_per_seq = -(-(max_model_len + num_speculative_tokens) // page_size)
-        self.cache = OwnCache(max_num_seqs * pages_per_seq + 1, page_size, max_num_seqs + 1)
+        self.cache, self.caches = allocate_own_cache(
+            draft,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_speculative_tokens=num_speculative_tokens,
+            page_size=page_size,
+        )
         param = next(draft.parameters())
         self.device = param.device
-        self.caches = draft.allocate_caches(
-            num_pages=self.cache.num_pages,
-            page_size=page_size,
-            num_slots=self.cache.num_slots,
-            dtype=param.dtype,
-            device=self.device,
-        )
         specs = draft.cache_specs(num_pages=1, page_size=page_size, num_slots=1, dtype=param.dtype)
         #: the per-slot (recurrent) cache tensors, cleared for a sequence that starts over
         self._state_tensors = [

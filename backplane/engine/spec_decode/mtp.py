@@ -31,7 +31,7 @@ import torch
 from backplane.core.errors import ConfigError
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.packing import build_batch_metadata
-from backplane.engine.spec_decode.own_cache import OwnCache, SequenceCache
+from backplane.engine.spec_decode.own_cache import SequenceCache, allocate_own_cache
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
 from backplane.models.base import CausalLM
 from backplane.models.mtp import MultiTokenPredictor
@@ -83,17 +83,14 @@ class MTPProposer:
         families = {f for _, m in mtp.cached_layers() for f in m.families}
         self.backends = {f: backends[f] for f in families}
         self.num_speculative_tokens = num_speculative_tokens
-        pages_per_seq = -(-(max_model_len + num_speculative_tokens) // page_size)
-        self.cache = OwnCache(max_num_seqs * pages_per_seq + 1, page_size, max_num_seqs + 1)
-        param = next(mtp.parameters())
-        self.device = param.device
-        self.caches = mtp.allocate_caches(
-            num_pages=self.cache.num_pages,
+        self.cache, self.caches = allocate_own_cache(
+            mtp,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_speculative_tokens=num_speculative_tokens,
             page_size=page_size,
-            num_slots=self.cache.num_slots,
-            dtype=param.dtype,
-            device=self.device,
         )
+        self.device = next(mtp.parameters()).device
         #: per request: the position of each cache entry (``SequenceCache.tokens`` holds
         #: the token each entry was fed)
         self._positions: dict[str, list[int]] = {}

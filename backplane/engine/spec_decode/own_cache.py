@@ -9,13 +9,18 @@ as in the engine's own pools.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from backplane.core.errors import ConfigError
 
-__all__ = ["OwnCache", "SequenceCache", "common_prefix"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CacheOwner", "OwnCache", "SequenceCache", "allocate_own_cache", "common_prefix"]
 
 
 @dataclass
@@ -108,3 +113,62 @@ def common_prefix(cached: list[int], tokens: np.ndarray) -> int:
         return 0
     diff = np.flatnonzero(np.asarray(cached[:n]) != np.asarray(tokens[:n]))
     return int(diff[0]) if len(diff) else n
+
+
+class CacheOwner(Protocol):
+    """A module that allocates caches of its own: a draft model or the MTP layers."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The module's parameters (the first gives the caches' dtype and device).
+
+        :return: an iterator over them.
+        """
+        ...
+
+    def allocate_caches(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Allocate (zeroed) and bind the module's caches.
+
+        :return: ``{layer name: {cache name: tensor}}``.
+        """
+        ...
+
+
+def allocate_own_cache(
+    model: CacheOwner,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_speculative_tokens: int,
+    page_size: int,
+) -> tuple[OwnCache, dict[str, dict[str, torch.Tensor]]]:
+    """Pages and slots for ``max_num_seqs`` sequences, and ``model``'s caches of that size.
+
+    Every sequence may hold ``max_model_len`` tokens plus a full draft; the
+    caches take the dtype and device of the model's parameters.
+
+    :param model: the module whose caches these are.
+    :param max_num_seqs: the most sequences drafted for at once.
+    :param max_model_len: the longest sequence (tokens).
+    :param num_speculative_tokens: ``k``, the most tokens drafted per sequence.
+    :param page_size: tokens per page.
+    :return: the pages and slots handed out per request, and the allocated caches.
+    """
+    pages_per_seq = -(-(max_model_len + num_speculative_tokens) // page_size)
+    cache = OwnCache(max_num_seqs * pages_per_seq + 1, page_size, max_num_seqs + 1)
+    param = next(model.parameters())
+    caches = model.allocate_caches(
+        num_pages=cache.num_pages,
+        page_size=page_size,
+        num_slots=cache.num_slots,
+        dtype=param.dtype,
+        device=param.device,
+    )
+    return cache, caches
