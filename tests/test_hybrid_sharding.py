@@ -15,7 +15,6 @@ only its share of the heads (parameters and state caches).
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from model_run_helpers import run_schedule, torch_backends
+from process_helpers import free_port
 
 from backplane.core.errors import ConfigError
-from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.packing import build_batch_metadata
 from backplane.core.parallel import TensorParallel, set_tensor_parallel
-from backplane.core.registry import get_registry
 from backplane.models.base import CausalLM, ModelConfig, build_model
 from backplane.models.mixers import GatedDeltaNetMixer, Mamba2Mixer
 from backplane.models.presets import PRESETS
 from backplane.models.registry import model_class
-from backplane.testing.plugin import load_backend
 
 PAGE_SIZE = 4
 WORLD = 2
@@ -81,8 +78,7 @@ RANDOM_WEIGHTS = {"seed": 11, "std": 0.1}
 
 def _backends() -> dict[str, Any]:
     """The torch backend of every family the hybrid models use."""
-    registry = get_registry()
-    return {fam: load_backend(registry.get(fam, "torch")) for fam in FAMILIES}
+    return torch_backends(FAMILIES)
 
 
 def _build(config: dict[str, Any]) -> CausalLM:
@@ -117,26 +113,17 @@ def _run_schedule(lm: CausalLM, tokens: dict[int, list[int]]) -> list[torch.Tens
         dtype=torch.float32,
         device="cpu",
     )
-    backends = _backends()
-    lens = [0] * NUM_SEQS
-    out = []
-    for step in SCHEDULE:
-        batch = build_batch_metadata(
-            [n for _, n in step],
-            [lens[s] for s, _ in step],
-            [tables[s] for s, _ in step],
-            PAGE_SIZE,
-            state_slots=[int(slots[s]) for s, _ in step],
-        )
-        ids = torch.tensor(
+    return run_schedule(
+        lm,
+        _backends(),
+        SCHEDULE,
+        tables=tables,
+        slots=slots,
+        page_size=PAGE_SIZE,
+        step_ids=lambda step, lens: torch.tensor(
             [t for s, n in step for t in tokens[s][lens[s] : lens[s] + n]], dtype=torch.int64
-        )
-        with torch.no_grad(), forward_context(batch, plan_step(backends, batch)):
-            hidden = lm(ids, batch.positions)
-            out.append(lm.compute_logits(hidden[: batch.num_tokens]).clone())
-        for s, n in step:
-            lens[s] += n
-    return out
+        ),
+    )
 
 
 def _tokens(vocab: int) -> dict[int, list[int]]:
@@ -184,13 +171,6 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    """A TCP port free on this machine, for the ranks to meet on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _halved(full: tuple[int, ...], local: tuple[int, ...]) -> bool:
     """Whether ``local`` is ``full`` with exactly one dimension halved."""
     if len(full) != len(local):
@@ -212,7 +192,7 @@ def test_two_ranks_give_the_logits_of_one(case: str, tmp_path: Path) -> None:
         {"config": config, "checkpoint": _checkpoint(lm), "tokens": tokens}, tmp_path / "job.pt"
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
 
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

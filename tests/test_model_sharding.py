@@ -16,7 +16,6 @@ Checkpoints come from tiny transformers models: saved with ``save_pretrained``
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,13 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from model_run_helpers import run_schedule, torch_backends
+from process_helpers import free_port
 from torch import nn
 
 from backplane.core.errors import ConfigError
-from backplane.core.forward_context import forward_context, plan_step
-from backplane.core.packing import build_batch_metadata
 from backplane.core.parallel import TensorParallel, set_tensor_parallel
-from backplane.core.registry import get_registry
 from backplane.models import load_model, loader
 from backplane.models.base import CausalLM, ModelConfig, build_model
 from backplane.models.linear import Linear, MergedLinear
@@ -43,7 +41,6 @@ from backplane.models.moe import MoE
 from backplane.models.parallel import PartShard, ShardSlice
 from backplane.models.presets import PRESETS
 from backplane.models.registry import model_class
-from backplane.testing.plugin import load_backend
 
 PAGE_SIZE = 4
 WORLD = 2
@@ -83,8 +80,7 @@ NUM_SEQS = 3
 
 
 def _backends() -> dict[str, Any]:
-    registry = get_registry()
-    return {fam: load_backend(registry.get(fam, "torch")) for fam in FAMILIES}
+    return torch_backends(FAMILIES)
 
 
 def _build(source: dict[str, Any] | str) -> CausalLM:
@@ -116,25 +112,17 @@ def _run(lm: CausalLM) -> list[torch.Tensor]:
         dtype=torch.float32,
         device="cpu",
     )
-    lens = [0] * NUM_SEQS
-    out = []
-    for step in SCHEDULE:
-        batch = build_batch_metadata(
-            [n for _, n in step],
-            [lens[s] for s, _ in step],
-            [tables[s] for s, _ in step],
-            PAGE_SIZE,
-            state_slots=[s + 1 for s, _ in step],
-            device="cpu",
-        )
-        n_tokens = sum(n for _, n in step)
-        ids = torch.from_numpy(rng.integers(0, lm.vocab_size, n_tokens)).long()
-        with torch.no_grad(), forward_context(batch, plan_step(backends, batch)):
-            hidden = lm(ids, batch.positions)
-            out.append(lm.compute_logits(hidden[: batch.num_tokens]).clone())
-        for s, n in step:
-            lens[s] += n
-    return out
+    return run_schedule(
+        lm,
+        backends,
+        SCHEDULE,
+        tables=tables,
+        slots=[s + 1 for s in range(NUM_SEQS)],
+        page_size=PAGE_SIZE,
+        step_ids=lambda step, lens: torch.from_numpy(
+            rng.integers(0, lm.vocab_size, sum(n for _, n in step))
+        ).long(),
+    )
 
 
 def _heads(lm: CausalLM) -> list[tuple[int, ...]]:
@@ -214,12 +202,6 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     """``{"sources", "reference": {case: one-rank results}, "ranks": [per rank results]}``."""
@@ -233,7 +215,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        mp.spawn(_rank_main, args=(_free_port(), str(folder)), nprocs=WORLD, join=True)
+        mp.spawn(_rank_main, args=(free_port(), str(folder)), nprocs=WORLD, join=True)
     finally:
         if env is None:
             os.environ.pop("OMP_NUM_THREADS", None)
