@@ -15,6 +15,7 @@ import signal
 import time
 
 import pytest
+from process_helpers import alive as _alive
 
 from backplane import LLM, AsyncLLM, SamplingParams
 from backplane.api.data_parallel import replica_configs, replica_in_own_process
@@ -27,15 +28,6 @@ CONFIG = dict(
     device="cpu", max_num_seqs=4, max_num_tokens=32, page_size=4, num_kv_pages=64, threads=1
 )
 PROMPTS = [[3 + i, 17, 42 + 2 * i, 9, 11 + i] for i in range(6)]
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process with this id still exists (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _children(pid: int) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_helpers import run_requests as _run
 
 from backplane.core.errors import ConfigError
 from backplane.engine.engine import Engine
@@ -17,16 +18,6 @@ from backplane.engine.sampling import SamplingParams
 from backplane.engine.spec_decode.draft import DraftModelProposer
 
 ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_tokens=64, page_size=4)
-
-
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    got: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-        engine.scheduler.check_invariants()
-    return [got[i] for i in ids]
 
 
 def _prompts() -> list[list[int]]:

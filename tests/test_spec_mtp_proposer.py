@@ -15,23 +15,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from model_run_helpers import torch_backends
 
 from backplane.core.errors import ConfigError
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.packing import build_batch_metadata
-from backplane.core.registry import get_registry
 from backplane.engine.spec_decode.mtp import MTPProposer
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest, Proposer
 from backplane.models.presets import build_preset
-from backplane.testing.plugin import load_backend
 
 FAMILIES = ("attention", "ssm", "mla", "delta")
 PAGE = 4
 
 
 def _backends() -> dict[str, Any]:
-    registry = get_registry()
-    return {f: load_backend(registry.get(f, "torch")) for f in FAMILIES}
+    return torch_backends(FAMILIES)
 
 
 class _Reference:

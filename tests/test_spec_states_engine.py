@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_helpers import run_requests
 
 from backplane.engine.engine import Engine
 from backplane.engine.sampling.params import SamplingParams
@@ -22,12 +23,7 @@ ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_tokens=64, 
 
 def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
     """Token ids of every request, stepping the engine until all finish."""
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    got: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-    return [got[i] for i in ids]
+    return run_requests(engine, prompts, params, check_invariants=False)
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -26,6 +26,7 @@ pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402
 import numpy as np  # noqa: E402
 import test_e2e  # noqa: E402
+from process_helpers import alive as _alive
 from test_batch import PAGE as BATCH_PAGE  # noqa: E402
 from test_batch import random_batch  # noqa: E402
 from test_e2e import ARCHS, assert_matches, hf_greedy, make_requests  # noqa: E402
@@ -46,15 +47,6 @@ hf_model = test_e2e.hf_model
 
 PAGE = 4
 VOCAB = hf_tiny.VOCAB
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process with this id still exists (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _tp_llm(path: str, **kw: Any) -> LLM:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import pytest
+from process_helpers import alive as _alive
 
 from backplane import LLM, SamplingParams
 from backplane.engine.distributed import WorkerFailedError, multiproc
@@ -29,15 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 #: what the simulated collective waits at most without the watchdog (the test fails sooner)
 HANG_S = 120.0
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process with this id still exists (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _tp_llm(**kw: Any) -> LLM:
