@@ -120,7 +120,74 @@ class WeightLoadError(ConfigError):
         self.tensor = tensor
 
 
-class CausalLM(nn.Module):
+class CachedModule(nn.Module):
+    """A module whose :class:`CachedMixer` layers hold caches: it describes, binds and allocates them.
+
+    The base of :class:`CausalLM` and of the next-token-prediction layers
+    (:class:`~backplane.models.mtp.MultiTokenPredictor`), whose caches are described
+    and allocated alike.
+    """
+
+    def cached_layers(self) -> Iterator[tuple[str, CachedMixer]]:
+        """Yield ``(layer name, mixer)`` for every layer that owns caches."""
+        for name, m in self.named_modules():
+            if isinstance(m, CachedMixer):
+                yield name, m
+
+    def cache_specs(
+        self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
+    ) -> dict[str, dict[str, TensorSpec]]:
+        """Describe every cache tensor the model needs.
+
+        :param num_pages: KV pages per layer (page 0 included, reserved).
+        :param page_size: tokens per page.
+        :param num_slots: recurrent-state slots (slot 0 included, reserved).
+        :param dtype: the KV / conv cache dtype (SSM and delta states are float32).
+        :return: ``{layer name: {cache name: spec}}``.
+        """
+        return {
+            name: m.cache_specs(
+                num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
+            )
+            for name, m in self.cached_layers()
+        }
+
+    def bind_caches(self, caches: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Hand the allocated caches to the layers.
+
+        :param caches: ``{layer name: {cache name: tensor}}`` shaped as :meth:`cache_specs` said.
+        :raises ConfigError: when a layer's caches are missing.
+        """
+        for name, m in self.cached_layers():
+            if name not in caches:
+                raise ConfigError(f"bind_caches: no caches for layer {name!r}")
+            m.bind_caches(caches[name])
+
+    def allocate_caches(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Allocate (zeroed) and bind every cache; convenient for tests and tools.
+
+        :return: the allocated caches, as passed to :meth:`bind_caches`.
+        """
+        specs = self.cache_specs(
+            num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
+        )
+        caches = {
+            layer: {n: s.allocate(device) for n, s in layer_specs.items()}
+            for layer, layer_specs in specs.items()
+        }
+        self.bind_caches(caches)
+        return caches
+
+
+class CausalLM(CachedModule):
     """Base of all backplane causal language models.
 
     Subclasses build ``self.embed_tokens``, ``self.lm_head`` (or tie it), the
@@ -276,12 +343,6 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # -- caches ------------------------------------------------------------------
-    def cached_layers(self) -> Iterator[tuple[str, CachedMixer]]:
-        """Yield ``(layer name, mixer)`` for every layer that owns caches."""
-        for name, m in self.named_modules():
-            if isinstance(m, CachedMixer):
-                yield name, m
-
     def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """After a speculative verification step, keep each sequence's state at its accepted token.
 
@@ -296,58 +357,6 @@ class CausalLM(nn.Module):
         """
         for _, mixer in self.cached_layers():
             mixer.keep_verified_states(src_slots, dst_slots)
-
-    def cache_specs(
-        self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
-    ) -> dict[str, dict[str, TensorSpec]]:
-        """Describe every cache tensor the model needs.
-
-        :param num_pages: KV pages per layer (page 0 included, reserved).
-        :param page_size: tokens per page.
-        :param num_slots: recurrent-state slots (slot 0 included, reserved).
-        :param dtype: the KV / conv cache dtype (SSM and delta states are float32).
-        :return: ``{layer name: {cache name: spec}}``.
-        """
-        return {
-            name: m.cache_specs(
-                num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
-            )
-            for name, m in self.cached_layers()
-        }
-
-    def bind_caches(self, caches: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Hand the allocated caches to the layers.
-
-        :param caches: ``{layer name: {cache name: tensor}}`` shaped as :meth:`cache_specs` said.
-        :raises ConfigError: when a layer's caches are missing.
-        """
-        for name, m in self.cached_layers():
-            if name not in caches:
-                raise ConfigError(f"bind_caches: no caches for layer {name!r}")
-            m.bind_caches(caches[name])
-
-    def allocate_caches(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> dict[str, dict[str, torch.Tensor]]:
-        """Allocate (zeroed) and bind every cache; convenient for tests and tools.
-
-        :return: the allocated caches, as passed to :meth:`bind_caches`.
-        """
-        specs = self.cache_specs(
-            num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
-        )
-        caches = {
-            layer: {n: s.allocate(device) for n, s in layer_specs.items()}
-            for layer, layer_specs in specs.items()
-        }
-        self.bind_caches(caches)
-        return caches
 
     # -- weights -------------------------------------------------------------------
     def checkpoint_to_module_name(self, name: str) -> str | None:

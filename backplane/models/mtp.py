@@ -38,8 +38,7 @@ import torch
 from torch import nn
 
 from backplane.core.errors import ConfigError
-from backplane.core.layouts import TensorSpec
-from backplane.models.base import CausalLM, DecoderLayer, ModelConfig, build_model
+from backplane.models.base import CachedModule, CausalLM, DecoderLayer, ModelConfig, build_model
 from backplane.models.linear import Linear
 from backplane.models.mixers import CachedMixer
 from backplane.models.norm import RMSNorm
@@ -67,7 +66,7 @@ def num_mtp_layers(config: ModelConfig) -> int:
     return int(config.get("num_nextn_predict_layers", 0) or config.get("mtp_num_hidden_layers", 0))
 
 
-class MultiTokenPredictor(nn.Module):
+class MultiTokenPredictor(CachedModule):
     """The MTP layers of one target model (base of the per-architecture layouts).
 
     :param target: the model the layers draft for (its config, rotary table and
@@ -128,55 +127,6 @@ class MultiTokenPredictor(nn.Module):
         rotary = getattr(target, "rotary", None)
         rope = rotary.cos_sin(positions, x.dtype) if rotary is not None else None
         return self._block(i)(positions, x, None, rope)
-
-    # -- caches (the MTP proposer's own) ---------------------------------------------
-    def cached_layers(self) -> Iterator[tuple[str, CachedMixer]]:
-        """Yield ``(layer name, mixer)`` for the MTP layers' attention."""
-        for name, m in self.named_modules():
-            if isinstance(m, CachedMixer):
-                yield name, m
-
-    def cache_specs(
-        self, *, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype
-    ) -> dict[str, dict[str, TensorSpec]]:
-        """Describe the MTP layers' cache tensors, as :meth:`CausalLM.cache_specs` does.
-
-        :param num_pages: KV pages per layer (page 0 included, reserved).
-        :param page_size: tokens per page.
-        :param num_slots: recurrent-state slots (unused by attention; kept for the shape of the call).
-        :param dtype: the KV cache dtype.
-        :return: ``{layer name: {cache name: spec}}``.
-        """
-        return {
-            name: m.cache_specs(
-                num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
-            )
-            for name, m in self.cached_layers()
-        }
-
-    def allocate_caches(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> dict[str, dict[str, torch.Tensor]]:
-        """Allocate (zeroed) and bind the MTP layers' caches.
-
-        :return: the caches, ``{layer name: {cache name: tensor}}``.
-        """
-        specs = self.cache_specs(
-            num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype
-        )
-        caches = {
-            layer: {n: s.allocate(device) for n, s in layer_specs.items()}
-            for layer, layer_specs in specs.items()
-        }
-        for name, m in self.cached_layers():
-            m.bind_caches(caches[name])
-        return caches
 
 
 class _DeepseekMTPLayer(nn.Module):
