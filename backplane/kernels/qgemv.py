@@ -187,7 +187,6 @@ def quantized_gemv(
         blocks whose row size does not match.
     """
     _check(blocks, ggml_type, in_features, x.dtype)
-    block_size, type_size = LAYOUTS[int(ggml_type)]
     n = blocks.shape[0]
     xr = x.reshape(-1).contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -198,11 +197,7 @@ def quantized_gemv(
         n,
         in_features,
         blocks.stride(0),
-        GGML_TYPE=int(ggml_type),
-        BLOCK_SIZE=block_size,
-        TYPE_SIZE=type_size,
-        TILE=_TILE,
-        BLOCK_N=_BLOCK_N,
+        **_constants(ggml_type),
     )
     return y
 
@@ -221,7 +216,6 @@ def dequantize_blocks(
     :raises ValueError: as :func:`quantized_gemv`.
     """
     _check(blocks, ggml_type, in_features, dtype)
-    block_size, type_size = LAYOUTS[int(ggml_type)]
     n = blocks.shape[0]
     out = torch.empty(n, in_features, dtype=dtype, device=blocks.device)
     grid = (cdiv(n, _BLOCK_N), cdiv(in_features, _TILE))
@@ -231,13 +225,25 @@ def dequantize_blocks(
         n,
         in_features,
         blocks.stride(0),
-        GGML_TYPE=int(ggml_type),
-        BLOCK_SIZE=block_size,
-        TYPE_SIZE=type_size,
-        TILE=_TILE,
-        BLOCK_N=_BLOCK_N,
+        **_constants(ggml_type),
     )
     return out
+
+
+def _constants(ggml_type: int) -> dict[str, int]:
+    """The compile-time arguments both kernels take for blocks of ``ggml_type``.
+
+    :param ggml_type: the blocks' ggml type id (one :func:`supports` accepts).
+    :return: the type, its block size and bytes, and the tile sizes, by parameter name.
+    """
+    block_size, type_size = LAYOUTS[int(ggml_type)]
+    return {
+        "GGML_TYPE": int(ggml_type),
+        "BLOCK_SIZE": block_size,
+        "TYPE_SIZE": type_size,
+        "TILE": _TILE,
+        "BLOCK_N": _BLOCK_N,
+    }
 
 
 def _check(blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype) -> int:
