@@ -9,9 +9,8 @@ as in the engine's own pools.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,7 +19,9 @@ from backplane.core.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CacheOwner", "OwnCache", "SequenceCache", "allocate_own_cache", "common_prefix"]
+    from backplane.models.base import CachedModule
+
+__all__ = ["OwnCache", "SequenceCache", "allocate_own_cache", "common_prefix"]
 
 
 @dataclass
@@ -115,34 +116,8 @@ def common_prefix(cached: list[int], tokens: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-class CacheOwner(Protocol):
-    """A module that allocates caches of its own: a draft model or the MTP layers."""
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        """The module's parameters (the first gives the caches' dtype and device).
-
-        :return: an iterator over them.
-        """
-        ...
-
-    def allocate_caches(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> dict[str, dict[str, torch.Tensor]]:
-        """Allocate (zeroed) and bind the module's caches.
-
-        :return: ``{layer name: {cache name: tensor}}``.
-        """
-        ...
-
-
 def allocate_own_cache(
-    model: CacheOwner,
+    model: CachedModule,
     *,
     max_num_seqs: int,
     max_model_len: int,
@@ -154,7 +129,7 @@ def allocate_own_cache(
     Every sequence may hold ``max_model_len`` tokens plus a full draft; the
     caches take the dtype and device of the model's parameters.
 
-    :param model: the module whose caches these are.
+    :param model: the module whose caches these are (a draft model or the MTP layers).
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence (tokens).
     :param num_speculative_tokens: ``k``, the most tokens drafted per sequence.
