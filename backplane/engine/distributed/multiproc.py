@@ -130,9 +130,7 @@ class MultiprocExecutor:
                 self._procs.append(RankProcess(rank, process, parent))
             # ends the workers if the executor is dropped without being shut down
             self._finalizer = weakref.finalize(self, _end_processes, list(self._procs))
-            self._join(init_method, driver_config.torch_device)
-            self.driver = DeviceWorker(driver_config, registry)
-            self._start_up()
+            self._start_driver(init_method, driver_config, registry)
         except BaseException:
             self.shutdown()
             raise
@@ -156,6 +154,19 @@ class MultiprocExecutor:
         # interpreter exit) never tears the group down under a step in a collective
         self._lock = threading.RLock()
         self._stop_watch = threading.Event()
+
+    def _start_driver(
+        self, init_method: str, config: EngineConfig, registry: BackendRegistry | None
+    ) -> None:
+        """Join the group as rank 0, build the driver's worker and start every rank up.
+
+        :param init_method: the group's rendezvous address.
+        :param config: rank 0's configuration.
+        :param registry: the plugin registry rank 0 chooses backends from.
+        """
+        self._join(init_method, config.torch_device)
+        self.driver = DeviceWorker(config, registry)
+        self._start_up()
 
     def _start_up(self) -> None:
         """Run the worker start-up sequence on every rank in lock-step.

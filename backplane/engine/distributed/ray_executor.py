@@ -47,7 +47,6 @@ from backplane.engine.distributed.multiproc import (
     RankProcess,
 )
 from backplane.engine.distributed.worker_proc import worker_main
-from backplane.engine.worker.device_worker import DeviceWorker
 
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
@@ -287,9 +286,7 @@ class RayExecutor(MultiprocExecutor):
                 RankProcess(rank, p, conns[rank])  # type: ignore[arg-type]
                 for rank, p in enumerate(processes, start=1)
             ]
-            self._join(init_method, driver_config.torch_device)
-            self.driver = DeviceWorker(driver_config, registry)
-            self._start_up()
+            self._start_driver(init_method, driver_config, registry)
         except BaseException:
             self.shutdown()
             raise
