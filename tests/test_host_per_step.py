@@ -153,3 +153,39 @@ def test_engine_snapshots_count_without_copying(monkeypatch):
     # four requests, two at a time: some snapshot saw two running and others waiting
     assert all(r <= 2 for r, _ in seen) and any(r == 2 for r, _ in seen)
     assert any(w > 0 for _, w in seen)
+
+
+def test_stream_outputs_copy_growing_lists_only_when_read(llm):
+    """A running request's outputs keep no copies of its token, logprob and gap lists
+    until they are read, and then show them as of their own step."""
+    import pickle
+
+    params = sampled(12, seed=3, logprobs=2)
+    outs = list(llm.stream([[5, 6, 7]], params))
+    final = outs[-1]
+    assert final.finished and len(final.token_ids) == 12 and len(outs) > 3
+    running = outs[:-1]
+    # nothing copied while streaming (the old outputs copied every list every step)
+    for o in running:
+        assert "token_ids" not in vars(o.outputs[0]) and "logprobs" not in vars(o.outputs[0])
+        assert "metrics" not in vars(o)
+    # the request's lists kept growing since: each output still shows its own step
+    tokens, logprobs = final.token_ids, final.outputs[0].logprobs
+    gaps = final.metrics.inter_token_latencies
+    assert len(logprobs) == 12 and len(gaps) == 11
+    n = 0
+    for o in running:
+        n += len(o.new_token_ids)
+        # pickled before the first read: the copy carries the same values
+        back = pickle.loads(pickle.dumps(o))
+        for out in (back, o):
+            c = out.outputs[0]
+            assert c.token_ids == tokens[:n] and c.logprobs == logprobs[:n]
+            assert out.metrics.inter_token_latencies == gaps[: max(n - 1, 0)]
+            assert out.metrics.arrival_time == final.metrics.arrival_time
+            assert out.metrics.finished_time is None and not out.finished
+        assert o.to_dict() == back.to_dict()
+        assert o.to_dict()["outputs"][0]["token_ids"] == tokens[:n]
+    assert n + len(final.new_token_ids) == 12
+    # a copy read out is the output's own: growing the request's list later leaves it
+    assert running[0].token_ids is not tokens

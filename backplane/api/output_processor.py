@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from backplane.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from backplane.api.outputs import (
+    CompletionOutput,
+    Logprob,
+    MetricsSnapshot,
+    RequestOutput,
+    defer_metrics,
+    metrics_from,
+    streamed_completion,
+)
 from backplane.api.stop import StopAutomaton, StopMatcher
 from backplane.engine.outputs import EngineStepOutput
 from backplane.engine.request import Request
@@ -225,15 +233,23 @@ class OutputProcessor:
         visible = max(min(visible, len(t.text)), min(t.sent, len(t.text)))
         new_text = t.text[t.sent : visible] if incremental else t.text
         t.sent = visible
-        completion = CompletionOutput(
-            index=t.index,
-            text=t.text,
-            token_ids=list(t.token_ids),
-            logprobs=None if t.logprobs is None else list(t.logprobs),
-            finish_reason=t.reason,
-            stop_reason=t.stop_str if t.stop_str is not None else stop_reason(t, self.end_ids),
-        )
-        return RequestOutput(
+        reason = t.stop_str if t.stop_str is not None else stop_reason(t, self.end_ids)
+        if t.finished:
+            completion = CompletionOutput(
+                index=t.index,
+                text=t.text,
+                token_ids=list(t.token_ids),
+                logprobs=None if t.logprobs is None else list(t.logprobs),
+                finish_reason=t.reason,
+                stop_reason=reason,
+            )
+        else:
+            # A running request's output copies its growing lists only if they are read
+            # (streams mostly read the new tokens and text): O(new tokens) per step.
+            completion = streamed_completion(
+                t.index, t.text, t.token_ids, t.logprobs, t.reason, reason
+            )
+        out = RequestOutput(
             request_id=t.public_id,
             prompt=t.prompt_text,
             prompt_token_ids=t.prompt,
@@ -242,8 +258,14 @@ class OutputProcessor:
             prompt_logprobs=t.prompt_logprobs,
             new_token_ids=new_ids,
             new_text=new_text,
-            metrics=_metrics(t),
         )
+        snapshot = _metrics(t)
+        if snapshot is not None:
+            if t.finished:
+                out.metrics = metrics_from(snapshot)
+            else:  # built from the snapshot if read
+                defer_metrics(out, snapshot)
+        return out
 
     def _catch_up(self, t: TrackedRequest) -> None:
         """Bring ``t``'s text up to date with its tokens and search it for stop strings.
@@ -366,27 +388,30 @@ def stop_reason(t: TrackedRequest, end_ids: frozenset[int] = frozenset()) -> int
     return last if last in t.request.sampling_params.stop_token_ids else None
 
 
-def _metrics(t: TrackedRequest) -> RequestMetrics:
-    """The request's timings and counters as :class:`RequestMetrics`.
+def _metrics(t: TrackedRequest) -> MetricsSnapshot:
+    """The request's timings and counters as of now, from which :class:`RequestMetrics` is built.
 
     :param t: the request; its list of inter-token gaps is brought up to date.
-    :return: the metrics (with a list of gaps of their own).
+    :return: the :class:`RequestMetrics` fields but the gaps, in field order (arrival
+        time, time to first token, reused prompt tokens, preemptions, finish time,
+        verifying steps, draft tokens, accepted draft tokens); the request's list of
+        gaps; how many of them are its gaps now.
     """
     req = t.request
     st = req.stats
-    return RequestMetrics(
-        arrival_time=st.arrival_time,
-        time_to_first_token=None
-        if st.first_token_time is None
-        else st.first_token_time - st.arrival_time,
-        inter_token_latencies=list(_gaps(t, req.output_token_times)),
-        prompt_tokens_reused=int(st.cached_tokens),
-        num_preemptions=int(st.num_preemptions),
-        finished_time=st.finished_time,
-        spec_verify_steps=st.num_spec_steps,
-        spec_draft_tokens=st.num_draft_tokens,
-        spec_accepted_tokens=st.num_accepted_tokens,
+    gaps = _gaps(t, req.output_token_times)
+    first = st.first_token_time
+    scalars = (
+        st.arrival_time,
+        None if first is None else first - st.arrival_time,
+        int(st.cached_tokens),
+        int(st.num_preemptions),
+        st.finished_time,
+        st.num_spec_steps,
+        st.num_draft_tokens,
+        st.num_accepted_tokens,
     )
+    return scalars, gaps, len(gaps)
 
 
 def _gaps(t: TrackedRequest, times: np.ndarray) -> list[float]:

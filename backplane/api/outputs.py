@@ -9,12 +9,22 @@ first completion.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backplane.engine.sampling import Logprob
 
-__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "MetricsSnapshot",
+    "RequestOutput",
+    "defer_metrics",
+    "metrics_from",
+    "streamed_completion",
+]
 
 
 @dataclass
@@ -167,6 +177,134 @@ def _logprob_dicts(
 
 
 def _completion_dict(o: CompletionOutput) -> dict[str, Any]:
-    d = vars(o).copy()
+    # by field, not vars(): a streamed output may not have copied its lists yet
+    d = {f.name: getattr(o, f.name) for f in fields(o)}
     d["logprobs"] = _logprob_dicts(o.logprobs)
     return d
+
+
+class _Deferred:
+    """A dataclass field whose value a streamed output may build on its first read.
+
+    A running request's stream gets an output every step, and most consumers read
+    only its new tokens and text: copying the request's growing lists (tokens,
+    logprobs, inter-token gaps) for every output would cost O(output) per request
+    per step. Such an output stores what the copy needs instead (the append-only
+    source list and its length at that step, under ``_pending_<name>``), and the
+    copy is made when the field is first read, equal to the one made at once.
+
+    :param name: the field's name.
+    :param build: makes the field's value from the stored pending value.
+    :param default: the field's value when neither it nor a pending value is set.
+    """
+
+    def __init__(self, name: str, build: Callable[[Any], Any], default: Any) -> None:
+        self.name = name
+        self.pending = "_pending_" + name
+        self.build = build
+        self.default = default
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self.default
+        d = obj.__dict__
+        try:
+            return d[self.name]
+        except KeyError:
+            pass
+        pending = d.get(self.pending)
+        if pending is None:
+            return self.default
+        # setdefault: a read from another thread at the same time keeps one value
+        value = d.setdefault(self.name, self.build(pending))
+        d.pop(self.pending, None)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        d = obj.__dict__
+        d[self.name] = value
+        d.pop(self.pending, None)
+
+
+def _prefix(pending: tuple[list[Any], int]) -> list[Any]:
+    """A copy of the first ``n`` items of an append-only list, from ``(list, n)``."""
+    items, n = pending
+    return items[:n]
+
+
+#: a request's metrics as of one output: the :class:`RequestMetrics` fields but
+#: ``inter_token_latencies`` in field order, the request's append-only list of gaps,
+#: and how many of them were its gaps then
+MetricsSnapshot = tuple[tuple[Any, ...], list[float], int]
+
+
+def metrics_from(snapshot: MetricsSnapshot) -> RequestMetrics:
+    """Build :class:`RequestMetrics` (with a list of gaps of their own) from a snapshot.
+
+    :param snapshot: see :data:`MetricsSnapshot`.
+    :return: the metrics.
+    """
+    (arrival, ttft, reused, preemptions, finished, verify, drafts, accepted), gaps, n = snapshot
+    return RequestMetrics(
+        arrival_time=arrival,
+        time_to_first_token=ttft,
+        inter_token_latencies=gaps[:n],
+        prompt_tokens_reused=reused,
+        num_preemptions=preemptions,
+        finished_time=finished,
+        spec_verify_steps=verify,
+        spec_draft_tokens=drafts,
+        spec_accepted_tokens=accepted,
+    )
+
+
+CompletionOutput.token_ids = _Deferred("token_ids", _prefix, None)  # type: ignore[assignment]
+CompletionOutput.logprobs = _Deferred("logprobs", _prefix, None)  # type: ignore[assignment]
+RequestOutput.metrics = _Deferred("metrics", metrics_from, None)  # type: ignore[assignment]
+
+
+def streamed_completion(
+    index: int,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]] | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+) -> CompletionOutput:
+    """A :class:`CompletionOutput` whose token and logprob lists are copied on first read.
+
+    :param index: the sequence's index among the request's samples.
+    :param text: the generated text so far.
+    :param token_ids: the request's token list; it may grow later, never change
+        its first items (the output shows its items as of now).
+    :param logprobs: the request's logprob list (same rule), or ``None``.
+    :param finish_reason: as in :class:`CompletionOutput`.
+    :param stop_reason: as in :class:`CompletionOutput`.
+    :return: the output.
+    """
+    out = CompletionOutput.__new__(CompletionOutput)
+    d = out.__dict__
+    d["index"] = index
+    d["text"] = text
+    d["_pending_token_ids"] = (token_ids, len(token_ids))
+    if logprobs is None:
+        d["logprobs"] = None
+    else:
+        d["_pending_logprobs"] = (logprobs, len(logprobs))
+    d["finish_reason"] = finish_reason
+    d["stop_reason"] = stop_reason
+    return out
+
+
+def defer_metrics(out: RequestOutput, snapshot: MetricsSnapshot) -> RequestOutput:
+    """Give ``out`` metrics that are built from ``snapshot`` on their first read.
+
+    :param out: the output.
+    :param snapshot: see :data:`MetricsSnapshot`; its list of gaps may grow or be
+        replaced later, never change its first items.
+    :return: ``out``.
+    """
+    d = out.__dict__
+    d.pop("metrics", None)
+    d["_pending_metrics"] = snapshot
+    return out
