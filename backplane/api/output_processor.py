@@ -179,6 +179,11 @@ class OutputProcessor:
             ``new_logprobs``, ``prompt_logprobs``, ``finished``, ``finish_reason``).
         :return: the tokens and text added since the previous output, and the totals.
         """
+        self._take(t, step_output)
+        return self.output(t, incremental=True)
+
+    def _take(self, t: TrackedRequest, step_output: EngineStepOutput) -> bool:
+        """Add a step's tokens, logprobs and finish state to ``t``; return whether it finished."""
         t.token_ids.extend(step_output.new_token_ids)
         if t.logprobs is not None and step_output.new_logprobs:
             t.logprobs.extend(self.decoded(d) for d in step_output.new_logprobs)
@@ -187,7 +192,7 @@ class OutputProcessor:
         if step_output.finished:
             t.finished = True
             t.reason = step_output.finish_reason
-        return self.output(t, incremental=True)
+        return step_output.finished
 
     def absorb(self, t: TrackedRequest, step_output: EngineStepOutput) -> bool:
         """Take one engine step's output for ``t`` without building an output object.
@@ -202,14 +207,7 @@ class OutputProcessor:
         :param step_output: the engine's output for it.
         :return: whether ``t`` is finished (then build its output with :meth:`output`).
         """
-        t.token_ids.extend(step_output.new_token_ids)
-        if t.logprobs is not None and step_output.new_logprobs:
-            t.logprobs.extend(self.decoded(d) for d in step_output.new_logprobs)
-        if step_output.prompt_logprobs is not None:
-            t.prompt_logprobs = self.decoded_list(step_output.prompt_logprobs)
-        if step_output.finished:
-            t.finished = True
-            t.reason = step_output.finish_reason
+        if self._take(t, step_output):
             return True
         if t.matcher is not None and t.stop_str is None:
             self._catch_up(t)
