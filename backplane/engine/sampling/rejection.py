@@ -18,10 +18,11 @@ samples without speculation. Greedy rows accept while the target's argmax
 equals the draft, then take the target's argmax.
 
 The target's distribution is the sampler's (temperature, top-k, top-p,
-min-p, :func:`~backplane.engine.sampling.sampler.apply_filters`); logits
-processing that depends on earlier tokens (penalties, ``min_tokens``, grammar
-masks) is not applied here, so the engine proposes no drafts for requests
-that use it.
+min-p, :func:`~backplane.engine.sampling.sampler.apply_filters`). A grammar's
+mask is applied first, as the sampler does, with one mask per position: the
+grammar's state after the drafts before it. Other logits processing that
+depends on earlier tokens (penalties, ``min_tokens``) is not applied here, so
+the engine proposes no drafts for requests that use it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 
 from backplane.engine.sampling.greedy import greedy_tokens
 from backplane.engine.sampling.params import SamplingParams
-from backplane.engine.sampling.processing import host_to_device
+from backplane.engine.sampling.processing import apply_token_bitmask, host_to_device
+from backplane.engine.sampling.rows import GrammarBitmask
 from backplane.engine.sampling.sampler import apply_filters, exponential_noise, param_arrays
 
 __all__ = ["RejectionOutput", "rejection_sample", "uniform_noise"]
@@ -77,6 +79,7 @@ def rejection_sample(
     seeds: np.ndarray,
     offsets: np.ndarray,
     draft_probs: torch.Tensor | None = None,
+    grammar: GrammarBitmask | None = None,
 ) -> RejectionOutput:
     """Verify the drafts of a batch of sequences against the target's logits.
 
@@ -92,6 +95,10 @@ def rejection_sample(
         samples (its output length); position ``j`` draws with counter ``offsets[i] + j``.
     :param draft_probs: ``[n, K, vocab]`` the draft's distributions ``q``, or ``None``
         for point-mass proposals (n-gram).
+    :param grammar: the allowed tokens of constrained positions, or ``None``; its rows
+        index the flattened ``[n * (K + 1)]`` positions (row ``i`` position ``j`` is
+        ``i * (K + 1) + j``). Applied to the raw logits, before the filters; the drafts
+        of a constrained row must be allowed by its masks (a refused draft is rejected).
     :return: the :class:`RejectionOutput`.
     :raises ValueError: when the shapes do not agree.
     """
@@ -110,6 +117,8 @@ def rejection_sample(
         empty = torch.empty(0, width, dtype=torch.int64, device=device)
         return RejectionOutput(empty, torch.empty(0, dtype=torch.int64, device=device))
     flat = target_logits.reshape(n * width, vocab)
+    if grammar is not None and len(grammar):
+        flat = apply_token_bitmask(flat, grammar)
     drafts = draft_tokens.to(device=device, dtype=torch.int64)
     pos = torch.arange(width, device=device, dtype=torch.int64)
     nd = host_to_device(np.ascontiguousarray(num_drafts, dtype=np.int64), device)

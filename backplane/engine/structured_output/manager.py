@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from backplane.engine.request import Request
 from backplane.engine.sampling.rows import GrammarBitmask
@@ -107,40 +108,113 @@ class StructuredOutputManager:
         xgr = import_xgrammar()
         mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for j, i in enumerate(rows):
-            matcher = self._matchers[reqs[i].request_id]
-            if matcher.is_terminated():
-                # complete (ignore_eos kept it going): only the end of sequence stays allowed
-                mask[j].zero_()
-                for t in self._eos:
-                    bit = 1 << (t % 32)
-                    mask[j, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
-            else:
-                matcher.fill_next_token_bitmask(mask, j)
+            self._fill(self._matchers[reqs[i].request_id], mask, j)
         return GrammarBitmask(np.asarray(rows, dtype=np.int64), mask)
 
-    def accept(self, sampled: Mapping[str, int]) -> list[str]:
-        """Advance the matchers of the requests that committed a token.
+    def _fill(self, matcher: Any, mask: torch.Tensor, row: int) -> None:
+        """Write the tokens ``matcher`` allows next into row ``row`` of ``mask``."""
+        if matcher.is_terminated():
+            # complete (ignore_eos kept it going): only the end of sequence stays allowed
+            mask[row].zero_()
+            for t in self._eos:
+                bit = 1 << (t % 32)
+                mask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+        else:
+            matcher.fill_next_token_bitmask(mask, row)
 
-        :param sampled: request id -> the token committed.
-        :return: the requests whose grammar this token completed (it took the end of sequence).
+    def valid_draft_length(self, request_id: str, draft: Sequence[int]) -> int:
+        """How many leading tokens of a draft the request's grammar takes.
+
+        The matcher is advanced over the draft and rolled back, so it is left
+        at the request's committed tokens.
+
+        :param request_id: the request.
+        :param draft: proposed next tokens.
+        :return: the length of the longest prefix of ``draft`` the grammar allows
+            (``len(draft)`` when the request has no grammar).
+        """
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return len(draft)
+        n = 0
+        for t in draft:
+            if matcher.is_terminated() or not matcher.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
+
+    def draft_bitmask(
+        self, request_id: str, draft: Sequence[int], width: int
+    ) -> torch.Tensor | None:
+        """The allowed tokens at every position of a verifying chunk.
+
+        Row ``i`` is what the grammar allows after the committed tokens and
+        ``draft[:i]`` (the mask of the target's logits at position ``i``);
+        rows past ``len(draft)`` allow every token (their logits are not read).
+        The matcher is advanced over the draft and rolled back.
+
+        :param request_id: the request.
+        :param draft: its draft tokens, every one allowed by the grammar in turn
+            (:meth:`valid_draft_length` cut it so).
+        :param width: rows wanted, at least ``len(draft) + 1``.
+        :return: ``[width, ceil(vocab / 32)]`` int32 on the host, or ``None`` when the
+            request has no grammar.
+        :raises ValueError: the grammar refuses a draft token, or ``width`` is too small.
+        """
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return None
+        if width < len(draft) + 1:
+            raise ValueError(f"width {width} leaves no row for the token after {len(draft)} drafts")
+        mask = import_xgrammar().allocate_token_bitmask(width, self.vocab_size)
+        taken = 0
+        try:
+            for i, t in enumerate(draft):
+                self._fill(matcher, mask, i)
+                if matcher.is_terminated() or not matcher.accept_token(int(t)):
+                    raise ValueError(
+                        f"request {request_id!r}: draft token {int(t)} at position {i} is not "
+                        "allowed by its grammar; cut drafts with valid_draft_length first"
+                    )
+                taken += 1
+            self._fill(matcher, mask, len(draft))
+        finally:
+            if taken:
+                matcher.rollback(taken)
+        return mask
+
+    def accept(self, sampled: Mapping[str, int | Sequence[int]]) -> list[str]:
+        """Advance the matchers of the requests that committed tokens.
+
+        :param sampled: request id -> the token committed, or the tokens committed in
+            order (a verified step commits its accepted drafts, then its sampled token).
+        :return: the requests whose grammar these tokens completed (it took the end of
+            sequence).
         """
         done: list[str] = []
         if not self._matchers:
             return done
-        for rid, token in sampled.items():
+        for rid, committed in sampled.items():
             matcher = self._matchers.get(rid)
             if matcher is None or matcher.is_terminated():
                 continue
-            if not matcher.accept_token(int(token)):
-                # the mask allowed only what the matcher takes: this is a bug, not a user error
-                logger.error(
-                    "request %r: its grammar refused the sampled token %d; it goes on "
-                    "unconstrained",
-                    rid,
-                    token,
-                )
-                self._matchers.pop(rid, None)
-            elif matcher.is_terminated():
+            tokens = (committed,) if isinstance(committed, (int, np.integer)) else committed
+            for token in tokens:
+                if matcher.is_terminated():
+                    break  # past the end of sequence (ignore_eos): the request ends here
+                if not matcher.accept_token(int(token)):
+                    # the mask allowed only what the matcher takes: a bug, not a user error
+                    logger.error(
+                        "request %r: its grammar refused the sampled token %d; it goes on "
+                        "unconstrained",
+                        rid,
+                        token,
+                    )
+                    self._matchers.pop(rid, None)
+                    break
+            if rid in self._matchers and matcher.is_terminated():
                 done.append(rid)
         return done
 
