@@ -136,11 +136,11 @@ def test_torch_backends_fake_matches_real() -> None:
     )
     with forward_context(batch):
         real_att = paged_attention(q, k, v, kv, 0.3, 0, 1.0, 1.0)
-        real_mla = mla_attention(*mla_args, 0.3)
+        real_mla = mla_attention(*mla_args, 0.3, 1.0)
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
             fake_att = paged_attention(
                 *(mode.from_tensor(a) for a in (q, k, v, kv)), 0.3, 0, 1.0, 1.0
             )
-            fake_mla = mla_attention(*(mode.from_tensor(a) for a in mla_args), 0.3)
+            fake_mla = mla_attention(*(mode.from_tensor(a) for a in mla_args), 0.3, 1.0)
     assert fake_att.shape == real_att.shape == (t, 4, 8)
     assert fake_mla.shape == real_mla.shape == (t, 2, 6)

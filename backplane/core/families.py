@@ -85,7 +85,11 @@ class AttentionLayerSpec:
 
 @dataclass(frozen=True)
 class MLALayerSpec:
-    """Constants of one multi-head latent attention layer (DeepSeek)."""
+    """Constants of one multi-head latent attention layer (DeepSeek).
+
+    :param kv_scale: with an FP8 latent cache, the cache holds ``latent /
+        kv_scale`` (the rotary key too).
+    """
 
     layer_id: int
     num_heads: int
@@ -94,6 +98,7 @@ class MLALayerSpec:
     qk_rope_head_dim: int
     v_head_dim: int
     scale: float
+    kv_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,9 @@ class MLABackend(Backend):
     """DeepSeek multi-head latent attention over a paged latent cache."""
 
     family: ClassVar[str] = "mla"
+    #: whether :meth:`forward` reads and writes a float8_e4m3fn latent cache
+    #: (with the layer's ``kv_scale``)
+    supports_fp8_kv_cache: ClassVar[bool] = False
 
     # Any: the op's remaining arguments, of every type it takes, are ignored
     @staticmethod

@@ -20,7 +20,7 @@ and a quantised cache (``float8_e4m3fn`` with per-layer ``k_scale`` /
 ``v_scale``) when it sets ``supports_fp8_kv_cache``: the new rows must land
 in the cache as ``key / k_scale`` rounded to e4m3 (bit for bit), and the output
 must match the reference over the keys and values the cache holds within
-:data:`FP8_KV_TOLERANCE`.
+:data:`~backplane.testing.fp8.FP8_KV_TOLERANCE`.
 Class attributes set the shapes for backends with restrictions.
 """
 
@@ -36,19 +36,10 @@ from backplane.core import layouts
 from backplane.core.families import AttentionLayerSpec
 from backplane.core.layouts import TensorSpec
 from backplane.testing.batches import BatchCase
+from backplane.testing.fp8 import FP8_KV_TOLERANCE, dequantised
+from backplane.testing.fp8 import to_fp8 as _to_fp8
 from backplane.testing.paged import PagedBackendTests
 from backplane.testing.plugin import require_feature
-
-#: ``(atol, rtol)`` of the FP8-cache case against the float64 reference over the
-#: keys and values as the cache holds them (dequantised): room for kernels that
-#: scale in another order or attend to the step's own keys before rounding.
-FP8_KV_TOLERANCE = (2e-2, 2e-2)
-
-
-def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` rounded to e4m3, saturated at its largest value."""
-    limit = torch.finfo(torch.float8_e4m3fn).max
-    return (x.double() / scale).clamp(-limit, limit).to(torch.float8_e4m3fn)
 
 
 def reference_attention(
@@ -331,7 +322,7 @@ class AttentionBackendTests(PagedBackendTests):
         kv_cache = quantised(start).to(device)
         # the reference attends to every key and value as the cache holds it
         rounded = [
-            (_to_fp8(k, k_scale).double() * k_scale, _to_fp8(v, v_scale).double() * v_scale)
+            (dequantised(k, k_scale), dequantised(v, v_scale))
             for k, v in zip(inputs.keys, inputs.values, strict=True)
         ]
         inputs = replace(

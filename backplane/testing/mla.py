@@ -5,7 +5,12 @@ Subclass :class:`MLABackendTests` and provide a ``backend`` fixture (see
 (:func:`reference_mla`) expands every cached latent into per-head keys and
 values in float64 and attends token by token, head by head — the textbook
 form, independent of the weight-absorbed or expanded shortcuts a backend
-takes. The latent cache is checked entry by entry after every step.
+takes. The latent cache is checked entry by entry after every step. A backend that
+sets ``supports_fp8_kv_cache`` also runs a ``float8_e4m3fn`` latent cache
+holding ``row / kv_scale``: the new rows must land in it rounded to e4m3 (bit
+for bit, :func:`~backplane.testing.fp8.to_fp8`) and the output must match the
+reference over the latents as the cache holds them within
+:data:`~backplane.testing.fp8.FP8_KV_TOLERANCE`.
 Class attributes set the dimensions for kernels with restrictions (e.g.
 ``kv_lora_rank = 512, qk_rope_head_dim = 64``).
 """
@@ -13,15 +18,17 @@ Class attributes set the dimensions for kernels with restrictions (e.g.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+import pytest
 import torch
 
 from backplane.core import layouts
 from backplane.core.families import MLALayerSpec
 from backplane.core.layouts import TensorSpec
 from backplane.testing.batches import BatchCase
+from backplane.testing.fp8 import FP8_KV_TOLERANCE, dequantised, to_fp8
 from backplane.testing.paged import PagedBackendTests
 
 
@@ -180,10 +187,11 @@ class MLABackendTests(PagedBackendTests):
     qk_rope_head_dim: ClassVar[int] = 4
     v_head_dim: ClassVar[int] = 8
 
-    def layer(self, scale: float | None = None) -> MLALayerSpec:
+    def layer(self, scale: float | None = None, kv_scale: float = 1.0) -> MLALayerSpec:
         """The layer constants of the tests.
 
         :param scale: softmax scale (default ``(nope + rope) ** -0.5``).
+        :param kv_scale: an FP8 latent cache holds ``row / kv_scale``.
         :return: the layer spec.
         """
         qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -195,6 +203,7 @@ class MLABackendTests(PagedBackendTests):
             qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim,
             scale=scale if scale is not None else 1.0 / math.sqrt(qk_dim),
+            kv_scale=kv_scale,
         )
 
     #: See :func:`make_mla_inputs`.
@@ -233,4 +242,46 @@ class MLABackendTests(PagedBackendTests):
         """The shared latent layout."""
         return layouts.mla_latent(
             case.num_pages, case.page_size, layer.kv_lora_rank, layer.qk_rope_head_dim, dtype
+        )
+
+    @pytest.mark.parametrize("kv_scale", [0.5, 3.0])
+    @pytest.mark.parametrize("case_name", ["mixed", "decode", "page_crossing", "chunked_prefill"])
+    def test_fp8_kv_cache(
+        self,
+        backend: Any,
+        case_name: str,
+        kv_scale: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """A ``float8_e4m3fn`` latent cache holding ``[kv_c, k_pe] / kv_scale``."""
+        if not getattr(backend, "supports_fp8_kv_cache", False):
+            pytest.skip("the backend does not declare supports_fp8_kv_cache")
+        case = self.get_case(case_name)
+        layer = self.layer(kv_scale=kv_scale)
+        self.check_cache_spec(backend, case, layer, torch.float8_e4m3fn)
+        inputs = self.make_inputs(case, layer, dtype, device)
+        cache = to_fp8(inputs.latent_cache.cpu(), kv_scale).to(device)
+        # the reference attends to every latent and rotary key as the cache holds it
+        inputs = replace(
+            inputs,
+            latent_cache=cache,
+            latents=[dequantised(x, kv_scale) for x in inputs.latents],
+            rope_keys=[dequantised(x, kv_scale) for x in inputs.rope_keys],
+        )
+        out = self.run_step(backend, case.metadata(device), inputs, layer)
+        assert out.dtype == dtype
+        atol, rtol = FP8_KV_TOLERANCE
+        torch.testing.assert_close(
+            out[: case.num_tokens].to("cpu", torch.float64),
+            self.reference(case, inputs, layer),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m: f"case {case.name} with an FP8 latent cache\n{m}",
+        )
+        expected = to_fp8(inputs.expected_cache, kv_scale).view(torch.uint8)
+        assert torch.equal(cache.cpu().view(torch.uint8), expected), (
+            f"case {case.name}: the FP8 latent_cache after the step is not the expected "
+            "contents (new [kv_c, k_pe] / kv_scale rounded to e4m3 at slot_mapping, every "
+            "other entry untouched)"
         )

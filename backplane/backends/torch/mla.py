@@ -17,6 +17,9 @@ One cached op, ``backplane_torch::mla``, appends this step's latents at
   the probability-weighted latent is summed and only then mapped to the value
   space with ``w_uv[h]`` — the cache is never expanded.
 
+A ``float8_e4m3fn`` cache holds ``row / kv_scale`` (the layer's scale), rounded
+to nearest and saturated at +-448; its rows are read back times ``kv_scale``.
+
 All arithmetic is float32; host counts come from ``batch.host`` and index
 tensors from the batch's device tensors, so the op never synchronises.
 """
@@ -41,6 +44,22 @@ from backplane.core.forward_context import get_forward_context
 from backplane.core.metadata import BatchMetadata
 
 
+def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Rows ``x`` as a cache of ``cache_dtype`` stores them (``x / scale``, saturated, for FP8)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x
+    limit = torch.finfo(cache_dtype).max
+    # e4m3fn has no infinity: a value past the largest one would become NaN
+    return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+
+
+def _from_cache(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache rows in float32 (times ``scale`` for an FP8 cache)."""
+    if rows.dtype != torch.float8_e4m3fn:
+        return rows.float()
+    return rows.float().mul_(scale)
+
+
 def _prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -50,6 +69,7 @@ def _prefill(
     buf: torch.Tensor,
     batch: BatchMetadata,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> None:
     """Expanded attention for the prefill/extend sequences, one sequence at a time."""
     host = batch.host
@@ -59,7 +79,7 @@ def _prefill(
         start, end = int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])
         cached, total = int(host.cached_lens[i]), int(host.seq_lens[i])
         pages = batch.page_indices[int(host.page_indptr[i]) : int(host.page_indptr[i + 1])]
-        rows = gather_pages(latent_cache, pages, total).float()
+        rows = _from_cache(gather_pages(latent_cache, pages, total), kv_scale)
         latent, k_pe = rows[:, :rank], rows[:, rank:]
         k_nope = torch.einsum("sl,hnl->hsn", latent, w_uk)  # [H, S, nope]
         values = torch.einsum("sl,hvl->hsv", latent, w_uv)  # [H, S, v]
@@ -87,6 +107,7 @@ def _decode(
     buf: torch.Tensor,
     batch: BatchMetadata,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> None:
     """Weight-absorbed attention for all decode sequences at once."""
     first, nd = batch.num_prefill_seqs, batch.num_decode_seqs
@@ -96,7 +117,7 @@ def _decode(
     table = decode_table(batch)
     num_pages = table.shape[1]
     rows = latent_cache.index_select(0, table.reshape(-1))
-    rows = rows.view(nd, num_pages * page_size, -1).float()
+    rows = _from_cache(rows.view(nd, num_pages * page_size, -1), kv_scale)
     latent, k_pe = rows[..., :rank], rows[..., rank:]
     q_latent = torch.einsum("nhd,hdl->nhl", q_nope[t0:t1].float(), w_uk)
     scores = torch.einsum("nhl,nsl->nhs", q_latent, latent)
@@ -124,6 +145,7 @@ def mla_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    kv_scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append latents to the cache and attend; the batch comes from the forward context.
@@ -136,6 +158,8 @@ def mla_attention(
     :param w_uk: ``[H, qk_nope_head_dim, kv_lora_rank]``.
     :param w_uv: ``[H, v_head_dim, kv_lora_rank]``.
     :param scale: softmax scale.
+    :param kv_scale: a ``float8_e4m3fn`` cache holds ``row / kv_scale`` (other
+        dtypes ignore it).
     :param out: optional ``[T, H, v_head_dim]`` buffer.
     :return: the output, or an empty sentinel when ``out`` is given.
     """
@@ -148,16 +172,19 @@ def mla_attention(
     slots = batch.slot_mapping[:n]
     write_slots(
         (latent_cache[..., :rank], latent_cache[..., rank:]),
-        (kv_c[:n], k_pe[:n]),
+        (
+            _to_cache(kv_c[:n], latent_cache.dtype, kv_scale),
+            _to_cache(k_pe[:n], latent_cache.dtype, kv_scale),
+        ),
         slots,
         page_size,
         all_valid=slots_known_valid(batch),
     )
     wk, wv = w_uk.float(), w_uv.float()
     if batch.num_prefill_seqs:
-        _prefill(q_nope, q_pe, latent_cache, wk, wv, buf, batch, scale)
+        _prefill(q_nope, q_pe, latent_cache, wk, wv, buf, batch, scale, kv_scale)
     if batch.num_decode_seqs:
-        _decode(q_nope, q_pe, latent_cache, wk, wv, buf, batch, scale)
+        _decode(q_nope, q_pe, latent_cache, wk, wv, buf, batch, scale, kv_scale)
     return finish_output(out, buf, n)
 
 
@@ -165,6 +192,7 @@ class TorchMLABackend(MLABackend):
     """Reference MLA backend: absorbed decode, expanded prefill, plain torch ops."""
 
     name = "torch"
+    supports_fp8_kv_cache = True
 
     def forward(
         self,
@@ -202,7 +230,16 @@ class TorchMLABackend(MLABackend):
                     f"expected {expected[name]} [heads, head dim, kv_lora_rank]"
                 )
         return mla_attention(
-            q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv, layer.scale, out=out
+            q_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            latent_cache,
+            w_uk,
+            w_uv,
+            layer.scale,
+            float(layer.kv_scale),
+            out=out,
         )
 
     def dynamic_ops(self) -> tuple[Any, ...]:
