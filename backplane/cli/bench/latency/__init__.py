@@ -35,7 +35,9 @@ hybrid of the same width: 10 Mamba2 layers of 64 heads x 64 with state 128,
 published models: ``llama-3.2-1b`` (the 1.1B body with a tied 128k vocabulary:
 the LM head is the embedding, read in full each step), ``llama-3.1-8b``,
 ``qwen3-8b`` and ``nemotron-h-8b`` (52 layers: 24 Mamba2, 4 attention, 24
-MLP); any built-in preset name (``tiny-llama``, ``tiny-nemotron-h`` ...) runs
+MLP); ``qwen3-next-1b-mtp`` (12 Qwen3-Next layers, 9 delta-rule and 3
+attention, with one MTP layer, for ``--speculative-config`` method ``mtp``);
+any built-in preset name (``tiny-llama``, ``tiny-nemotron-h`` ...) runs
 that tiny model, for CPU checks; and a model directory (``config.json`` +
 safetensors) is measured with its own weights, its floor from the sizes in
 its safetensors headers.
@@ -46,6 +48,16 @@ prints it beside backplane's best batch-1 configuration, with the ratio and
 the source, and the JSON keeps it under each shape's ``anchors``; the table
 is :data:`backplane.cli.bench.anchors.ANCHORS`.
 
+**Speculative decoding**: ``--speculative-config JSON`` measures each
+backplane configuration again with speculation and reports, beside the run
+without it, the effective ms per generated token (the decode phase's wall
+time over the tokens generated), its ratio to the same floor, the speedup,
+the acceptance rate and the mean accepted length (from the requests' own
+metrics). ``--workload rewrite`` prompts with a repeated random document, as
+a request to rewrite a text; with random weights the acceptance depends on
+what the model itself repeats, so read the speedup beside it (see
+:mod:`~backplane.cli.bench.latency.speculation`).
+
 Examples::
 
     backplane bench latency --json latency.json --plot latency.png
@@ -53,6 +65,10 @@ Examples::
     backplane bench latency --shapes tiny-llama --prompt-len 32 --new-tokens 8   # CPU
     backplane bench latency --shapes llama-3.2-1b --batch-sizes 1 --prompt-len 32
     backplane bench latency --plot-from latency.json --plot latency.png
+    backplane bench latency --shapes llama-1b --batch-sizes 1 --workload rewrite \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    backplane bench latency --shapes qwen3-next-1b-mtp --batch-sizes 1 --transformers none \\
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
 
 A default run takes several minutes on one GPU (weight initialisation, CUDA
 graph capture per engine, transformers compilation per batch size); one shape
@@ -87,6 +103,7 @@ from backplane.cli.bench.latency.settings import (
     Settings,
 )
 from backplane.cli.bench.latency.shapes import SHAPES, shape_config
+from backplane.cli.bench.latency.speculation import WORKLOADS, parse_speculative_config
 from backplane.cli.bench.latency.weights import WeightsInfo, save_random_weights
 from backplane.cli.bench.options import (
     add_json_output,
@@ -196,6 +213,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
     parser.add_argument(
+        "--speculative-config",
+        type=parse_speculative_config,
+        default=None,
+        metavar="JSON",
+        help="also measure each backplane configuration with speculative decoding, spelled "
+        'as for serve, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "mtp", "num_speculative_tokens": 1}\' (on a shape with MTP layers); '
+        "reports effective ms per generated token, x floor, speedup over the same "
+        "configuration without speculation, acceptance rate and mean accepted length",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="prompts: random tokens, or rewrite (a random document repeated: the request "
+        "to rewrite a text, which prompt lookup drafts) (default: random)",
+    )
+    parser.add_argument(
         "--compile-on-cpu",
         action="store_true",
         help="also measure transformers static+compile on a CPU (slow to compile)",
@@ -242,6 +277,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         compile_on_cpu=args.compile_on_cpu,
         weights_dir=args.weights_dir,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
+        workload=args.workload,
     )
 
 

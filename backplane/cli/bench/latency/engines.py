@@ -18,6 +18,7 @@ from backplane.cli.bench.latency.measure import (
     timing_row,
 )
 from backplane.cli.bench.latency.settings import PAGE_SIZE, Settings
+from backplane.cli.bench.latency.speculation import acceptance_figures, speculation_counts
 from backplane.engine.sizes import pages_per_seq as seq_pages
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,22 @@ def quiet_missing_tokenizer() -> Iterator[None]:
             log.removeFilter(drop)
 
 
-def generate_backplane(llm: Any, prompts: list[list[int]], new_tokens: int) -> Generation:
+def generate_backplane(
+    llm: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    counts_out: list[dict[str, int]] | None = None,
+) -> Generation:
     """One timed ``LLM.generate``: ``(ttft s, s per token after the first, tokens)``.
+
+    The time per token is the decode phase's wall time over the tokens it
+    generated, so with speculative decoding it is the effective time per token.
 
     :param llm: the engine's ``LLM``.
     :param prompts: the batch's prompts.
     :param new_tokens: tokens each request generates (end of sequence ignored).
+    :param counts_out: when given, the batch's speculative-decoding counts are
+        appended to it (see :func:`~backplane.cli.bench.latency.speculation.speculation_counts`).
     :return: the times from the requests' own metrics, and their tokens.
     """
     from backplane import SamplingParams
@@ -67,6 +78,8 @@ def generate_backplane(llm: Any, prompts: list[list[int]], new_tokens: int) -> G
         first = m.arrival_time + m.time_to_first_token
         firsts.append(first)
         lasts.append(first + sum(m.inter_token_latencies))
+    if counts_out is not None:
+        counts_out.append(speculation_counts(outs))
     first, last = max(firsts), max(lasts)
     per_token = (last - first) / max(new_tokens - 1, 1)
     return first - t0, per_token, [list(o.token_ids) for o in outs]
@@ -82,6 +95,7 @@ def run_backplane(
     device: Any,
     dtype_name: str,
     tokens_out: dict[int, list[list[int]]],
+    speculative_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure one backplane configuration at every batch size with one engine.
 
@@ -99,6 +113,10 @@ def run_backplane(
     :param device: the ``torch.device``.
     :param dtype_name: the dtype's name.
     :param tokens_out: filled with the first timed run's tokens per batch.
+    :param speculative_config: the engine's speculative decoding, or ``None``;
+        with it each row also carries ``speculation``: the first timed run's
+        verifying steps, draft and accepted tokens (over the batch), acceptance
+        rate and mean accepted length.
     :return: the configuration's entry (``status``, ``backends``, ``batches``).
     """
     from backplane import LLM
@@ -120,6 +138,8 @@ def run_backplane(
         "backends": {**settings.backends, "attention": attention},
         "tensor_parallel_size": settings.tensor_parallel_size,
     }
+    if speculative_config is not None:
+        overrides["speculative_config"] = dict(speculative_config)
     entry: dict[str, Any] = {"engine_settings": dict(overrides), "batches": []}
     t0 = time.perf_counter()
     with quiet_missing_tokenizer():
@@ -133,12 +153,17 @@ def run_backplane(
             try:
                 for _ in range(settings.warmup):
                     generate_backplane(llm, prompts[batch], n)
+                counts: list[dict[str, int]] = []
                 # a temporary: a name bound to it would keep the engine alive past `del llm`
                 runs, tokens = timed_runs(
-                    partial(generate_backplane, llm, prompts[batch], n), settings.repeats
+                    partial(generate_backplane, llm, prompts[batch], n, counts), settings.repeats
                 )
                 tokens_out[batch] = tokens
-                entry["batches"].append(timing_row(batch, runs, tokens, n))
+                row = timing_row(batch, runs, tokens, n)
+                if speculative_config is not None:
+                    # the first run's counts: the run whose tokens are kept
+                    row["speculation"] = {**counts[0], **acceptance_figures(counts[0])}
+                entry["batches"].append(row)
             except Exception as exc:  # one batch size failing (memory...) keeps the others
                 logger.debug("backplane %s batch %d failed", attention, batch, exc_info=True)
                 entry["batches"].append(failed_row(batch, exc))

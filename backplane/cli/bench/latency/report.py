@@ -71,6 +71,46 @@ def _shape_run(result: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _speculation_table(configs: Sequence[dict[str, Any]], batches: Sequence[int]) -> list[str]:
+    """The speculative configurations beside their runs without speculation.
+
+    :param configs: a shape's configurations.
+    :param batches: its batch sizes.
+    :return: the table's lines (a title first), or none without speculative rows.
+    """
+    spec = [c for c in configs if c.get("speculative_config") and c.get("status") == "ok"]
+    if not spec:
+        return []
+    headers = ["configuration"]
+    for b in batches:
+        headers += [f"b={b} ms", "x floor", "speedup", "accept", "mean len"]
+    rows = []
+    for c in spec:
+        by_batch = _row_by_batch(c)
+        row = [c["label"]]
+        for b in batches:
+            r = by_batch.get(b)
+            if r is None or r.get("status") != "ok":
+                row += ["-", "", "", "", ""]
+                continue
+            figures = r.get("speculation", {})
+            rate, length = figures.get("acceptance_rate"), figures.get("mean_accepted_length")
+            row += [
+                f"{r['ms_per_token']:.3f}",
+                f"{r['x_floor']:.2f}x" if r.get("x_floor") else "",
+                f"{r['speedup']:.2f}x" if r.get("speedup") else "",
+                f"{rate:.1%}" if rate is not None else "no drafts",
+                f"{length:.2f}" if length is not None else "",
+            ]
+        rows.append(row)
+    return [
+        "speculative decoding: effective ms per generated token (decode wall time / tokens "
+        "generated), speedup = / the same configuration without speculation, accept = "
+        "accepted / drafted tokens, mean len = tokens per verifying step",
+        _fmt_table(headers, rows),
+    ]
+
+
 def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Put the shapes of several results (e.g. one run per shape) into one.
 
@@ -168,6 +208,10 @@ def format_report(result: dict[str, Any]) -> str:
             if c.get("status") == "failed" and not c.get("batches") and c.get("reason"):
                 skipped.append(f"  {c['label']}: {c['reason']}")
         out.append(_fmt_table(headers, rows))
+        spec_lines = _speculation_table(configs, batches)
+        if spec_lines:
+            out.append("")
+            out.extend(spec_lines)
         if ttft_rows:
             out.append("")
             out.append("time to first token, ms (median):")

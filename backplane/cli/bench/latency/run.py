@@ -32,6 +32,11 @@ from backplane.cli.bench.latency.report import si
 from backplane.cli.bench.latency.settings import Settings, check_settings, resolve_device_dtype
 from backplane.cli.bench.latency.shapes import is_model_dir, shape_config
 from backplane.cli.bench.latency.shard import rank_weights_info
+from backplane.cli.bench.latency.speculation import (
+    compare_with_baseline,
+    rewrite_prompts,
+    speculation_label,
+)
 from backplane.cli.bench.latency.weights import folder_weights_info, save_random_weights
 from backplane.cli.bench.machine import machine_info
 from backplane.core.errors import BackendUnavailableError, UnknownBackendError
@@ -103,8 +108,9 @@ def run_shape(
         time.perf_counter() - t0,
     )
     vocab = int(config["vocab_size"])
+    prompter = rewrite_prompts if settings.workload == "rewrite" else make_prompts
     prompts = {
-        b: make_prompts(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
+        b: prompter(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
     }
     floor_label = "HBM floor" if device.type == "cuda" else "memory floor"
     floor_info = info
@@ -129,6 +135,10 @@ def run_shape(
     tokens: dict[tuple[str, int], list[list[int]]] = {}
 
     unavailable: dict[str, str] = {}
+    # with speculation each configuration runs twice, without first: the rows compared
+    variants: list[dict[str, Any] | None] = [None]
+    if settings.speculative_config is not None:
+        variants.append(settings.speculative_config)
     allocated_before = 0
     if device.type == "cuda":
         import torch
@@ -136,65 +146,76 @@ def run_shape(
         allocated_before = torch.cuda.memory_allocated(device)
     for attention in settings.attention_backends:
         for graphs in settings.cuda_graphs:
-            label = _label("backplane", attention=attention, graphs=graphs)
-            if settings.tensor_parallel_size > 1:
-                label += f", tp={settings.tensor_parallel_size}"
-            entry: dict[str, Any] = {
-                "label": label,
-                "kind": "backplane",
-                "attention": attention,
-                "cuda_graphs": graphs,
-            }
-            why = unavailable.get(attention)
-            if why is None and graphs == "on" and device.type != "cuda":
-                why = f"CUDA graphs need a CUDA device (this run is on {device.type})"
-            if why is not None:
-                entry.update(skipped(why))
-                configs.append(entry)
-                _advance(progress, len(settings.batch_sizes), f"{name}: {label} skipped")
-                continue
-            logger.info("%s: %s", name, label)
-            per_batch: dict[int, list[list[int]]] = {}
-            try:
-                entry.update(
-                    run_backplane(
-                        info.folder,
-                        settings,
-                        attention=attention,
-                        graphs=graphs,
-                        prompts=prompts,
-                        device=device,
-                        dtype_name=dtype_name,
-                        tokens_out=per_batch,
+            baseline: dict[str, Any] | None = None
+            for spec in variants:
+                label = _label("backplane", attention=attention, graphs=graphs)
+                if settings.tensor_parallel_size > 1:
+                    label += f", tp={settings.tensor_parallel_size}"
+                if spec is not None:
+                    label += f", {speculation_label(spec)}"
+                entry: dict[str, Any] = {
+                    "label": label,
+                    "kind": "backplane",
+                    "attention": attention,
+                    "cuda_graphs": graphs,
+                }
+                if spec is not None:
+                    entry["speculative_config"] = dict(spec)
+                why = unavailable.get(attention)
+                if why is None and graphs == "on" and device.type != "cuda":
+                    why = f"CUDA graphs need a CUDA device (this run is on {device.type})"
+                if why is not None:
+                    entry.update(skipped(why))
+                    configs.append(entry)
+                    _advance(progress, len(settings.batch_sizes), f"{name}: {label} skipped")
+                    continue
+                logger.info("%s: %s", name, label)
+                per_batch: dict[int, list[list[int]]] = {}
+                try:
+                    entry.update(
+                        run_backplane(
+                            info.folder,
+                            settings,
+                            attention=attention,
+                            graphs=graphs,
+                            prompts=prompts,
+                            device=device,
+                            dtype_name=dtype_name,
+                            tokens_out=per_batch,
+                            speculative_config=spec,
+                        )
                     )
-                )
-                settle_status(entry)
-            except (BackendUnavailableError, UnknownBackendError) as exc:
-                # the engine checks its backends before reading any weight
-                unavailable[attention] = str(exc)
-                entry.update(skipped(str(exc)))
-                free_device_memory(device)
-            except Exception as exc:
-                logger.debug("%s: %s failed", name, label, exc_info=True)
-                entry.update({"status": "failed", "reason": one_line(exc), "batches": []})
-                free_device_memory(device)
-            if device.type == "cuda":
-                import torch
+                    settle_status(entry)
+                except (BackendUnavailableError, UnknownBackendError) as exc:
+                    # the engine checks its backends before reading any weight
+                    unavailable[attention] = str(exc)
+                    entry.update(skipped(str(exc)))
+                    free_device_memory(device)
+                except Exception as exc:
+                    logger.debug("%s: %s failed", name, label, exc_info=True)
+                    entry.update({"status": "failed", "reason": one_line(exc), "batches": []})
+                    free_device_memory(device)
+                if device.type == "cuda":
+                    import torch
 
-                left = torch.cuda.memory_allocated(device) - allocated_before
-                entry["allocated_after_free_mib"] = left / 2**20
-                if left > 256 << 20:
-                    logger.warning(
-                        "%s: %.0f MiB still allocated after freeing the engine of %s; "
-                        "later engines have less memory",
-                        name,
-                        left / 2**20,
-                        label,
-                    )
-            for b, toks in per_batch.items():
-                tokens[(label, b)] = toks
-            configs.append(entry)
-            _advance(progress, len(settings.batch_sizes), f"{name}: {label}")
+                    left = torch.cuda.memory_allocated(device) - allocated_before
+                    entry["allocated_after_free_mib"] = left / 2**20
+                    if left > 256 << 20:
+                        logger.warning(
+                            "%s: %.0f MiB still allocated after freeing the engine of %s; "
+                            "later engines have less memory",
+                            name,
+                            left / 2**20,
+                            label,
+                        )
+                for b, toks in per_batch.items():
+                    tokens[(label, b)] = toks
+                if spec is None:
+                    baseline = entry
+                elif baseline is not None:
+                    compare_with_baseline(entry, baseline, floor_rows)
+                configs.append(entry)
+                _advance(progress, len(settings.batch_sizes), f"{name}: {label}")
 
     hf_tokens: dict[tuple[str, int], list[list[int]]] = {}
     if settings.transformers_modes:
@@ -239,6 +260,8 @@ def run_shape(
             "new_tokens": settings.new_tokens,
             "dtype": dtype_name,
             "repeats": settings.repeats,
+            "workload": settings.workload,
+            "speculative_config": settings.speculative_config,
         },
         "configs": configs,
     }
@@ -262,7 +285,8 @@ def run_benchmark(settings: Settings) -> dict[str, Any]:
     logger.info(
         "read bandwidth %.1f GB/s (%s)", bandwidth["bytes_per_s"] / 1e9, bandwidth["method"]
     )
-    per_shape = len(settings.attention_backends) * len(settings.cuda_graphs) + len(
+    variants = 1 if settings.speculative_config is None else 2
+    per_shape = variants * len(settings.attention_backends) * len(settings.cuda_graphs) + len(
         settings.transformers_modes
     )
     total = len(settings.shapes) * per_shape * len(settings.batch_sizes)

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backplane.cli.bench.latency.shapes import shape_config
+from backplane.cli.bench.latency.speculation import (
+    WORKLOADS,
+    check_shape_speculation,
+    check_speculative_config,
+)
 from backplane.core.errors import ConfigError
 
 DEFAULT_SHAPES: tuple[str, ...] = ("llama-1b", "nemotron-h-0.85b")
@@ -47,6 +52,10 @@ class Settings:
     :param compile_on_cpu: also compile transformers on a CPU (slow; off by default).
     :param weights_dir: keep the saved weights here (default: a temporary folder).
     :param tensor_parallel_size: ranks each backplane engine is split over (1).
+    :param speculative_config: measure each backplane configuration again with this
+        speculative decoding (the mapping ``LLM`` takes); ``None``: without only.
+    :param workload: the prompts: ``random`` tokens, or ``rewrite`` (a repeated
+        random document, see :mod:`~backplane.cli.bench.latency.speculation`).
     """
 
     shapes: list[str] = field(default_factory=lambda: list(DEFAULT_SHAPES))
@@ -65,6 +74,8 @@ class Settings:
     compile_on_cpu: bool = False
     weights_dir: str | None = None
     tensor_parallel_size: int = 1
+    speculative_config: dict[str, Any] | None = None
+    workload: str = "random"
 
 
 def resolve_device_dtype(settings: Settings) -> tuple[Any, Any, str]:
@@ -125,8 +136,14 @@ def check_settings(settings: Settings) -> None:
                 f"--backend {family}=...: the families are ssm, mla, delta "
                 "(attention backends are chosen with --attention)"
             )
+    if settings.workload not in WORKLOADS:
+        raise ConfigError(f"--workload {settings.workload!r}: use {' or '.join(WORKLOADS)}")
+    if settings.speculative_config is not None:
+        check_speculative_config(settings.speculative_config)
     for shape in settings.shapes:
         cfg = shape_config(shape)
+        if settings.speculative_config is not None:
+            check_shape_speculation(shape, cfg, settings.speculative_config)
         limit = int(cfg.get("max_position_embeddings", 4096))
         if settings.prompt_len + settings.new_tokens > limit:
             raise ConfigError(

@@ -3,8 +3,10 @@
 Two ~1B shapes of the same width, a dense one and a hybrid one
 (``llama-1b``, ``nemotron-h-0.85b``); the shapes of published models that
 published figures exist for (``llama-3.2-1b`` with its tied 128k vocabulary,
-``llama-3.1-8b``, ``qwen3-8b``, ``nemotron-h-8b``); and a lookup that also
-accepts any built-in preset (the tiny ones run on a CPU) and a model directory.
+``llama-3.1-8b``, ``qwen3-8b``, ``nemotron-h-8b``); a Qwen3-Next-shaped
+hybrid with one MTP layer for speculative decoding (``qwen3-next-1b-mtp``);
+and a lookup that also accepts any built-in preset (the tiny ones run on a
+CPU) and a model directory.
 """
 
 from __future__ import annotations
@@ -169,6 +171,45 @@ NEMOTRON_H_8B: dict[str, Any] = {
 }
 """Nemotron-H-8B's shape (a 52-layer Mamba2 / attention / MLP hybrid)."""
 
+QWEN3_NEXT_1B_MTP: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "num_hidden_layers": 12,
+    # Qwen3-Next's rhythm: three gated delta-rule layers, then one of full attention
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 3,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 1024,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "mtp_num_hidden_layers": 1,
+}
+"""A ~1.2B Qwen3-Next-shaped hybrid with one MTP layer, for speculative method ``mtp``
+(12 layers: 9 gated delta-rule + 3 attention, each with 16 experts of 512, 4 routed per token)."""
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-1b": LLAMA_1B,
     "nemotron-h-0.85b": NEMOTRON_H_085B,
@@ -176,6 +217,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": LLAMA_31_8B,
     "qwen3-8b": QWEN3_8B,
     "nemotron-h-8b": NEMOTRON_H_8B,
+    "qwen3-next-1b-mtp": QWEN3_NEXT_1B_MTP,
 }
 """The model shapes by name, as HF ``config.json`` dicts."""
 

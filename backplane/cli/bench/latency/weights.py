@@ -161,6 +161,32 @@ def folder_weights_info(folder: str | os.PathLike[str], dtype: Any) -> WeightsIn
     )
 
 
+def mtp_checkpoint_name(model: Any, target: str) -> str:
+    """The checkpoint name of an MTP tensor, the inverse of the loader's mapping.
+
+    DeepSeek-V3 stores MTP layer ``i`` as ``model.layers.{num_hidden_layers + i}``
+    (its decoder block's tensors without ``block.``); Qwen3-Next keeps ``mtp.*``.
+
+    :param model: the model, its MTP layers attached.
+    :param target: the tensor's module path, ``mtp.…``.
+    :return: the name the loader maps back to ``target``.
+    :raises ValueError: when no known layout maps back to it.
+    """
+    from backplane.models.mtp import MTP_MODULE
+
+    candidates = []
+    m = re.match(rf"^{MTP_MODULE}\.layers\.(\d+)\.(?:block\.)?(.*)$", target)
+    if m is not None:
+        layer = int(model.config["num_hidden_layers"]) + int(m.group(1))
+        candidates.append(f"model.layers.{layer}.{m.group(2)}")
+    # last: names outside a layout's own are taken as they are by the loader
+    candidates.append(target)
+    for name in candidates:
+        if model.checkpoint_to_module_name(name) == target:
+            return name
+    raise ValueError(f"no checkpoint name of MTP tensor {target!r} maps back to it")
+
+
 def _saved_before(folder: Path, config: dict[str, Any]) -> bool:
     """Whether ``folder`` already holds these random weights (its config.json equals ``config``)."""
     try:
@@ -200,6 +226,11 @@ def save_random_weights(
     if _saved_before(folder, saved_config):
         # the same shape, seed and dtype give the same weights: a kept folder is reused
         return folder_weights_info(folder, dtype)
+    from backplane.models.mtp import MTP_MODULE, num_mtp_layers
+
+    # a shape that declares MTP layers is saved with them, for speculative method mtp;
+    # the target's own weights are the same either way (the presets draw them apart)
+    with_mtp = num_mtp_layers(config) > 0
     with _registered_preset(name, config) as key:
         llm = LLM(
             key,
@@ -210,6 +241,9 @@ def save_random_weights(
             num_kv_pages=2,
             enable_prefix_caching=False,
             backends=dict.fromkeys(FAMILIES, "torch"),
+            speculative_config=(
+                {"method": "mtp", "num_speculative_tokens": 1} if with_mtp else None
+            ),
         )
     model = llm.engine.model
     del llm
@@ -219,9 +253,14 @@ def save_random_weights(
     head = embedding if tied else model.lm_head.weight
 
     tensors: dict[str, torch.Tensor] = {}
+    mtp_tensors: dict[str, torch.Tensor] = {}
     expert_bytes = 0
     num_experts = 0
     for target, (tensor, index) in model.weight_targets().items():
+        if target.startswith(f"{MTP_MODULE}."):
+            part = tensor if index is None else tensor[index]
+            mtp_tensors[mtp_checkpoint_name(model, target)] = part.detach().contiguous().clone()
+            continue
         ckpt = target
         for ckpt_prefix, module_prefix in prefixes:
             if target.startswith(module_prefix):
@@ -235,7 +274,10 @@ def save_random_weights(
             num_experts = max(num_experts, int(tensor.shape[0]))
     # the config last: a folder whose config.json matches holds its whole safetensors file
     (folder / "config.json").unlink(missing_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # the MTP layers are not part of the sizes: the floor is the target's decode step
+    save_file(
+        {**tensors, **mtp_tensors}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
     (folder / "config.json").write_text(json.dumps(saved_config, indent=1))
 
     def nbytes(t: torch.Tensor) -> int:
@@ -256,6 +298,6 @@ def save_random_weights(
         kv_bytes_per_token=kv_bytes_per_token,
         state_bytes_per_seq=state_bytes_per_seq,
     )
-    del model, tensors
+    del model, tensors, mtp_tensors
     gc.collect()
     return info
