@@ -362,7 +362,7 @@ class Engine(WorkerView):
             # scheduled (the simplest correct rule: no overlap then, for any request).
             self._settle()
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, self.structured_output)
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
         flip = self._copies.turn
         prev = self._inflight
@@ -400,7 +400,11 @@ class Engine(WorkerView):
         self.scheduler.commit(sched, sampled, accepted)
         grammars = self.structured_output
         if len(grammars):
-            for rid in grammars.accept(sampled):
+            committed: dict[str, int | list[int]] = dict(sampled)
+            if self.spec is not None:
+                # a verified sequence committed its accepted drafts ahead of its token
+                committed.update(self.spec.committed())
+            for rid in grammars.accept(committed):
                 # complete, yet its last token was no stop (ignore_eos): it ends here
                 req = self._requests.get(rid)
                 if req is not None and not req.is_finished and not req.has_pending_token:
@@ -486,7 +490,9 @@ class Engine(WorkerView):
         tokens = out.tokens
         if self.spec is not None:
             # the verified sequences' own tokens replace what the plain sampler drew for them
-            self.spec.verify(self.model, hidden, inputs, scheduled, reqs, tokens)
+            self.spec.verify(
+                self.model, hidden, inputs, scheduled, reqs, tokens, self.structured_output
+            )
         host, event = self._copies.start(tokens, wait_too=prompt is not None)
         lp_host = to_host(out.logprobs) if len(reqs) and out.logprobs is not None else None
         if prompt is not None and out.prompt_logprobs is not None:

@@ -11,8 +11,12 @@ committed ahead of the step's sampled token, which is replaced by the
 verified one.
 
 A request speculates only when its next tokens depend on nothing but the
-logits: no penalties, ``min_tokens`` reached, no grammar, no logprobs and no
-prompt logprobs still owed (its other steps decode one token as usual).
+logits and its grammar: no penalties, ``min_tokens`` reached, no logprobs and
+no prompt logprobs still owed (its other steps decode one token as usual).
+A request with a grammar (structured output) has its draft cut at the first
+token the grammar refuses, and each of its ``d + 1`` positions is verified
+under the grammar's mask after the drafts before it; the engine then advances
+its matcher by exactly the tokens committed (:meth:`SpecDecoder.committed`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from backplane.core.metadata import VerifyStates
 from backplane.engine.request import Request, RequestStatus
 from backplane.engine.sampling.rejection import rejection_sample
+from backplane.engine.sampling.rows import GrammarBitmask
 from backplane.engine.spec_decode.config import SpeculativeConfig
 from backplane.engine.spec_decode.factory import check_target, create_proposer
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
@@ -35,6 +40,7 @@ from backplane.engine.spec_decode.proposer import ProposalContext, ProposalReque
 if TYPE_CHECKING:
     from backplane.engine.outputs import EngineStepOutput
     from backplane.engine.sched.output import ScheduledSeq
+    from backplane.engine.structured_output.manager import StructuredOutputManager
     from backplane.engine.worker.inputs import BatchInputs
 
 __all__ = ["SpecDecoder", "SpecStats", "may_speculate"]
@@ -71,7 +77,7 @@ def may_speculate(req: Request) -> bool:
 
     :param req: a request.
     :return: True when it decodes one token on cached context and its sampling
-        reads nothing but the logits (see the module docstring).
+        reads nothing but the logits and its grammar (see the module docstring).
     """
     if req.status is not RequestStatus.RUNNING or req.has_pending_token or req.final_pending:
         return False
@@ -79,7 +85,7 @@ def may_speculate(req: Request) -> bool:
     if c == 0 or req.num_tokens - c != 1:
         return False
     p = req.sampling_params
-    if getattr(p, "has_penalties", False) or getattr(p, "structured_outputs", None) is not None:
+    if getattr(p, "has_penalties", False):
         return False
     if req.num_output_tokens < getattr(p, "min_tokens", 0) or req.logprobs is not None:
         return False
@@ -141,13 +147,19 @@ class SpecDecoder:
         # request id -> (request, index of its first token of the verified step)
         self._starts: dict[str, tuple[Request, int]] = {}
 
-    def propose(self, running: Sequence[Request]) -> None:
+    def propose(
+        self, running: Sequence[Request], grammars: StructuredOutputManager | None = None
+    ) -> None:
         """Draft for every running request that may speculate (see :func:`may_speculate`).
 
         Each draft is written after the request's last token (the scheduler
         reads it from there) and kept in ``Request.spec_token_ids``; others get none.
+        A request with a grammar keeps its draft only up to the first token the
+        grammar refuses, so no refused token is ever verified.
 
         :param running: the scheduler's running requests.
+        :param grammars: the engine's grammars, their matchers at the committed tokens
+            (``None``: no request has one).
         """
         reqs: list[Request] = []
         asks: list[ProposalRequest] = []
@@ -188,6 +200,10 @@ class SpecDecoder:
             draft = [int(t) for t in draft[: ask.max_tokens]]
             if not draft or min(draft) < 0 or max(draft) >= self.vocab_size:
                 continue
+            if grammars is not None and req.request_id in grammars:
+                draft = draft[: grammars.valid_draft_length(req.request_id, draft)]
+                if not draft:
+                    continue
             n = req.num_tokens
             req.token_buffer[n : n + len(draft)] = draft
             req.spec_token_ids.extend(draft)
@@ -233,9 +249,14 @@ class SpecDecoder:
         scheduled: Sequence[ScheduledSeq],
         reqs: Sequence[Request],
         tokens: torch.Tensor,
+        grammars: StructuredOutputManager | None = None,
     ) -> None:
         """Rejection-sample the step's drafts; write each verified sequence's token into
         ``tokens`` and keep its accepted drafts in :attr:`accepted`.
+
+        A sequence with a grammar is verified under one mask per position (the
+        grammar after the drafts before it); its matcher is left at the committed
+        tokens, for the engine to advance by :meth:`committed` after the commit.
 
         :param model: the target (its ``compute_logits`` is the LM head).
         :param hidden: the step's hidden states.
@@ -243,6 +264,7 @@ class SpecDecoder:
         :param scheduled: the scheduler's sequences, as given to input preparation.
         :param reqs: the requests of ``inputs.sample_seqs``, in that order.
         :param tokens: ``[len(reqs)]`` the step's sampled tokens on the device (updated).
+        :param grammars: the engine's grammars (``None``: no request has one).
         """
         self.accepted = {}
         self._starts = {}
@@ -270,6 +292,7 @@ class SpecDecoder:
             [s.request.sampling_params for s in seqs],
             np.fromiter((s.request.sampling_seed for s in seqs), np.int64, len(seqs)),
             np.fromiter((s.request.num_output_tokens for s in seqs), np.int64, len(seqs)),
+            grammar=self._draft_masks(seqs, drafts, d, grammars),
         )
         vs = inputs.metadata.verify_states
         if vs is not None:
@@ -301,6 +324,50 @@ class SpecDecoder:
         st.verified_seqs += len(seqs)
         st.draft_tokens += int(d.sum())
         st.accepted_tokens += int(accepted.sum())
+
+    @staticmethod
+    def _draft_masks(
+        seqs: Sequence[ScheduledSeq],
+        drafts: np.ndarray,
+        num_drafts: np.ndarray,
+        grammars: StructuredOutputManager | None,
+    ) -> GrammarBitmask | None:
+        """The grammar masks of every position of the verifying sequences that have one.
+
+        :param seqs: the verifying sequences.
+        :param drafts: ``[len(seqs), K]`` their drafts.
+        :param num_drafts: ``[len(seqs)]`` drafts per sequence.
+        :param grammars: the engine's grammars, or ``None``.
+        :return: masks whose rows index the flattened ``[len(seqs) * (K + 1)]`` positions,
+            or ``None`` when no sequence has a grammar.
+        """
+        if grammars is None or not len(grammars):
+            return None
+        width = drafts.shape[1] + 1
+        rows: list[np.ndarray] = []
+        masks: list[torch.Tensor] = []
+        for b, s in enumerate(seqs):
+            mask = grammars.draft_bitmask(
+                s.request.request_id, drafts[b, : num_drafts[b]].tolist(), width
+            )
+            if mask is not None:
+                rows.append(np.arange(b * width, (b + 1) * width, dtype=np.int64))
+                masks.append(mask)
+        if not masks:
+            return None
+        return GrammarBitmask(np.concatenate(rows), torch.cat(masks))
+
+    def committed(self) -> dict[str, list[int]]:
+        """The tokens each sequence verified in the step committed, after the commit.
+
+        Its accepted drafts and its sampled token, cut at the one that finished it:
+        what its grammar must take.
+
+        :return: request id -> the tokens, in order.
+        """
+        return {
+            rid: req.output_token_ids[start:].tolist() for rid, (req, start) in self._starts.items()
+        }
 
     def _keep_hidden(
         self, hidden: torch.Tensor, rows: torch.Tensor, reqs: Sequence[Request]
