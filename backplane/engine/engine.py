@@ -178,6 +178,7 @@ class Engine(WorkerView):
             self.page_size,
             num_state_slots=self.num_slots,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            state_snapshots=self.executor.driver.num_snapshot_slots > 0,
             host_tier=host,
             debug=cfg.debug,
         )
@@ -413,6 +414,9 @@ class Engine(WorkerView):
 
     def _run_step(self, sched: SchedulerOutput) -> list[EngineStepOutput]:
         """Launch, wait for and commit one scheduled step (see :meth:`step`)."""
+        if sched.state_saves or sched.state_restores:
+            # recurrent states of cached prefixes, queued before the step's forward
+            self.executor.driver.copy_state_slots(sched.state_saves, sched.state_restores)
         launched = self._launch(sched) if sched.scheduled else None
         if not self.async_scheduling:
             if launched is not None:
@@ -473,6 +477,8 @@ class Engine(WorkerView):
             if req.has_pending_token and not req.is_finished:
                 req.drop_placeholder()
         self.scheduler.keep_reports(sched.finished)
+        # the step's state saves may not have run: those snapshots are not trusted
+        self.kv_manager.discard_state_saves(sched.state_saves)
         self.scheduler.restart(failed)
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:

@@ -19,9 +19,15 @@ tokens the scheduler counts on is exactly the number it gets:
    nothing promised can disappear. Reused tokens realised == estimated; both are
    counted in :class:`KVCacheStats` and compared by an assertion in debug mode.
 
-Prefix reuse is turned off for models with recurrent layers (SSM, conv,
-delta): their state after a prefix is a single per-sequence slot, not a page
-that could be shared, so a KV prefix hit could not skip the recurrent layers.
+Models with recurrent layers (SSM, conv, delta) reuse a prefix only up to a
+page whose recurrent state was kept: their state after a prefix is one
+per-sequence slot, not a page that could be shared, so the manager keeps
+copies of it in spare slots (:mod:`backplane.engine.kv_cache.state_cache`)
+when a request finishes computing its prompt's last full page
+(:meth:`KVCacheManager.snapshot_cut` makes a prefill chunk end there). A hit
+is cut back to the longest run of cached pages that ends at such a snapshot,
+which the request copies into its own slot; without one nothing is reused.
+Without ``state_snapshots`` prefix reuse stays off for these models.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from backplane.core.metadata import NULL_PAGE, NULL_SLOT
 from backplane.engine.kv_cache.block_pool import BlockPool
 from backplane.engine.kv_cache.host_tier import HostTier
 from backplane.engine.kv_cache.prefix_cache import PrefixCache, hash_pages
+from backplane.engine.kv_cache.state_cache import StateCopies, StateSnapshots
 from backplane.engine.kv_cache.state_slots import StateSlotPool
 from backplane.engine.request import Request
 
@@ -112,12 +119,15 @@ class Claim:
         ``(-1, host_page)`` for a host hit, in page order.
     :param num_lookup: pages looked up (the hit chain stops at the first miss).
     :param page_size: tokens per page.
+    :param state_snapshot: the pinned recurrent-state snapshot slot the request
+        starts from, at the end of its last hit (``NULL_SLOT`` for none).
     """
 
     request: Request
     hits: list[tuple[int, int]]
     num_lookup: int
     page_size: int
+    state_snapshot: int = NULL_SLOT
     num_new_tokens: int = 0
     reserved_pages: int = 0
     reserved_slot: bool = False
@@ -145,7 +155,10 @@ class KVCacheManager:
     :param num_state_slots: recurrent-state slots including the reserved slot 0
         (0 when the model has no recurrent layers); each live request gets one.
     :param enable_prefix_caching: reuse computed full pages across requests
-        (forced off when ``num_state_slots > 0``).
+        (forced off when ``num_state_slots > 0`` without ``state_snapshots``).
+    :param state_snapshots: with recurrent layers, keep recurrent-state snapshots at
+        page boundaries in spare slots so that prefix reuse works for them too; the
+        slot pool should hold spare slots beyond one per live sequence.
     :param host_tier: optional :class:`HostTier` keeping evicted reusable pages.
     :param debug: check internal invariants (estimate == realised) with assertions.
     """
@@ -157,6 +170,7 @@ class KVCacheManager:
         *,
         num_state_slots: int = 0,
         enable_prefix_caching: bool = True,
+        state_snapshots: bool = False,
         host_tier: HostTier | None = None,
         debug: bool = False,
     ) -> None:
@@ -169,13 +183,20 @@ class KVCacheManager:
         self.needs_state_slot = num_state_slots > 0
         if self.needs_state_slot and num_state_slots < 2:
             raise ValueError("num_state_slots must be 0 or at least 2 (slot 0 is reserved)")
-        self.prefix_caching = bool(enable_prefix_caching) and not self.needs_state_slot
-        if enable_prefix_caching and self.needs_state_slot:
+        self.prefix_caching = bool(enable_prefix_caching) and (
+            not self.needs_state_slot or state_snapshots
+        )
+        if enable_prefix_caching and not self.prefix_caching:
             logger.info(
                 "prefix caching is off: the model has recurrent layers (ssm/conv/delta) whose "
-                "state after a prefix is one per-sequence slot, not a shareable page"
+                "state after a prefix is one per-sequence slot, and no spare slots keep copies"
             )
-        self.host = host_tier if self.prefix_caching else None
+        #: recurrent-state snapshots at page boundaries (``None`` without recurrent reuse)
+        self.snapshots: StateSnapshots | None = (
+            StateSnapshots(self.slots) if self.prefix_caching and self.needs_state_slot else None
+        )
+        # a host tier moves pages only: a recurrent model's reuse needs its snapshots too
+        self.host = host_tier if self.prefix_caching and self.snapshots is None else None
         if host_tier is not None and self.host is None:
             logger.info("host KV tier is off because prefix caching is off")
         if self.host is not None and self.host.device_caches[0].shape[0] != num_pages:
@@ -284,8 +305,32 @@ class KVCacheManager:
                 host.claim(hp)
                 hits.append((-1, hp))
         claim = Claim(request, hits, limit, self.page_size)
+        if self.snapshots is not None and hits:
+            self._cut_to_snapshot(claim, st.hashes)
         st.claim = claim
         return claim
+
+    def _cut_to_snapshot(self, claim: Claim, hashes: list[int]) -> None:
+        """Keep the longest run of hits ending at a page with a recurrent-state snapshot.
+
+        Pages past it go back (the request computes them), and the snapshot is
+        pinned until the request is admitted or gives its claim back.
+        """
+        snaps = self.snapshots
+        assert snaps is not None
+        hits = claim.hits
+        keep = len(hits)
+        while keep and snaps.get(hashes[keep - 1]) is None:
+            keep -= 1
+        if keep < len(hits):
+            self._drop_hits(hits[keep:])
+            del hits[keep:]
+            claim.num_host_hits = sum(1 for d, _ in hits if d < 0)
+        if keep:
+            slot = snaps.get(hashes[keep - 1])
+            assert slot is not None
+            snaps.pin(slot)
+            claim.state_snapshot = slot
 
     def unclaim(self, claim: Claim) -> None:
         """Give back a claim that will not be admitted (pages return to the LRU)."""
@@ -300,6 +345,7 @@ class KVCacheManager:
             else:
                 self.host.unclaim(hp)  # type: ignore[union-attr]
         claim.hits = []
+        self._unpin_snapshot(claim)
         st.claim = None
 
     def reserve(self, claim: Claim, num_new_tokens: int) -> bool:
@@ -313,7 +359,7 @@ class KVCacheManager:
         need = max(need, 0)
         if need > self.num_available_pages:
             return False
-        if self.needs_state_slot and self.slots.num_free - self._reserved_slots < 1:
+        if self.needs_state_slot and self.num_available_slots < 1:
             return False
         self._reserved_pages += need
         claim.reserved_pages = need
@@ -367,6 +413,9 @@ class KVCacheManager:
                     need += 1
                 slots.append(j)
             if realised < len(c.hits):
+                if c.state_snapshot != NULL_SLOT:
+                    # the snapshot holds the state after the last hit: nothing shorter is usable
+                    realised = 0
                 self._drop_hits(c.hits[realised:])
             total = self.pages_for(realised * ps + c.num_new_tokens)
             plans.append((c, realised, slots, need))
@@ -420,7 +469,9 @@ class KVCacheManager:
             if c.reserved_slot:
                 self._reserved_slots -= 1
                 c.reserved_slot = False
-                st.slot = self.slots.allocate()
+                st.slot = self._take_slot()
+                if realised and c.state_snapshot != NULL_SLOT:
+                    self.snapshots.restore(c.state_snapshot, st.slot)  # type: ignore[union-attr]
             req.num_computed_tokens = cached
             s = req.stats
             s.reused_pages += reused
@@ -452,6 +503,8 @@ class KVCacheManager:
             for d, hp in c.hits:
                 if d < 0:
                     host.unclaim(hp)  # type: ignore[union-attr]
+            # every slot of the batch is taken: the restores are queued, the snapshots may go
+            self._unpin_snapshot(c)
             c.request.kv_state.claim = None
         if self.debug:
             assert self._reserved_pages >= 0 and self._reserved_slots >= 0
@@ -478,6 +531,7 @@ class KVCacheManager:
             if c.reserved_slot:
                 self._reserved_slots -= 1
                 c.reserved_slot = False
+            self._unpin_snapshot(c)
             c.request.kv_state.claim = None
 
     def _drop_hits(self, hits: list[tuple[int, int]]) -> None:
@@ -580,6 +634,87 @@ class KVCacheManager:
         if self.host is not None:
             self.host.wait()
 
+    # -- recurrent-state snapshots ----------------------------------------------------------------
+
+    @property
+    def num_available_slots(self) -> int:
+        """State slots an admission may take now: free + idle snapshots - reserved."""
+        idle = self.snapshots.num_evictable if self.snapshots is not None else 0
+        return self.slots.num_free + idle - self._reserved_slots
+
+    def snapshot_cut(self, request: Request, num_new_tokens: int, start: int | None = None) -> int:
+        """Shorten a prefill chunk so that it ends where the request's state is to be kept.
+
+        A recurrent model keeps its state after the prompt's last full page
+        (see :meth:`save_state`), which a step can only see when a chunk ends
+        there; a chunk that would run past that position without a snapshot of
+        it stops there instead (the rest follows in the next step).
+
+        :param request: a request about to compute ``num_new_tokens`` tokens.
+        :param num_new_tokens: the chunk's size.
+        :param start: the chunk's first position (default ``request.num_computed_tokens``;
+            a request being admitted passes its claim's cached tokens).
+        :return: the chunk's size, cut where needed.
+        """
+        if self.snapshots is None:
+            return num_new_tokens
+        c = request.num_computed_tokens if start is None else start
+        b = self.snapshot_position(request)
+        if not c < b < c + num_new_tokens:
+            return num_new_tokens
+        st: RequestKV = request.kv_state
+        hash_pages(request.token_buffer, self.page_size, st.hashes, b // self.page_size)
+        if self.snapshots.get(st.hashes[b // self.page_size - 1]) is not None:
+            return num_new_tokens
+        return b - c
+
+    def snapshot_position(self, request: Request) -> int:
+        """The position after which the request's recurrent state is kept: its prompt's
+        last full page boundary (0: none)."""
+        ps = self.page_size
+        return request.num_prompt_tokens // ps * ps
+
+    def save_state(self, request: Request) -> bool:
+        """Keep the request's recurrent state after its first ``num_computed_tokens`` tokens
+        (a page boundary whose KV was just computed) for requests sharing that prefix.
+
+        :param request: a running request whose slot holds the state at that position.
+        :return: True if a snapshot was recorded (its copy goes out with the next step).
+        """
+        snaps = self.snapshots
+        n = request.num_computed_tokens
+        if snaps is None or n <= 0 or n % self.page_size:
+            return False
+        st: RequestKV = request.kv_state
+        pages = n // self.page_size
+        hash_pages(request.token_buffer, self.page_size, st.hashes, pages)
+        return snaps.save(st.hashes[pages - 1], st.slot)
+
+    def take_state_copies(self) -> tuple[StateCopies, StateCopies]:
+        """The state copies to issue before the next step's forward (saves, then restores).
+
+        :return: ``(saves, restores)`` of ``(source slot, destination slot)``; empty
+            without recurrent-state snapshots.
+        """
+        if self.snapshots is None:
+            return [], []
+        return self.snapshots.take_copies()
+
+    def discard_state_saves(self, saves: StateCopies) -> None:
+        """Forget the snapshots whose save copies never ran (their step failed)."""
+        if self.snapshots is not None and saves:
+            self.snapshots.discard(saves)
+
+    def _take_slot(self) -> int:
+        if self.snapshots is not None:
+            return self.snapshots.take_slot()
+        return self.slots.allocate()
+
+    def _unpin_snapshot(self, claim: Claim) -> None:
+        if claim.state_snapshot != NULL_SLOT:
+            self.snapshots.unpin(claim.state_snapshot)  # type: ignore[union-attr]
+            claim.state_snapshot = NULL_SLOT
+
     # -- internals ------------------------------------------------------------------------------
 
     def _release_page(self, page: int) -> None:
@@ -668,5 +803,13 @@ class KVCacheManager:
         assert accounted == n - 1, f"{n - 1 - accounted} pages leaked"
         self.prefix.check_invariants()
         assert self._reserved_pages >= 0
+        if self.needs_state_slot:
+            live_slots = [r.kv_state.slot for r in live if r.kv_state.slot != NULL_SLOT]
+            assert len(set(live_slots)) == len(live_slots), "two requests share a state slot"
+            held = len(self.snapshots) if self.snapshots is not None else 0
+            assert self.slots.num_used == len(live_slots) + held, "a state slot leaked"
+            if self.snapshots is not None:
+                self.snapshots.check_invariants()
+                assert not set(live_slots) & self.snapshots.held_slots(), "live slot cached"
         if self.host is not None:
             self.host.check_invariants()

@@ -86,6 +86,10 @@ class SchedulerOutput:
         :meth:`Scheduler.abort`) since the previous ``schedule`` or
         :meth:`Scheduler.pop_finished` call; each finished request is reported
         exactly once, here or by ``pop_finished``.
+    :param state_saves: recurrent-state copies ``(live slot, snapshot slot)`` to
+        issue before this step's forward, keeping states of cached prefixes.
+    :param state_restores: recurrent-state copies ``(snapshot slot, live slot)`` to
+        issue after the saves: admitted requests starting from a cached prefix.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -93,6 +97,8 @@ class SchedulerOutput:
     num_scheduled_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decode_seqs(self) -> int:

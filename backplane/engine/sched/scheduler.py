@@ -285,7 +285,7 @@ class Scheduler:
                 if req.status is not is_running or req.scheduled_step == step:
                     continue
                 left = req.num_uncomputed_tokens
-                n = min(left, budget)
+                n = kv.snapshot_cut(req, min(left, budget))
                 if not self._make_room(req, n, preempted):
                     st = req.kv_state
                     n = (st.num_pages + kv.num_available_pages) * ps
@@ -304,6 +304,7 @@ class Scheduler:
             budget = self._admit(budget, step, prefills, decodes)
 
         kv.wait_transfers()
+        saves, restores = kv.take_state_copies()
         scheduled = prefills + decodes
         num_tokens = self.max_num_tokens - budget
         self.stats.steps += 1
@@ -315,6 +316,8 @@ class Scheduler:
             num_scheduled_tokens=num_tokens,
             preempted=preempted,
             finished=finished,
+            state_saves=saves,
+            state_restores=restores,
         )
 
     def _admit(
@@ -335,6 +338,8 @@ class Scheduler:
             req = waiting[0]
             claim = kv.claim(req)  # phase 1
             n = min(req.num_tokens - claim.num_cached_tokens, budget)
+            if kv.snapshots is not None:
+                n = kv.snapshot_cut(req, n, claim.num_cached_tokens)
             if not kv.reserve(claim, n):
                 kv.unclaim(claim)
                 break
@@ -421,6 +426,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         # Only pages that just became full are offered to the prefix cache.
         ps = kv.page_size if kv.prefix_caching else 0
+        snapshots = kv.snapshots is not None
         for s in output.scheduled:
             req = s.request
             if req.status is not running:  # aborted or finished since schedule()
@@ -430,6 +436,9 @@ class Scheduler:
             req.num_computed_tokens = computed
             if ps and computed // ps > req.kv_state.num_registered:
                 kv.on_computed(req)
+                # a recurrent model keeps its state where its prompt's last full page ends
+                if snapshots and computed == kv.snapshot_position(req) and not s.num_draft_tokens:
+                    kv.save_state(req)
             if s.is_prefill_chunk_final:
                 req.append_placeholder()
 

@@ -130,7 +130,19 @@ class DeviceWorker:
         self.eos_token_ids = tuple(int(t) for t in (self.model.eos_token_ids or ()))
         self.has_recurrent_state = bool(self.model.has_recurrent_state)
         self.max_pages_per_seq = pages_per_seq(self.max_model_len, self.page_size)
-        self.num_slots = self.max_num_seqs + 1 if self.has_recurrent_state else 0
+        # Prefix reuse of a recurrent model keeps the states of cached prefixes in spare
+        # slots, one per sequence; the engine issues their copies on this worker only, so
+        # several ranks go without.
+        self.num_snapshot_slots = (
+            self.max_num_seqs
+            if self.has_recurrent_state
+            and cfg.enable_prefix_caching
+            and int(cfg.tensor_parallel_size) == 1
+            else 0
+        )
+        self.num_slots = (
+            self.max_num_seqs + 1 + self.num_snapshot_slots if self.has_recurrent_state else 0
+        )
         # speculative verification keeps the per-position recurrent states of its chunks in
         # scratch slots past the pool's (VerifyStates.in_scratch_region)
         spec = cfg.speculative_config
@@ -350,6 +362,25 @@ class DeviceWorker:
         :return: tokens (and logprobs where asked) on the device.
         """
         return self.runner.sample(hidden, inputs, rows)
+
+    @torch.inference_mode()
+    def copy_state_slots(
+        self, saves: Sequence[tuple[int, int]], restores: Sequence[tuple[int, int]]
+    ) -> None:
+        """Copy recurrent states between slots of every recurrent layer, on the device.
+
+        The saves run first, so a restore may read a snapshot saved in the same
+        call; nothing is read on the host, so the copies queue after the step in
+        flight and before the next one.
+
+        :param saves: ``(source slot, destination slot)`` pairs, distinct destinations.
+        :param restores: the same, copied after every save.
+        """
+        for pairs in (saves, restores):
+            if not pairs:
+                continue
+            idx = torch.tensor(pairs, dtype=torch.int64).T.contiguous().to(self.device)
+            self.model.keep_verified_states(idx[0], idx[1])
 
     # -- lifetime -------------------------------------------------------------------
 
