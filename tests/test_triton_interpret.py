@@ -197,7 +197,9 @@ def _attention_case(
     tri._FORCED_SPLITS["value"] = splits
     try:
         with forward_context(batch):
-            sentinel = torch.ops.backplane_triton.attention(q, k, v, cache, window, scale, out)
+            sentinel = torch.ops.backplane_triton.attention(
+                q, k, v, cache, window, scale, 1.0, 1.0, out
+            )
     finally:
         tri._FORCED_SPLITS["value"] = 0
     assert sentinel.numel() == 0, "the op must return an empty sentinel when out is given"
@@ -323,9 +325,9 @@ def check_attention_out_contract():
     cache0 = torch.randn(8, 2, 4, 1, 16)
     c1, c2 = cache0.clone(), cache0.clone()
     with forward_context(batch):
-        fresh = torch.ops.backplane_triton.attention(q, k, v, c1, 0, 0.25, None)
+        fresh = torch.ops.backplane_triton.attention(q, k, v, c1, 0, 0.25, 1.0, 1.0, None)
         out = torch.full((T, 2, 16), float("nan"))
-        sentinel = torch.ops.backplane_triton.attention(q, k, v, c2, 0, 0.25, out)
+        sentinel = torch.ops.backplane_triton.attention(q, k, v, c2, 0, 0.25, 1.0, 1.0, out)
     assert fresh.shape == (T, 2, 16) and sentinel.numel() == 0
     if not torch.equal(fresh, out) or not torch.equal(c1, c2):
         raise AssertionError("results differ between the out and no-out paths")
@@ -334,7 +336,7 @@ def check_attention_out_contract():
     with forward_context(batch):
         torch.library.opcheck(
             torch.ops.backplane_triton.attention.default,
-            (q, k, v, cache0.clone(), 0, 0.25, torch.zeros(T, 2, 16)),
+            (q, k, v, cache0.clone(), 0, 0.25, 1.0, 1.0, torch.zeros(T, 2, 16)),
             test_utils=("test_schema", "test_faketensor"),
         )
 

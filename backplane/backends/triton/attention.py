@@ -22,6 +22,14 @@ more than the work):
 ``_kv_append_kernel`` alone serves MLA's latent cache and layouts the prefill
 kernel cannot read from the step's rows.
 
+A ``float8_e4m3fn`` cache holds ``key / k_scale`` and ``value / v_scale`` (the
+layer's scales), rounded to nearest-even and saturated at +-448 as the torch
+backend stores them; the kernels read it as stored, the scores carry
+``k_scale`` and the outputs ``v_scale``. The prefill then reads every key
+from the pages, after one append launch, so the step's own keys are attended
+to as rounded, like those of later steps. e4m3 needs a GPU of compute
+capability 8.9 or newer (Triton converts to it there only).
+
 The kernels are written generally enough to serve MLA too (see
 :mod:`backplane.backends.triton.mla`): the key may come in two parts (a main
 part and a rotary part, each with its own query part) and the value may be a
@@ -96,6 +104,7 @@ def _layer_layouts(
     scale: float,
     group: int,
     sliding_window: int,
+    kv_scales: tuple[float, float],
 ) -> _LayerLayouts:
     """The layouts of this call, found by the call's strides under its cache."""
     entry = _CACHE_LAYOUTS.get(id(kv_cache))
@@ -115,6 +124,7 @@ def _layer_layouts(
         batch.page_size,
         scale,
         sliding_window,
+        kv_scales,
     )
     layouts = entry.layouts.get(sig)
     if layouts is None:
@@ -134,6 +144,8 @@ def paged_attention(
     kv_cache: torch.Tensor,
     sliding_window: int,
     scale: float,
+    k_scale: float,
+    v_scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append ``k``/``v`` to the paged cache and attend (see the module docstring).
@@ -148,6 +160,9 @@ def paged_attention(
     :param kv_cache: ``[P, 2, page, Hkv, D]``, written at ``slot_mapping``.
     :param sliding_window: ``0`` = full causal attention.
     :param scale: softmax scale.
+    :param k_scale: a ``float8_e4m3fn`` cache holds ``k / k_scale`` (other
+        dtypes ignore it).
+    :param v_scale: a ``float8_e4m3fn`` cache holds ``v / v_scale``.
     :param out: optional ``[T, Hq, D]`` buffer.
     :return: the output or the empty sentinel.
     """
@@ -166,7 +181,9 @@ def paged_attention(
         plan = None  # made for another batch: not this step's facts
     k_plane, v_plane = kv_cache.unbind(1)
     group = q.shape[1] // k.shape[1]
-    layouts = _layer_layouts(kv_cache, q, k, v, buf, batch, scale, group, sliding_window)
+    layouts = _layer_layouts(
+        kv_cache, q, k, v, buf, batch, scale, group, sliding_window, (k_scale, v_scale)
+    )
     # Both kernels append their own tokens' keys and values (no append launch).
     if batch.num_prefill_seqs:
         layout = layouts.prefill
@@ -174,6 +191,7 @@ def paged_attention(
             layout = layouts.prefill = prefill_layout(
                 q, k_plane, v_plane, buf, batch.block_table, batch.page_size,
                 scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         paged_prefill(
             batch, q, k_plane, v_plane, buf,
@@ -186,6 +204,7 @@ def paged_attention(
             layout = layouts.decode = decode_layout(
                 q, k_plane, v_plane, buf, batch.block_table, batch.page_size,
                 scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         splits = _FORCED_SPLITS["value"]
         if not splits and plan is not None:
@@ -202,6 +221,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with the Triton kernels of :mod:`.attention_kernels` (GQA, sliding window)."""
 
     name = "triton"
+    supports_fp8_kv_cache = True
 
     def plan(self, batch: BatchMetadata) -> StepPlan:
         """Work out the step's prefill facts once for every layer (split counts on first use).
@@ -222,7 +242,15 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Append this step's keys/values and attend; see :meth:`AttentionBackend.forward`."""
         return paged_attention(
-            q, k, v, kv_cache, int(layer.sliding_window), float(layer.softmax_scale), out
+            q,
+            k,
+            v,
+            kv_cache,
+            int(layer.sliding_window),
+            float(layer.softmax_scale),
+            float(layer.k_scale),
+            float(layer.v_scale),
+            out,
         )
 
     def dynamic_ops(self) -> tuple:

@@ -20,6 +20,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: the largest finite float8_e4m3fn value (it has no infinity)
+_FP8_MAX: tl.constexpr = 448.0
+
+
+@triton.jit
+def _to_fp8(x, scale, dtype: tl.constexpr):
+    """``x / scale`` rounded to the nearest ``dtype`` (e4m3) value, saturated at +-448.
+
+    Divided exactly (not by a reciprocal) and rounded once to nearest-even, so
+    the rows match what the torch backend stores for the same scale.
+    """
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
+    return y.to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _to_cache(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """Rows ``x`` as a cache of ``dtype`` holds them: ``x / scale`` in e4m3 when ``KV_FP8``."""
+    if KV_FP8:
+        return _to_fp8(x, scale, dtype)
+    return x.to(dtype)
+
 
 @triton.jit
 def _kv_append_kernel(
@@ -35,17 +58,21 @@ def _kv_append_kernel(
     stride_cp,
     stride_co,
     stride_ch,
+    k_scale,
+    v_scale,
     PAGE_SIZE: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_V: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Copy token ``pid``'s ``[H, D]`` key row (and value row) into cache slot ``slot_mapping[pid]``.
 
     Keys and values go in one launch: on small batches a launch costs more
-    host time than the copy.
+    host time than the copy. A ``KV_FP8`` cache gets ``key / k_scale`` and
+    ``value / v_scale`` in e4m3.
     """
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -58,10 +85,16 @@ def _kv_append_kernel(
     dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co
     dst += hs[:, None] * stride_ch + ds[None, :]
     x = tl.load(k_src_ptr + t * stride_kt + hs[:, None] * stride_kh + ds[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, x.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        k_cache_ptr + dst, _to_cache(x, k_scale, k_cache_ptr.dtype.element_ty, KV_FP8), mask=mask
+    )
     if HAS_V:
         y = tl.load(v_src_ptr + t * stride_vt + hs[:, None] * stride_vh + ds[None, :], mask=mask)
-        tl.store(v_cache_ptr + dst, y.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            v_cache_ptr + dst,
+            _to_cache(y, v_scale, v_cache_ptr.dtype.element_ty, KV_FP8),
+            mask=mask,
+        )
 
 
 @triton.jit
@@ -140,10 +173,13 @@ def _paged_tile(
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
     MASK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Fold the ``BLOCK_N`` keys from position ``start``, read through the page table, into the state.
 
-    Shared by the prefill and decode kernels. ``MASK`` says what is hidden:
+    Shared by the prefill and decode kernels. A ``KV_FP8`` cache's tiles are
+    widened to the queries' dtype as stored (``key / k_scale``): the caller
+    folds ``k_scale`` into ``qk_scale`` and ``v_scale`` into the output. ``MASK`` says what is hidden:
     ``0`` nothing (the tile lies below every row's causal limit and inside its
     window, so no compare is spent), ``1`` the keys at or past ``hi``, ``2``
     those and, per row, keys past ``q_pos`` or ``window`` or more behind it.
@@ -169,6 +205,8 @@ def _paged_tile(
         mask=n_mask[:, None] & (dk[None, :] < DK),
         other=0.0,
     )
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = _dot_t(q, k, IEEE)
     if HAS_PE:
         de = tl.arange(0, BLOCK_DPE)
@@ -181,6 +219,8 @@ def _paged_tile(
             mask=n_mask[:, None] & (de[None, :] < DPE),
             other=0.0,
         )
+        if KV_FP8:
+            kpe = kpe.to(qpe.dtype)
         s += _dot_t(qpe, kpe, IEEE)
     if V_FROM_K:
         v = k  # MLA: the value is the latent the key tile already holds
@@ -194,6 +234,8 @@ def _paged_tile(
             mask=n_mask[:, None] & (dv[None, :] < DV),
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q.dtype)
     if MASK == 2:
         keep = (
             n_mask[None, :]
@@ -331,6 +373,7 @@ def _prefill_kernel(
     group,
     window,
     num_kv_heads,
+    v_scale,
     DK: tl.constexpr,
     DPE: tl.constexpr,
     DV: tl.constexpr,
@@ -348,6 +391,7 @@ def _prefill_kernel(
     PAGED_KEYS: tl.constexpr,
     WINDOWED: tl.constexpr,
     APPEND: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Causal (optionally windowed) attention of one query block of one head.
 
@@ -362,6 +406,10 @@ def _prefill_kernel(
     head also write their query block's key/value rows to the pages at
     ``slot_mapping``: no append launch, and nothing in this launch reads
     those slots (prefixes lie before every chunk).
+
+    A ``KV_FP8`` cache (e4m3, every key read from the pages: the host leaves
+    ``CHUNK_FROM_INPUT`` off) is read as stored; ``qk_scale`` carries the
+    layer's ``k_scale`` and the output is multiplied by ``v_scale``.
 
     The grid is ``(head, query block, sequence)``: the heads of a GQA group are
     neighbours, so they find their key tiles in L2, and the last (longest)
@@ -385,14 +433,18 @@ def _prefill_kernel(
             q_ptr + rows[:, None] * stride_qt + h * stride_qh + dk[None, :],
             mask=m_mask[:, None] & (dk[None, :] < DK),
             other=0.0,
-        ).to(k_ptr.dtype.element_ty)
+        )
+        if not KV_FP8:
+            q = q.to(k_ptr.dtype.element_ty)
         if HAS_PE:
             de = tl.arange(0, BLOCK_DPE)
             qpe = tl.load(
                 qpe_ptr + rows[:, None] * stride_pt + h * stride_ph + de[None, :],
                 mask=m_mask[:, None] & (de[None, :] < DPE),
                 other=0.0,
-            ).to(kpe_ptr.dtype.element_ty)
+            )
+            if not KV_FP8:
+                qpe = qpe.to(kpe_ptr.dtype.element_ty)
         else:
             qpe = q
 
@@ -456,7 +508,7 @@ def _prefill_kernel(
                         k_ptr, kpe_ptr, v_ptr,
                         stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
                         stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-                        PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+                        PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2, KV_FP8,
                     )  # fmt: skip
             for start in range(full_lo, full_hi, BLOCK_N):
                 acc, m_i, l_i = _paged_tile(
@@ -464,7 +516,7 @@ def _prefill_kernel(
                     k_ptr, kpe_ptr, v_ptr,
                     stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
                     stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0, KV_FP8,
                 )  # fmt: skip
             for start in range(tl.maximum(full_hi, split), hi, BLOCK_N):
                 acc, m_i, l_i = _paged_tile(
@@ -472,7 +524,7 @@ def _prefill_kernel(
                     k_ptr, kpe_ptr, v_ptr,
                     stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
                     stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2,
+                    PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 2, KV_FP8,
                 )  # fmt: skip
 
         if CHUNK_FROM_INPUT:
@@ -524,6 +576,8 @@ def _prefill_kernel(
                 )  # fmt: skip
 
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if KV_FP8:
+            acc = acc * v_scale
         tl.store(
             o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
             acc.to(o_ptr.dtype.element_ty),
@@ -574,6 +628,8 @@ def _decode_kernel(
     num_heads,
     group,
     window,
+    k_scale,
+    v_scale,
     DK: tl.constexpr,
     DPE: tl.constexpr,
     DV: tl.constexpr,
@@ -591,6 +647,7 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     APPEND: tl.constexpr,
     PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
 
@@ -607,6 +664,10 @@ def _decode_kernel(
     the counter to zero for the next launch. Merging in the same launch saves
     a kernel launch per layer, which is most of an eager decode's cost at
     small batches.
+
+    A ``KV_FP8`` cache (e4m3) gets ``key / k_scale`` and ``value / v_scale``
+    appended and is read as stored; ``qk_scale`` carries ``k_scale`` and the
+    (partial) outputs are multiplied by ``v_scale``.
     """
     if PDL:
         # Launched as a programmatic dependent: the next kernel's programs may
@@ -635,14 +696,18 @@ def _decode_kernel(
         q_ptr + tok * stride_qt + heads[:, None] * stride_qh + dk[None, :],
         mask=h_mask[:, None] & (dk[None, :] < DK),
         other=0.0,
-    ).to(k_ptr.dtype.element_ty)
+    )
+    if not KV_FP8:
+        q = q.to(k_ptr.dtype.element_ty)
     if HAS_PE:
         de = tl.arange(0, BLOCK_DPE)
         qpe = tl.load(
             qpe_ptr + tok * stride_pt + heads[:, None] * stride_ph + de[None, :],
             mask=h_mask[:, None] & (de[None, :] < DPE),
             other=0.0,
-        ).to(kpe_ptr.dtype.element_ty)
+        )
+        if not KV_FP8:
+            qpe = qpe.to(kpe_ptr.dtype.element_ty)
     else:
         qpe = q
 
@@ -655,13 +720,13 @@ def _decode_kernel(
             kr = tl.load(kn_ptr + tok * stride_knt + kvh * stride_knh + dk, mask=dk < DK)
             tl.store(
                 k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh + dk,
-                kr.to(k_ptr.dtype.element_ty),
+                _to_cache(kr, k_scale, k_ptr.dtype.element_ty, KV_FP8),
                 mask=dk < DK,
             )
             vr = tl.load(vn_ptr + tok * stride_vnt + kvh * stride_vnh + dv, mask=dv < DV)
             tl.store(
                 v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh + dv,
-                vr.to(v_ptr.dtype.element_ty),
+                _to_cache(vr, v_scale, v_ptr.dtype.element_ty, KV_FP8),
                 mask=dv < DV,
             )
             # The row is read back by other threads of this program below.
@@ -679,7 +744,7 @@ def _decode_kernel(
             k_ptr, kpe_ptr, v_ptr,
             stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
             stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0,
+            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0, KV_FP8,
         )  # fmt: skip
     for start in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _paged_tile(
@@ -687,11 +752,13 @@ def _decode_kernel(
             k_ptr, kpe_ptr, v_ptr,
             stride_kp, stride_ko, stride_kh, stride_ep, stride_eo, stride_eh,
             stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
-            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 1,
+            PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 1, KV_FP8,
         )  # fmt: skip
 
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     out_rows = o_ptr + tok * stride_ot + heads[:, None] * stride_oh + dv[None, :]
     out_mask = h_mask[:, None] & (dv[None, :] < DV)
     if NUM_SPLITS == 1:

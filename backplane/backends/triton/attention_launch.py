@@ -49,6 +49,9 @@ _KV_APPEND = KernelLauncher(_kv_append_kernel)
 _NO_WINDOW = 1 << 30
 _LOG2E = 1.4426950408889634
 
+#: the cache dtype stored scaled (``x / scale``, see :func:`kv_append`)
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
 #: Forces the number of decode splits the attention and MLA ops ask for, when set
 #: (tests); ``0`` = choose automatically.
 _FORCED_SPLITS = {"value": 0}
@@ -78,8 +81,14 @@ def kv_append(
     num_tokens: int,
     v_src: torch.Tensor | None = None,
     v_plane: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``src[:num_tokens]`` into a cache plane at ``slot_mapping`` (``-1`` skipped).
+
+    A ``float8_e4m3fn`` plane gets the rows divided by their scale, rounded to
+    nearest-even and saturated at +-448 (other dtypes ignore the scales).
 
     :param src: ``[T, H, D]`` (or ``[T, D]``), last dimension contiguous.
     :param cache_plane: a ``[num_pages, page_size, H, D]`` (or ``[num_pages,
@@ -88,6 +97,8 @@ def kv_append(
     :param num_tokens: how many rows to write (host value).
     :param v_src: optional values, shaped like ``src``, written in the same launch...
     :param v_plane: ...into this plane, strided like ``cache_plane``.
+    :param k_scale: an FP8 ``cache_plane`` holds ``src / k_scale``.
+    :param v_scale: an FP8 ``v_plane`` holds ``v_src / v_scale``.
     """
     if num_tokens == 0:
         return
@@ -100,8 +111,8 @@ def kv_append(
         if v_plane.dim() == 3:
             v_plane = v_plane.unsqueeze(2)
         if v_plane.stride() != cache_plane.stride() or v_src.shape != src.shape:
-            kv_append(src, cache_plane, slot_mapping, num_tokens)
-            kv_append(v_src, v_plane, slot_mapping, num_tokens)
+            kv_append(src, cache_plane, slot_mapping, num_tokens, k_scale=k_scale)
+            kv_append(v_src, v_plane, slot_mapping, num_tokens, k_scale=v_scale)
             return
     else:
         v_src, v_plane = src, cache_plane
@@ -121,6 +132,8 @@ def kv_append(
             cache_plane.stride(0),
             cache_plane.stride(1),
             cache_plane.stride(2),
+            float(k_scale),
+            float(v_scale),
         ),
         src.device.index,
         PAGE_SIZE=page_size,
@@ -129,6 +142,7 @@ def kv_append(
         BLOCK_H=next_pow2(H),
         BLOCK_D=next_pow2(D),
         HAS_V=has_v,
+        KV_FP8=cache_plane.dtype == FP8_KV_DTYPE,
     )
 
 
@@ -256,6 +270,8 @@ def prefill_layout(
     kpe_plane: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> _PrefillLayout:
     """The fixed part of :func:`paged_prefill`'s launches for tensors laid out like these.
 
@@ -267,7 +283,7 @@ def prefill_layout(
     """
     return _PrefillLayout(
         q, k_plane, v_plane, out, table, page_size, scale, group, sliding_window,
-        q_pe, kpe_plane, k_new, v_new,
+        q_pe, kpe_plane, k_new, v_new, k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -285,6 +301,8 @@ def _prefill_layout_key(
     kpe_plane: torch.Tensor | None,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
 ) -> tuple:
     """Everything :class:`_PrefillLayout` derives from (for callers that keep no layout)."""
     planes = (k_plane, v_plane) if kpe_plane is None else (k_plane, v_plane, kpe_plane)
@@ -305,6 +323,8 @@ def _prefill_layout_key(
         scale,
         group,
         sliding_window,
+        k_scale,
+        v_scale,
     )
 
 
@@ -322,6 +342,8 @@ def paged_prefill(
     kpe_plane: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     configs: list[dict] | None = None,
     step: PrefillStep | None = None,
     layout: _PrefillLayout | None = None,
@@ -344,6 +366,9 @@ def paged_prefill(
         (contiguous rows), only the cached prefix from the pages; without it
         every key, the chunk's included, must already be in the pages.
     :param v_new: the values matching ``k_new``, appended to ``v_plane``.
+    :param k_scale: a ``float8_e4m3fn`` cache holds ``key / k_scale`` (and
+        its rotary part, the same); other dtypes ignore the scales.
+    :param v_scale: a ``float8_e4m3fn`` cache holds ``value / v_scale``.
     :param configs: launch configurations to try in order (tuning scripts);
         ``None`` = the defaults for the shape.
     :param step: the step's :class:`PrefillStep` (from the backend's plan);
@@ -360,7 +385,7 @@ def paged_prefill(
     if layout is None:
         layout_key = _prefill_layout_key(
             q, k_plane, v_plane, out, batch.block_table, batch.page_size,
-            scale, group, sliding_window, q_pe, kpe_plane, k_new, v_new,
+            scale, group, sliding_window, q_pe, kpe_plane, k_new, v_new, k_scale, v_scale,
         )  # fmt: skip
         layout = _PREFILL_LAYOUTS.get(layout_key)
         if layout is None:
@@ -368,6 +393,7 @@ def paged_prefill(
                 q, k_plane, v_plane, out, batch.block_table, batch.page_size,
                 scale=scale, group=group, sliding_window=sliding_window,
                 q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
     if layout.has_pe:
         qpe, kpe = q_pe, kpe_plane
@@ -380,7 +406,10 @@ def paged_prefill(
             kn, vn = _as_rows(k_new), _as_rows(v_new)
     else:
         if layout.appending:
-            kv_append(k_new, k_plane, batch.slot_mapping, batch.num_prefill_tokens, v_new, v_plane)
+            kv_append(
+                k_new, k_plane, batch.slot_mapping, batch.num_prefill_tokens, v_new, v_plane,
+                k_scale=layout.k_scale, v_scale=layout.v_scale,
+            )  # fmt: skip
         kn, vn = k_plane, v_plane  # unused: any tensors serve as placeholders
     # In-kernel descriptors cost a scratch allocation per launch: worth it
     # for long prompts only (at 4k tokens loads are as fast without).
@@ -470,8 +499,13 @@ class _PrefillLayout:
         kpe_plane: torch.Tensor | None,
         k_new: torch.Tensor | None,
         v_new: torch.Tensor | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         num_heads, dk, dv, dpe, big = _head_dims(q, out, q_pe)
+        kv_fp8 = k_plane.dtype == FP8_KV_DTYPE
+        #: the scales of an FP8 cache (appends divide by them), else 1.0
+        self.k_scale, self.v_scale = (k_scale, v_scale) if kv_fp8 else (1.0, 1.0)
         has_pe = q_pe is not None
         self.num_heads, self.dk, self.big, self.has_pe = num_heads, dk, big, has_pe
         qpe = q_pe if has_pe else q
@@ -516,10 +550,12 @@ class _PrefillLayout:
             out.stride(0),
             out.stride(1),
             table.stride(0),
-            scale * _LOG2E,
+            # an FP8 cache's keys are read as stored: k_scale rides on the scores
+            scale * _LOG2E * self.k_scale,
             group,
             sliding_window if self.windowed else _NO_WINDOW,
             num_heads // group,
+            float(self.v_scale),
         )
         self.meta = dict(
             DK=dk,
@@ -531,10 +567,12 @@ class _PrefillLayout:
             BLOCK_DV=dot_block(dv),
             HAS_PE=has_pe,
             V_FROM_K=_same_storage(v_plane, k_plane) and dv == dk,
-            IEEE=ieee_dot(k_plane.dtype),
+            # an FP8 cache's tiles are widened to the queries' dtype for the dots
+            IEEE=ieee_dot(q.dtype if kv_fp8 else k_plane.dtype),
             CHUNK_FROM_INPUT=self.from_input,
             WINDOWED=self.windowed,
             APPEND=self.from_input,
+            KV_FP8=kv_fp8,
         )
         #: the config choice's key, less what a step decides
         self.config_key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, self.from_input)
@@ -612,6 +650,8 @@ def decode_layout(
     kpe_plane: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> _DecodeLayout:
     """The fixed part of :func:`paged_decode`'s launches for tensors laid out like these.
 
@@ -627,7 +667,7 @@ def decode_layout(
     kpe = k_plane if kpe_plane is None else kpe_plane
     layout = _DecodeLayout(
         q, qpe, k_plane, kpe, v_plane, out, kn, vn, table, page_size,
-        scale, group, sliding_window, q_pe is not None, append,
+        scale, group, sliding_window, q_pe is not None, append, k_scale, v_scale,
     )  # fmt: skip
     layout.rows_as_given = append and _rows_as_given(k_new, v_new)
     return layout
@@ -647,6 +687,8 @@ def paged_decode(
     kpe_plane: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     num_splits: int | None = None,
     configs: list[dict] | None = None,
     layout: _DecodeLayout | None = None,
@@ -704,6 +746,8 @@ def paged_decode(
             scale,
             group,
             sliding_window,
+            k_scale,
+            v_scale,
         )
         layout = _DECODE_LAYOUTS.get(layout_key)
         if layout is None:
@@ -711,6 +755,7 @@ def paged_decode(
                 q, k_plane, v_plane, out, table, batch.page_size,
                 scale=scale, group=group, sliding_window=sliding_window,
                 q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
     if num_splits is None:
         num_splits = choose_num_splits(batch, layout.programs_per_split, q.device)
@@ -788,8 +833,13 @@ class _DecodeLayout:
         sliding_window: int,
         has_pe: bool,
         append: bool,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         num_heads, dk, dv, dpe, big = _head_dims(q, out, qpe if has_pe else None)
+        kv_fp8 = k_plane.dtype == FP8_KV_DTYPE
+        if not kv_fp8:
+            k_scale = v_scale = 1.0
         self.num_heads, self.dk, self.big = num_heads, dk, big
         #: this step's rows came as ``[T, H, D]`` with a contiguous last dimension
         #: (used as given; set by :func:`decode_layout`)
@@ -816,10 +866,13 @@ class _DecodeLayout:
             out.stride(0),
             out.stride(1),
             table.stride(0),
-            scale * _LOG2E,
+            # an FP8 cache's keys are read as stored: k_scale rides on the scores
+            scale * _LOG2E * k_scale,
             num_heads,
             group,
             sliding_window if sliding_window > 0 else _NO_WINDOW,
+            float(k_scale),
+            float(v_scale),
         )
         self.meta = dict(
             DK=dk,
@@ -833,9 +886,11 @@ class _DecodeLayout:
             BLOCK_DV=self.block_dv,
             HAS_PE=has_pe,
             V_FROM_K=_same_storage(v_plane, k_plane) and dv == dk,
-            IEEE=ieee_dot(k_plane.dtype),
+            # an FP8 cache's tiles are widened to the queries' dtype for the dots
+            IEEE=ieee_dot(q.dtype if kv_fp8 else k_plane.dtype),
             APPEND=append,
             PDL=pdl,
+            KV_FP8=kv_fp8,
         )
         if pdl:
             self.meta["launch_pdl"] = True

@@ -43,6 +43,7 @@ def latent_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
+    kv_scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append the latent and rotary key to the cache and attend, weight-absorbed.
@@ -55,6 +56,9 @@ def latent_attention(
     :param w_uk: ``[H, qk_nope_head_dim, kv_lora_rank]``.
     :param w_uv: ``[H, v_head_dim, kv_lora_rank]``.
     :param scale: softmax scale.
+    :param kv_scale: a ``float8_e4m3fn`` cache holds ``row / kv_scale`` (the
+        kernels append it so and read it back times ``kv_scale``); other
+        dtypes ignore it.
     :param out: optional ``[T, H, v_head_dim]`` buffer.
     :return: the output or the empty sentinel.
     """
@@ -65,15 +69,18 @@ def latent_attention(
     n = batch.num_tokens
     latent_plane = latent_cache[..., :rank]
     rope_plane = latent_cache[..., rank:]
-    paged.kv_append(kv_c, latent_plane, batch.slot_mapping, n)
-    paged.kv_append(k_pe, rope_plane, batch.slot_mapping, n)
+    paged.kv_append(kv_c, latent_plane, batch.slot_mapping, n, k_scale=kv_scale)
+    paged.kv_append(k_pe, rope_plane, batch.slot_mapping, n, k_scale=kv_scale)
     if n > 0:
         # q_abs[t, h] = q_nope[t, h] @ w_uk[h]: [H, n, dn] @ [H, dn, L], viewed back as [n, H, L].
         q_abs = torch.bmm(q_nope[:n].transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
         o_lat = torch.empty((H, n, rank), dtype=q_nope.dtype, device=q_nope.device)
         o_view = o_lat.transpose(0, 1)  # [n, H, L], written row by row by the kernels
         qpe = q_pe[:n]
-        kwargs = dict(scale=scale, group=H, q_pe=qpe, kpe_plane=rope_plane)
+        # the value is the latent: one scale for keys and values
+        kwargs = dict(
+            scale=scale, group=H, q_pe=qpe, kpe_plane=rope_plane, k_scale=kv_scale, v_scale=kv_scale
+        )
         paged.paged_prefill(batch, q_abs, latent_plane, latent_plane, o_view, **kwargs)
         paged.paged_decode(
             batch, q_abs, latent_plane, latent_plane, o_view,
@@ -88,6 +95,7 @@ class TritonMLABackend(MLABackend):
     """Weight-absorbed MLA with the Triton paged kernels (prefill/extend and split-KV decode)."""
 
     name = "triton"
+    supports_fp8_kv_cache = True
 
     def forward(
         self,
@@ -103,7 +111,16 @@ class TritonMLABackend(MLABackend):
     ) -> torch.Tensor:
         """Append the latent and attend; see :meth:`MLABackend.forward`."""
         return latent_attention(
-            q_nope, q_pe, kv_c, k_pe, latent_cache, w_uk, w_uv, float(layer.scale), out
+            q_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            latent_cache,
+            w_uk,
+            w_uv,
+            float(layer.scale),
+            float(layer.kv_scale),
+            out,
         )
 
     def dynamic_ops(self) -> tuple:
