@@ -31,6 +31,16 @@ CUDA graphs (decode)
     wrappers. The same padded path runs eagerly, so a decode-graph step gives
     identical results with or without a graph.
 
+FP8 KV cache
+    A ``float8_e4m3fn`` cache holds ``key / k_scale`` and ``value / v_scale``
+    (the layer's scales), saturated at +-448: the op rounds this step's keys
+    and values so (FlashInfer's append copies rows of the cache's dtype), the
+    wrappers are planned with ``kv_data_type=torch.float8_e4m3fn`` and run
+    with ``k_scale`` / ``v_scale`` (FlashInfer folds ``k_scale`` into the
+    softmax scale and multiplies the output by ``v_scale``). Queries stay in
+    float16/bfloat16, so the FA2 kernels serve (FA3 takes FP8 caches only
+    with FP8 queries).
+
 Layers: the configurations to plan are registered with
 :meth:`FlashInferAttentionBackend.register_layer`, or on the first step that
 runs them (planned then, outside any capture); ``cache_spec`` only checks that
@@ -63,6 +73,8 @@ logger = logging.getLogger(__name__)
 #: Head dimensions FlashInfer's FA2/FA3 paged kernels are built for.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+#: the quantised cache dtype (stored scaled, see the module docstring)
+FP8_KV_DTYPE = torch.float8_e4m3fn
 #: GQA group sizes the CUDA-core decode kernel dispatches; larger groups use the
 #: tensor-core (prefill-kernel) decode path, which is also faster for them.
 _CUDA_CORE_GROUPS = (1, 2, 3, 4)
@@ -80,9 +92,20 @@ class _LayerKey:
     window_left: int
     scale: float
     dtype: torch.dtype
+    #: the cache's dtype: ``dtype``, or :data:`FP8_KV_DTYPE`
+    kv_dtype: torch.dtype
 
     @classmethod
-    def of(cls, layer: AttentionLayerSpec, dtype: torch.dtype) -> _LayerKey:
+    def of(
+        cls, layer: AttentionLayerSpec, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> _LayerKey:
+        """The key of ``layer`` run in ``dtype`` over a cache of ``kv_dtype`` (default ``dtype``).
+
+        :param layer: the layer's constants.
+        :param dtype: the queries' dtype.
+        :param kv_dtype: the cache's dtype.
+        :return: the key.
+        """
         return cls(
             layer.num_heads,
             layer.num_kv_heads,
@@ -90,6 +113,7 @@ class _LayerKey:
             layer.sliding_window - 1 if layer.sliding_window > 0 else -1,
             float(layer.softmax_scale),
             dtype,
+            kv_dtype or dtype,
         )
 
 
@@ -120,6 +144,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     """
 
     name: ClassVar[str] = "flashinfer"
+    supports_fp8_kv_cache = True
 
     def __init__(self) -> None:
         self.handle = _common.register_backend(self)
@@ -158,16 +183,27 @@ class FlashInferAttentionBackend(AttentionBackend):
                 backend="flashinfer",
             )
 
-    def register_layer(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> None:
-        """Make :meth:`plan` prepare ``layer``'s configuration every step."""
+    def register_layer(
+        self, layer: AttentionLayerSpec, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> None:
+        """Make :meth:`plan` prepare ``layer``'s configuration every step.
+
+        :param layer: the layer's constants.
+        :param dtype: the queries' dtype.
+        :param kv_dtype: the cache's dtype (default ``dtype``; or :data:`FP8_KV_DTYPE`).
+        """
         self._check(layer, dtype)
-        self._keys.add(_LayerKey.of(layer, dtype))
+        self._keys.add(_LayerKey.of(layer, dtype, kv_dtype))
 
     def cache_spec(
         self, layer: AttentionLayerSpec, *, num_pages: int, page_size: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
-        """Return the shared paged-KV layout, after checking FlashInfer can run ``layer``."""
-        self._check(layer, dtype)
+        """Return the shared paged-KV layout, after checking FlashInfer can run ``layer``.
+
+        An FP8 (``float8_e4m3fn``) cache is checked as a bfloat16 model's
+        would be: the queries keep the model's dtype.
+        """
+        self._check(layer, torch.bfloat16 if dtype == FP8_KV_DTYPE else dtype)
         return super().cache_spec(layer, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
     def dynamic_ops(self) -> tuple[Any, ...]:
@@ -294,7 +330,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             window_left=key.window_left,
             sm_scale=key.scale,
             q_data_type=key.dtype,
-            kv_data_type=key.dtype,
+            kv_data_type=key.kv_dtype,
         )
         if step.graph is not None:
             a = step.graph_arrays
@@ -363,7 +399,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Append this step's keys/values to ``kv_cache`` and attend (see the family contract)."""
         self._check(layer, q.dtype)
-        key = _LayerKey.of(layer, q.dtype)
+        key = _LayerKey.of(layer, q.dtype, kv_cache.dtype)
         return _attention_op(
             q,
             k,
@@ -375,8 +411,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             key.head_dim,
             key.window_left,
             key.scale,
+            float(layer.k_scale),
+            float(layer.v_scale),
             out,
         )
+
+
+def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` rounded to e4m3, saturated at +-448 (e4m3fn has no infinity)."""
+    limit = torch.finfo(FP8_KV_DTYPE).max
+    return (x.float() / scale).clamp_(-limit, limit).to(FP8_KV_DTYPE)
 
 
 # ``out`` has no schema default (callers always pass it): torch 2.11 mishandles a
@@ -397,14 +441,23 @@ def _attention_op(
     head_dim: int,
     window_left: int,
     scale: float,
+    k_scale: float,
+    v_scale: float,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """FlashInfer paged attention for the step in the forward context (out-buffer contract)."""
+    """FlashInfer paged attention for the step in the forward context (out-buffer contract).
+
+    ``k_scale`` / ``v_scale`` are the layer's scales of an FP8 cache (see the
+    module docstring); other caches ignore them.
+    """
     import flashinfer
 
     _common.require_cuda(q, "attention")
     backend: FlashInferAttentionBackend = _common.backend_for(handle)
-    key = _LayerKey(num_heads, num_kv_heads, head_dim, window_left, scale, q.dtype)
+    fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    key = _LayerKey(num_heads, num_kv_heads, head_dim, window_left, scale, q.dtype, kv_cache.dtype)
+    # FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale
+    scales: dict[str, float] = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
     step = backend._step_plan(key)
     _common.require_graph_plan_when_capturing(step.graph, "attention")
     batch = step.batch
@@ -414,9 +467,10 @@ def _attention_op(
     if step.graph is not None:
         g = step.graph
         b = g.bucket
+        kb, vb = (_to_fp8(k[:b], k_scale), _to_fp8(v[:b], v_scale)) if fp8 else (k[:b], v[:b])
         flashinfer.append_paged_kv_cache(
-            k[:b],
-            v[:b],
+            kb,
+            vb,
             g.seq_ids,
             g.positions,
             kv_cache,
@@ -425,7 +479,7 @@ def _attention_op(
             g.kv_last_page_len,
             kv_layout="NHD",
         )
-        step.decode[key].run(q[:b], kv_cache, out=buf[:b])
+        step.decode[key].run(q[:b], kv_cache, out=buf[:b], **scales)
         # Padding rows are masked on the device, so a replayed graph zeroes
         # exactly the rows that are padding in *that* step.
         buf[:b].masked_fill_(g.pad_mask, 0)
@@ -435,9 +489,10 @@ def _attention_op(
     n = batch.num_tokens
     npt = batch.num_prefill_tokens
     if n:
+        kn, vn = (_to_fp8(k[:n], k_scale), _to_fp8(v[:n], v_scale)) if fp8 else (k[:n], v[:n])
         flashinfer.append_paged_kv_cache(
-            k[:n],
-            v[:n],
+            kn,
+            vn,
             batch.token_seq_ids[:n],
             step.positions,
             kv_cache,
@@ -447,7 +502,7 @@ def _attention_op(
             kv_layout="NHD",
         )
     if npt:
-        step.prefill[key].run(q[:npt], kv_cache, out=buf[:npt])
+        step.prefill[key].run(q[:npt], kv_cache, out=buf[:npt], **scales)
     if n > npt:
-        step.decode[key].run(q[npt:n], kv_cache, out=buf[npt:n])
+        step.decode[key].run(q[npt:n], kv_cache, out=buf[npt:n], **scales)
     return finish_output(out, buf, n)
