@@ -15,7 +15,7 @@ Example YAML::
     model: tiny-llama
     dtype: auto            # float32 | bfloat16 | float16 | auto
     quantization: fp8      # quantise a full-precision checkpoint's projections on load
-    kv_cache_dtype: fp8    # auto (the model's dtype) | fp8 (e4m3, torch attention backend)
+    kv_cache_dtype: fp8    # auto (the model's dtype) | fp8 (e4m3; see docs/models.md)
     device: auto           # cpu | cuda | cuda:N | auto
     threads: auto          # torch CPU threads; auto = the cores this process may use
     max_num_seqs: 16
@@ -163,8 +163,8 @@ class EngineConfig:
         stays FP8) or ``"fp8"``: quantise a full-precision checkpoint's
         projections to FP8 (e4m3) on load.
     :param kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`: ``auto`` keeps the
-        KV cache in the model's dtype, ``fp8`` stores it as e4m3 (the torch
-        attention backend).
+        KV cache in the model's dtype, ``fp8`` stores it as e4m3 (attention:
+        the torch, Triton and FlashInfer backends; MLA: torch and Triton).
     :param max_num_seqs: most sequences in one step; ``None`` = 256 on CUDA, 32 on a CPU.
     :param max_num_tokens: most tokens in one step (the chunked-prefill budget);
         at least ``max_num_seqs``, since every running sequence decodes one token;
