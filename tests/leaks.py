@@ -58,8 +58,8 @@ def assert_idle(scheduler: Any, engine: Any = None) -> None:
     assert not held, f"pages still referenced: {held[:16]}"
     usable = kv.pool.num_usable
     assert kv.pool.num_free + kv.prefix.num_evictable == usable, "pages neither free nor cached"
-    assert kv.slots.num_used == 0, f"state slots still held: {sorted(kv.slots._used)}"
-    assert kv.slots.num_free == max(kv.slots.num_slots - 1, 0)
+    assert kv.num_live_slots == 0, f"state slots still held: {sorted(kv.slots._used)}"
+    assert kv.slots.num_free == max(kv.slots.num_slots - 1, 0) - kv.slots.num_used
     assert kv._reserved_pages == 0 and kv._reserved_slots == 0, "reservations left"
     if kv.host is not None:
         assert kv.host.num_claimed() == 0, "host-tier pages still claimed"

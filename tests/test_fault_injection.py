@@ -95,7 +95,7 @@ def drive(engine: Engine, requests, *, fault_steps=(), arm=None, abort=None, max
 def assert_clean(engine: Engine) -> None:
     kv = engine.kv_manager
     engine.scheduler.check_invariants()
-    assert kv.num_used_pages == 0 and kv.slots.num_used == 0
+    assert kv.num_used_pages == 0 and kv.num_live_slots == 0
     assert (kv.pool.ref_counts == 0).all()
     if kv.host is not None:
         assert kv.host.num_claimed() == 0

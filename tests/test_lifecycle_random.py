@@ -59,7 +59,7 @@ def check_step(engine: Engine) -> None:
     sched.check_invariants()
     kv = engine.kv_manager
     running = sched.running
-    assert kv.slots.num_used == (len(running) if kv.needs_state_slot else 0)
+    assert kv.num_live_slots == (len(running) if kv.needs_state_slot else 0)
     assert kv._reserved_pages == 0 and kv._reserved_slots == 0
     if kv.host is not None:
         assert kv.host.num_claimed() == 0
@@ -191,7 +191,8 @@ def test_random_lifecycle(case):
     assert engine.scheduler.stats.preemptions > 0
     kv_stats = engine.kv_manager.stats
     if engine.kv_manager.prefix_caching:
-        assert kv_stats.device_hit_pages > 0 and kv_stats.host_hit_pages > 0, kv_stats
+        assert kv_stats.device_hit_pages > 0, kv_stats
+        assert engine.kv_manager.host is None or kv_stats.host_hit_pages > 0, kv_stats
     assert sum(r != "abort" for r in reasons.values()) >= 20
 
     for rid, (prompt, params) in requests.items():

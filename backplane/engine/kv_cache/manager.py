@@ -637,6 +637,12 @@ class KVCacheManager:
     # -- recurrent-state snapshots ----------------------------------------------------------------
 
     @property
+    def num_live_slots(self) -> int:
+        """State slots held by requests (the rest of the used ones hold snapshots)."""
+        held = len(self.snapshots) if self.snapshots is not None else 0
+        return self.slots.num_used - held
+
+    @property
     def num_available_slots(self) -> int:
         """State slots an admission may take now: free + idle snapshots - reserved."""
         idle = self.snapshots.num_evictable if self.snapshots is not None else 0
