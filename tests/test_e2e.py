@@ -128,7 +128,7 @@ CASES = [
     pytest.param("qwen3", "0", id="qwen3"),
     pytest.param("deepseek_v3", "0", id="deepseek_v3"),
     pytest.param("deepseek_v3", "64KiB", id="deepseek_v3-host_tier"),
-    # recurrent models: prefix reuse (and so the host tier) is off by design
+    # recurrent models: prefix reuse through state snapshots, without a host tier
     pytest.param("nemotron_h", "0", id="nemotron_h"),
     pytest.param("qwen3_next", "0", id="qwen3_next"),
     pytest.param("qwen3_5", "0", id="qwen3_5"),

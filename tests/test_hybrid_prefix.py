@@ -190,3 +190,32 @@ def test_abort_leaves_no_page_or_slot_behind(model_path):
     while engine.has_unfinished_requests():
         engine.step()
     assert_pools_full(llm)
+
+
+@pytest.mark.parametrize("model", ["tiny-nemotron-h", "tiny-qwen3-next"])
+def test_speculation_with_cached_prefixes_matches_no_caching(model):
+    from engine_helpers import run_requests
+
+    from backplane.engine.engine import Engine
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    opts = dict(device="cpu", dtype="float32", max_num_seqs=3, max_num_tokens=16, page_size=PAGE)
+    rng = np.random.default_rng(41)
+    start = rng.integers(1, VOCAB, size=7).tolist()
+    # repeated text: n-gram drafts are proposed and verified on top of restored states
+    prompts = [start * 3, start * 3 + start[:5], start * 4 + start[:2]]
+    params = [SamplingParams(max_tokens=14, temperature=0.0)] * len(prompts)
+    got = {}
+    for caching in (True, False):
+        engine = Engine(
+            model=model, speculative_config=ngram, enable_prefix_caching=caching, **opts
+        )
+        # the first prompt alone, then the others starting from its cached prefix
+        tokens = run_requests(engine, prompts[:1], params[:1])
+        tokens += run_requests(engine, prompts[1:], params[1:])
+        got[caching] = (tokens, engine)
+    (tokens, engine), (want, _) = got[True], got[False]
+    assert engine.kv_manager.stats.realised_reused_tokens > 0
+    assert engine.kv_manager.snapshots.restored > 0
+    assert engine.spec.stats.verified_seqs > 0
+    assert tokens == want
