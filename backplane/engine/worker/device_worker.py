@@ -379,7 +379,10 @@ class DeviceWorker:
         for pairs in (saves, restores):
             if not pairs:
                 continue
-            idx = torch.tensor(pairs, dtype=torch.int64).T.contiguous().to(self.device)
+            idx = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
+            if self._cuda:
+                # from pinned memory the copy queues without waiting for the step in flight
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
             self.model.keep_verified_states(idx[0], idx[1])
 
     # -- lifetime -------------------------------------------------------------------
