@@ -51,6 +51,7 @@ logger = logging.getLogger("profile_decode")
 
 KINDS: tuple[str, ...] = (
     "gemm",
+    "collectives",
     "attention",
     "ssm",
     "elementwise/norm/rope",
@@ -63,6 +64,8 @@ KINDS: tuple[str, ...] = (
 # First match wins: the specific kinds come before the generic ones (an argmax
 # is a reduction kernel, a Mamba chunk scan calls itself a bmm).
 _NAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # tensor-parallel all-reduces / all-gathers (NCCL's kernels, or a custom all-reduce)
+    ("collectives", ("nccl", "allreduce", "all_reduce", "allgather", "all_gather")),
     (
         "ssm",
         (
@@ -287,6 +290,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         "enable_prefix_caching": False,
         "cuda_graphs": None if args.graphs == "on" else "off",
         "backends": {**dict(args.backend), "attention": args.attention},
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     if args.model:
         return LLM(args.model, **overrides)
@@ -479,6 +483,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             "backends": backends,
             "cuda_graphs": getattr(engine.config, "cuda_graphs_resolved", args.graphs),
             "batch_size": args.batch_size,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "prompt_len": args.prompt_len,
             "steps": args.steps,
             "warmup": args.warmup,
@@ -576,6 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5, help="decode steps before them")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks the model is split over; the profile is rank 0's (the driver's process)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--top", type=int, default=15, help="kernels listed (15)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")

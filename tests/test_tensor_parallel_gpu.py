@@ -1,8 +1,9 @@
-"""Tensor parallelism on two GPUs (NCCL): two ranks with CUDA graphs (decode and piecewise, the
-all-reduces captured inside them) against transformers."""
+"""Tensor parallelism on GPUs (NCCL): two and four ranks with CUDA graphs (decode and piecewise,
+the all-reduces captured inside them) against transformers, and two replicas of two ranks each."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -13,40 +14,41 @@ pytest.importorskip("transformers")
 import test_e2e  # noqa: E402
 from test_e2e import ARCHS, assert_matches, hf_greedy, make_requests  # noqa: E402
 
-from backplane import LLM, SamplingParams  # noqa: E402
+from backplane import LLM, AsyncLLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 hf_model = test_e2e.hf_model
 
 
-def _two_gpus() -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices")
+def _gpus(n: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA devices")
 
 
-def _llm(path: str, graphs: str, **kw: Any) -> LLM:
-    return LLM(
-        path,
-        device="cuda",
-        dtype="float32",
-        page_size=16,
-        max_num_seqs=4,
-        max_num_tokens=64,
-        num_kv_pages=64,
-        cuda_graphs=graphs,
-        tensor_parallel_size=2,
-        **kw,
-    )
+#: the engine settings of every test here (small limits, float32 for a tight comparison)
+SETTINGS: dict[str, Any] = dict(
+    device="cuda",
+    dtype="float32",
+    page_size=16,
+    max_num_seqs=4,
+    max_num_tokens=64,
+    num_kv_pages=64,
+)
 
 
+def _llm(path: str, graphs: str, tp: int, **kw: Any) -> LLM:
+    return LLM(path, **SETTINGS, cuda_graphs=graphs, tensor_parallel_size=tp, **kw)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_two_gpus_with_graphs_equal_transformers(hf_model, arch):
-    _two_gpus()
+def test_ranks_on_gpus_with_graphs_equal_transformers(hf_model, arch, tp):
+    _gpus(tp)
     model, path = hf_model(arch)
     prompts, max_tokens = make_requests(seed=len(arch))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    llm = _llm(path, "full_and_piecewise")
+    llm = _llm(path, "full_and_piecewise", tp)
     try:
         graph_modes = llm.engine.executor.driver.graph_mode
         outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -56,5 +58,39 @@ def test_two_gpus_with_graphs_equal_transformers(hf_model, arch):
     ties = 0
     for i, (p, m, got) in enumerate(zip(prompts, max_tokens, outs, strict=True)):
         want, margins = hf_greedy(arch, model, p, m)
-        ties += assert_matches(got, want, margins, f"{arch} TP=2 on GPUs, request {i}")
+        ties += assert_matches(got, want, margins, f"{arch} TP={tp} on GPUs, request {i}")
+    assert ties <= 1, f"{ties} requests ended in near-ties: the comparison is too weak"
+
+
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
+def test_two_replicas_of_two_gpus_each_equal_transformers(hf_model, arch):
+    """DP=2 x TP=2 on four GPUs: concurrent requests spread over both replicas, graphs on."""
+    _gpus(4)
+    model, path = hf_model(arch)
+    prompts, max_tokens = make_requests(seed=len(arch))
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    engine = AsyncLLM(
+        path,
+        **SETTINGS,
+        cuda_graphs="full_and_piecewise",
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+    )
+
+    async def main() -> list[list[int]]:
+        async def one(prompt: list[int], p: SamplingParams) -> list[int]:
+            return list([o async for o in engine.generate(prompt, p)][-1].token_ids)
+
+        return await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params, strict=True)))
+
+    try:
+        outs = asyncio.run(main())
+        steps = [s.steps for s in engine.replica_snapshots()]
+    finally:
+        engine.shutdown()
+    assert all(n > 0 for n in steps), f"steps per replica {steps}: one replica idle"
+    ties = 0
+    for i, (p, m, got) in enumerate(zip(prompts, max_tokens, outs, strict=True)):
+        want, margins = hf_greedy(arch, model, p, m)
+        ties += assert_matches(got, want, margins, f"{arch} DP=2 x TP=2, request {i}")
     assert ties <= 1, f"{ties} requests ended in near-ties: the comparison is too weak"
