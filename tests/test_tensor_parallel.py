@@ -346,3 +346,32 @@ def test_worker_ends_when_the_engine_process_is_killed(tmp_path):
         assert not _alive(pid), "the worker kept running after its engine's process was killed"
     finally:
         proc.kill()
+
+
+class _LiveProcess:
+    """Stands in for a worker process that stays alive."""
+
+    pid = 0
+    exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_start_up_answers_that_arrive_out_of_rank_order_are_all_read(monkeypatch):
+    """Rank 2 answers before rank 1: looking for failures while waiting for rank 1
+    must keep rank 2's answer for its reader, not drop it (the driver then waited
+    for it until the start-up timeout)."""
+    import multiprocessing
+
+    import backplane.engine.distributed.multiproc as mpx
+    from backplane.engine.distributed.multiproc import RankProcess
+
+    monkeypatch.setattr(mpx, "START_TIMEOUT", 5.0)
+    links = [multiprocessing.Pipe() for _ in range(3)]
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._procs = [RankProcess(r + 1, _LiveProcess(), links[r][0]) for r in range(3)]
+    links[2][1].send(("ok", 30))
+    links[1][1].send(("ok", 20))
+    threading.Timer(0.5, links[0][1].send, args=(("ok", 10),)).start()
+    assert executor._answers() == [10, 20, 30]

@@ -33,6 +33,7 @@ outlives it.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
 import logging
@@ -94,6 +95,8 @@ class RankProcess:
         self.rank = rank
         self.process = process
         self.conn = conn
+        #: answers read off the link while looking for failures, kept for their reader
+        self.inbox: collections.deque[tuple[str, Any]] = collections.deque()
 
 
 class MultiprocExecutor:
@@ -358,7 +361,7 @@ class MultiprocExecutor:
         out = []
         for p in self._procs:
             deadline = time.monotonic() + START_TIMEOUT
-            while not p.conn.poll(0.2):
+            while not p.inbox and not p.conn.poll(0.2):
                 failure = self._diagnose(wait=0.0)
                 if failure is not None:
                     self._fail(failure)
@@ -372,7 +375,7 @@ class MultiprocExecutor:
 
     def _recv(self, p: RankProcess) -> tuple[str, Any]:
         try:
-            kind, value = p.conn.recv()
+            kind, value = p.inbox.popleft() if p.inbox else p.conn.recv()
         except (EOFError, OSError):
             self._fail(self._diagnose(wait=FAILURE_GRACE) or WorkerFailedError(p.rank, "is gone"))
         if kind == "error":
@@ -406,6 +409,8 @@ class MultiprocExecutor:
                         kind, value = p.conn.recv()
                         if kind == "error":
                             return WorkerFailedError(p.rank, f"raised {value}")
+                        # another rank's start-up answer, come before the one awaited
+                        p.inbox.append((kind, value))
                 except (EOFError, OSError):
                     pass
                 if not p.process.is_alive():

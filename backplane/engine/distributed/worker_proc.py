@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -115,6 +117,27 @@ class WorkerLoop:
         raise ValueError(f"unknown worker command {name!r}")
 
 
+#: seconds between the orphan watch's looks at the parent process
+PARENT_POLL_S = 1.0
+
+
+def _exit_when_orphaned(rank: int, parent: int) -> None:
+    """End this process once its parent (the driver's process) is gone.
+
+    A worker blocked inside a collective never reads its pipe again, so the
+    pipe's end-of-file cannot stop it; left alone it would spin on its GPU
+    (slowing every later job there) until NCCL's own timeout.
+
+    :param rank: this worker's rank (for the log).
+    :param parent: the driver's process id.
+    """
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    logger.error("rank %d: the driver's process %d is gone; exiting", rank, parent)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def worker_main(
     rank: int, size: int, config: EngineConfig, init_method: str, conn: Connection
 ) -> None:
@@ -135,6 +158,12 @@ def worker_main(
     )
     from backplane.engine.worker.device_worker import DeviceWorker
 
+    threading.Thread(
+        target=_exit_when_orphaned,
+        args=(rank, os.getppid()),
+        name="backplane-orphan-watch",
+        daemon=True,
+    ).start()
     code = 0
     worker = None
     try:
