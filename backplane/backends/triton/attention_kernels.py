@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 #: the largest finite float8_e4m3fn value (it has no infinity)
-_FP8_MAX: tl.constexpr = 448.0
+_FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
