@@ -81,13 +81,17 @@ def _configs(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _prompt_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Prompt lookup written apart from the engine's: longest suffix first, latest match."""
+    """Prompt lookup written apart from the engine's: longest suffix first, latest match,
+    and what followed the match copied on, token by token, past the sequence's end."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                text = list(tokens)
+                for i in range(k):
+                    text.append(text[start + n + i])
+                return text[length:]
     return []
 
 

@@ -84,14 +84,18 @@ def test_engine_config_yaml_and_cli(tmp_path) -> None:
 
 
 def _naive_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Reference: scan every earlier position, longest suffix first, latest match wins."""
+    """Reference: scan every earlier position, longest suffix first, latest match wins;
+    the text goes on copying what followed the match, one token at a time."""
     for n in range(max_n, min_n - 1, -1):
         if n >= len(tokens):
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                text = list(tokens)
+                for i in range(k):
+                    text.append(text[start + n + i])
+                return text[len(tokens) :]
     return []
 
 

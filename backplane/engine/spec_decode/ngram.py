@@ -5,6 +5,11 @@ The last ``n`` tokens of a sequence (``n`` from ``prompt_lookup_max`` down to
 most recent earlier match, the tokens that followed it are the draft. Text
 that repeats its context (rewriting a given document, code edits, quoting)
 is drafted correctly most of the time, at no device cost.
+
+When the match is so recent that fewer than ``k`` tokens follow it, the text
+is taken to repeat with the match's distance as its period: the tokens after
+the match's continuation are that continuation again, so a sequence cycling
+with a short period is drafted ``k`` tokens deep rather than only to its end.
 """
 
 from __future__ import annotations
@@ -25,16 +30,20 @@ logger = logging.getLogger(__name__)
 
 
 def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """The up to ``k`` tokens that followed the latest earlier occurrence of the suffix.
+    """The ``k`` tokens predicted to follow the sequence, by prompt lookup.
 
     Longer suffixes are tried first (a longer match predicts better); for one
-    length the most recent match wins (it is the likeliest to continue alike).
+    length the most recent earlier match wins (it is the likeliest to continue
+    alike, and in a periodic text it sits one period back). The draft is what
+    followed that match; when fewer than ``k`` tokens follow it, the distance
+    from the match to the suffix is taken as the text's period and the
+    continuation repeats to fill ``k``.
 
     :param tokens: ``[L]`` integer token ids, the sequence so far.
     :param min_n: shortest suffix matched (``>= 1``).
     :param max_n: longest suffix matched.
     :param k: most tokens returned.
-    :return: the draft, ``[<= k]`` int64 (empty when nothing matches or ``k <= 0``).
+    :return: the draft, ``[k]`` int64, or empty when nothing matches or ``k <= 0``.
     """
     length = len(tokens)
     if k <= 0 or length < 2:
@@ -47,7 +56,10 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start : start + k].astype(np.int64)
+            # the suffix equals the match, so token length + i equals token start + i:
+            # past the sequence's end that is the draft's own token i - period
+            period = length - start
+            return tokens[start + np.arange(k) % period].astype(np.int64)
     return np.empty(0, dtype=np.int64)
 
 
