@@ -33,6 +33,7 @@ from backplane.engine.spec_decode.own_cache import (
     common_prefix,
 )
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
+from backplane.engine.spec_decode.step_graphs import ChainedDraftGraphs
 from backplane.models.base import CausalLM
 
 __all__ = ["DraftModelProposer", "check_draft_vocabulary", "load_draft_proposer"]
@@ -67,6 +68,8 @@ class DraftModelProposer:
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence (tokens), drafts included.
     :param page_size: tokens per page of the draft's KV cache.
+    :param cuda_graphs: replay drafting steps ``1..k-1`` from graphs captured now (see
+        :mod:`~backplane.engine.spec_decode.step_graphs`); on a CPU they are eager stand-ins.
     :raises ConfigError: on a different vocabulary size.
     """
 
@@ -82,6 +85,7 @@ class DraftModelProposer:
         max_num_seqs: int,
         max_model_len: int,
         page_size: int = 16,
+        cuda_graphs: bool = False,
     ) -> None:
         check_draft_vocabulary(draft, target_vocab_size)
         self.draft = draft
@@ -106,6 +110,24 @@ class DraftModelProposer:
             if not spec.paged
         ]
         self._recurrent = bool(getattr(draft, "has_recurrent_state", False))
+        #: steps 1..k-1 as captured graphs (``None``: every step eagerly)
+        self.graphs: ChainedDraftGraphs | None = None
+        if cuda_graphs and num_speculative_tokens > 1:
+            self.graphs = ChainedDraftGraphs(
+                self._graph_step,
+                self.backends,
+                num_steps=num_speculative_tokens - 1,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                page_size=page_size,
+                device=self.device,
+            )
+            self.graphs.capture()
+
+    def _graph_step(
+        self, step: int, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[None, torch.Tensor]:
+        return None, self.draft.compute_logits(self.draft(ids, pos))
 
     def propose(
         self, requests: Sequence[ProposalRequest], context: ProposalContext | None = None
@@ -127,6 +149,11 @@ class DraftModelProposer:
         tokens = self._forward(order, seqs, feeds)
         for i, t in zip(order, tokens, strict=True):
             drafts[i].append(t)
+        chained = self._chained(order, requests, seqs, tokens)
+        if chained is not None:
+            for i, rest in zip(order, chained, strict=True):
+                drafts[i].extend(rest)
+            return drafts
         for step in range(1, self.num_speculative_tokens):
             order = [i for i in order if requests[i].max_tokens > step]
             if not order:
@@ -144,6 +171,32 @@ class DraftModelProposer:
         """
         for rid in request_ids:
             self.cache.release(rid)
+
+    def _chained(
+        self,
+        order: list[int],
+        requests: Sequence[ProposalRequest],
+        seqs: dict[int, SequenceCache],
+        drafted: list[int],
+    ) -> list[list[int]] | None:
+        """Steps 1..k-1 replayed from the graphs after the first forward; ``None``: run them
+        eagerly (no graphs, a sequence drafting fewer than ``k``, or no bucket)."""
+        k = self.num_speculative_tokens
+        if self.graphs is None or any(requests[i].max_tokens < k for i in order):
+            return None
+        if self.graphs.bucket_for(len(order)) is None:
+            return None
+        # the first forward's last token is each cache's last entry
+        cached = [len(seqs[i].tokens) - 1 for i in order]
+        tables = [self.cache.reserve(seqs[i], c + k) for i, c in zip(order, cached, strict=True)]
+        slots = [seqs[i].slot for i in order]
+        rest = self.graphs.run(drafted, cached, cached, tables, slots)
+        if rest is None:
+            return None
+        for i, first, more in zip(order, drafted, rest, strict=True):
+            # step s (1..k-1) was fed the token step s-1 drafted
+            seqs[i].tokens.extend([first, *more[:-1]])
+        return rest
 
     def _rolled_back(self, request: ProposalRequest) -> SequenceCache:
         """The request's cache, cut to the prefix it shares with the sequence, the last token

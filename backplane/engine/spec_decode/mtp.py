@@ -33,6 +33,7 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.packing import build_batch_metadata
 from backplane.engine.spec_decode.own_cache import SequenceCache, allocate_own_cache
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
+from backplane.engine.spec_decode.step_graphs import ChainedDraftGraphs
 from backplane.models.base import CausalLM
 from backplane.models.mtp import MultiTokenPredictor
 
@@ -52,6 +53,8 @@ class MTPProposer:
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence (tokens), drafts included.
     :param page_size: tokens per page of the MTP layers' KV cache.
+    :param cuda_graphs: replay steps ``1..k-1`` from graphs captured now (see
+        :mod:`~backplane.engine.spec_decode.step_graphs`); on a CPU they are eager stand-ins.
     :raises ConfigError: when the target has no MTP layers attached, or more than one.
     """
 
@@ -66,6 +69,7 @@ class MTPProposer:
         max_num_seqs: int,
         max_model_len: int,
         page_size: int = 16,
+        cuda_graphs: bool = False,
     ) -> None:
         mtp = getattr(target, "mtp", None)
         if not isinstance(mtp, MultiTokenPredictor):
@@ -94,6 +98,27 @@ class MTPProposer:
         #: per request: the position of each cache entry (``SequenceCache.tokens`` holds
         #: the token each entry was fed)
         self._positions: dict[str, list[int]] = {}
+        #: steps 1..k-1 as captured graphs (``None``: every step eagerly)
+        self.graphs: ChainedDraftGraphs | None = None
+        if cuda_graphs and num_speculative_tokens > 1:
+            self.graphs = ChainedDraftGraphs(
+                self._graph_step,
+                self.backends,
+                num_steps=num_speculative_tokens - 1,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                page_size=page_size,
+                hidden_size=target.hidden_size,
+                dtype=next(mtp.parameters()).dtype,
+                device=self.device,
+            )
+            self.graphs.capture()
+
+    def _graph_step(
+        self, step: int, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.mtp(ids, pos, hidden, step)
+        return out, self.mtp.compute_logits(out, step)
 
     def propose(
         self, requests: Sequence[ProposalRequest], context: ProposalContext | None = None
@@ -119,7 +144,9 @@ class MTPProposer:
                 f"{len(requests)} requests; give one row per request"
             )
         seqs = {i: self._rolled_back(requests[i]) for i in active}
-        order = active
+        # A sequence whose cache is empty has no context yet: the packer takes it as a
+        # prefill, which comes before the decodes.
+        order = sorted(active, key=lambda i: len(seqs[i].tokens) > 0)
         hidden = hidden_rows[torch.as_tensor(order, device=hidden_rows.device)].to(self.device)
         tokens = [int(requests[i].token_ids[-1]) for i in order]
         positions = [len(requests[i].token_ids) - 2 for i in order]
@@ -127,6 +154,12 @@ class MTPProposer:
             hidden, drafted = self._forward(step, order, requests, seqs, tokens, positions, hidden)
             for i, t in zip(order, drafted, strict=True):
                 drafts[i].append(t)
+            if step == 0:
+                chained = self._chained(order, requests, seqs, drafted, positions, hidden)
+                if chained is not None:
+                    for i, rest in zip(order, chained, strict=True):
+                        drafts[i].extend(rest)
+                    break
             keep = [j for j, i in enumerate(order) if requests[i].max_tokens > step + 1]
             if not keep:
                 break
@@ -160,6 +193,35 @@ class MTPProposer:
         del seq.tokens[keep:]
         del positions[keep:]
         return seq
+
+    def _chained(
+        self,
+        order: list[int],
+        requests: Sequence[ProposalRequest],
+        seqs: dict[int, SequenceCache],
+        drafted: list[int],
+        positions: list[int],
+        hidden: torch.Tensor,
+    ) -> list[list[int]] | None:
+        """Steps 1..k-1 replayed from the graphs, after step 0 ran eagerly; ``None``: run
+        them eagerly (no graphs, a sequence drafting fewer than ``k``, or no bucket)."""
+        k = self.num_speculative_tokens
+        if self.graphs is None or any(requests[i].max_tokens < k for i in order):
+            return None
+        if self.graphs.bucket_for(len(order)) is None:
+            return None
+        # step 0's entry is the last one each cache holds
+        cached = [len(seqs[i].tokens) - 1 for i in order]
+        tables = [self.cache.reserve(seqs[i], c + k) for i, c in zip(order, cached, strict=True)]
+        slots = [seqs[i].slot for i in order]
+        rest = self.graphs.run(drafted, positions, cached, tables, slots, hidden)
+        if rest is None:
+            return None
+        for i, first, more, p in zip(order, drafted, rest, positions, strict=True):
+            # step s (1..k-1) was fed the token step s-1 drafted, one position on
+            seqs[i].tokens.extend([first, *more[:-1]])
+            self._positions[requests[i].request_id].extend(p + s for s in range(1, k))
+        return rest
 
     @torch.no_grad()
     def _forward(
