@@ -135,6 +135,7 @@ class Engine(WorkerView):
                     target=worker.model,
                     backends=worker.backends,
                     max_num_seqs=self.max_num_seqs,
+                    cuda_graphs=worker.graph_mode.has_decode,
                 )
             except BaseException:
                 self.executor.shutdown()

@@ -254,6 +254,7 @@ def load_draft_proposer(
     max_num_seqs: int,
     max_model_len: int,
     page_size: int = 16,
+    cuda_graphs: bool = False,
 ) -> DraftModelProposer:
     """Load ``config.model`` in the target's dtype on its device and wrap it as a proposer.
 
@@ -264,6 +265,7 @@ def load_draft_proposer(
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence.
     :param page_size: tokens per page of the draft's KV cache.
+    :param cuda_graphs: replay drafting steps ``1..k-1`` from captured graphs.
     :return: the proposer.
     :raises ConfigError: another method, a draft that does not load, or one of another vocabulary.
     """
@@ -293,6 +295,7 @@ def load_draft_proposer(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         page_size=page_size,
+        cuda_graphs=cuda_graphs,
     )
 
 

@@ -39,6 +39,7 @@ def create_proposer(
     backends: dict[str, Any] | None = None,
     max_num_seqs: int = 1,
     max_model_len: int = 0,
+    cuda_graphs: bool = False,
 ) -> Proposer:
     """Build the proposer of a configuration.
 
@@ -48,6 +49,8 @@ def create_proposer(
     :param backends: ``{family: backend object}`` the draft model or MTP layers run on.
     :param max_num_seqs: the most sequences a model-running proposer drafts for at once.
     :param max_model_len: the longest sequence.
+    :param cuda_graphs: a model-running proposer replays its drafting steps after the first
+        from graphs captured now (the worker's decode graphs are on).
     :return: the proposer.
     :raises ConfigError: for a method whose proposer is not available.
     """
@@ -57,6 +60,7 @@ def create_proposer(
         limits = {
             "max_num_seqs": max_num_seqs,
             "max_model_len": max_model_len or target.max_model_len,
+            "cuda_graphs": cuda_graphs,
         }
         if config.method == "draft_model":
             from backplane.engine.spec_decode.draft import load_draft_proposer

@@ -104,6 +104,8 @@ class SpecDecoder:
     :param target: the target model (``draft_model`` and ``mtp`` proposers read it).
     :param backends: the target's ``{family: backend object}`` (for those proposers).
     :param max_num_seqs: the most sequences the engine runs at once.
+    :param cuda_graphs: the worker replays decode graphs: a model-running proposer
+        captures its drafting steps too.
     :raises ConfigError: for a target or method that cannot speculate.
     """
 
@@ -119,6 +121,7 @@ class SpecDecoder:
         target: Any = None,
         backends: dict[str, Any] | None = None,
         max_num_seqs: int = 1,
+        cuda_graphs: bool = False,
     ) -> None:
         check_target(
             config, model=model, recurrent=recurrent, tensor_parallel_size=tensor_parallel_size
@@ -132,6 +135,7 @@ class SpecDecoder:
             backends=backends,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            cuda_graphs=cuda_graphs,
         )
         #: the MTP proposer reads the hidden state each request's last token was sampled from
         self._keeps_hidden = config.method == "mtp"
