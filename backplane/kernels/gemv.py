@@ -67,6 +67,9 @@ from backplane.kernels.elementwise import (
 #: dtypes the kernel reads and writes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: the scaled weight dtype: read one byte per element, dequantised in the kernel
+FP8_WEIGHT = torch.float8_e4m3fn
+
 #: per device: the split-K arrival counters and partial sums (see :func:`_scratch`)
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 #: outgrown scratch buffers, never freed (captured graphs may still use them)
@@ -86,12 +89,14 @@ def _gemv_kernel(
     r_out_ptr,
     cos_ptr,
     sin_ptr,
+    s_ptr,
     eps,
     N,
     K,
     k_per_split,
     split_k,
     stride_wn,
+    stride_sn,
     rot_rows,
     rot_half,
     HAS_BIAS: tl.constexpr,
@@ -107,6 +112,9 @@ def _gemv_kernel(
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
     PDL: tl.constexpr,
+    SCALE: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -155,12 +163,14 @@ def _gemv_kernel(
             x_ptr, r_ptr, g_ptr, kk0, k_ok0, K, inv, dt,
             GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
         )  # fmt: skip
-        acc += w0.to(tl.float32) * x0[None, :]
+        w0f = _weight(w0, s_ptr, rn, n_ok, k_start, stride_sn, SCALE, SCALE_K, SCALE_N)
+        acc += w0f * x0[None, :]
         x1 = _input_chunk(
             x_ptr, r_ptr, g_ptr, kk1, k_ok1, K, inv, dt,
             GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
         )  # fmt: skip
-        acc += w1.to(tl.float32) * x1[None, :]
+        w1f = _weight(w1, s_ptr, rn, n_ok, k_start + BLOCK_K, stride_sn, SCALE, SCALE_K, SCALE_N)
+        acc += w1f * x1[None, :]
         k_first = k_start + 2 * BLOCK_K
     for k0 in range(k_first, k_end, BLOCK_K):
         kk = k0 + rk
@@ -170,8 +180,11 @@ def _gemv_kernel(
             x_ptr, r_ptr, g_ptr, kk, k_ok, K, inv, dt,
             GATE_ACT, NORM, ZERO_CENTERED, INTERPRET, EXACT,
         )  # fmt: skip
-        acc += w.to(tl.float32) * x[None, :]
+        acc += _weight(w, s_ptr, rn, n_ok, k0, stride_sn, SCALE, SCALE_K, SCALE_N) * x[None, :]
     part = tl.sum(acc, axis=1)
+    if SCALE == 1:
+        # One scale per output row: applied once to the row's sum.
+        part *= tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
     if not SPLIT:
         if HAS_BIAS:
             part += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -197,6 +210,29 @@ def _gemv_kernel(
                 y = _rotated(y, y_ptr, cos_ptr, sin_ptr, pid_n, rot_rows, rot_half, BLOCK_N)
             tl.store(y_ptr + rn, y, mask=n_ok)
             tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _weight(
+    w,
+    s_ptr,
+    rn,
+    n_ok,
+    k0,
+    stride_sn,
+    SCALE: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+):
+    """A weight tile in float32; with block scales (``SCALE == 2``) times the scale of each
+    row's ``SCALE_N``-row block and the ``SCALE_K`` columns holding the chunk at ``k0`` (a
+    chunk never straddles two)."""
+    wf = w.to(tl.float32)
+    if SCALE == 2:
+        srow = (rn // SCALE_N).to(tl.int64) * stride_sn
+        s = tl.load(s_ptr + srow + k0 // SCALE_K, mask=n_ok, other=0.0)
+        wf = wf * s[:, None]
+    return wf
 
 
 @triton.jit
@@ -393,11 +429,102 @@ def plan_normed(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     return launch
 
 
-def default_launch(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+def default_launch(
+    n: int, k: int, device: torch.device, scale_k: int | None = None
+) -> tuple[int, int, int]:
     """:func:`plan`'s launch for an ``[n, k]`` weight on ``device``, or one split in row
-    blocks of 16 where it leaves the weight to cuBLAS."""
+    blocks of 16 where it leaves the weight to cuBLAS; with ``scale_k`` (block-scaled FP8
+    weights), :func:`plan_fp8`'s."""
     sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    if scale_k is not None:
+        return plan_fp8(n, k, sms, scale_k)
     return plan(n, k, sms) or (16, 256, 1)
+
+
+def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int, int, int]:
+    """The launch shape for an ``[n, k]`` FP8 (e4m3) weight at one row.
+
+    Every shape runs the kernel: the alternative at one row,
+    ``torch._scaled_mm``, quantises the activation in a launch of its own and
+    multiplies a row padded to 16. The shapes are :func:`plan`'s (one in row
+    blocks of 16 where it leaves a 16-bit weight to cuBLAS), with the chunks
+    narrowed to divide the weight's scale blocks so that each chunk takes one
+    scale per row. Not yet measured against other tiles on a GPU:
+    ``benchmarks/gemv.py --fp8`` times them.
+
+    :param n: output features.
+    :param k: input features.
+    :param sms: the device's multiprocessor count.
+    :param scale_k: input columns per weight scale for block scales, ``None``
+        for one scale per row (or per tensor).
+    :return: ``(block_n, block_k, split_k)``.
+    :raises ValueError: for scale blocks of fewer than 16 columns or not a
+        multiple of 16.
+    """
+    block_n, block_k, split_k = plan(n, k, sms) or (16, 256, 1)
+    if scale_k is not None and scale_k < k:
+        if scale_k % 16:
+            raise ValueError(
+                f"gemv: FP8 scale blocks of {scale_k} columns are not read by the kernel; "
+                "they must be a multiple of 16 columns (checkpoints use 128)"
+            )
+        # The largest power of two dividing the scale block.
+        block_k = min(block_k, scale_k & -scale_k)
+    return block_n, block_k, split_k
+
+
+def weight_scale_layout(
+    weight: torch.Tensor, scale: torch.Tensor | None, scale_k: int | None, scale_n: int = 1
+) -> tuple[int, int, int, int]:
+    """How the kernel reads a weight's scales: checks them against the weight.
+
+    :param weight: ``[N, K]``, a dtype of :data:`DTYPES` without scales, or
+        :data:`FP8_WEIGHT` with them.
+    :param scale: float32: one element (per tensor), ``[N]`` or ``[N, 1]`` (per
+        output row), or ``[ceil(N / scale_n), ceil(K / scale_k)]`` with unit
+        stride along the columns (block scales: ``scale_n = 1`` is the models'
+        row form, ``scale_n = scale_k = 128`` a DeepSeek-V3 checkpoint's form);
+        ``None`` for an unscaled weight.
+    :param scale_k: input columns per scale, for block scales.
+    :param scale_n: output rows per scale, for block scales.
+    :return: ``(mode, scale_k, scale_n, row stride)``: mode 0 (no scales), 1
+        (one per output row, the row stride 0 for one per tensor) or 2
+        (blocks); ``scale_k`` and ``scale_n`` are 1 where unused.
+    :raises ValueError: for a weight dtype that does not go with ``scale``, or
+        a scale that does not fit the weight.
+    """
+    n, k = weight.shape
+    if scale is None:
+        if weight.dtype not in DTYPES:
+            raise ValueError(
+                f"gemv: a {weight.dtype} weight needs its scales (scale=); unscaled weights "
+                f"are one of {', '.join(map(str, DTYPES))}"
+            )
+        return 0, 1, 1, 0
+    if weight.dtype != FP8_WEIGHT:
+        raise ValueError(f"gemv: scales go with {FP8_WEIGHT} weights, not {weight.dtype}")
+    if scale.dtype != torch.float32 or scale.device != weight.device:
+        raise ValueError(
+            f"gemv: weight scales must be float32 on {weight.device}, got {scale.dtype} "
+            f"on {scale.device}"
+        )
+    if scale.numel() == 1:
+        return 1, 1, 1, 0
+    if scale.dim() == 1 and scale.shape[0] == n and scale.stride(0) == 1:
+        return 1, 1, 1, 1
+    if scale.dim() == 2 and scale.shape == (n, 1):
+        return 1, 1, 1, scale.stride(0)
+    if scale.dim() == 2 and scale_k is not None and scale_n >= 1 and scale.stride(1) == 1:
+        want = (cdiv(n, scale_n), cdiv(k, scale_k))
+        if tuple(scale.shape) == want:
+            # One scale block across the whole row: every chunk divides this.
+            cols = int(scale_k) if want[1] > 1 else 1 << 30
+            return 2, cols, int(scale_n), scale.stride(0)
+    raise ValueError(
+        f"gemv: scale {tuple(scale.shape)} (scale_k={scale_k}, scale_n={scale_n}) fits no "
+        f"layout of a {(n, k)} weight: give one element, [N] or [N, 1], or "
+        "[ceil(N / scale_n), ceil(K / scale_k)] with unit stride along the columns"
+    )
 
 
 #: dtypes the rotary epilogue rounds as the rotary kernel does (bfloat16 on the
@@ -453,8 +580,18 @@ class OneRowProjection:
         loading the first two weight tiles before waiting for it (see
         :func:`~backplane.core.launch.dependent_launch`, the default). The
         interpreter runs the same order of loads without the launch option.
-    :raises ValueError: for an unknown activation, a weight or norm weight
-        the kernel cannot read, or a rotary epilogue the launch cannot hold.
+    :param scale: an FP8 weight's float32 scales (see
+        :func:`weight_scale_layout`): the weight is read one byte per element
+        and multiplied by its scale in float32; ``None`` for a weight of
+        :data:`DTYPES`.
+    :param scale_k: input columns per scale, for block scales.
+    :param scale_n: output rows per scale, for block scales (1: one scale row
+        per output row).
+    :param dtype: the dtype of the rows projected and of the output (default:
+        the weight's; required with an FP8 weight).
+    :raises ValueError: for an unknown activation, a weight, scale or norm
+        weight the kernel cannot read, or a rotary epilogue the launch cannot
+        hold.
     """
 
     def __init__(
@@ -468,6 +605,10 @@ class OneRowProjection:
         norm: tuple[torch.Tensor, float, bool] | None = None,
         rotary: tuple[int, int] | None = None,
         pdl: bool | None = None,
+        scale: torch.Tensor | None = None,
+        scale_k: int | None = None,
+        scale_n: int = 1,
+        dtype: torch.dtype | None = None,
     ) -> None:
         for a in (act, gate_act):
             if a is not None and a not in ACT_CODES:
@@ -477,9 +618,28 @@ class OneRowProjection:
         n, k = weight.shape
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match weight {(n, k)}")
+        scale_mode, scale_k, scale_n, stride_sn = weight_scale_layout(
+            weight, scale, scale_k, scale_n
+        )
         if launch is None:
-            launch = default_launch(n, k, weight.device)
+            launch = default_launch(n, k, weight.device, scale_k if scale_mode == 2 else None)
         block_n, block_k, _ = launch
+        if scale_mode == 2 and scale_k % block_k:
+            raise ValueError(
+                f"gemv: chunks of {block_k} columns straddle the weight's scale blocks of "
+                f"{scale_k} columns; launch with a block_k that divides {scale_k} "
+                "(see plan_fp8)"
+            )
+        out_dtype = weight.dtype if dtype is None else dtype
+        if out_dtype not in DTYPES:
+            raise ValueError(
+                f"gemv: activations in {out_dtype} are not read by the kernel; "
+                f"use one of {', '.join(map(str, DTYPES))}"
+            )
+        if scale_mode == 0 and out_dtype != weight.dtype:
+            raise ValueError(
+                f"gemv: a {weight.dtype} weight projects {weight.dtype} rows, not {out_dtype}"
+            )
         blocks, k_per_split, split_k = _split_shape(n, k, launch)
         if norm is not None:
             norm_weight, eps, zero_centered = norm
@@ -497,16 +657,18 @@ class OneRowProjection:
         supported = INTERPRET or (weight.is_cuda and dependent_launch(weight.device.index))
         pdl = supported if pdl is None else (pdl and supported)
         if rotary is not None and (
-            act is not None or not rotary_fits(launch, n, *rotary, weight.dtype)
+            act is not None or not rotary_fits(launch, n, *rotary, out_dtype)
         ):
             raise ValueError(
                 f"gemv: a rotary epilogue over {rot_rows} rows in pairs {rot_half} apart does "
-                f"not fit launch {launch} of {n} {weight.dtype} outputs (or comes with an "
+                f"not fit launch {launch} of {n} {out_dtype} outputs (or comes with an "
                 "activation)"
             )
         self.weight, self.bias, self.norm_weight = weight, bias, norm_weight
+        self.scale = scale if scale_mode else None
+        self.launch = launch
         self.n, self.k, self.blocks, self.split_k = n, k, blocks, split_k
-        self.dtype, self.device = weight.dtype, weight.device
+        self.dtype, self.device = out_dtype, weight.device
         self._device_index = weight.device.index
         self.rotary = rotary is not None
         # Outgrown scratch stays allocated (see _scratch): these remain valid.
@@ -514,7 +676,17 @@ class OneRowProjection:
             self._counters, self._part = _scratch(weight.device, blocks, split_k * n)
         else:
             self._counters = self._part = None
-        self._tail = (float(eps), n, k, k_per_split, split_k, weight.stride(0), rot_rows, rot_half)
+        self._tail = (
+            float(eps),
+            n,
+            k,
+            k_per_split,
+            split_k,
+            weight.stride(0),
+            stride_sn,
+            rot_rows,
+            rot_half,
+        )
         act_code = -1 if act is None else ACT_CODES[act]
         gate_code = -1 if gate_act is None else ACT_CODES[gate_act]
         # Everything Triton specialises on but the per-call pointers' alignment.
@@ -534,6 +706,8 @@ class OneRowProjection:
             rot_rows,
             rot_half,
             pdl,
+            out_dtype,
+            None if not scale_mode else (scale_mode, scale_k, scale_n, stride_sn),
         )
         self._meta = dict(
             HAS_BIAS=bias is not None,
@@ -548,6 +722,9 @@ class OneRowProjection:
             INTERPRET=INTERPRET,
             EXACT=_EXACT_MATH,
             PDL=int(pdl),
+            SCALE=scale_mode,
+            SCALE_K=scale_k,
+            SCALE_N=scale_n,
         )
         if pdl and not INTERPRET:
             self._meta["launch_pdl"] = True
@@ -598,6 +775,7 @@ class OneRowProjection:
             res_out if res_out is not None else y,
             cos if cos is not None else y,
             sin if sin is not None else y,
+            self.scale if self.scale is not None else y,
             *self._tail,
         )
         hit = self._hits.get(dyn)
@@ -622,8 +800,15 @@ def gemv(
     launch: tuple[int, int, int] | None = None,
     act: str | None = None,
     gate_act: str | None = None,
+    scale: torch.Tensor | None = None,
+    scale_k: int | None = None,
+    scale_n: int = 1,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one input row, as :func:`torch.nn.functional.linear`.
+
+    With ``scale``, ``weight`` is FP8 (e4m3) and the product is
+    ``x @ (weight * scale).T``, the weight dequantised in float32 as it is
+    read (see :func:`weight_scale_layout` for the scale layouts).
 
     :param x: ``[1, K]`` (or ``[K]``) with unit stride along ``K``; with
         ``gate_act``, ``[1, 2K]``: a gated MLP's ``[gate | up]`` row.
@@ -639,11 +824,25 @@ def gemv(
         roundings of the gated activation kernel
         (:func:`~backplane.kernels.elementwise.act_and_mul`): the down
         projection of a gated MLP without the launch that forms its input.
+    :param scale: an FP8 weight's float32 scales, or ``None``.
+    :param scale_k: input columns per scale (block scales only).
+    :param scale_n: output rows per scale (block scales only).
     :return: a new ``[1, N]`` (or ``[N]``) tensor in ``x``'s dtype.
-    :raises ValueError: for more than one row, mismatched shapes or an unknown activation.
+    :raises ValueError: for more than one row, mismatched shapes, an unknown
+        activation or scales that do not fit the weight.
     """
     row = _row(x, weight, 2 if gate_act is not None else 1)
-    proj = OneRowProjection(weight, bias, launch=launch, act=act, gate_act=gate_act)
+    proj = OneRowProjection(
+        weight,
+        bias,
+        launch=launch,
+        act=act,
+        gate_act=gate_act,
+        scale=scale,
+        scale_k=scale_k,
+        scale_n=scale_n,
+        dtype=x.dtype,
+    )
     y, _ = proj(row)
     return y if x.dim() == 2 else y.view(-1)
 

@@ -6,6 +6,11 @@ float32 ``weight_scale`` parameter in row form (see
 :mod:`backplane.models.quant.fp8`), so checkpoint names, merged row slices and
 ``.to()`` work as for any parameter. Its product runs:
 
+* for one input row (batch-1 decode) with ``fused_ops = "triton"``, on CUDA
+  devices of compute capability 8.9 and up (and in the Triton interpreter):
+  the one-row kernel of :mod:`backplane.kernels.gemv`, which reads the
+  weight one byte per element and dequantises it as it goes (any scale
+  layout), the activations staying in their dtype;
 * on CUDA devices of compute capability 8.9 and up (Ada, Hopper), for one
   scale per weight row: the activations quantised per token (or with the
   checkpoint's static ``input_scale``) and ``torch._scaled_mm`` with row-wise
@@ -19,10 +24,12 @@ float32 ``weight_scale`` parameter in row form (see
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
 
+from backplane import kernels
 from backplane.models.linear import Linear, dense
 from backplane.models.quant.fp8 import (
     FP8_DTYPE,
@@ -56,6 +63,58 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return known
 
 
+#: CUDA devices (``str(device)``) and whether the one-row kernel reads e4m3 there
+_ONE_ROW: dict[str, bool] = {}
+
+#: activation dtypes the one-row kernel projects
+ONE_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: output rows per scale of a block-scaled checkpoint (DeepSeek-V3's 128x128 blocks)
+SCALE_BLOCK_ROWS = 128
+
+
+def one_row_supported(device: torch.device) -> bool:
+    """Whether the one-row kernel reads e4m3 weights on ``device``.
+
+    Triton's e4m3 type needs compute capability 8.9 or higher; on the CPU the
+    kernel runs only in the Triton interpreter (the tests).
+
+    :param device: the activations' device.
+    :return: ``True`` where one-row products run the kernel.
+    """
+    if device.type != "cuda":
+        return kernels.interpreting()
+    key = str(device)
+    known = _ONE_ROW.get(key)
+    if known is None:
+        known = _ONE_ROW[key] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return known
+
+
+def block_form(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Row-form block scales shrunk back to one row per :data:`SCALE_BLOCK_ROWS` output rows,
+    where every block of rows holds the same scales (a checkpoint's square blocks).
+
+    The one-row kernel reads a scale per row and chunk: the block form is
+    :data:`SCALE_BLOCK_ROWS` times fewer bytes to read beside the weight. A
+    row form whose rows differ within a block (projections of different
+    blocks merged at rows that are no multiple of the block) stays as it is.
+    Compares on the device (a synchronisation): call it once per weight, not
+    while a CUDA graph is captured (there the row form is kept).
+
+    :param scales: ``[out, ceil(in / block_k)]`` float32 row-form scales.
+    :return: ``(scales, rows per scale)``: the block form and
+        :data:`SCALE_BLOCK_ROWS`, or ``scales`` and 1.
+    """
+    rows = scales.shape[0]
+    if rows <= 1 or (scales.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return scales, 1
+    first = torch.arange(rows, device=scales.device) // SCALE_BLOCK_ROWS * SCALE_BLOCK_ROWS
+    if not torch.equal(scales, scales[first]):
+        return scales, 1
+    return scales[::SCALE_BLOCK_ROWS].contiguous(), SCALE_BLOCK_ROWS
+
+
 class Fp8Projection:
     """How an FP8 :class:`~backplane.models.linear.Linear` computes its product.
 
@@ -71,6 +130,9 @@ class Fp8Projection:
     def __init__(self, block_k: int, static: bool = False) -> None:
         self.block_k = int(block_k)
         self.static = bool(static)
+        # The one-row kernel's projections, by weight and scale storage (and the
+        # scales' version: a block-form copy is taken of them) and activation dtype.
+        self._one_row: dict[tuple, Any] = {}
 
     def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + bias`` for the FP8 weight of ``linear``.
@@ -79,6 +141,9 @@ class Fp8Projection:
         :param x: ``[..., in_features]`` in a float dtype.
         :return: ``[..., out_features]`` in ``x``'s dtype.
         """
+        proj = self._one_row_projection(linear, x)
+        if proj is not None:
+            return proj(x)[0]
         w, scales = linear.weight, linear.weight_scale
         if scales.shape[1] == 1 and self._fast(x, w):
             try:
@@ -93,6 +158,54 @@ class Fp8Projection:
                 )
                 _SCALED_MM[str(x.device)] = False
         return dense(x, dequantize_rows(w, scales, self.block_k, x.dtype), linear.bias)
+
+    def _one_row_projection(self, linear: Linear, x: torch.Tensor) -> Any:
+        """The one-row kernel's projection for ``x``, or ``None`` where another path runs it."""
+        if (
+            linear.fused_ops != "triton"
+            or x.dim() != 2
+            or x.shape[0] != 1
+            or x.stride(-1) != 1
+            or x.dtype not in ONE_ROW_DTYPES
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not one_row_supported(x.device)
+        ):
+            return None
+        w, scales = linear.weight, linear.weight_scale
+        key = (w.data_ptr(), scales.data_ptr(), scales._version, x.dtype)
+        proj = self._one_row.get(key)
+        if proj is None:
+            # Projections of replaced or rewritten weights are not called again.
+            self._one_row = {k: p for k, p in self._one_row.items() if k[:3] == key[:3]}
+            proj = self._one_row[key] = self._build_one_row(linear, x)
+        return proj or None
+
+    def _build_one_row(self, linear: Linear, x: torch.Tensor) -> Any:
+        """Build what :meth:`_one_row_projection` returns (``False`` where the kernel does not
+        take this weight)."""
+        w, scales, bias = linear.weight, linear.weight_scale, linear.bias
+        if w.stride(-1) != 1 or (bias is not None and not bias.is_contiguous()):
+            return False
+        gemv = kernels.load_gemv()
+        n, k = w.shape
+        scale_k = self.block_k if scales.shape[1] > 1 else None
+        scale, scale_n = block_form(scales) if scale_k is not None else (scales, 1)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        try:
+            launch = gemv.plan_fp8(n, k, sms, scale_k)
+        except ValueError as exc:
+            logger.warning("FP8 projection %dx%d keeps its other paths at one row: %s", n, k, exc)
+            return False
+        return gemv.OneRowProjection(
+            w,
+            bias,
+            launch=launch,
+            scale=scale,
+            scale_k=scale_k,
+            scale_n=scale_n,
+            dtype=x.dtype,
+        )
 
     def _fast(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         out, cols = w.shape
