@@ -22,9 +22,18 @@ in all), and each figure is set against the projection's own bandwidth floor
 (weight bytes / the device's read bandwidth, measured here with a large
 reduction). The Triton results are checked against cuBLAS's first.
 
+With ``--fp8 tensor|channel|block`` it times FP8 (e4m3) weights at one row
+instead, scaled per tensor, per output channel or per 128x128 block: the
+split-K kernel reading them one byte per element (the launch ``plan_fp8``
+picks, and a grid of tiles and split counts) against what an FP8 ``Linear``
+runs at one row without it (``torch._scaled_mm`` after quantising the row,
+or, for block scales, the weight dequantised and cuBLAS), each as GB/s over
+the bytes the kernel reads (the weight's bytes and its scales').
+
 Run on the GPU machine::
 
     python benchmarks/gemv.py [--model nemotron-h-0.85b] [--rows 1,8] [--json out.json]
+    python benchmarks/gemv.py --fp8 block [--model nemotron-h-0.85b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ import triton.language as tl
 
 from backplane.kernels.gemv import gemv as splitk_gemv
 from backplane.kernels.gemv import plan as splitk_plan
+from backplane.kernels.gemv import plan_fp8
+from backplane.models.linear import Linear
+from backplane.models.quant.fp8 import quantize_weight, row_scales
+from backplane.models.quant.projection import convert_linear
 
 logger = logging.getLogger("gemv")
 
@@ -67,6 +80,10 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
 
 #: (block_n, block_k) tiles the split-K kernel is also timed with, at 1..8 splits
 SPLITK_TILES = ((16, 256), (32, 256), (8, 512), (16, 512))
+
+#: (block_n, block_k) tiles the split-K kernel is timed with on FP8 weights, at 1..8 splits
+#: (block_k over 128 skipped for block scales: a chunk takes one scale per row)
+FP8_TILES = ((16, 128), (32, 128), (16, 256), (32, 256), (8, 512), (16, 512))
 
 #: the most input rows the kernel takes (the rows are held in registers)
 MAX_ROWS = 8
@@ -223,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,8", help="input rows (1..8), comma-separated")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--model", choices=sorted(MODELS), default="llama-1b", help="projection shapes")
+    p.add_argument(
+        "--fp8",
+        choices=("tensor", "channel", "block"),
+        help="time FP8 weights of this scale granularity at one row (see above)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -230,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bw = read_bandwidth()
     logger.info("read bandwidth %.1f GB/s, %s", bw / 1e9, torch.cuda.get_device_name())
+    if args.fp8:
+        return run_fp8(args.model, args.fp8, bw, args.json)
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     logger.info(
@@ -326,6 +350,115 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(
                 {"bandwidth": bw, "gpu": torch.cuda.get_device_name(), "results": results},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+def _fp8_linear(n: int, k: int, granularity: str) -> Linear:
+    """A bfloat16-activation FP8 ``Linear`` ``[n, k]`` of random weights, scaled as asked."""
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, scale = quantize_weight(w, granularity)
+    lin = Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        convert_linear(lin, 128 if granularity == "block" else None)
+        lin.weight.copy_(q)
+        lin.weight_scale.copy_(row_scales(scale, n, k, granularity, (128, 128)))
+    # The scales as the kernel reads them: the checkpoint's (one per tensor, row or block).
+    lin.kernel_scale = scale.reshape(()) if granularity == "tensor" else scale
+    return lin
+
+
+def run_fp8(model: str, granularity: str, bw: float, json_path: str | None) -> int:
+    """Time one-row FP8 projections of ``model``'s shapes; print one row per shape.
+
+    :param model: a key of :data:`MODELS`.
+    :param granularity: ``"tensor"``, ``"channel"`` or ``"block"`` (128x128).
+    :param bw: the device's read bandwidth, bytes per second.
+    :param json_path: write the figures here, or ``None``.
+    :return: the exit status (1 when the kernel disagrees with the other path).
+    """
+    block = granularity == "block"
+    blocks = {"scale_k": 128, "scale_n": 128} if block else {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    logger.info(
+        "%-8s %9s %9s %7s %9s %7s %9s %7s  %s",
+        "shape", "floor us", "fp8 path", "GB/s", "planned", "GB/s", "best", "GB/s", "best launch",
+    )  # fmt: skip
+    for name, (n, k) in MODELS[model].items():
+        copies = max(2, -(-(256 << 20) // (n * k)))
+        lins = [_fp8_linear(n, k, granularity) for _ in range(copies)]
+        scale_bytes = lins[0].kernel_scale.numel() * 4
+        nbytes = n * k + scale_bytes
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+        def kernel(lin: Linear, launch: tuple[int, int, int], x: torch.Tensor = x) -> torch.Tensor:
+            return splitk_gemv(x, lin.weight, scale=lin.kernel_scale, launch=launch, **blocks)
+
+        planned = plan_fp8(n, k, sms, 128 if block else None)
+        with torch.inference_mode():
+            want = lins[0](x).float()  # fused_ops "torch": the path without the kernel
+            got = kernel(lins[0], planned).float()
+            err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+            # _scaled_mm also rounds the row to e4m3: a few per cent apart.
+            if err > 0.1:
+                logger.error("%s: the kernel differs from the FP8 Linear by %.3g", name, err)
+                return 1
+            t_path = time_calls(lambda lin, x=x: lin(x), lins)
+            launches = {
+                (bn, bk, sk)
+                for bn, bk in FP8_TILES
+                for sk in (1, 2, 4, 8)
+                if not (block and bk > 128)
+            }
+            times = {
+                str(launch): time_calls(lambda lin, launch=launch: kernel(lin, launch), lins)
+                for launch in sorted(launches | {planned})
+            }
+        floor = nbytes / bw * 1e6
+        best_us, best_launch = min((v, key) for key, v in times.items())
+
+        def gbs(us: float, nbytes: int = nbytes) -> float:
+            return nbytes / us / 1e3
+
+        results.append(
+            {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "granularity": granularity,
+                "bytes": nbytes,
+                "floor_us": floor,
+                "fp8_path_us": t_path,
+                "planned": list(planned),
+                "splitk_us": times,
+            }
+        )
+        logger.info(
+            "%-8s %9.2f %9.2f %7.0f %9.2f %7.0f %9.2f %7.0f  %s",
+            name,
+            floor,
+            t_path,
+            gbs(t_path),
+            times[str(planned)],
+            gbs(times[str(planned)]),
+            best_us,
+            gbs(best_us),
+            best_launch,
+        )
+        del lins
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(
+                {
+                    "bandwidth": bw,
+                    "gpu": torch.cuda.get_device_name(),
+                    "fp8": granularity,
+                    "results": results,
+                },
                 f,
                 indent=1,
             )
