@@ -237,3 +237,58 @@ def test_an_mtp_request_joining_a_running_batch_drafts_as_it_would_alone(graphs)
     )
     want = alone.propose([_req("b", [4, 5, 6], k)], ProposalContext(hidden_states=rows[1:]))
     assert both[1] == want[0]
+
+
+def _capture_on_cpu(proposer: Any, max_num_seqs: int, max_model_len: int) -> ChainedDraftGraphs:
+    """Give an engine's proposer the graphs a CUDA worker would (eager stand-ins here)."""
+    mtp = isinstance(proposer, MTPProposer)
+    graphs = ChainedDraftGraphs(
+        proposer._graph_step,
+        proposer.backends,
+        num_steps=proposer.num_speculative_tokens - 1,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=proposer.cache.page_size,
+        hidden_size=proposer.mtp.target.hidden_size if mtp else 0,
+        cuda=False,
+    )
+    graphs.capture()
+    assert graphs.failed == {}
+    proposer.graphs = graphs
+    return graphs
+
+
+ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_tokens=64, page_size=4)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [
+        ("tiny-llama", {"method": "draft_model", "model": "tiny-llama"}),
+        ("tiny-nemotron-h", {"method": "draft_model", "model": "tiny-nemotron-h"}),
+        ("tiny-nemotron-h", {"method": "draft_model", "model": "tiny-llama"}),
+        ("tiny-deepseek-v3", {"method": "mtp"}),
+    ],
+)
+def test_engine_tokens_with_graphed_drafting_equal_decoding_without_speculation(model, spec):
+    from engine_helpers import run_requests
+
+    from backplane.engine.engine import Engine
+    from backplane.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, size=n).tolist() for n in (9, 3, 14)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=9, temperature=0.0),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=5),
+    ]
+    want = run_requests(Engine(model=model, **ENGINE), prompts, params)
+    engine = Engine(model=model, speculative_config={**spec, "num_speculative_tokens": 3}, **ENGINE)
+    graphs = _capture_on_cpu(engine.spec.proposer, 4, engine.max_model_len)
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a, **kw: replays.append(len(a[0])) or run(*a, **kw)
+    assert run_requests(engine, prompts, params) == want
+    assert replays and engine.spec.stats.draft_tokens > 0

@@ -105,7 +105,8 @@ class _Bucket:
         device = batch.device
         self.batch = batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = batch.positions[:n].clone()
+        # the rotary positions of the capture start at 0: any position the model knows will do
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.hidden = (
             torch.zeros(n, hidden_size, dtype=dtype, device=device) if hidden_size else None
         )
