@@ -38,6 +38,14 @@ loads its first two weight tiles, then waits for the previous kernel to
 finish, so the weight stream starts during that kernel's tail instead of
 after it.
 
+FP8 (e4m3) weights are read one byte per element and dequantised as they are
+read (weight-only: the row stays in its 16- or 32-bit dtype, the sums in
+float32), with one scale per tensor or output row applied to each row's sum,
+or one per block of rows and columns (see :func:`weight_scale_layout`)
+applied to each chunk, whose columns never straddle two blocks
+(:func:`plan_fp8`). A compile-time switch keeps the unscaled path's code as
+it was.
+
 :class:`OneRowProjection` holds one projection's launch with all of that
 decided, for the call sites that run it every step.
 
