@@ -292,3 +292,25 @@ def test_engine_tokens_with_graphed_drafting_equal_decoding_without_speculation(
     graphs.run = lambda *a, **kw: replays.append(len(a[0])) or run(*a, **kw)
     assert run_requests(engine, prompts, params) == want
     assert replays and engine.spec.stats.draft_tokens > 0
+
+
+class _PlanningBackend:
+    """A backend that prepares host-side work for every step, decode graphs included."""
+
+    def plan(self, batch: Any) -> dict[str, int]:
+        return {"longest": int(batch.host.seq_lens.max())}
+
+    def prepare_capture(self, mode: Any, batch: Any) -> None:
+        raise AssertionError("nothing is captured over a backend that plans per step")
+
+
+def test_a_backend_that_plans_every_step_leaves_the_draft_steps_eager():
+    graphs, seen = _graphs(2)
+    graphs.backends = {"attention": _PlanningBackend()}
+    graphs.capture()
+    assert graphs.planned_families() == ["attention"]
+    assert "attention" in graphs.unsupported
+    assert graphs.failed == {} and not any(graphs.has(b) for b in graphs.buckets)
+    assert not seen
+    table = np.full(graphs.width, NULL_PAGE, dtype=np.int32)
+    assert graphs.run([1], [5], [4], [table], [0]) is None

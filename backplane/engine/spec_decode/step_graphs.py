@@ -16,7 +16,7 @@ The graphs replay under a decode-graph :class:`~backplane.core.metadata.StepMode
 backends read every length from the device tensors there, which is what lets
 the lengths move inside one graph. A backend whose plan for such a step is not
 ``None`` (it prepares host-side work per step) cannot be chained this way, and
-the proposer then runs every step eagerly.
+the proposer then runs every step eagerly (:meth:`ChainedDraftGraphs.planned_families`).
 """
 
 from __future__ import annotations
@@ -172,6 +172,8 @@ class ChainedDraftGraphs:
         self._slots: dict[int, _Bucket] = {}
         self.failed: dict[int, str] = {}
         self.pool_bytes: dict[int, int] = {}
+        #: why nothing was captured (a backend that plans per step), else ``None``
+        self.unsupported: str | None = None
 
     # -- capture ------------------------------------------------------------------
     def _chain(
@@ -235,15 +237,18 @@ class ChainedDraftGraphs:
         :param progress: called with each bucket once it is done.
         """
 
+        planned = self.planned_families()
+        if planned:
+            self.unsupported = (
+                f"the {', '.join(planned)} backend plans each decode-graph step on the host, "
+                "and chained draft steps cannot plan again between steps"
+            )
+            logger.info("draft steps run eagerly: %s", self.unsupported)
+            return
+
         def capture_one(bucket: int) -> None:
             batch = self._scratch_batch(bucket)
             plans = plan_step(self.backends, batch)
-            planned = sorted(f for f, p in plans.items() if p is not None)
-            if planned:
-                raise RuntimeError(
-                    f"the {', '.join(planned)} backend plans each decode-graph step on the host; "
-                    "chained draft steps cannot re-plan between steps, so they run eagerly"
-                )
             slot = _Bucket(batch, self.hidden_size, self.dtype)
             for backend in self.backends.values():
                 backend.prepare_capture(batch.mode, batch)
@@ -272,6 +277,18 @@ class ChainedDraftGraphs:
                 failed=self.failed,
                 grown=self.pool_bytes,
             )
+
+    def planned_families(self) -> list[str]:
+        """The families whose backend returns a plan for a decode-graph step (sorted).
+
+        Such a plan holds host-side work done for one step (split counts, buffers
+        filled from host lengths), which a chain of steps in one graph cannot redo
+        between its steps; with any of them the steps run eagerly.
+
+        :return: the family names, empty when every step can be chained.
+        """
+        plans = plan_step(self.backends, self._scratch_batch(self.buckets[-1]))
+        return sorted(f for f, p in plans.items() if p is not None)
 
     def has(self, bucket: int) -> bool:
         """True when ``bucket`` was captured."""
