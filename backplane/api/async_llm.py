@@ -56,6 +56,7 @@ from backplane.api.chat import render_chat_text
 from backplane.api.data_parallel import replica_configs, replica_in_own_process
 from backplane.api.engine_process import ProcessLLM
 from backplane.api.llm import LLM, Conversation, Prompt
+from backplane.api.output_processor import PendingOutput
 from backplane.api.outputs import RequestOutput
 from backplane.api.stop import StopAutomaton, stop_automaton
 from backplane.core.errors import (
@@ -239,6 +240,8 @@ class AsyncRequestStream:
         except BaseException:  # cancelled while waiting: the caller gave up on the request
             self.abort()
             raise
+        if type(item) is PendingOutput:
+            return item.build()  # a running request's output, built here, off the engine loop
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -282,6 +285,8 @@ class RequestStream:
         if self._done:
             raise StopIteration
         item = self._sink.queue.get()
+        if type(item) is PendingOutput:
+            return item.build()  # a running request's output, built here, off the engine loop
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -885,6 +890,9 @@ class _EngineLoop:
     def _loop(self) -> None:
         llm = self.llm
         engine = llm.engine
+        # a replica in this process hands running requests' outputs to their streams
+        # unbuilt: their readers build them (one of another process comes built)
+        step = llm.step_streamed if isinstance(llm, LLM) else llm.step
         failures = 0
         try:
             while not self._stopping:
@@ -895,7 +903,7 @@ class _EngineLoop:
                 # tracked requests without engine work: aborts the next step reports
                 if engine.has_unfinished_requests() or llm._tracked:
                     try:
-                        outs = llm.step()
+                        outs = step()
                     except Exception as exc:
                         # a failed step is undone by the engine (its requests restart from their
                         # last committed token; one failing too often finishes with "error")
@@ -990,7 +998,7 @@ class _EngineLoop:
             self._sinks[rid] = sink
             done(None)
 
-    def _deliver(self, outs: list[RequestOutput]) -> None:
+    def _deliver(self, outs: list[RequestOutput | PendingOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for out in outs:
             rid = out.request_id

@@ -30,7 +30,7 @@ from typing import Any
 from backplane.api import chat as _chat
 from backplane.api.chat import Conversation
 from backplane.api.guard import ConcurrentUseError, ThreadGuard
-from backplane.api.output_processor import OutputProcessor, TrackedRequest
+from backplane.api.output_processor import OutputProcessor, PendingOutput, TrackedRequest
 from backplane.api.outputs import RequestMetrics, RequestOutput
 from backplane.api.prompts import (
     Prompt,
@@ -222,12 +222,24 @@ class LLM:
         with self._guard("step"):
             return self._step()
 
-    def _step(self, *, lean: bool = False) -> list[RequestOutput]:
+    def step_streamed(self) -> list[RequestOutput | PendingOutput]:
+        """:meth:`step` for a caller that hands each output to a stream read on another
+        thread: a running request's output comes as a :class:`PendingOutput`, which
+        the stream's reader builds (:meth:`PendingOutput.build`); finished ones are built.
+
+        :raises ConcurrentUseError: another thread is using this LLM.
+        """
+        with self._guard("step"):
+            return self._step(streamed=True)
+
+    def _step(self, *, lean: bool = False, streamed: bool = False) -> list[Any]:
         """Run one engine step and process its outputs.
 
         :param lean: the caller drops the returned list (``generate``): the
             running requests of a ``generate`` call get no output object, only
             their finished ones do.
+        :param streamed: a running request that no call of this LLM reads gets a
+            :class:`PendingOutput` instead of its output (see :meth:`step_streamed`).
         :return: the outputs built (see :meth:`step`).
         """
         outs = []
@@ -241,6 +253,8 @@ class LLM:
                 if not self._outputs.absorb(t, so):
                     continue
                 out = self._outputs.output(t, incremental=True)
+            elif streamed and rid not in ready:
+                out = self._outputs.update_streamed(t, so)
             else:
                 out = self._outputs.update(t, so)
             if t.finished:

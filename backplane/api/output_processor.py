@@ -31,7 +31,7 @@ from backplane.models.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutputProcessor", "TrackedRequest"]
+__all__ = ["OutputProcessor", "PendingOutput", "TrackedRequest"]
 
 # Most tokens of the detokenising window before its start moves up: a longer window
 # costs a little more per decode, a shorter one a second decode more often.
@@ -124,6 +124,99 @@ class TrackedRequest:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         # the gaps between the commit times of its tokens so far (see _metrics)
         self.gaps: list[float] = []
+
+
+class PendingOutput:
+    """A running request's incremental output as of one step, built when its reader takes it.
+
+    It holds what the output shows (counts into the request's append-only token
+    and logprob lists, the text as of that step and the span of it that is new,
+    the metrics snapshot), so :meth:`build` gives, on any thread and at any later
+    time, the :class:`RequestOutput` :meth:`OutputProcessor.update` would have
+    built at that step.
+
+    :param tracked: the request.
+    :param start: its first token not handed out before this output.
+    :param end: its tokens as of this output.
+    :param num_logprobs: its logprob entries as of this output (``None`` when not asked for).
+    :param text: its text as of this output.
+    :param sent: the first character of ``text`` not handed out before.
+    :param visible: the end of the text handed out with this output.
+    :param prompt_logprobs: its prompt logprobs as of this output.
+    :param metrics: its metrics snapshot (see :func:`_metrics`).
+    """
+
+    __slots__ = (
+        "tracked",
+        "start",
+        "end",
+        "num_logprobs",
+        "text",
+        "sent",
+        "visible",
+        "prompt_logprobs",
+        "metrics",
+    )
+
+    #: a pending output is always one of a running request (finished ones are built at once)
+    finished = False
+
+    def __init__(
+        self,
+        tracked: TrackedRequest,
+        start: int,
+        end: int,
+        num_logprobs: int | None,
+        text: str,
+        sent: int,
+        visible: int,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None,
+        metrics: MetricsSnapshot,
+    ) -> None:
+        self.tracked = tracked
+        self.start = start
+        self.end = end
+        self.num_logprobs = num_logprobs
+        self.text = text
+        self.sent = sent
+        self.visible = visible
+        self.prompt_logprobs = prompt_logprobs
+        self.metrics = metrics
+
+    @property
+    def request_id(self) -> str:
+        """The id the output carries."""
+        return self.tracked.public_id
+
+    def build(self) -> RequestOutput:
+        """Build the output.
+
+        :return: the :class:`RequestOutput` of the request as of the step it was made at.
+        """
+        t = self.tracked
+        text = self.text
+        # a running request has neither finish reason nor stop reason yet
+        completion = streamed_completion(
+            t.index,
+            text,
+            t.token_ids,
+            t.logprobs,
+            None,
+            None,
+            num_tokens=self.end,
+            num_logprobs=self.num_logprobs,
+        )
+        out = RequestOutput(
+            request_id=t.public_id,
+            prompt=t.prompt_text,
+            prompt_token_ids=t.prompt,
+            outputs=[completion],
+            finished=False,
+            prompt_logprobs=self.prompt_logprobs,
+            new_token_ids=t.token_ids[self.start : self.end],
+            new_text=text[self.sent : self.visible],
+        )
+        return defer_metrics(out, self.metrics)
 
 
 class OutputProcessor:
@@ -221,16 +314,65 @@ class OutputProcessor:
             since the previous output (else everything).
         :return: the output.
         """
-        new_ids = t.token_ids[t.emitted :] if incremental else list(t.token_ids)
+        start, sent, visible = self._advance(t)
+        if not incremental:
+            start, sent, visible = 0, 0, len(t.text)
+        return self._build(t, start, sent, visible)
+
+    def update_streamed(
+        self, t: TrackedRequest, step_output: EngineStepOutput
+    ) -> RequestOutput | PendingOutput:
+        """:meth:`update` for a stream whose reader builds the output on its own thread.
+
+        The request's text is brought up to date here (stop strings are searched
+        on the engine's side), but a running request's :class:`RequestOutput` is
+        left to :meth:`PendingOutput.build`: building one for every stream every
+        step was most of the engine loop's host time per step. A finished request's
+        output is built at once (finished-request callbacks read it).
+
+        :param t: the request.
+        :param step_output: the engine's output for it.
+        :return: the finished output, or what builds the running one's.
+        """
+        self._take(t, step_output)
+        start, sent, visible = self._advance(t)
+        if t.finished:  # by the engine, or by a stop string found just now
+            return self._build(t, start, sent, visible)
+        logprobs = t.logprobs
+        return PendingOutput(
+            t,
+            start,
+            len(t.token_ids),
+            None if logprobs is None else len(logprobs),
+            t.text,
+            sent,
+            visible,
+            t.prompt_logprobs,
+            _metrics(t),
+        )
+
+    def _advance(self, t: TrackedRequest) -> tuple[int, int, int]:
+        """Mark ``t``'s tokens and text as handed out, its text brought up to date first.
+
+        :param t: the request.
+        :return: the first token and the first character not handed out before, and
+            how much of the text is handed out now (the end that may still grow into a
+            stop string is held back while the request runs).
+        """
+        start = t.emitted
         t.emitted = len(t.token_ids)
         if t.stop_str is None:  # a matched stop string froze the text
             self._catch_up(t)
         visible = len(t.text)
         if t.matcher is not None and not t.finished:  # the end that may grow into a stop string
             visible -= t.matcher.partial()
-        visible = max(min(visible, len(t.text)), min(t.sent, len(t.text)))
-        new_text = t.text[t.sent : visible] if incremental else t.text
+        sent = t.sent
+        visible = max(min(visible, len(t.text)), min(sent, len(t.text)))
         t.sent = visible
+        return start, sent, visible
+
+    def _build(self, t: TrackedRequest, start: int, sent: int, visible: int) -> RequestOutput:
+        """``t``'s output as of now: its tokens from ``start`` and text ``[sent:visible]`` are new."""
         reason = t.stop_str if t.stop_str is not None else stop_reason(t, self.end_ids)
         if t.finished:
             completion = CompletionOutput(
@@ -254,8 +396,8 @@ class OutputProcessor:
             outputs=[completion],
             finished=t.finished,
             prompt_logprobs=t.prompt_logprobs,
-            new_token_ids=new_ids,
-            new_text=new_text,
+            new_token_ids=t.token_ids[start:],
+            new_text=t.text[sent:visible],
         )
         snapshot = _metrics(t)
         if snapshot is not None:

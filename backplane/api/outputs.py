@@ -270,27 +270,34 @@ def streamed_completion(
     logprobs: list[dict[int, Logprob]] | None,
     finish_reason: str | None,
     stop_reason: int | str | None,
+    num_tokens: int | None = None,
+    num_logprobs: int | None = None,
 ) -> CompletionOutput:
     """A :class:`CompletionOutput` whose token and logprob lists are copied on first read.
 
     :param index: the sequence's index among the request's samples.
     :param text: the generated text so far.
     :param token_ids: the request's token list; it may grow later, never change
-        its first items (the output shows its items as of now).
+        its first items (the output shows its first ``num_tokens`` items).
     :param logprobs: the request's logprob list (same rule), or ``None``.
     :param finish_reason: as in :class:`CompletionOutput`.
     :param stop_reason: as in :class:`CompletionOutput`.
+    :param num_tokens: how many of ``token_ids`` the output shows (default: all, as of now).
+    :param num_logprobs: how many of ``logprobs`` it shows (default: all, as of now).
     :return: the output.
     """
     out = CompletionOutput.__new__(CompletionOutput)
     d = out.__dict__
     d["index"] = index
     d["text"] = text
-    d["_pending_token_ids"] = (token_ids, len(token_ids))
+    d["_pending_token_ids"] = (token_ids, len(token_ids) if num_tokens is None else num_tokens)
     if logprobs is None:
         d["logprobs"] = None
     else:
-        d["_pending_logprobs"] = (logprobs, len(logprobs))
+        d["_pending_logprobs"] = (
+            logprobs,
+            len(logprobs) if num_logprobs is None else num_logprobs,
+        )
     d["finish_reason"] = finish_reason
     d["stop_reason"] = stop_reason
     return out
