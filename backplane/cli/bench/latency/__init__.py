@@ -40,7 +40,8 @@ attention, with one MTP layer, for ``--speculative-config`` method ``mtp``);
 any built-in preset name (``tiny-llama``, ``tiny-nemotron-h`` ...) runs
 that tiny model, for CPU checks; and a model directory (``config.json`` +
 safetensors) is measured with its own weights, its floor from the sizes in
-its safetensors headers.
+its safetensors headers, as is a ``.gguf`` file or an installed model
+(``smollm2``: SmolLM2-135M-Instruct), its floor from its GGUF tensor table.
 
 **Published figures**: where one exists for the shape, the workload (batch 1
 in bfloat16) and the GPU kind (H100, H200, from the device name), the report
@@ -53,10 +54,11 @@ backplane configuration again with speculation and reports, beside the run
 without it, the effective ms per generated token (the decode phase's wall
 time over the tokens generated), its ratio to the same floor, the speedup,
 the acceptance rate and the mean accepted length (from the requests' own
-metrics). ``--workload rewrite`` prompts with a repeated random document, as
-a request to rewrite a text; with random weights the acceptance depends on
-what the model itself repeats, so read the speedup beside it (see
-:mod:`~backplane.cli.bench.latency.speculation`).
+metrics). ``--workload rewrite`` asks a trained checkpoint to rewrite an
+English paragraph in a chat turn (the prompt length is that prompt's), and
+prompts a random-weight shape with a repeated random document; with random
+weights the acceptance depends on what the model itself repeats, so read the
+speedup beside it (see :mod:`~backplane.cli.bench.latency.speculation`).
 
 Examples::
 
@@ -66,6 +68,9 @@ Examples::
     backplane bench latency --shapes llama-3.2-1b --batch-sizes 1 --prompt-len 32
     backplane bench latency --plot-from latency.json --plot latency.png
     backplane bench latency --shapes llama-1b --batch-sizes 1 --workload rewrite \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    backplane bench latency --shapes smollm2 --device cpu --batch-sizes 1 --new-tokens 96 \\
+        --transformers none --workload rewrite \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     backplane bench latency --shapes qwen3-next-1b-mtp --batch-sizes 1 --transformers none \\
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
@@ -147,8 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=csv_list,
         default=list(DEFAULT_SHAPES),
         metavar="NAME,...",
-        help=f"model shapes: {', '.join(SHAPES)}, a preset such as tiny-llama, or a model "
-        f"directory (config.json + safetensors) (default: {','.join(DEFAULT_SHAPES)})",
+        help=f"model shapes: {', '.join(SHAPES)}, a preset such as tiny-llama, a model "
+        "directory (config.json + safetensors), a .gguf file or an installed model such as "
+        f"smollm2 (default: {','.join(DEFAULT_SHAPES)})",
     )
     parser.add_argument(
         "--batch-sizes",
@@ -227,8 +233,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default="random",
-        help="prompts: random tokens, or rewrite (a random document repeated: the request "
-        "to rewrite a text, which prompt lookup drafts) (default: random)",
+        help="prompts: random tokens, or rewrite (a trained checkpoint is asked in a chat "
+        "turn to rewrite an English paragraph, its prompt length that prompt's; a random "
+        "shape gets a random document repeated), which prompt lookup drafts (default: random)",
     )
     parser.add_argument(
         "--compile-on-cpu",

@@ -9,6 +9,7 @@ transformers eager.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from backplane.cli.bench.anchors import latency_comparisons
+from backplane.cli.bench.latency.checkpoint import checkpoint_file, checkpoint_tokenizer
 from backplane.cli.bench.latency.engines import run_backplane
 from backplane.cli.bench.latency.floor import floor_bytes, measure_bandwidth
 from backplane.cli.bench.latency.measure import (
@@ -33,13 +35,18 @@ from backplane.cli.bench.latency.settings import Settings, check_settings, resol
 from backplane.cli.bench.latency.shapes import is_model_dir, shape_config
 from backplane.cli.bench.latency.shard import rank_weights_info
 from backplane.cli.bench.latency.speculation import (
+    chat_rewrite_prompt,
     compare_with_baseline,
     rewrite_prompts,
     speculation_label,
 )
-from backplane.cli.bench.latency.weights import folder_weights_info, save_random_weights
+from backplane.cli.bench.latency.weights import (
+    folder_weights_info,
+    gguf_weights_info,
+    save_random_weights,
+)
 from backplane.cli.bench.machine import machine_info
-from backplane.core.errors import BackendUnavailableError, UnknownBackendError
+from backplane.core.errors import BackendUnavailableError, ConfigError, UnknownBackendError
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +97,12 @@ def run_shape(
     """
     config = shape_config(name)
     t0 = time.perf_counter()
-    if not is_model_dir(name):
+    gguf = checkpoint_file(name)
+    if gguf is not None:
+        # a GGUF checkpoint is measured as it is, as a model directory is
+        info = gguf_weights_info(gguf, dtype)
+        what = "sized"
+    elif not is_model_dir(name):
         folder = os.path.join(workdir, f"{name}-{dtype_name}")
         logger.info("%s: building random %s weights in %s", name, dtype_name, folder)
         info = save_random_weights(name, config, folder, dtype)
@@ -108,10 +120,26 @@ def run_shape(
         time.perf_counter() - t0,
     )
     vocab = int(config["vocab_size"])
-    prompter = rewrite_prompts if settings.workload == "rewrite" else make_prompts
-    prompts = {
-        b: prompter(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
-    }
+    chat_prompt = None
+    if settings.workload == "rewrite" and (gguf is not None or is_model_dir(name)):
+        chat_prompt = chat_rewrite_prompt(checkpoint_tokenizer(info.folder))
+    if chat_prompt is not None:
+        # a trained model rewrites a real text: the prompt's length is the run's prompt length
+        settings = dataclasses.replace(settings, prompt_len=len(chat_prompt))
+        limit = int(config.get("max_position_embeddings", 4096))
+        if settings.prompt_len + settings.new_tokens > limit:
+            raise ConfigError(
+                f"shape {name!r} holds {limit} positions, fewer than the rewrite prompt's "
+                f"{settings.prompt_len} tokens + --new-tokens {settings.new_tokens}; "
+                "give fewer --new-tokens"
+            )
+        logger.info("%s: rewrite prompt of %d tokens", name, settings.prompt_len)
+        prompts = {b: [list(chat_prompt) for _ in range(b)] for b in settings.batch_sizes}
+    else:
+        prompter = rewrite_prompts if settings.workload == "rewrite" else make_prompts
+        prompts = {
+            b: prompter(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
+        }
     floor_label = "HBM floor" if device.type == "cuda" else "memory floor"
     floor_info = info
     if settings.tensor_parallel_size > 1:
@@ -218,7 +246,16 @@ def run_shape(
                 _advance(progress, len(settings.batch_sizes), f"{name}: {label}")
 
     hf_tokens: dict[tuple[str, int], list[list[int]]] = {}
-    if settings.transformers_modes:
+    if settings.transformers_modes and gguf is not None:
+        why = (
+            "transformers runs on a Hugging Face folder, not a GGUF file; "
+            "pass --transformers none to leave it out"
+        )
+        for mode in settings.transformers_modes:
+            label = _label("transformers", mode=mode)
+            configs.append({"label": label, "kind": "transformers", "mode": mode, **skipped(why)})
+            _advance(progress, len(settings.batch_sizes), f"{name}: {label} skipped")
+    elif settings.transformers_modes:
         logger.info("%s: transformers %s", name, ",".join(settings.transformers_modes))
         hf = run_transformers(
             info.folder,

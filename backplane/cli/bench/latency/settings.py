@@ -54,8 +54,9 @@ class Settings:
     :param tensor_parallel_size: ranks each backplane engine is split over (1).
     :param speculative_config: measure each backplane configuration again with this
         speculative decoding (the mapping ``LLM`` takes); ``None``: without only.
-    :param workload: the prompts: ``random`` tokens, or ``rewrite`` (a repeated
-        random document, see :mod:`~backplane.cli.bench.latency.speculation`).
+    :param workload: the prompts: ``random`` tokens, or ``rewrite`` (a paragraph to
+        rewrite for a trained checkpoint, a repeated random document otherwise, see
+        :mod:`~backplane.cli.bench.latency.speculation`).
     """
 
     shapes: list[str] = field(default_factory=lambda: list(DEFAULT_SHAPES))

@@ -225,9 +225,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 def shape_config(name: str) -> dict[str, Any]:
     """Return the HF config dict of shape ``name`` (a copy).
 
-    :param name: a key of :data:`SHAPES`, a built-in preset name, or a model
-        directory (``config.json`` + safetensors), whose config is returned as
-        its architecture reads it.
+    :param name: a key of :data:`SHAPES`, a built-in preset name, a model
+        directory (``config.json`` + safetensors), a ``.gguf`` file or an
+        installed model's name (``smollm2``); a checkpoint's config is returned
+        as its architecture reads it.
     :return: a deep copy, so that callers may edit it.
     :raises ConfigError: unknown name, listing the known ones; a directory of an
         unsupported architecture.
@@ -245,12 +246,17 @@ def shape_config(name: str) -> dict[str, Any]:
         config = read_config(name)
         config = model_class(config.get("architectures")).normalize_config(config)
         return json.loads(json.dumps(dict(config)))
-    known = [*SHAPES, *sorted(presets.PRESETS)]
+    from backplane.cli.bench.latency.checkpoint import checkpoint_config, checkpoint_file
+
+    gguf = checkpoint_file(name)
+    if gguf is not None:
+        return checkpoint_config(gguf)
+    known = [*SHAPES, *sorted(presets.PRESETS), *sorted(presets.INSTALLED_MODELS)]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
         f"unknown shape {name!r}{hint}; the shapes are: {', '.join(known)}, "
-        "or a model directory with a config.json"
+        "a model directory with a config.json, or a .gguf file"
     )
 
 

@@ -14,10 +14,14 @@ same prompts and engine settings. The speculative row reports:
   **mean accepted length** (tokens committed per verifying step), summed over
   the batch's requests from their own metrics.
 
-The ``rewrite`` workload gives each request a prompt that repeats a random
-document, as a request to rewrite a text would: a model that copies its
-context continues the document, which prompt lookup (``ngram``) drafts. A
-model with random weights does not copy its prompt; its greedy output falls
+The ``rewrite`` workload asks a trained checkpoint (a ``.gguf`` file, an
+installed model such as ``smollm2``, or a model directory whose tokenizer has
+a chat template) in a chat turn to rewrite a fixed English paragraph
+(:data:`REWRITE_TEXT`); its greedy answer copies long runs of the prompt,
+which prompt lookup (``ngram``) drafts. On any other shape each request's
+prompt repeats a random document, as a request to rewrite a text would: a
+model that copies its context continues the document. A model with random
+weights does not copy its prompt; its greedy output falls
 into short cycles of its own, which prompt lookup then drafts. The acceptance
 printed beside each figure says how much drafting there was to gain from, and
 random MTP layers draft almost nothing the target accepts: with random weights
@@ -34,7 +38,24 @@ from typing import Any
 from backplane.core.errors import ConfigError
 
 WORKLOADS: tuple[str, ...] = ("random", "rewrite")
-"""The prompt workloads: random tokens, or a repeated random document to rewrite."""
+"""The prompt workloads: random tokens, or a text to rewrite."""
+
+REWRITE_INSTRUCTION = (
+    "Rewrite the following text in plain modern English, keeping every sentence in order."
+)
+"""The request of the ``rewrite`` workload's chat turn, before :data:`REWRITE_TEXT`."""
+
+REWRITE_TEXT = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of "
+    "having nothing to do: once or twice she had peeped into the book her sister was reading, "
+    'but it had no pictures or conversations in it, "and what is the use of a book," thought '
+    'Alice "without pictures or conversations?" So she was considering in her own mind (as '
+    "well as she could, for the hot day made her feel very sleepy and stupid), whether the "
+    "pleasure of making a daisy-chain would be worth the trouble of getting up and picking the "
+    "daisies, when suddenly a White Rabbit with pink eyes ran close by her."
+)
+"""The paragraph to rewrite: the opening of Lewis Carroll's *Alice's Adventures in
+Wonderland* (1865, in the public domain)."""
 
 
 def parse_speculative_config(text: str) -> dict[str, Any]:
@@ -122,6 +143,21 @@ def rewrite_prompts(seed: int, batch: int, prompt_len: int, vocab_size: int) -> 
     docs = rng.integers(0, vocab_size, size=(batch, doc_len))
     reps = -(-prompt_len // doc_len)
     return np.tile(docs, reps)[:, :prompt_len].tolist()
+
+
+def chat_rewrite_prompt(tokenizer: Any) -> list[int] | None:
+    """The ``rewrite`` workload's prompt for a trained model: one chat turn asking it
+    to rewrite :data:`REWRITE_TEXT`, rendered with the model's own chat template.
+
+    :param tokenizer: the checkpoint's tokenizer, or ``None``.
+    :return: the prompt's token ids (its length is the run's prompt length), or
+        ``None`` when there is no tokenizer or it has no chat template (the
+        random document is used then).
+    """
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return None
+    messages = [{"role": "user", "content": f"{REWRITE_INSTRUCTION}\n\n{REWRITE_TEXT}"}]
+    return [int(t) for t in tokenizer.encode_chat(messages)]
 
 
 def speculation_counts(outputs: list[Any]) -> dict[str, int]:

@@ -161,6 +161,67 @@ def folder_weights_info(folder: str | os.PathLike[str], dtype: Any) -> WeightsIn
     )
 
 
+def gguf_weights_info(path: str | os.PathLike[str], dtype: Any) -> WeightsInfo:
+    """The sizes the memory floor needs, for a GGUF file.
+
+    Each tensor is counted as the engine holds it: the model is built on the
+    ``meta`` device and given the quantised projections the loader keeps (read
+    at their block size), every other tensor dequantised to ``dtype``. A tied
+    LM head is the embedding and is not counted twice; routed experts, if any,
+    are counted as dense weights (every one read each step).
+
+    :param path: the ``.gguf`` file.
+    :param dtype: the ``torch.dtype`` the benchmark runs in.
+    :return: the sizes (``folder`` is the file, which ``LLM`` loads).
+    :raises ConfigError: an unreadable file or an unsupported architecture.
+    """
+    import torch
+
+    from backplane.engine.selection import select_backends_for
+    from backplane.models.base import build_model
+    from backplane.models.gguf import open_gguf_checkpoint
+    from backplane.models.gguf.weights import hf_name
+    from backplane.models.registry import model_class
+
+    path = Path(path)
+    ckpt = open_gguf_checkpoint(path)
+    cls = model_class(ckpt.config.get("architectures"))
+    config = cls.normalize_config(ckpt.config)
+    backends = select_backends_for(dict.fromkeys(FAMILIES, "torch"), device="cpu")
+    model = build_model(cls, config, backends, dtype=dtype, device="meta")
+    ckpt.keep_quantized(model)
+    element = torch.empty((), dtype=dtype).element_size()
+    tied = bool(model.tie_word_embeddings)
+
+    params = weight_bytes = 0
+    for t in ckpt.file.tensors:
+        key = hf_name(t.name)
+        if model.checkpoint_to_module_name(key) is None:
+            continue
+        if tied and key.endswith("lm_head.weight"):
+            continue
+        numel = math.prod(t.shape)
+        params += numel
+        weight_bytes += t.data.nbytes if t.name in ckpt.raw_tensors else numel * element
+    embedding = model.embed_tokens.weight
+    head = embedding if tied else model.lm_head.weight
+    kv_bytes_per_token, state_bytes_per_seq = cache_sizes(model, dtype)
+    return WeightsInfo(
+        folder=str(path),
+        params=params,
+        weight_bytes=weight_bytes,
+        embedding_bytes=embedding.numel() * element,
+        embedding_row_bytes=embedding.shape[1] * element,
+        lm_head_bytes=head.numel() * element,
+        tied=tied,
+        expert_bytes=0,
+        num_experts=0,
+        experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        kv_bytes_per_token=kv_bytes_per_token,
+        state_bytes_per_seq=state_bytes_per_seq,
+    )
+
+
 def mtp_checkpoint_name(model: Any, target: str) -> str:
     """The checkpoint name of an MTP tensor, the inverse of the loader's mapping.
 
