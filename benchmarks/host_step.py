@@ -15,7 +15,9 @@ functions (nothing is stubbed):
 - ``outputs_llm``: the ``LLM.step`` output processing (detokenising, stop strings,
   :class:`RequestOutput`) around ``Engine.step``;
 - ``outputs_async``: what ``AsyncLLM``'s loop adds per step (delivery to the
-  callers' queues and the engine snapshot), with ``--path async``;
+  callers' queues and the engine snapshot), with ``--path async``; a running
+  request's :class:`RequestOutput` is built by its stream's reader, on the
+  caller's thread, so it is not counted (about 2 us per output there);
 - ``forward+sample`` (not host work of the step): the model forward and the sampler.
 
 Steps are classed by what they run: ``decode`` (only decodes, at least
