@@ -35,6 +35,25 @@ __all__ = ["StateCopies", "StateSnapshots"]
 StateCopies = list[tuple[int, int]]
 
 
+#: running sequences per spare snapshot slot (a recurrent state can be tens of MiB a sequence)
+SEQS_PER_SNAPSHOT = 4
+
+
+def snapshot_slot_count(max_num_seqs: int) -> int:
+    """How many spare state slots keep the snapshots of cached prefixes.
+
+    A quarter of the running sequences, at least two: each slot is one more
+    sequence's recurrent state taken from the KV cache's memory (the Nemotron-H
+    8B shape keeps about 100 MiB per sequence: float32 SSM states), and
+    snapshots are evicted least recently used first, so a multi-turn
+    conversation keeps its own while it runs.
+
+    :param max_num_seqs: the most sequences the engine runs at once.
+    :return: the spare slot count.
+    """
+    return min(int(max_num_seqs), max(2, int(max_num_seqs) // SEQS_PER_SNAPSHOT))
+
+
 class StateSnapshots:
     """Recurrent-state snapshots keyed by chained page hash, in slots of a shared pool.
 

@@ -20,6 +20,7 @@ from backplane.core.families import Backend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec, cache_footprint
+from backplane.engine.kv_cache.state_cache import snapshot_slot_count
 from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 from backplane.engine.selection import BackendSelection, select_fused_ops
 from backplane.engine.sizes import format_size, pages_per_seq
@@ -131,10 +132,10 @@ class DeviceWorker:
         self.has_recurrent_state = bool(self.model.has_recurrent_state)
         self.max_pages_per_seq = pages_per_seq(self.max_model_len, self.page_size)
         # Prefix reuse of a recurrent model keeps the states of cached prefixes in spare
-        # slots, one per sequence; the engine issues their copies on this worker only, so
+        # slots (snapshot_slot_count); the engine issues their copies on this worker only, so
         # several ranks go without.
         self.num_snapshot_slots = (
-            self.max_num_seqs
+            snapshot_slot_count(self.max_num_seqs)
             if self.has_recurrent_state
             and cfg.enable_prefix_caching
             and int(cfg.tensor_parallel_size) == 1
