@@ -30,6 +30,8 @@ class StructuredOutputManager:
     :param vocab_size: the model's vocabulary size (the logits' width).
     :param eos_token_ids: ids that end a sequence; a complete grammar allows only these.
     :param cache_size: most compiled grammars kept.
+    :param pin_memory: build the step's bitmask in pinned host memory (the sampler's copy
+        to a CUDA device then runs without holding the host).
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         cache_size: int = DEFAULT_CACHE_SIZE,
+        pin_memory: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self.pin_memory = bool(pin_memory)
         self.vocab_size = int(vocab_size)
         self._eos = tuple(int(t) for t in eos_token_ids)
         self._cache_size = cache_size
@@ -90,11 +94,27 @@ class StructuredOutputManager:
     def __len__(self) -> int:
         return len(self._matchers)
 
+    def waits_for_tokens(self, reqs: Sequence[Request]) -> bool:
+        """Whether a row of a step has a grammar and a token still in flight.
+
+        Such a row's mask can be filled only once that token reached the host
+        and its matcher took it, so the engine commits the step in flight before
+        it samples this one (the forward needs neither and runs meanwhile).
+
+        :param reqs: the step's sampling requests.
+        :return: True when some request of ``reqs`` with a grammar has a pending token.
+        """
+        if not self._matchers:
+            return False
+        matchers = self._matchers
+        return any(r.has_pending_token and r.request_id in matchers for r in reqs)
+
     def bitmask(self, reqs: Sequence[Request]) -> GrammarBitmask | None:
         """The allowed next tokens of the step's rows that have a grammar.
 
-        Every matcher must have taken its request's committed tokens (the
-        engine waits for a step in flight before launching one with a grammar row).
+        Every matcher must have taken its request's committed tokens (the engine
+        commits the step in flight before it samples a step where
+        :meth:`waits_for_tokens` holds).
 
         :param reqs: the step's sampling requests, in row order.
         :return: the rows and their int32 bitmask on the host, or ``None`` when no row
@@ -105,8 +125,9 @@ class StructuredOutputManager:
         rows = [i for i, r in enumerate(reqs) if r.request_id in self._matchers]
         if not rows:
             return None
-        xgr = import_xgrammar()
-        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        # every word of every row is written below; -1 (all allowed) is xgrammar's start
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((len(rows), words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
         for j, i in enumerate(rows):
             self._fill(self._matchers[reqs[i].request_id], mask, j)
         return GrammarBitmask(np.asarray(rows, dtype=np.int64), mask)
