@@ -156,7 +156,10 @@ class Engine(WorkerView):
         self._ids = itertools.count()
         #: the grammars of requests with structured output (xgrammar loads on first use)
         self.structured_output = StructuredOutputManager(
-            worker.tokenizer, self.vocab_size, self.eos_token_ids
+            worker.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            pin_memory=self.device.type == "cuda",
         )
         logger.info("engine ready: model=%s %s", config.model, worker.describe())
 
@@ -340,9 +343,11 @@ class Engine(WorkerView):
         while the previous step's tokens are committed: the outputs returned are
         those of the previous step (and of requests finished meanwhile), so a
         request's last token arrives one call after it was sampled. Without it,
-        the step's own outputs are returned. While a request with structured
-        output is live, each call first waits for the step in flight and commits
-        it (a grammar's mask needs its previous token), so steps do not overlap then.
+        the step's own outputs are returned. A step with a grammar row whose
+        previous token is still in flight launches its forward first, then
+        commits the step in flight (the grammar's mask needs that token on the
+        host) and samples: the device runs the forward while the host fills the
+        masks, so steps overlap with structured output too.
 
         A step happens whole or not at all. If anything in it raises (input
         preparation, the forward, sampling, a host-tier copy), every request
@@ -358,11 +363,6 @@ class Engine(WorkerView):
         :return: one entry per request that got a token or finished.
         """
         self._check_open()
-        if self._inflight is not None and len(self.structured_output):
-            # A grammar row's mask needs its previous token on the host, so while requests
-            # with a grammar are live every step waits for the one in flight before it is
-            # scheduled (the simplest correct rule: no overlap then, for any request).
-            self._settle()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.structured_output)
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
@@ -374,27 +374,23 @@ class Engine(WorkerView):
             self._recover(sched, prev, flip)
             raise
 
-    def _settle(self) -> None:
-        """Wait for the step in flight and commit it; its outputs go out with this call's.
+    def _commit_launched(self, launched: LaunchedStep) -> dict[str, int]:
+        """Wait for a launched step's tokens, commit them and keep their logprobs.
 
-        On failure its requests restart from their committed tokens, as in :meth:`_recover`.
+        :param launched: the step that was in flight (no longer :attr:`_inflight`).
+        :return: the committed tokens of the requests still live; they are also kept as
+            undelivered, so a failure before this call returns still delivers them.
         """
-        prev, self._inflight = self._inflight, None
-        assert prev is not None
-        try:
-            sampled = self._wait(prev)
-            gone = {r.request_id for r in prev.reqs if r.is_finished}
-            self._commit(prev.sched, sampled)
-            self._keep(prev, sampled, gone)
-        except BaseException:
-            failed = [s.request for s in prev.sched.scheduled]
-            for req in failed:
-                if req.has_pending_token and not req.is_finished:
-                    req.drop_placeholder()
-            self.scheduler.restart(failed)
-            raise
-        kept = {rid: t for rid, t in sampled.items() if rid not in gone}
-        self._undelivered = {**(self._undelivered or {}), **kept}
+        sampled = self._wait(launched)
+        # requests aborted since the launch drop their token (commit skips them too)
+        gone = {r.request_id for r in launched.reqs if r.is_finished}
+        self._commit(launched.sched, sampled)
+        self._keep(launched, sampled, gone)
+        if gone:
+            sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
+        # committed: delivered by this call, or by the next one if something below raises
+        self._undelivered = sampled
+        return sampled
 
     def _commit(self, sched: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Commit a step's sampled tokens: the scheduler's requests, then their grammars."""
@@ -418,7 +414,7 @@ class Engine(WorkerView):
         if sched.state_saves or sched.state_restores:
             # recurrent states of cached prefixes, queued before the step's forward
             self.executor.driver.copy_state_slots(sched.state_saves, sched.state_restores)
-        launched = self._launch(sched) if sched.scheduled else None
+        launched, committed = self._launch(sched) if sched.scheduled else (None, None)
         if not self.async_scheduling:
             if launched is not None:
                 self.scheduler.advance(sched)
@@ -430,16 +426,11 @@ class Engine(WorkerView):
             return self._collect(sched, sampled)
         prev, self._inflight = self._inflight, None
         sampled = {}
-        if prev is not None:
-            sampled = self._wait(prev)
-            # requests aborted since the launch drop their token (commit skips them too)
-            gone = {r.request_id for r in prev.reqs if r.is_finished}
-            self._commit(prev.sched, sampled)
-            self._keep(prev, sampled, gone)
-            if gone:
-                sampled = {rid: t for rid, t in sampled.items() if rid not in gone}
-            # committed: delivered by this call, or by the next one if something below raises
-            self._undelivered = sampled
+        if committed is not None:
+            # the launch committed the step before it (a grammar row had to wait for it)
+            sampled = committed
+        elif prev is not None:
+            sampled = self._commit_launched(prev)
         if launched is not None:
             # after the previous commit: pages that just became full hash real tokens
             self.scheduler.advance(sched)
@@ -460,11 +451,7 @@ class Engine(WorkerView):
             # request must not be readmitted while its last token is still on the device.
             self._inflight = None
             try:
-                sampled = self._wait(prev)
-                gone = {r.request_id for r in prev.reqs if r.is_finished}
-                self._commit(prev.sched, sampled)
-                self._keep(prev, sampled, gone)
-                self._undelivered = {r: t for r, t in sampled.items() if r not in gone}
+                self._commit_launched(prev)
             except BaseException:
                 logger.exception("the step in flight failed too; restarting its requests")
                 failed = [s.request for s in prev.sched.scheduled] + failed
@@ -482,18 +469,40 @@ class Engine(WorkerView):
         self.kv_manager.discard_state_saves(sched.state_saves)
         self.scheduler.restart(failed)
 
-    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
-        """Prepare, run and sample one step on the device; start the tokens' copy to the host."""
+    def _launch(self, sched: SchedulerOutput) -> tuple[LaunchedStep | None, dict[str, int] | None]:
+        """Prepare, run and sample one step on the device; start the tokens' copy to the host.
+
+        :param sched: the step, scheduled while the step in flight (if any) was on the device.
+        :return: the launched step (``None`` when committing the step before it finished
+            every request of this one, which then is not sampled), and the committed tokens
+            of the step that was in flight when a grammar row made the launch commit it
+            before sampling (else ``None``).
+        """
         scheduled = sched.scheduled
         prev = self._inflight
-        inputs = self.executor.prepare_inputs(scheduled, prev.tokens if prev is not None else None)
+        pending = prev.tokens if prev is not None else None
+        inputs = self.executor.prepare_inputs(scheduled, pending)
         if self.spec is not None:
             # verifying chunks of a recurrent target: scratch slots follow the pool's
             self.spec.mark_verification(inputs, scheduled, self.num_slots)
         prompt = self._prompt_rows(scheduled, inputs)
         hidden = self.execute(inputs)
         reqs = [scheduled[i].request for i in inputs.sample_seqs]
-        out = self.sample(hidden, inputs, reqs, prompt.rows if prompt is not None else None)
+        committed = None
+        if prev is not None and self.structured_output.waits_for_tokens(reqs):
+            # The forward is queued and reads the previous tokens on the device; only the
+            # grammar masks need them on the host. Committing the step in flight now lets the
+            # device run the forward while the host waits, advances the matchers and fills
+            # the masks; sampling is launched after that.
+            self._inflight = None
+            committed = self._commit_launched(prev)
+            if all(s.request.is_finished for s in scheduled):
+                # nothing of this step is wanted any more: left unsampled, it is not in
+                # flight when the last request's final output goes out
+                return None, committed
+        out = self.sample(
+            hidden, inputs, reqs, prompt.rows if prompt is not None else None, pending=pending
+        )
         tokens = out.tokens
         if self.spec is not None:
             # the verified sequences' own tokens replace what the plain sampler drew for them
@@ -509,7 +518,7 @@ class Engine(WorkerView):
             event.record()
         for row, r in enumerate(reqs):
             r.pending_row = row
-        return LaunchedStep(sched, reqs, tokens, host, event, lp_host, prompt)
+        return LaunchedStep(sched, reqs, tokens, host, event, lp_host, prompt), committed
 
     def _keep(
         self, launched: LaunchedStep, sampled: dict[str, int], gone: Set[str] = frozenset()
@@ -548,6 +557,7 @@ class Engine(WorkerView):
         inputs: BatchInputs,
         reqs: Sequence[Request],
         prompt: PromptLogprobRows | None = None,
+        pending: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per sampling sequence on the device.
 
@@ -555,10 +565,13 @@ class Engine(WorkerView):
         :param inputs: the step's inputs.
         :param reqs: the requests of ``inputs.sample_seqs``, in that order.
         :param prompt: prompt positions whose logprobs the step computes too.
+        :param pending: the tokens of the step that was in flight when this one was
+            prepared, on the device (default: those of the step in flight now).
         :return: ``[len(reqs)]`` int64 tokens on the device (no host synchronisation),
             logprobs where asked, and the prompt positions' logprobs.
         """
-        pending = self._inflight.tokens if self._inflight is not None else None
+        if pending is None and self._inflight is not None:
+            pending = self._inflight.tokens
         grammar = self.structured_output.bitmask(reqs)
         rows = sampling_rows(reqs, pending, prompt, grammar)
         return self.executor.sample_tokens(hidden, inputs, rows)
