@@ -15,6 +15,7 @@ only its share of the heads (parameters and state caches).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,11 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
         torch.save(result, Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown, as the engine's workers do: torch's
+    # communicator threads can abort a process while static objects are destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _halved(full: tuple[int, ...], local: tuple[int, ...]) -> bool:

@@ -16,6 +16,7 @@ Checkpoints come from tiny transformers models: saved with ``save_pretrained``
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -200,6 +201,11 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
         loader.iter_safetensors = original
         set_tensor_parallel(previous)
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown, as the engine's workers do: torch's
+    # communicator threads can abort a process while static objects are destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
