@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -179,8 +180,12 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         except (OSError, ValueError):
             pass
         conn.close()
-    if code:
-        os._exit(code)
+    # Leave without the interpreter's teardown whatever the outcome: after a clean
+    # shutdown torch's communicator threads can still abort the process while static
+    # objects are destroyed, which would read as a crashed replica.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _SchedulerLoad:
