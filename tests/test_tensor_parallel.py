@@ -393,3 +393,42 @@ def test_an_unknown_all_reduce_choice_is_refused_naming_the_choices(monkeypatch)
     monkeypatch.setenv(ENV, "ring")
     with pytest.raises(ValueError, match="one_shot or nccl"):
         one_shot_requested()
+
+
+def test_a_worker_blocked_in_a_collective_ends_when_its_driver_is_killed(tmp_path):
+    """A worker stuck in a collective never reads its pipe again; the orphan watch ends it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import torch.multiprocessing as mp\n"
+        "from backplane.engine.distributed.worker_proc import _exit_when_orphaned\n"
+        "def child(driver):\n"
+        "    import threading\n"
+        "    threading.Thread(target=_exit_when_orphaned, args=(1, driver), daemon=True).start()\n"
+        "    print('ready', flush=True)\n"
+        "    while True:\n"
+        "        time.sleep(0.01)  # stands in for a collective that never returns\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('spawn').Process(target=child, args=(os.getpid(),))\n"
+        "    p.start()\n"
+        "    print(p.pid, flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "ready"
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the blocked worker kept running after its driver was killed"
+    finally:
+        proc.kill()

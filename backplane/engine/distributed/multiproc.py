@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -124,7 +125,14 @@ class MultiprocExecutor:
                 parent, child = ctx.Pipe(duplex=True)
                 process = ctx.Process(
                     target=worker_main,
-                    args=(rank, self.size, rank_config(config, rank), init_method, child),
+                    args=(
+                        rank,
+                        self.size,
+                        rank_config(config, rank),
+                        init_method,
+                        child,
+                        os.getpid(),
+                    ),
                     name=f"backplane-tp-rank{rank}",
                     daemon=True,
                 )

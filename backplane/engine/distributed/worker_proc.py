@@ -139,7 +139,12 @@ def _exit_when_orphaned(rank: int, parent: int) -> None:
 
 
 def worker_main(
-    rank: int, size: int, config: EngineConfig, init_method: str, conn: Connection
+    rank: int,
+    size: int,
+    config: EngineConfig,
+    init_method: str,
+    conn: Connection,
+    driver_pid: int | None = None,
 ) -> None:
     """Entry point of the worker process of ``rank``: join the group, build the worker, serve.
 
@@ -151,6 +156,8 @@ def worker_main(
     :param config: this rank's configuration (its device set by the driver).
     :param init_method: the process group's rendezvous address.
     :param conn: this rank's end of the driver's pipe.
+    :param driver_pid: the driver's process id, when it is this process's parent
+        (the process ends once the driver is gone); ``None`` for no watch.
     """
     logging.basicConfig(
         level=os.environ.get("BACKPLANE_WORKER_LOG_LEVEL", "WARNING"),
@@ -158,12 +165,15 @@ def worker_main(
     )
     from backplane.engine.worker.device_worker import DeviceWorker
 
-    threading.Thread(
-        target=_exit_when_orphaned,
-        args=(rank, os.getppid()),
-        name="backplane-orphan-watch",
-        daemon=True,
-    ).start()
+    if driver_pid is not None:
+        # the driver's id comes from the driver: read here, a driver that died while this
+        # process started would already have been replaced as its parent
+        threading.Thread(
+            target=_exit_when_orphaned,
+            args=(rank, driver_pid),
+            name="backplane-orphan-watch",
+            daemon=True,
+        ).start()
     code = 0
     worker = None
     try:
