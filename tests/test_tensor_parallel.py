@@ -318,10 +318,32 @@ def test_adopting_a_step_too_large_for_the_buffers_is_refused():
         small.adopt(step, big.step_bytes(step, device=False).numpy().copy())
 
 
-def test_worker_ends_when_the_engine_process_is_killed(tmp_path):
-    """A worker outlives no engine: killed with its driver's process, it exits on its own."""
+def _child_ends_with_its_killed_parent(script, ready: bool = False) -> bool:
+    """Run ``script`` (it prints its child's pid, then, with ``ready``, the child prints
+    ``ready``, then it waits on stdin), kill it, and say whether the child ended within 20 s."""
     import subprocess
     import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(proc.stdout.readline())
+        if ready:
+            assert proc.stdout.readline().strip() == "ready"
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not _alive(pid)
+    finally:
+        proc.kill()
+
+
+def test_worker_ends_when_the_engine_process_is_killed(tmp_path):
+    """A worker outlives no engine: killed with its driver's process, it exits on its own."""
 
     script = tmp_path / "driver.py"
     script.write_text(
@@ -332,20 +354,9 @@ def test_worker_ends_when_the_engine_process_is_killed(tmp_path):
         "    print(llm.engine.executor.worker_pids[0], flush=True)\n"
         "    sys.stdin.read()\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    assert _child_ends_with_its_killed_parent(script), (
+        "the worker kept running after its engine's process was killed"
     )
-    try:
-        pid = int(proc.stdout.readline())
-        assert _alive(pid)
-        proc.kill()
-        proc.wait(30)
-        deadline = time.monotonic() + 20
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(pid), "the worker kept running after its engine's process was killed"
-    finally:
-        proc.kill()
 
 
 class _LiveProcess:
@@ -397,8 +408,6 @@ def test_an_unknown_all_reduce_choice_is_refused_naming_the_choices(monkeypatch)
 
 def test_a_worker_blocked_in_a_collective_ends_when_its_driver_is_killed(tmp_path):
     """A worker stuck in a collective never reads its pipe again; the orphan watch ends it."""
-    import subprocess
-    import sys
 
     script = tmp_path / "driver.py"
     script.write_text(
@@ -417,18 +426,6 @@ def test_a_worker_blocked_in_a_collective_ends_when_its_driver_is_killed(tmp_pat
         "    print(p.pid, flush=True)\n"
         "    sys.stdin.read()\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    assert _child_ends_with_its_killed_parent(script, ready=True), (
+        "the blocked worker kept running after its driver was killed"
     )
-    try:
-        pid = int(proc.stdout.readline())
-        assert proc.stdout.readline().strip() == "ready"
-        assert _alive(pid)
-        proc.kill()
-        proc.wait(30)
-        deadline = time.monotonic() + 20
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(pid), "the blocked worker kept running after its driver was killed"
-    finally:
-        proc.kill()
