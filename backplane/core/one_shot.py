@@ -38,7 +38,7 @@ def one_shot_requested() -> bool:
     """Whether the environment asks for the one-shot all-reduce.
 
     :return: True when :data:`ENV` is ``one_shot``.
-    :raises ValueError: for any other non-empty value other than ``nccl``.
+    :raises ValueError: for any other value than ``one_shot``, ``nccl`` or none.
     """
     value = os.environ.get(ENV, "").strip().lower()
     if value in ("", "nccl"):
