@@ -33,7 +33,7 @@ from backplane.engine.spec_decode.own_cache import (
     common_prefix,
 )
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
-from backplane.engine.spec_decode.step_graphs import ChainedDraftGraphs
+from backplane.engine.spec_decode.step_graphs import chained_draft_graphs, replay_drafts
 from backplane.models.base import CausalLM
 
 __all__ = ["DraftModelProposer", "check_draft_vocabulary", "load_draft_proposer"]
@@ -111,18 +111,16 @@ class DraftModelProposer:
         ]
         self._recurrent = bool(getattr(draft, "has_recurrent_state", False))
         #: steps 1..k-1 as captured graphs (``None``: every step eagerly)
-        self.graphs: ChainedDraftGraphs | None = None
-        if cuda_graphs and num_speculative_tokens > 1:
-            self.graphs = ChainedDraftGraphs(
-                self._graph_step,
-                self.backends,
-                num_steps=num_speculative_tokens - 1,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                page_size=page_size,
-                device=self.device,
-            )
-            self.graphs.capture()
+        self.graphs = chained_draft_graphs(
+            self._graph_step,
+            self.backends,
+            enabled=cuda_graphs,
+            num_speculative_tokens=num_speculative_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            device=self.device,
+        )
 
     def _graph_step(
         self, step: int, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor | None
@@ -179,24 +177,10 @@ class DraftModelProposer:
         seqs: dict[int, SequenceCache],
         drafted: list[int],
     ) -> list[list[int]] | None:
-        """Steps 1..k-1 replayed from the graphs after the first forward; ``None``: run them
-        eagerly (no graphs, a sequence drafting fewer than ``k``, or no bucket)."""
-        k = self.num_speculative_tokens
-        if self.graphs is None or any(requests[i].max_tokens < k for i in order):
-            return None
-        if self.graphs.bucket_for(len(order)) is None:
-            return None
-        # the first forward's last token is each cache's last entry
+        """Steps 1..k-1 replayed from the graphs after the first forward (see
+        :func:`~.step_graphs.replay_drafts`); the draft's positions are its cache entries."""
         cached = [len(seqs[i].tokens) - 1 for i in order]
-        tables = [self.cache.reserve(seqs[i], c + k) for i, c in zip(order, cached, strict=True)]
-        slots = [seqs[i].slot for i in order]
-        rest = self.graphs.run(drafted, cached, cached, tables, slots)
-        if rest is None:
-            return None
-        for i, first, more in zip(order, drafted, rest, strict=True):
-            # step s (1..k-1) was fed the token step s-1 drafted
-            seqs[i].tokens.extend([first, *more[:-1]])
-        return rest
+        return replay_drafts(self.graphs, self.cache, order, requests, seqs, drafted, cached)
 
     def _rolled_back(self, request: ProposalRequest) -> SequenceCache:
         """The request's cache, cut to the prefix it shares with the sequence, the last token

@@ -33,7 +33,7 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.packing import build_batch_metadata
 from backplane.engine.spec_decode.own_cache import SequenceCache, allocate_own_cache
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
-from backplane.engine.spec_decode.step_graphs import ChainedDraftGraphs
+from backplane.engine.spec_decode.step_graphs import chained_draft_graphs, replay_drafts
 from backplane.models.base import CausalLM
 from backplane.models.mtp import MultiTokenPredictor
 
@@ -99,20 +99,18 @@ class MTPProposer:
         #: the token each entry was fed)
         self._positions: dict[str, list[int]] = {}
         #: steps 1..k-1 as captured graphs (``None``: every step eagerly)
-        self.graphs: ChainedDraftGraphs | None = None
-        if cuda_graphs and num_speculative_tokens > 1:
-            self.graphs = ChainedDraftGraphs(
-                self._graph_step,
-                self.backends,
-                num_steps=num_speculative_tokens - 1,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                page_size=page_size,
-                hidden_size=target.hidden_size,
-                dtype=next(mtp.parameters()).dtype,
-                device=self.device,
-            )
-            self.graphs.capture()
+        self.graphs = chained_draft_graphs(
+            self._graph_step,
+            self.backends,
+            enabled=cuda_graphs,
+            num_speculative_tokens=num_speculative_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            hidden_size=target.hidden_size,
+            dtype=next(mtp.parameters()).dtype,
+            device=self.device,
+        )
 
     def _graph_step(
         self, step: int, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor | None
@@ -203,24 +201,15 @@ class MTPProposer:
         positions: list[int],
         hidden: torch.Tensor,
     ) -> list[list[int]] | None:
-        """Steps 1..k-1 replayed from the graphs, after step 0 ran eagerly; ``None``: run
-        them eagerly (no graphs, a sequence drafting fewer than ``k``, or no bucket)."""
-        k = self.num_speculative_tokens
-        if self.graphs is None or any(requests[i].max_tokens < k for i in order):
-            return None
-        if self.graphs.bucket_for(len(order)) is None:
-            return None
-        # step 0's entry is the last one each cache holds
-        cached = [len(seqs[i].tokens) - 1 for i in order]
-        tables = [self.cache.reserve(seqs[i], c + k) for i, c in zip(order, cached, strict=True)]
-        slots = [seqs[i].slot for i in order]
-        rest = self.graphs.run(drafted, positions, cached, tables, slots, hidden)
-        if rest is None:
-            return None
-        for i, first, more, p in zip(order, drafted, rest, positions, strict=True):
-            # step s (1..k-1) was fed the token step s-1 drafted, one position on
-            seqs[i].tokens.extend([first, *more[:-1]])
-            self._positions[requests[i].request_id].extend(p + s for s in range(1, k))
+        """Steps 1..k-1 replayed from the graphs, after step 0 ran eagerly (see
+        :func:`~.step_graphs.replay_drafts`); each replayed entry is one position on."""
+        rest = replay_drafts(
+            self.graphs, self.cache, order, requests, seqs, drafted, positions, hidden
+        )
+        if rest is not None:
+            k = self.num_speculative_tokens
+            for i, p in zip(order, positions, strict=True):
+                self._positions[requests[i].request_id].extend(p + s for s in range(1, k))
         return rest
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,14 @@ from backplane.engine.worker.graph.capture import (
     new_pool,
 )
 
-__all__ = ["ChainedDraftGraphs", "DraftStepFn", "advance_metadata", "retreat_metadata"]
+__all__ = [
+    "ChainedDraftGraphs",
+    "DraftStepFn",
+    "advance_metadata",
+    "chained_draft_graphs",
+    "replay_drafts",
+    "retreat_metadata",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -354,3 +362,73 @@ class ChainedDraftGraphs:
         """Drop every graph and persistent input."""
         self._slots.clear()
         self.pool = None
+
+
+def chained_draft_graphs(
+    step_fn: DraftStepFn,
+    backends: Mapping[str, Backend],
+    *,
+    enabled: bool,
+    num_speculative_tokens: int,
+    **settings: Any,
+) -> ChainedDraftGraphs | None:
+    """A proposer's chained graphs for steps ``1..k-1``, captured now, or ``None`` (eager).
+
+    :param step_fn: one draft step (see :data:`DraftStepFn`).
+    :param backends: ``{family: backend}`` the step's cached ops run on.
+    :param enabled: the worker replays decode graphs.
+    :param num_speculative_tokens: ``k``; with one there is nothing to chain.
+    :param settings: the other keywords of :class:`ChainedDraftGraphs`.
+    :return: the captured graphs, or ``None``.
+    """
+    if not enabled or num_speculative_tokens < 2:
+        return None
+    graphs = ChainedDraftGraphs(
+        step_fn,
+        backends,
+        num_steps=num_speculative_tokens - 1,
+        **settings,
+    )
+    graphs.capture()
+    return graphs
+
+
+def replay_drafts(
+    graphs: ChainedDraftGraphs | None,
+    cache: Any,
+    order: Sequence[int],
+    requests: Sequence[Any],
+    seqs: Mapping[int, Any],
+    drafted: Sequence[int],
+    positions: Sequence[int],
+    hidden: torch.Tensor | None = None,
+) -> list[list[int]] | None:
+    """Steps ``1..k-1`` of a proposer replayed from its graphs, after its eager step 0.
+
+    :param graphs: the proposer's graphs (``None``: none were captured).
+    :param cache: the proposer's own cache (:class:`~.own_cache.OwnCache`).
+    :param order: indices into ``requests`` of the sequences drafted for.
+    :param requests: the proposal requests (their ``max_tokens``).
+    :param seqs: per index, the sequence's cache entry list (``tokens``, ``slot``); step 0's
+        entry is its last; the replayed steps' entries are appended.
+    :param drafted: per sequence, step 0's draft.
+    :param positions: per sequence, step 0's position.
+    :param hidden: step 0's output rows, for a proposer that carries them.
+    :return: per sequence, the ``k - 1`` further drafts; ``None``: run the steps eagerly
+        (no graphs, a sequence drafting fewer than ``k``, or no captured bucket).
+    """
+    if graphs is None:
+        return None
+    k = graphs.num_steps + 1
+    if any(requests[i].max_tokens < k for i in order) or graphs.bucket_for(len(order)) is None:
+        return None
+    cached = [len(seqs[i].tokens) - 1 for i in order]
+    tables = [cache.reserve(seqs[i], c + k) for i, c in zip(order, cached, strict=True)]
+    slots = [seqs[i].slot for i in order]
+    rest = graphs.run(drafted, positions, cached, tables, slots, hidden)
+    if rest is None:
+        return None
+    for i, first, more in zip(order, drafted, rest, strict=True):
+        # step s (1..k-1) was fed the token step s-1 drafted
+        seqs[i].tokens.extend([first, *more[:-1]])
+    return rest
