@@ -282,11 +282,12 @@ def test_decode_graph_steps_that_need_more_sample_eagerly(extra, replayed):
     runner.sampler = Sampler()
     runner.model = None  # the graph's logits are reused: no LM head runs
     g = torch.Generator().manual_seed(0)
-    runner._decode_logits = torch.randn(4, 30, generator=g)
+    logits = torch.randn(4, 30, generator=g)
     inputs = SimpleNamespace(
         mode=StepMode.decode_graph(4),
         sample_seqs=np.arange(3),
         logits_indices=torch.arange(3),
+        logits=logits,
     )
     params = [SamplingParams(temperature=0, **extra)] * 3
     n = len(params)
@@ -303,6 +304,6 @@ def test_decode_graph_steps_that_need_more_sample_eagerly(extra, replayed):
     out = runner.sample(torch.empty(4, 8), inputs, rows)
     assert runner.head.replays == int(replayed)
     if not replayed:
-        want = apply_processing(runner._decode_logits[:3], rows).argmax(dim=1)
+        want = apply_processing(logits[:3], rows).argmax(dim=1)
         assert out.tokens.tolist() == want.tolist()
     assert (out.logprobs is not None) == ("logprobs" in extra)

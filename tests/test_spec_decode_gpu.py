@@ -1,5 +1,6 @@
 """Speculative decoding on a GPU: every architecture, the Triton and FlashInfer attention
-backends, CUDA graphs on: greedy output token for token that of decoding without speculation."""
+backends, CUDA graphs on: greedy output token for token that of decoding without speculation,
+the verification steps of models without recurrent state replayed as verify graphs."""
 
 from __future__ import annotations
 
@@ -56,9 +57,19 @@ def test_speculation_on_gpu_gives_the_greedy_tokens_of_plain_decoding(hf_model, 
         plain.shutdown()
     spec = Engine(model=path, speculative_config=NGRAM, **settings)
     try:
+        verify = spec.runner.verify
+        replays = []
+        if verify is not None:
+            # count the verification steps that ran as one captured graph
+            replay = verify.replay
+            verify.replay = lambda bucket: replays.append(bucket) or replay(bucket)
         got = _tokens(spec, prompts, params)
         stats = spec.spec.stats
+        recurrent = spec.executor.driver.has_recurrent_state
     finally:
         spec.shutdown()
     assert stats.verified_seqs > 0, "no draft was verified: speculation was not exercised"
     assert got == want
+    # models without recurrent state verify in captured graphs; the others piecewise
+    assert (verify is None) == recurrent
+    assert recurrent or replays, "no verification step replayed a verify graph"

@@ -35,6 +35,7 @@ CHECKS = (
     "attention_long_chunks",
     "attention_pages_only_prefill",
     "attention_out_contract",
+    "attention_position_rows",
     "mla_mixed",
     "mla_wide_latent",
     "conv_mixed",
@@ -173,8 +174,13 @@ def _attention_case(
     splits=0,
     padded=None,
     seed=0,
+    batch=None,
 ):
-    """Run the attention op on a random batch and compare every row and the cache."""
+    """Run the attention op on a random batch and compare every row and the cache.
+
+    ``batch`` replaces the batch built from the lengths (whose sequences must
+    then fit in ``sum of pages + 3`` pages).
+    """
     import torch
 
     import backplane.backends.triton.attention  # noqa: F401  (registers the op)
@@ -182,10 +188,13 @@ def _attention_case(
     from backplane.core.forward_context import forward_context
 
     torch.manual_seed(seed)
-    total_pages = (
-        sum(-(-(q + c) // page_size) for q, c in zip(query_lens, cached_lens, strict=False)) + 3
-    )
-    batch = _batch(query_lens, cached_lens, page_size, total_pages, seed=seed, padded=padded)
+    if batch is None:
+        total_pages = (
+            sum(-(-(q + c) // page_size) for q, c in zip(query_lens, cached_lens, strict=False)) + 3
+        )
+        batch = _batch(query_lens, cached_lens, page_size, total_pages, seed=seed, padded=padded)
+    else:
+        total_pages = int(batch.host.block_table.max()) + 1
     T = batch.padded_num_tokens
     q = torch.randn(T, hq, d)
     k = torch.randn(T, hkv, d)
@@ -255,6 +264,38 @@ def check_attention_prefill_extend():
     # Long enough for whole key tiles below the causal diagonal (the unmasked path)
     # next to masked ones, with several query blocks per sequence.
     _attention_case([70, 40], [0, 75], hq=2, hkv=1, d=16, page_size=8, seed=1)
+
+
+def check_attention_position_rows():
+    """Chunks of one sequence as one decode row per position (a verify graph's step).
+
+    Rows of a sequence share its pages and attend to each other's keys: with
+    ``rows_share_pages`` every key is appended before any row attends (the
+    decode kernel's own append would let a row read a key not yet written).
+    """
+    import numpy as np
+
+    from backplane.core.metadata import StepMode
+    from backplane.core.packing import build_batch_metadata
+
+    page_size, chunks, cached = 4, [4, 1, 3], [5, 9, 2]
+    rng = np.random.default_rng(3)
+    free = rng.permutation(np.arange(1, 16))
+    q_lens, c_lens, tables, at = [], [], [], 0
+    for q, c in zip(chunks, cached, strict=True):
+        n = -(-(q + c) // page_size)
+        table, at = free[at : at + n], at + n
+        for i in range(q):
+            q_lens.append(1)
+            c_lens.append(c + i)
+            tables.append(table)
+    bucket = 16  # the rows padded to a captured bucket's size
+    mode = StepMode.decode_graph(bucket, rows_share_pages=True)
+    batch = build_batch_metadata(
+        q_lens, c_lens, tables, page_size, padded_num_tokens=bucket, mode=mode
+    )
+    _attention_case(None, None, splits=2, batch=batch, page_size=page_size)
+    _attention_case(None, None, splits=1, batch=batch, page_size=page_size, seed=1)
 
 
 def check_attention_sliding_window():

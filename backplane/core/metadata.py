@@ -65,17 +65,32 @@ class StepMode:
       static segments of bucket ``t`` replay, the cached ops running eagerly
       between them.
 
+    A decode graph may also run a step of short chunks on cached context (the
+    ``d + 1`` positions a speculative step verifies) as one decode row per
+    position, each row attending up to its own position (``rows_share_pages``).
+    Rows of one sequence then read each other's keys from the pages, so a
+    backend that appends a row's key inside its attention kernel must append
+    every row's keys before any row attends.
+
     :param kind: one of :class:`StepKind`.
     :param bucket: the decode batch size or the piecewise token count (0 when eager).
+    :param rows_share_pages: the decode rows are positions of chunks (see above).
     """
 
     kind: StepKind = StepKind.EAGER
     bucket: int = 0
+    rows_share_pages: bool = False
 
     @classmethod
-    def decode_graph(cls, bucket: int) -> StepMode:
-        """The mode of a decode step replayed as the graph of ``bucket`` sequences."""
-        return cls(StepKind.DECODE_GRAPH, int(bucket))
+    def decode_graph(cls, bucket: int, *, rows_share_pages: bool = False) -> StepMode:
+        """The mode of a decode step replayed as the graph of ``bucket`` sequences.
+
+        :param bucket: the captured batch size (rows).
+        :param rows_share_pages: the rows are positions of chunks, several per
+            sequence (a verification step; see the class docstring).
+        :return: the mode.
+        """
+        return cls(StepKind.DECODE_GRAPH, int(bucket), bool(rows_share_pages))
 
     @classmethod
     def piecewise(cls, bucket: int) -> StepMode:

@@ -52,6 +52,7 @@ from backplane.backends.triton.attention_launch import (
     _FORCED_SPLITS,
     StepPlan,
     decode_layout,
+    kv_append,
     paged_decode,
     paged_prefill,
     prefill_layout,
@@ -65,11 +66,12 @@ from backplane.core.metadata import BatchMetadata
 class _LayerLayouts:
     """The prefill and decode layouts of one layer's calls (each worked out on first use)."""
 
-    __slots__ = ("decode", "prefill")
+    __slots__ = ("decode", "decode_rows", "prefill")
 
     def __init__(self) -> None:
         self.prefill: Any = None
         self.decode: Any = None
+        self.decode_rows: Any = None  # decode without the in-kernel append
 
 
 class _CacheLayouts:
@@ -199,20 +201,34 @@ def paged_attention(
             step=plan.prefill if plan is not None else None, layout=layout,
         )  # fmt: skip
     if batch.num_decode_seqs:
-        layout = layouts.decode
-        if layout is None:
-            layout = layouts.decode = decode_layout(
-                q, k_plane, v_plane, buf, batch.block_table, batch.page_size,
-                scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
-                k_scale=k_scale, v_scale=v_scale,
+        # Rows that are positions of one sequence's chunk read each other's keys:
+        # every row is appended before any attends, and the kernel appends nothing.
+        shared = batch.mode.rows_share_pages
+        if shared:
+            first = batch.num_prefill_tokens
+            kv_append(
+                k[first:], k_plane, batch.slot_mapping[first:], batch.num_decode_tokens,
+                v[first:], v_plane, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
+        k_new, v_new = (None, None) if shared else (k, v)
+        layout = layouts.decode_rows if shared else layouts.decode
+        if layout is None:
+            layout = decode_layout(
+                q, k_plane, v_plane, buf, batch.block_table, batch.page_size,
+                scale=scale, group=group, sliding_window=sliding_window, k_new=k_new,
+                v_new=v_new, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
+            if shared:
+                layouts.decode_rows = layout
+            else:
+                layouts.decode = layout
         splits = _FORCED_SPLITS["value"]
         if not splits and plan is not None:
             splits = plan.num_splits(layout.programs_per_split)
         paged_decode(
             batch, q, k_plane, v_plane, buf,
-            scale=scale, group=group, sliding_window=sliding_window, k_new=k, v_new=v,
-            num_splits=splits or None, layout=layout,
+            scale=scale, group=group, sliding_window=sliding_window, k_new=k_new,
+            v_new=v_new, num_splits=splits or None, layout=layout,
         )  # fmt: skip
     return finish_output(out, buf, batch.num_tokens)
 

@@ -284,8 +284,11 @@ class SpecDecoder:
         # row j of a sequence is its position j (positions past its drafts repeat its last)
         rows = first[:, None] + np.minimum(np.arange(k + 1)[None, :], d[:, None])
         dev = hidden.device
-        gathered = hidden.index_select(0, torch.from_numpy(rows.reshape(-1)).to(dev))
-        logits = model.compute_logits(gathered).view(len(seqs), k + 1, -1)
+        at = torch.from_numpy(rows.reshape(-1)).to(dev)
+        if inputs.logits is not None:  # a verify graph projected every row already
+            logits = inputs.logits.index_select(0, at).view(len(seqs), k + 1, -1)
+        else:
+            logits = model.compute_logits(hidden.index_select(0, at)).view(len(seqs), k + 1, -1)
         drafts = np.zeros((len(seqs), k), dtype=np.int64)
         for b, s in enumerate(seqs):
             drafts[b, : d[b]] = s.request.spec_token_ids[: d[b]]

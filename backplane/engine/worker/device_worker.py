@@ -25,7 +25,7 @@ from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 from backplane.engine.selection import BackendSelection, select_fused_ops
 from backplane.engine.sizes import format_size, pages_per_seq
 from backplane.engine.threads import apply_threads
-from backplane.engine.worker.graph.buckets import decode_buckets
+from backplane.engine.worker.graph.buckets import decode_buckets, verify_rows
 from backplane.engine.worker.graph.mode import GraphMode, decide_graph_mode
 from backplane.engine.worker.inputs import BatchInputs, InputBatch, ScheduledSeqLike
 from backplane.engine.worker.memory import (
@@ -152,9 +152,14 @@ class DeviceWorker:
             if spec is not None and self.has_recurrent_state
             else 0
         )
+        # a verify graph runs one row per chunk position: the batch holds that many rows
+        self.verify_len = self._verify_len()
         self.input_batch = InputBatch(
             max_num_tokens=self.max_num_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max(
+                self.max_num_seqs,
+                verify_rows(self.max_num_seqs, self.max_num_tokens, self.verify_len),
+            ),
             max_pages_per_seq=self.max_pages_per_seq,
             page_size=self.page_size,
             device=self.device,
@@ -250,7 +255,8 @@ class DeviceWorker:
             graphs=graph_bytes(
                 self.graph_mode,
                 activations=activations,
-                decode_bucket_sizes=decode_buckets(self.max_num_seqs),
+                # verify graphs keep logits of their own
+                decode_bucket_sizes=decode_buckets(self.max_num_seqs) + self._verify_buckets(),
                 vocab_size=self.vocab_size,
             ),
         )
@@ -315,9 +321,26 @@ class DeviceWorker:
             page_size=self.page_size,
             token_bucket_sizes=self.config.cuda_graph_buckets,
             sampler=self.sampler,
+            verify_len=self.verify_len,
         )
         runner.capture()
         return runner
+
+    def _verify_len(self) -> int:
+        """Longest chunk a verify graph runs: ``k + 1`` under speculation, else 0 (none).
+
+        A recurrent model verifies its chunks through piecewise graphs: its
+        layers need each chunk as one sequence, not as rows.
+        """
+        spec = self.config.speculative_config
+        if spec is None or self.has_recurrent_state:
+            return 0
+        return spec.num_speculative_tokens + 1
+
+    def _verify_buckets(self) -> list[int]:
+        """The verify graphs' buckets the runner will capture (none without speculation)."""
+        rows = verify_rows(self.max_num_seqs, self.max_num_tokens, self.verify_len)
+        return decode_buckets(rows) if rows and self.graph_mode.has_decode else []
 
     # -- per step -------------------------------------------------------------------
 

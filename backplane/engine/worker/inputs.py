@@ -71,6 +71,11 @@ class BatchInputs:
     :param order: the packing order (``order[j]`` is the index, in the list given
         to :meth:`InputBatch.prepare`, of the ``j``-th packed sequence), or
         ``None`` when it is the given order.
+    :param seq_rows: for a step whose chunks run as one decode row per position
+        (:func:`position_rows`), the first row of each scheduled sequence;
+        ``None`` when the metadata's sequences are the scheduled ones.
+    :param logits: logits of every row when the step's graph projected them
+        all (a decode graph), set by the runner; ``None`` otherwise.
     """
 
     metadata: BatchMetadata
@@ -79,6 +84,8 @@ class BatchInputs:
     logits_indices: torch.Tensor
     sample_seqs: np.ndarray
     order: np.ndarray | None = None
+    seq_rows: np.ndarray | None = None
+    logits: torch.Tensor | None = None
 
     def first_token_rows(self, seqs: np.ndarray) -> np.ndarray:
         """The flat token row of the first new token of each of ``seqs``.
@@ -86,8 +93,10 @@ class BatchInputs:
         :param seqs: indices into the scheduled list as given to :meth:`InputBatch.prepare`.
         :return: int64 rows of the step's hidden states (host; valid with the step).
         """
-        qsl = self.metadata.host.query_start_loc
         seqs = np.asarray(seqs, dtype=np.int64)
+        if self.seq_rows is not None:
+            return self.seq_rows[seqs]
+        qsl = self.metadata.host.query_start_loc
         if self.order is not None:
             packed = np.empty(len(self.order), dtype=np.int64)
             packed[self.order] = np.arange(len(self.order))
@@ -624,6 +633,48 @@ class ScratchSeq:
     page_ids: np.ndarray
     state_slot: int = NULL_SLOT
     is_prefill_chunk_final: bool = False
+
+
+@dataclass
+class PositionRow:
+    """One position of a scheduled sequence's chunk, run as a one-token decode row.
+
+    See :func:`position_rows`. Its fields are those of :class:`ScheduledSeqLike`.
+    """
+
+    request: Any
+    num_new_tokens: int
+    num_cached_tokens: int
+    page_ids: np.ndarray
+    state_slot: int
+    is_prefill_chunk_final: bool
+
+
+def position_rows(scheduled: Sequence[ScheduledSeqLike]) -> tuple[list[PositionRow], np.ndarray]:
+    """Spread each sequence's chunk into one decode row per position.
+
+    Row ``i`` of a sequence with ``c`` cached tokens adds its token ``c + i``
+    to a context of ``c + i`` tokens, on the sequence's pages, so attending
+    each row to its own context gives the chunk's causal attention once every
+    row's key is in the cache. Only the chunk's last row samples (when the
+    chunk ends its prompt or is a decode). For models without recurrent state
+    only: a recurrent layer needs the chunk as one sequence.
+
+    :param scheduled: the step's sequences, each with cached context.
+    :return: the rows (sequence by sequence, in order) and ``[len(scheduled)]``
+        the first row of each sequence.
+    """
+    rows: list[PositionRow] = []
+    starts = np.empty(len(scheduled), dtype=np.int64)
+    for j, s in enumerate(scheduled):
+        starts[j] = len(rows)
+        c, last = s.num_cached_tokens, s.num_new_tokens - 1
+        req, pages, slot = s.request, s.page_ids, s.state_slot
+        rows.extend(
+            PositionRow(req, 1, c + i, pages, slot, i == last and s.is_prefill_chunk_final)
+            for i in range(s.num_new_tokens)
+        )
+    return rows, starts
 
 
 def scratch_seq(new: int, cached: int, page_size: int) -> ScratchSeq:

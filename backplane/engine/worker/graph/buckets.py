@@ -52,6 +52,25 @@ def decode_buckets(max_num_seqs: int, sizes: Iterable[int] | None = None) -> lis
     return _buckets_up_to(max_num_seqs, sizes)
 
 
+#: verify graphs hold at most this many rows beyond ``max_num_seqs`` (larger
+#: speculative steps, rare under the loads where speculation pays, run piecewise)
+VERIFY_ROWS = 256
+
+
+def verify_rows(max_num_seqs: int, max_num_tokens: int, verify_len: int) -> int:
+    """The most rows (chunk positions) a verify graph runs; 0 when none is captured.
+
+    :param max_num_seqs: the most sequences in one step.
+    :param max_num_tokens: the scheduler's token budget per step.
+    :param verify_len: the longest verifying chunk (``num_speculative_tokens + 1``),
+        0 without speculation.
+    :return: the largest verify bucket.
+    """
+    if verify_len < 2:
+        return 0
+    return min(max_num_tokens, max_num_seqs * verify_len, max(max_num_seqs, VERIFY_ROWS))
+
+
 def _buckets_up_to(limit: int, sizes: Iterable[int] | None) -> list[int]:
     # the limit itself always gets a bucket: a full step must never fall back to eager
     chosen = powers_of_two_up_to(limit) if sizes is None else list(sizes)

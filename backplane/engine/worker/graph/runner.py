@@ -8,6 +8,11 @@ dispatches on it:
   graph of that bucket (forward and LM head), the batch padded with scratch
   sequences, then the bucket's captured sampling graph
   (:class:`~backplane.engine.worker.graph.sampling_head.SamplingHead`);
+* a step of short chunks on cached context (a speculative verification),
+  when the runner was given ``verify_len`` -> the verify graph of the bucket
+  holding one decode row per position (see
+  :func:`~backplane.engine.worker.inputs.position_rows`), padded as a decode
+  batch; it projects every row to logits (``BatchInputs.logits``);
 * prefill or mixed step within a captured token bucket -> piecewise graphs,
   the tokens padded to the bucket;
 * anything else -> eager.
@@ -25,6 +30,7 @@ real lengths it reads from the device metadata.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -37,7 +43,12 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import NULL_PAGE, StepMode
 from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 from backplane.engine.sizes import pages_per_seq
-from backplane.engine.worker.graph.buckets import decode_buckets, pick_bucket, token_buckets
+from backplane.engine.worker.graph.buckets import (
+    decode_buckets,
+    pick_bucket,
+    token_buckets,
+    verify_rows,
+)
 from backplane.engine.worker.graph.capture import new_pool, pool_bytes
 from backplane.engine.worker.graph.decode import DecodeGraphs
 from backplane.engine.worker.graph.mode import GraphMode
@@ -49,6 +60,7 @@ from backplane.engine.worker.inputs import (
     ScheduledSeqLike,
     ScratchRequest,
     ScratchSeq,
+    position_rows,
     scratch_prefill,
 )
 from backplane.engine.worker.runner import sample_eagerly
@@ -73,6 +85,11 @@ class GraphModelRunner:
     :param token_bucket_sizes: configured piecewise buckets (default powers of two).
     :param decode_bucket_sizes: configured decode buckets (default powers of two).
     :param sampler: the sampler (default: a new, stateless :class:`Sampler`).
+    :param verify_len: capture verify graphs for chunks of up to this many
+        tokens per sequence (``num_speculative_tokens + 1``), one bucket per
+        decode bucket size up to :func:`~.buckets.verify_rows` rows (the input
+        batch must hold that many sequences); 0 (the default) captures none.
+        Only for models without recurrent state.
     """
 
     def __init__(
@@ -89,6 +106,7 @@ class GraphModelRunner:
         token_bucket_sizes: Sequence[int] | None = None,
         decode_bucket_sizes: Sequence[int] | None = None,
         sampler: Sampler | None = None,
+        verify_len: int = 0,
     ) -> None:
         self.model = model
         self.backends = backends
@@ -104,11 +122,17 @@ class GraphModelRunner:
         self.sampler = sampler if sampler is not None else Sampler()
         self.decode: DecodeGraphs | None = None
         self.head: SamplingHead | None = None
+        self.verify: DecodeGraphs | None = None
+        self.verify_len = verify_len
+        most_rows = verify_rows(max_num_seqs, max_num_tokens, verify_len)
+        self.verify_buckets = (
+            decode_buckets(most_rows, decode_bucket_sizes) if most_rows and mode.has_decode else []
+        )
         self.piecewise: PiecewiseGraphs | None = None
-        # the logits of the last decode-graph replay (for a step sampled eagerly)
-        self._decode_logits: torch.Tensor | None = None
         # read-only padding sequences for decode replays, made once
-        self._decode_padding = self._scratch(self.decode_buckets[-1], 1, 1)
+        self._decode_padding = self._scratch(
+            max([self.decode_buckets[-1], *self.verify_buckets]), 1, 1
+        )
         if mode.has_decode:
             self.decode = DecodeGraphs(
                 self._forward_logits, self.decode_buckets, self.pool, cuda=self.cuda
@@ -120,6 +144,10 @@ class GraphModelRunner:
                 self.pool,
                 cuda=self.cuda,
             )
+            if self.verify_buckets:
+                self.verify = DecodeGraphs(
+                    self._forward_logits, self.verify_buckets, self.pool, cuda=self.cuda
+                )
         if mode.has_piecewise:
             ops = [op for b in backends.values() for op in b.dynamic_ops()]
             self.piecewise = PiecewiseGraphs(
@@ -143,8 +171,10 @@ class GraphModelRunner:
         return [ScratchSeq(req, 1, cached, pages) for _ in range(n)]
 
     @contextlib.contextmanager
-    def _decode_inputs(self, bucket: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        mode = StepMode.decode_graph(bucket)
+    def _decode_inputs(
+        self, bucket: int, *, rows_share_pages: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        mode = StepMode.decode_graph(bucket, rows_share_pages=rows_share_pages)
         seqs = self._scratch(bucket, self.max_model_len - 1, self.max_pages)
         inputs = self.input_batch.prepare(seqs, block_table_width=self.max_pages, mode=mode)
         with self._capture_context(inputs):
@@ -173,8 +203,10 @@ class GraphModelRunner:
         """Capture every configured graph, with a progress bar (bucket and pool memory)."""
         if not self.mode.captures:
             return
-        total = (len(self.decode_buckets) if self.decode else 0) + (
-            len(self.token_buckets) if self.piecewise else 0
+        total = (
+            (len(self.decode_buckets) if self.decode else 0)
+            + (len(self.verify_buckets) if self.verify else 0)
+            + (len(self.token_buckets) if self.piecewise else 0)
         )
         with tqdm(total=total, desc="capturing CUDA graphs", unit="bucket") as bar:
             if self.piecewise is not None:
@@ -183,6 +215,10 @@ class GraphModelRunner:
                 self.decode.capture(self._decode_inputs, progress=bar)
                 for bucket, graph in self.decode.graphs.items():
                     self.head.capture(bucket, graph.outputs[1])
+            if self.verify is not None:
+                self.verify.capture(
+                    functools.partial(self._decode_inputs, rows_share_pages=True), progress=bar
+                )
         if self.cuda:
             torch.cuda.synchronize()
         logger.info("CUDA graph pool: %.1f MiB", pool_bytes(self.pool) / 2**20)
@@ -192,6 +228,7 @@ class GraphModelRunner:
         return {
             "piecewise": dict(self.piecewise.ctx.pool_bytes) if self.piecewise else {},
             "decode": dict(self.decode.pool_bytes) if self.decode else {},
+            "verify": dict(self.verify.pool_bytes) if self.verify else {},
             "total": pool_bytes(self.pool),
         }
 
@@ -199,12 +236,10 @@ class GraphModelRunner:
         """Drop every graph, the sampling graphs and the pool (see :meth:`PiecewiseGraphs.release`)."""
         if self.piecewise is not None:
             self.piecewise.release()
-        if self.decode is not None:
-            self.decode.graphs.clear()
-        if self.head is not None:
-            self.head.graphs.clear()
-        self.piecewise = self.decode = self.head = None
-        self._decode_logits = None
+        for graphs in (self.decode, self.verify, self.head):
+            if graphs is not None:
+                graphs.graphs.clear()
+        self.piecewise = self.decode = self.verify = self.head = None
         self.pool = None
 
     # -- per step -----------------------------------------------------------------
@@ -234,7 +269,12 @@ class GraphModelRunner:
         """
         n = len(scheduled)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        decode_only = num_tokens == n and all(s.num_cached_tokens > 0 for s in scheduled)
+        on_context = all(s.num_cached_tokens > 0 for s in scheduled)
+        decode_only = num_tokens == n and on_context
+        if self.verify is not None and not decode_only and on_context:
+            inputs = self._verify_inputs(scheduled, num_tokens)
+            if inputs is not None:
+                return inputs
         mode = self.step_mode(n, num_tokens, decode_only)
         if mode.is_decode_graph:
             seqs = list(scheduled) + self._decode_padding[: mode.bucket - n]
@@ -242,6 +282,29 @@ class GraphModelRunner:
         if mode.is_piecewise:
             return self.input_batch.prepare(scheduled, padded_num_tokens=mode.bucket, mode=mode)
         return self.input_batch.prepare(scheduled)
+
+    def _verify_inputs(
+        self, scheduled: Sequence[ScheduledSeqLike], num_tokens: int
+    ) -> BatchInputs | None:
+        """Inputs of a step of short chunks as one decode row per position, or ``None``.
+
+        ``None`` when a chunk is longer than ``verify_len`` or no captured verify
+        bucket holds the rows; the step then runs as any other.
+        """
+        if max(s.num_new_tokens for s in scheduled) > self.verify_len:
+            return None
+        bucket = pick_bucket(num_tokens, self.verify_buckets)
+        if bucket is None or not self.verify.has(bucket):
+            return None
+        rows, starts = position_rows(scheduled)
+        mode = StepMode.decode_graph(bucket, rows_share_pages=True)
+        seqs = rows + self._decode_padding[: bucket - len(rows)]
+        inputs = self.input_batch.prepare(seqs, block_table_width=self.max_pages, mode=mode)
+        # the rows in order of their sequences: a sampled row names its sequence
+        owner = np.repeat(np.arange(len(scheduled)), [s.num_new_tokens for s in scheduled])
+        inputs.sample_seqs = owner[inputs.sample_seqs]
+        inputs.seq_rows = starts
+        return inputs
 
     @torch.inference_mode()
     def run(self, inputs: BatchInputs) -> torch.Tensor:
@@ -251,9 +314,9 @@ class GraphModelRunner:
         :return: hidden states ``[padded_num_tokens, hidden]`` (valid until the next step).
         """
         mode = inputs.mode
-        self._decode_logits = None
         if mode.is_decode_graph:
-            hidden, self._decode_logits = self.decode.replay(mode.bucket)
+            graphs = self.verify if mode.rows_share_pages else self.decode
+            hidden, inputs.logits = graphs.replay(mode.bucket)
             return hidden
         if mode.is_piecewise:
             return self.piecewise.run(mode.bucket, inputs.input_ids, inputs.positions)
@@ -282,6 +345,7 @@ class GraphModelRunner:
         mode = inputs.mode
         if (
             mode.is_decode_graph
+            and not mode.rows_share_pages
             and not rows.needs_eager
             and self.head is not None
             and self.head.has(mode.bucket)
@@ -293,5 +357,4 @@ class GraphModelRunner:
             ss = inputs.sample_seqs
             if len(ss) and int(ss[-1]) == len(ss) - 1:
                 return SamplerOutput(self.head.sample(mode.bucket, rows))
-        logits = self._decode_logits if mode.is_decode_graph else None
-        return sample_eagerly(self.model, self.sampler, hidden, inputs, rows, logits)
+        return sample_eagerly(self.model, self.sampler, hidden, inputs, rows, inputs.logits)
