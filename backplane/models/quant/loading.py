@@ -276,5 +276,10 @@ def quantize_model(lm: CausalLM, *, skip: Iterable[str] = _KEEP_FULL_PRECISION) 
 
 def _shared(lm: nn.Module, weight: torch.Tensor) -> bool:
     """Whether another parameter of ``lm`` uses ``weight``'s memory (a tied matrix)."""
+    if weight.device.type == "meta":
+        # meta tensors have no memory (every data_ptr is 0): a tied matrix is one parameter
+        # reached under two names
+        found = lm.named_parameters(remove_duplicate=False)
+        return sum(p is weight for _, p in found) > 1
     ptr = weight.data_ptr()
     return sum(p.data_ptr() == ptr for p in lm.parameters()) > 1

@@ -43,6 +43,23 @@ safetensors) is measured with its own weights, its floor from the sizes in
 its safetensors headers, as is a ``.gguf`` file or an installed model
 (``smollm2``: SmolLM2-135M-Instruct), its floor from its GGUF tensor table.
 
+**Quantised weights and KV cache**: ``--quantization fp8`` has each backplane
+engine quantise the saved projections to FP8 (e4m3, a float32 scale per
+output row) on load; the floor counts what such a step reads (each
+projection one byte a weight plus its scales; embedding rows, norms, the LM
+head in the run's dtype, as the engine keeps them), and the floor of the same
+shape in the run's dtype is kept beside it in the table and the JSON.
+``--kv-cache-dtype fp8`` stores the KV cache in e4m3 (one byte an element in
+the floor). ``--weights-format gguf-q4_k`` writes a llama-family shape
+(``llama-1b``, ``llama-3.2-1b``, ``llama-3.1-8b``, ``qwen3-8b``,
+``tiny-llama``) once as a random-weight GGUF file, its projections in Q4_K
+(rows that are not whole 256-value blocks, as in the tiny presets, in Q8_0),
+the output head in Q6_K, the embedding in F16 and the norms in F32, kept under
+``--weights-dir`` as ``<shape>-gguf-q4_k.gguf``; its floor comes from the
+file's tensor table, as for a ``.gguf`` input. transformers rows are skipped
+with FP8 weights and GGUF files (they would not run the same weights), and
+published figures (of bfloat16 runs) are not compared.
+
 **Published figures**: where one exists for the shape, the workload (batch 1
 in bfloat16) and the GPU kind (H100, H200, from the device name), the report
 prints it beside backplane's best batch-1 configuration, with the ratio and
@@ -74,6 +91,12 @@ Examples::
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     backplane bench latency --shapes qwen3-next-1b-mtp --batch-sizes 1 --transformers none \\
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
+    backplane bench latency --shapes llama-3.1-8b --batch-sizes 1 --transformers none \\
+        --quantization fp8
+    backplane bench latency --shapes llama-3.1-8b --batch-sizes 1 --transformers none \\
+        --quantization fp8 --kv-cache-dtype fp8
+    backplane bench latency --shapes llama-3.1-8b --batch-sizes 1 --transformers none \\
+        --weights-format gguf-q4_k --weights-dir /tmp/bench-weights
 
 A default run takes several minutes on one GPU (weight initialisation, CUDA
 graph capture per engine, transformers compilation per batch size); one shape
@@ -104,7 +127,10 @@ from backplane.cli.bench.latency.settings import (
     ATTENTION_BACKENDS,
     DEFAULT_SHAPES,
     GRAPH_MODES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     TRANSFORMERS_MODES,
+    WEIGHTS_FORMATS,
     Settings,
 )
 from backplane.cli.bench.latency.shapes import SHAPES, shape_config
@@ -243,9 +269,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also measure transformers static+compile on a CPU (slow to compile)",
     )
     parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="fp8: backplane's engines quantise the saved projections to FP8 (e4m3) on load, "
+        "and the floor counts their bytes (the unquantised floor is kept beside it); "
+        "transformers rows are skipped (default: none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="backplane's KV cache: auto (the run's dtype) or fp8 (e4m3, one byte an "
+        "element in the floor) (default: auto)",
+    )
+    parser.add_argument(
+        "--weights-format",
+        choices=WEIGHTS_FORMATS,
+        default="safetensors",
+        help="how a random-weight shape is saved: safetensors (an HF folder) or gguf-q4_k "
+        "(a GGUF file of a llama-family shape: Q4_K projections, Q6_K output head, F16 "
+        "embedding; kept in --weights-dir; transformers rows are skipped) "
+        "(default: safetensors)",
+    )
+    parser.add_argument(
         "--weights-dir",
         metavar="DIR",
-        help="keep the saved random-weight HF folders here (default: a temporary folder)",
+        help="keep the saved random-weight HF folders and GGUF files here, to reuse them "
+        "(default: a temporary folder)",
     )
     add_json_output(parser)
     parser.add_argument(
@@ -286,6 +337,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
         workload=args.workload,
+        quantization=None if args.quantization == "none" else args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        weights_format=args.weights_format,
     )
 
 

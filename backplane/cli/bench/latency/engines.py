@@ -103,9 +103,10 @@ def run_backplane(
     a token budget that takes all its prompts in one step, ``max_model_len`` =
     prompt + new tokens, and exactly enough KV pages (plus a margin) so that
     engines built one after another fit; prefix caching is off so repeated
-    prompts are recomputed.
+    prompts are recomputed. The settings' quantization and KV-cache dtype are
+    passed on when they are not the defaults.
 
-    :param folder: the saved HF folder.
+    :param folder: the saved HF folder or GGUF file.
     :param settings: the run's settings.
     :param attention: the attention backend.
     :param graphs: ``on`` (the default CUDA-graph mode) or ``off``.
@@ -140,6 +141,10 @@ def run_backplane(
     }
     if speculative_config is not None:
         overrides["speculative_config"] = dict(speculative_config)
+    if settings.quantization is not None:
+        overrides["quantization"] = settings.quantization
+    if settings.kv_cache_dtype != "auto":
+        overrides["kv_cache_dtype"] = settings.kv_cache_dtype
     entry: dict[str, Any] = {"engine_settings": dict(overrides), "batches": []}
     t0 = time.perf_counter()
     with quiet_missing_tokenizer():

@@ -52,6 +52,20 @@ def _row_by_batch(entry: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {int(r["batch"]): r for r in entry.get("batches", [])}
 
 
+def _held_as(run: dict[str, Any]) -> str:
+    """How a shape's weights are held: the dtype, or the quantisation or file format beside it.
+
+    :param run: the shape's ``run`` settings.
+    :return: e.g. ``"bfloat16"`` or ``"fp8, bfloat16 activations"``.
+    """
+    storage = run.get("quantization")
+    if run.get("weights_format") not in (None, "safetensors"):
+        storage = run["weights_format"]
+    if storage is None:
+        return str(run["dtype"])
+    return f"{storage}, {run['dtype']} activations"
+
+
 def _shape_run(result: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
     """The batch sizes, lengths and dtype a shape was measured with.
 
@@ -164,7 +178,7 @@ def format_report(result: dict[str, Any]) -> str:
         out.append("")
         out.append(
             f"{shape['name']}: {shape['architecture']}, {si(shape['params'], '')} params "
-            f"({si(shape['weight_bytes'], 'B')} in {run['dtype']}), "
+            f"({si(shape['weight_bytes'], 'B')} in {_held_as(run)}), "
             f"prompt {run['prompt_len']} + {run['new_tokens']} new tokens"
         )
         out.append(

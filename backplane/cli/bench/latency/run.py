@@ -29,6 +29,8 @@ from backplane.cli.bench.latency.measure import (
     settle_status,
     skipped,
 )
+from backplane.cli.bench.latency.quantized import held_weights_info, is_held_quantized
+from backplane.cli.bench.latency.random_gguf import random_gguf_path, write_random_gguf
 from backplane.cli.bench.latency.reference import run_transformers
 from backplane.cli.bench.latency.report import si
 from backplane.cli.bench.latency.settings import Settings, check_settings, resolve_device_dtype
@@ -62,6 +64,44 @@ def _label(kind: str, **kw: str) -> str:
         graphs = "graphs" if kw["graphs"] == "on" else "eager"
         return f"backplane {kw['attention']}, {graphs}"
     return "transformers static+compile" if kw["mode"] == "compile" else "transformers eager"
+
+
+def _storage_label(settings: Settings) -> str:
+    """How the engines hold the weights and KV cache, for labels (empty: as saved, in the dtype).
+
+    :param settings: the run's settings.
+    :return: e.g. ``"fp8 weights, fp8 KV"``, ``"gguf-q4_k weights"`` or ``""``.
+    """
+    parts = []
+    if settings.quantization is not None:
+        parts.append(f"{settings.quantization} weights")
+    if settings.weights_format != "safetensors":
+        parts.append(f"{settings.weights_format} weights")
+    if settings.kv_cache_dtype != "auto":
+        parts.append(f"{settings.kv_cache_dtype} KV")
+    return ", ".join(parts)
+
+
+def _floor_rows(info: Any, settings: Settings, bandwidth: float) -> list[dict[str, Any]]:
+    """The floor's row per batch size: its bytes per step and their time at ``bandwidth``.
+
+    :param info: the sizes (a :class:`~backplane.cli.bench.latency.weights.WeightsInfo`).
+    :param settings: the run's settings.
+    :param bandwidth: the read bandwidth, bytes per second.
+    :return: ``{"batch", "status", "ms_per_token", "bytes_per_step"}`` per batch size.
+    """
+    rows = []
+    for b in settings.batch_sizes:
+        parts = floor_bytes(info, b, settings.prompt_len, settings.new_tokens)
+        rows.append(
+            {
+                "batch": b,
+                "status": "ok",
+                "ms_per_token": parts["total"] / bandwidth * 1e3,
+                "bytes_per_step": parts,
+            }
+        )
+    return rows
 
 
 def _advance(progress: Any, n: int, what: str) -> None:
@@ -98,10 +138,18 @@ def run_shape(
     config = shape_config(name)
     t0 = time.perf_counter()
     gguf = checkpoint_file(name)
+    trained = gguf is not None or is_model_dir(name)
     if gguf is not None:
         # a GGUF checkpoint is measured as it is, as a model directory is
         info = gguf_weights_info(gguf, dtype)
         what = "sized"
+    elif settings.weights_format != "safetensors":
+        gguf = random_gguf_path(workdir, name)
+        logger.info("%s: random %s weights in %s", name, settings.weights_format, gguf)
+        write_random_gguf(name, config, gguf)
+        # sized from its tensor table, as a GGUF checkpoint is
+        info = gguf_weights_info(gguf, dtype)
+        what = "written"
     elif not is_model_dir(name):
         folder = os.path.join(workdir, f"{name}-{dtype_name}")
         logger.info("%s: building random %s weights in %s", name, dtype_name, folder)
@@ -121,7 +169,7 @@ def run_shape(
     )
     vocab = int(config["vocab_size"])
     chat_prompt = None
-    if settings.workload == "rewrite" and (gguf is not None or is_model_dir(name)):
+    if settings.workload == "rewrite" and trained:
         chat_prompt = chat_rewrite_prompt(checkpoint_tokenizer(info.folder))
     if chat_prompt is not None:
         # a trained model rewrites a real text: the prompt's length is the run's prompt length
@@ -141,25 +189,47 @@ def run_shape(
             b: prompter(settings.seed, b, settings.prompt_len, vocab) for b in settings.batch_sizes
         }
     floor_label = "HBM floor" if device.type == "cuda" else "memory floor"
-    floor_info = info
+    held = is_held_quantized(settings.quantization, settings.kv_cache_dtype)
+    stored = info
+    # the engine's quantised weights and KV cache, counted as the engine holds them
+    info = held_weights_info(
+        info, dtype, quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype
+    )
+    floor_info, stored_floor_info = info, stored
     if settings.tensor_parallel_size > 1:
         # the ranks read their shards at once: the floor is one rank's bytes
-        floor_info = rank_weights_info(info, dtype, settings.tensor_parallel_size)
+        stored_floor_info = rank_weights_info(stored, dtype, settings.tensor_parallel_size)
+        floor_info = stored_floor_info
+        if held and stored.kv_bytes_per_token:
+            floor_info = dataclasses.replace(
+                stored_floor_info,
+                kv_bytes_per_token=stored_floor_info.kv_bytes_per_token
+                * info.kv_bytes_per_token
+                / stored.kv_bytes_per_token,
+            )
         floor_label += f" per rank, tp={settings.tensor_parallel_size}"
-    floor_rows = []
-    for b in settings.batch_sizes:
-        parts = floor_bytes(floor_info, b, settings.prompt_len, settings.new_tokens)
-        floor_rows.append(
+    storage = _storage_label(settings)
+    floor_rows = _floor_rows(floor_info, settings, bandwidth)
+    configs: list[dict[str, Any]] = [
+        {
+            "label": f"{floor_label}, {storage}" if storage else floor_label,
+            "kind": "floor",
+            "status": "ok",
+            "batches": floor_rows,
+        }
+    ]
+    if held:
+        # the floor of the same shape held in the run's dtype, for comparison
+        kept = "weights and KV" if settings.weights_format == "safetensors" else "KV"
+        configs.append(
             {
-                "batch": b,
+                "label": f"{floor_label}, {dtype_name} {kept}",
+                "kind": "floor",
                 "status": "ok",
-                "ms_per_token": parts["total"] / bandwidth * 1e3,
-                "bytes_per_step": parts,
+                "unquantized": True,
+                "batches": _floor_rows(stored_floor_info, settings, bandwidth),
             }
         )
-    configs: list[dict[str, Any]] = [
-        {"label": floor_label, "kind": "floor", "status": "ok", "batches": floor_rows}
-    ]
     tokens: dict[tuple[str, int], list[list[int]]] = {}
 
     unavailable: dict[str, str] = {}
@@ -246,11 +316,18 @@ def run_shape(
                 _advance(progress, len(settings.batch_sizes), f"{name}: {label}")
 
     hf_tokens: dict[tuple[str, int], list[list[int]]] = {}
-    if settings.transformers_modes and gguf is not None:
+    why = None
+    if gguf is not None:
         why = (
             "transformers runs on a Hugging Face folder, not a GGUF file; "
             "pass --transformers none to leave it out"
         )
+    elif settings.quantization is not None:
+        why = (
+            f"transformers would run the {dtype_name} weights, not {settings.quantization}; "
+            "pass --transformers none to leave it out"
+        )
+    if settings.transformers_modes and why is not None:
         for mode in settings.transformers_modes:
             label = _label("transformers", mode=mode)
             configs.append({"label": label, "kind": "transformers", "mode": mode, **skipped(why)})
@@ -289,6 +366,7 @@ def run_shape(
         "architecture": (config.get("architectures") or ["?"])[0],
         "params": info.params,
         "weight_bytes": info.weight_bytes,
+        "stored_weight_bytes": stored.weight_bytes,
         "kv_bytes_per_token": info.kv_bytes_per_token,
         "state_bytes_per_seq": info.state_bytes_per_seq,
         "run": {
@@ -299,6 +377,9 @@ def run_shape(
             "repeats": settings.repeats,
             "workload": settings.workload,
             "speculative_config": settings.speculative_config,
+            "quantization": settings.quantization,
+            "kv_cache_dtype": settings.kv_cache_dtype,
+            "weights_format": settings.weights_format,
         },
         "configs": configs,
     }
@@ -351,7 +432,9 @@ def run_benchmark(settings: Settings) -> dict[str, Any]:
                 )
             )
     for shape in shapes:
-        shape["anchors"] = latency_comparisons(shape, machine.get("gpu"))
+        # the published figures are of bfloat16 weights and caches
+        plain = _storage_label(settings) == ""
+        shape["anchors"] = latency_comparisons(shape, machine.get("gpu")) if plain else []
     data = asdict(settings)
     data["dtype_resolved"] = dtype_name
     return {"machine": machine, "settings": data, "bandwidth": bandwidth, "shapes": shapes}

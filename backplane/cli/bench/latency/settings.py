@@ -23,6 +23,9 @@ DEFAULT_SHAPES: tuple[str, ...] = ("llama-1b", "nemotron-h-0.85b")
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton", "flashinfer")
 GRAPH_MODES: tuple[str, ...] = ("on", "off")
 TRANSFORMERS_MODES: tuple[str, ...] = ("eager", "compile")
+QUANTIZATIONS: tuple[str, ...] = ("none", "fp8")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+WEIGHTS_FORMATS: tuple[str, ...] = ("safetensors", "gguf-q4_k")
 
 FAMILIES: tuple[str, ...] = ("attention", "ssm", "mla", "delta")
 """The op families an engine picks a backend for."""
@@ -57,6 +60,11 @@ class Settings:
     :param workload: the prompts: ``random`` tokens, or ``rewrite`` (a paragraph to
         rewrite for a trained checkpoint, a repeated random document otherwise, see
         :mod:`~backplane.cli.bench.latency.speculation`).
+    :param quantization: ``"fp8"``: the engines quantise the saved projections to FP8
+        on load (the floor counts their e4m3 bytes); ``None``: as saved.
+    :param kv_cache_dtype: the engines' KV cache: ``auto`` (the run's dtype) or ``fp8``.
+    :param weights_format: how a random-weight shape is saved: ``safetensors`` (an HF
+        folder) or ``gguf-q4_k`` (a GGUF file with Q4_K projections, llama-family shapes).
     """
 
     shapes: list[str] = field(default_factory=lambda: list(DEFAULT_SHAPES))
@@ -77,6 +85,9 @@ class Settings:
     tensor_parallel_size: int = 1
     speculative_config: dict[str, Any] | None = None
     workload: str = "random"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    weights_format: str = "safetensors"
 
 
 def resolve_device_dtype(settings: Settings) -> tuple[Any, Any, str]:
@@ -141,6 +152,7 @@ def check_settings(settings: Settings) -> None:
         raise ConfigError(f"--workload {settings.workload!r}: use {' or '.join(WORKLOADS)}")
     if settings.speculative_config is not None:
         check_speculative_config(settings.speculative_config)
+    check_storage(settings)
     for shape in settings.shapes:
         cfg = shape_config(shape)
         if settings.speculative_config is not None:
@@ -151,3 +163,55 @@ def check_settings(settings: Settings) -> None:
                 f"shape {shape!r} holds {limit} positions, fewer than --prompt-len "
                 f"{settings.prompt_len} + --new-tokens {settings.new_tokens}"
             )
+
+
+def check_storage(settings: Settings) -> None:
+    """Refuse quantisation, KV-cache and weight-format choices the engines cannot run.
+
+    :param settings: the run's settings.
+    :raises ConfigError: naming the flag at fault and what to use instead.
+    """
+    from backplane.cli.bench.latency.checkpoint import checkpoint_file
+    from backplane.cli.bench.latency.random_gguf import check_gguf_shape
+    from backplane.cli.bench.latency.shapes import is_model_dir
+
+    if settings.quantization not in (None, "fp8"):
+        raise ConfigError(f"--quantization {settings.quantization!r}: use none or fp8")
+    if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {settings.kv_cache_dtype!r}: use auto or fp8")
+    if settings.weights_format not in WEIGHTS_FORMATS:
+        raise ConfigError(
+            f"--weights-format {settings.weights_format!r}: use {' or '.join(WEIGHTS_FORMATS)}"
+        )
+    gguf = settings.weights_format != "safetensors"
+    if settings.quantization is not None:
+        if gguf:
+            raise ConfigError(
+                f"--quantization fp8 quantises full-precision weights on load; "
+                f"--weights-format {settings.weights_format} stores them quantised already: "
+                "give one of the two"
+            )
+        if settings.tensor_parallel_size > 1:
+            raise ConfigError(
+                "--quantization fp8 does not work with tensor parallelism yet; "
+                "use --tensor-parallel-size 1"
+            )
+        for shape in settings.shapes:
+            if checkpoint_file(shape) is not None:
+                raise ConfigError(
+                    f"--quantization fp8: shape {shape!r} is a GGUF file, which keeps its own "
+                    "quantisation; drop --quantization or measure a safetensors shape"
+                )
+    if gguf:
+        if settings.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"--weights-format {settings.weights_format}: a tensor-parallel engine "
+                "dequantises GGUF projections at load; use --tensor-parallel-size 1"
+            )
+        for shape in settings.shapes:
+            if checkpoint_file(shape) is not None or is_model_dir(shape):
+                raise ConfigError(
+                    f"--weights-format {settings.weights_format} writes random weights of a "
+                    f"named shape; {shape!r} is a checkpoint, measured as it is (drop the flag)"
+                )
+            check_gguf_shape(shape, shape_config(shape))

@@ -180,6 +180,7 @@ def gguf_weights_info(path: str | os.PathLike[str], dtype: Any) -> WeightsInfo:
     from backplane.engine.selection import select_backends_for
     from backplane.models.base import build_model
     from backplane.models.gguf import open_gguf_checkpoint
+    from backplane.models.gguf.config import ROPE_FREQS_TENSOR
     from backplane.models.gguf.weights import hf_name
     from backplane.models.registry import model_class
 
@@ -195,6 +196,9 @@ def gguf_weights_info(path: str | os.PathLike[str], dtype: Any) -> WeightsInfo:
 
     params = weight_bytes = 0
     for t in ckpt.file.tensors:
+        if t.name == ROPE_FREQS_TENSOR:
+            # read into the config's rope scaling once; no step reads it
+            continue
         key = hf_name(t.name)
         if model.checkpoint_to_module_name(key) is None:
             continue
