@@ -114,8 +114,6 @@ ENGINE = dict(
     max_num_seqs=4,
     max_num_tokens=64,
     max_model_len=MAX_LEN,
-    # the chained draft steps need backends that do not plan each decode-graph step
-    backends={f: "torch" for f in FAMILIES},
 )
 
 
@@ -124,24 +122,31 @@ def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list
     return run_requests(engine, prompts, [params] * len(prompts))
 
 
+# the chained draft steps need backends that plan nothing per decode-graph step
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(
     ("model", "spec"),
     [
         ("tiny-llama", {"method": "draft_model", "model": "tiny-llama"}),
         ("tiny-nemotron-h", {"method": "draft_model", "model": "tiny-nemotron-h"}),
         ("tiny-qwen3-next", {"method": "mtp"}),
+        ("tiny-deepseek-v3", {"method": "mtp"}),
     ],
 )
-def test_speculation_with_graphs_generates_the_tokens_of_eager_decoding(model, spec):
+def test_speculation_with_graphs_generates_the_tokens_of_eager_decoding(model, spec, backend):
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    backends = {f: backend for f in FAMILIES}
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, size=n).tolist() for n in (9, 3, 14)]
-    plain = Engine(model=model, cuda_graphs="off", **ENGINE)
+    plain = Engine(model=model, cuda_graphs="off", backends=backends, **ENGINE)
     want = _generate(plain, prompts, 16)
     plain.shutdown()
     graphed = Engine(
         model=model,
         cuda_graphs="full_and_piecewise",
         speculative_config={**spec, "num_speculative_tokens": 3},
+        backends=backends,
         **ENGINE,
     )
     graphs = graphed.spec.proposer.graphs

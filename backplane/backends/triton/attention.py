@@ -239,12 +239,20 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_fp8_kv_cache = True
 
-    def plan(self, batch: BatchMetadata) -> StepPlan:
+    def plan(self, batch: BatchMetadata) -> StepPlan | None:
         """Work out the step's prefill facts once for every layer (split counts on first use).
 
+        A decode graph gets none: its launches, split counts included, are fixed
+        when it is captured (each layer works its split count out from the capture
+        batch), and its replays read every length on the device. So nothing is
+        planned per replayed step, and chained draft steps can be captured over
+        this backend.
+
         :param batch: the step's metadata.
-        :return: the :class:`~.attention_launch.StepPlan` the op reads.
+        :return: the :class:`~.attention_launch.StepPlan` the op reads, or ``None``.
         """
+        if batch.mode.is_decode_graph:
+            return None
         return StepPlan(batch)
 
     def forward(

@@ -150,8 +150,15 @@ class TritonDeltaBackend(DeltaBackend):
 
     name = "triton"
 
-    def plan(self, batch: BatchMetadata) -> dict:
-        """Build the prefill ``cu_seqlens`` (device and host) and slot indices once per step."""
+    def plan(self, batch: BatchMetadata) -> dict | None:
+        """Build the prefill ``cu_seqlens`` (device and host) and slot indices once per step.
+
+        :param batch: the step's metadata.
+        :return: the plan, or ``None`` for a decode graph (nothing to plan: it has no
+            prefill, and its replays read everything on the device).
+        """
+        if batch.mode.is_decode_graph:
+            return None
         return _plan(batch)
 
     def forward(

@@ -672,8 +672,15 @@ class TritonSSMBackend(SSMBackend):
 
     name = "triton"
 
-    def plan(self, batch: BatchMetadata) -> dict:
-        """Read the packed prefill's host facts once per step (shared by every scan layer)."""
+    def plan(self, batch: BatchMetadata) -> dict | None:
+        """Read the packed prefill's host facts once per step (shared by every scan layer).
+
+        :param batch: the step's metadata.
+        :return: the facts, or ``None`` for a decode graph (nothing to plan: it has
+            no prefill, and its replays read everything on the device).
+        """
+        if batch.mode.is_decode_graph:
+            return None
         return {"prefill": prefill_plan(batch)}
 
     def conv(
