@@ -56,6 +56,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _TILE = 256  # values per step of the dequantising kernel: one k-quant block, eight Q8_0
 _BLOCK_N = 16  # output rows per program
+_NUM_WARPS = 4  # warps per program of the one-row kernel
 
 #: per type, the one-row kernel's blocks per iteration and the groups they form
 #: (Q8_0: 32 values a group, Q4_K / Q5_K: 64, Q6_K: 2 x 16), 512 values a row
@@ -335,6 +336,7 @@ def quantized_gemv(
     ggml_type: int,
     in_features: int,
     out: torch.Tensor | None = None,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(blocks).T`` for one input row, dequantising in the kernel.
 
@@ -345,6 +347,8 @@ def quantized_gemv(
     :param in_features: values per weight row.
     :param out: where to write the row (``[1, out_features]``, contiguous, ``x``'s dtype
         and device); a new tensor when ``None``.
+    :param launch: ``(block_n, split_k, num_warps)`` instead of :func:`plan`'s (tuning;
+        ``block_n`` a power of two).
     :return: ``[1, out_features]`` in ``x``'s dtype (``out`` when given).
     :raises ValueError: a type, width or dtype :func:`supports` refuses, blocks
         whose row size does not match, an input that is not one row of
@@ -372,7 +376,11 @@ def quantized_gemv(
     block_size, type_size = LAYOUTS[int(ggml_type)]
     units = in_features // block_size
     step, groups = _STEPS[int(ggml_type)]
-    block_n, split_k = plan(n, units, step, _sm_count(x.device))
+    if launch is None:
+        block_n, split_k = plan(n, units, step, _sm_count(x.device))
+        num_warps = _NUM_WARPS
+    else:
+        block_n, split_k, num_warps = launch
     per_split = cdiv(cdiv(units, split_k), step) * step
     split_k = cdiv(units, per_split)
     row_blocks = cdiv(n, block_n)
@@ -394,6 +402,7 @@ def quantized_gemv(
         GROUPS=groups,
         BLOCK_N=block_n,
         SPLIT=split_k > 1,
+        num_warps=num_warps,
     )
     return y
 
