@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: name -> (rows, values per row)
 SHAPES = {"tall": (20, 14336), "wide": (96, 2048), "odd": (37, 768)}
 TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
-CHECKS = [f"{t}-{s}" for t in TYPES for s in SHAPES] + ["Q8_0-blocks", "bf16", "plan"]
+CHECKS = [f"{t}-{s}" for t in TYPES for s in SHAPES] + ["Q8_0-blocks", "bf16", "plan", "refusals"]
 
 
 def _product(qtype_name: str, rows: int, cols: int, dtype: torch.dtype, seed: int) -> None:
@@ -91,11 +91,43 @@ def _plan() -> None:
             assert k // block_size // split_k >= 2 * step, (t, n, k, split_k)
 
 
+def _refusals() -> None:
+    """An input that is not one row of the weight's width, or an ``out`` that does not fit,
+    is refused with a message naming what was expected."""
+    from gguf_quant_helpers import QT
+
+    from backplane import kernels
+
+    qgemv = kernels.load_qgemv()
+    raw = torch.zeros(8, 144, dtype=torch.uint8)
+    x = torch.zeros(1, 256)
+    cases = [
+        (torch.zeros(2, 256), {}, "one input row of 256"),
+        (torch.zeros(1, 512), {}, "one input row of 256"),
+        (x, {"out": torch.zeros(1, 9)}, "out must be [1, 8]"),
+        (x, {"out": torch.zeros(1, 8, dtype=torch.bfloat16)}, "out must be [1, 8]"),
+        (x, {"out": torch.zeros(1, 8)}, None),
+        (x, {"out": torch.zeros(1, 16)[:, ::2]}, "contiguous"),
+    ]
+    for xi, kwargs, message in cases:
+        if message is None:
+            qgemv.quantized_gemv(xi, raw, int(QT.Q4_K), 256, **kwargs)
+            continue
+        try:
+            qgemv.quantized_gemv(xi, raw, int(QT.Q4_K), 256, **kwargs)
+        except ValueError as e:
+            assert message in str(e), (message, str(e))
+        else:
+            raise AssertionError(f"no ValueError for {tuple(xi.shape)} {kwargs}")
+
+
 def _check(name: str) -> None:
     """Run one check by name."""
     sys.path.insert(0, str(ROOT / "tests"))
     if name == "plan":
         _plan()
+    elif name == "refusals":
+        _refusals()
     elif name == "bf16":
         _product("Q4_K", 24, 4096, torch.bfloat16, 3)
     elif name == "Q8_0-blocks":
