@@ -6,7 +6,7 @@ position and replays a captured decode graph; each row attends up to its own
 position, so the hidden states, the cache writes and the logits must equal the
 eager forward of the chunks. On CPU the graphs are eager stand-ins (the
 dispatch, padding and row bookkeeping are the real thing); the ``gpu`` cases
-replay real CUDA graphs over the torch, Triton and FlashInfer backends.
+replay real CUDA graphs over the torch and Triton backends.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def _case(device: str, model: str, attention: str) -> pytest.param:
     return pytest.param((device, model, attention), id=f"{device}-{model}-{attention}", marks=marks)
 
 
+# FlashInfer is not among them: it takes none of the tiny presets' head sizes (its
+# attention needs head_dim 64/128/256, its MLA DeepSeek-V3's own latent sizes).
 CASES = [_case("cpu", m, "torch") for m in ("tiny-llama", "tiny-deepseek-v3")] + [
-    _case("cuda", m, a)
-    for m in ("tiny-llama", "tiny-deepseek-v3")
-    for a in ("torch", "triton", "flashinfer")
+    _case("cuda", m, a) for m in ("tiny-llama", "tiny-deepseek-v3") for a in ("torch", "triton")
 ]
 
 
@@ -46,8 +46,6 @@ def setup(request):
     device, model, attention = request.param
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
-    if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("flashinfer is not installed")
     if attention == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     rows = verify_rows(MAX_SEQS, 64, VERIFY_LEN)
