@@ -309,10 +309,10 @@ def check_linear(device: torch.device) -> None:
         with torch.inference_mode():
             lin.fused_ops = "torch"
             lin(x)
-            assert not lin.quant._one_row, f"{gran}: fused_ops=torch reached the kernel"
+            assert not lin._projections, f"{gran}: fused_ops=torch reached the kernel"
             lin.fused_ops = "triton"
             got = lin(x)
-            (proj,) = [p for p in lin.quant._one_row.values() if p]
+            (proj,) = [p for p in lin._projections.values() if p]
             if gran == "block":
                 assert proj.scale.shape == (-(-n // 128), -(-k // 128)), tuple(proj.scale.shape)
             ref = x.double() @ w64.T + lin.bias.double()

@@ -97,5 +97,5 @@ def test_linear_graph_replay(device: torch.device) -> None:
             static_x.copy_(x)
             graph.replay()
             equal(f"Linear replay {i}", static_y.clone(), lin(x))
-        assert len([p for p in lin.quant._one_row.values() if p]) == 1
+        assert len([p for p in lin._projections.values() if p]) == 1
         assert lin(torch.zeros(2, k, dtype=torch.bfloat16, device=device)).shape == (2, n)

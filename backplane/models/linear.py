@@ -25,14 +25,17 @@ merged parameter (see :meth:`MergedLinear.checkpoint_slices`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from backplane import kernels
+
+logger = logging.getLogger(__name__)
 
 #: Whether this torch build has oneDNN's linear kernel (x86 and Arm builds usually
 #: do). Decided at import: the check cannot run inside a ``torch.compile`` trace.
@@ -102,6 +105,59 @@ def dense(
     return y if flat else y.view(*x.shape[:-1], weight.shape[0])
 
 
+class ScaledWeight(NamedTuple):
+    """A quantised weight's scales as the one-row kernel reads them.
+
+    See the ``scale``, ``scale_k`` and ``scale_n`` arguments of
+    :class:`~backplane.kernels.gemv.OneRowProjection`.
+    """
+
+    #: float32 scales: one element, one per output row, or one per block
+    scale: torch.Tensor
+    #: input columns per scale for block scales; ``None`` for one per tensor or row
+    scale_k: int | None
+    #: output rows per scale row (block scales only)
+    scale_n: int = 1
+
+
+class WeightQuantization(Protocol):
+    """How a quantised :class:`Linear` multiplies (its ``quant`` attribute, e.g.
+    :class:`~backplane.models.quant.projection.Fp8Projection`).
+
+    The one-row kernel's variants (plain, RMS-norm prologue, rotary and
+    activation epilogues, gated prologue) are built by :class:`Linear` alone
+    from :meth:`one_row_scales`, for every scheme the kernel reads.
+    """
+
+    def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + bias`` where the one-row kernel does not run.
+
+        :param linear: the quantised projection.
+        :param x: ``[..., in_features]``.
+        :return: ``[..., out_features]`` in ``x``'s dtype.
+        """
+        ...
+
+    def one_row_key(self, linear: Linear, x: torch.Tensor) -> tuple | None:
+        """What the one-row projections of ``linear`` are built from, for inputs like ``x``.
+
+        :param linear: the quantised projection.
+        :param x: a one-row input.
+        :return: a key that changes when the weight or its scales are replaced
+            or rewritten (the projections are then built anew), or ``None``
+            where the kernel does not read this weight on ``x``'s device.
+        """
+        ...
+
+    def one_row_scales(self, linear: Linear) -> ScaledWeight:
+        """The scales of ``linear``'s weight in the layout the one-row kernel reads fastest.
+
+        :param linear: the quantised projection.
+        :return: the scales and their layout.
+        """
+        ...
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose product runs through :func:`dense` (same parameters, same checkpoint names).
 
@@ -114,6 +170,11 @@ class Linear(nn.Linear):
     Triton interpreter (the tests). Traced and compiled calls keep
     :func:`dense`. :meth:`forward_activated` and :meth:`forward_normed` run the
     same kernel with an activation epilogue or an RMS-norm prologue.
+
+    A quantised projection (``quant`` set, e.g. FP8 weights) takes the same
+    one-row paths, every variant, with its weight dequantised in the kernel
+    (:meth:`WeightQuantization.one_row_scales`); other inputs go to
+    ``quant.apply``.
     """
 
     #: the weight in oneDNN's blocked layout, once :meth:`pack` has run
@@ -122,17 +183,17 @@ class Linear(nn.Linear):
     fused_ops: str = "torch"
     #: the one-row projections built so far, by what rides along (see :meth:`_projection`)
     _projections: dict[tuple, Any] | None = None
-    #: how a quantised weight is multiplied (an ``apply(linear, x)`` object, e.g.
-    #: :class:`~backplane.models.quant.projection.Fp8Projection`); ``None``: full precision
-    quant: Any = None
+    #: how a quantised weight is multiplied (see :class:`WeightQuantization`); ``None``:
+    #: full precision
+    quant: WeightQuantization | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project ``x``; see :func:`dense` and the class docstring."""
-        if self.quant is not None:
-            return self.quant.apply(self, x)
         proj = self._projection(x, ("plain",))
         if proj is not None:
             return proj(x)[0]
+        if self.quant is not None:
+            return self.quant.apply(self, x)
         return dense(x, self.weight, self.bias, self.packed_weight)
 
     def forward_activated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
@@ -229,33 +290,46 @@ class Linear(nn.Linear):
         ):
             return None
         # A weight whose storage moved or changed (reloaded, packed, moved to
-        # another device) gets new projections and a new plan.
-        ptr = self.weight.data_ptr()
+        # another device; quantised scales rewritten) gets new projections and
+        # a new plan.
+        if self.quant is None:
+            ident: tuple | None = (self.weight.data_ptr(),)
+        else:
+            ident = self.quant.one_row_key(self, x)
+            if ident is None:
+                return None
         cache = self._projections
-        if cache is None or ptr != self._projections_ptr:
+        if cache is None or ident != self._projections_ident:
             cache = self._projections = {}
-            self._projections_ptr = ptr
+            self._projections_ident = ident
         proj = cache.get(variant)
         if proj is None:
             proj = cache[variant] = self._build_projection(x, variant)
         return proj if proj and proj.dtype == x.dtype else None
 
-    #: the weight's ``data_ptr()`` when :attr:`_projections` were built
-    _projections_ptr: int = 0
+    #: what :attr:`_projections` were built from (the weight's ``data_ptr()``, or
+    #: the quantisation's :meth:`~WeightQuantization.one_row_key`)
+    _projections_ident: tuple | None = None
 
     def _build_projection(self, x: torch.Tensor, variant: tuple) -> Any:
         """Build what :meth:`_projection` returns (``False`` where the kernel does not run it)."""
         kind = variant[0]
-        launch = self._plan_gemv(x, normed=kind == "norm")
+        scaled = None if self.quant is None else self.quant.one_row_scales(self)
+        launch = self._plan_gemv(x, normed=kind == "norm", scaled=scaled)
         if not launch:
             return False
         gemv = kernels.load_gemv()
+        # One weight argument set for every variant: a quantised weight is
+        # dequantised in the kernel whatever rides along.
+        common: dict[str, Any] = {"launch": launch, "dtype": x.dtype}
+        if scaled is not None:
+            common.update(scale=scaled.scale, scale_k=scaled.scale_k, scale_n=scaled.scale_n)
         if kind == "plain":
-            return gemv.OneRowProjection(self.weight, self.bias, launch=launch)
+            return gemv.OneRowProjection(self.weight, self.bias, **common)
         if kind == "act":
-            return gemv.OneRowProjection(self.weight, self.bias, launch=launch, act=variant[1])
+            return gemv.OneRowProjection(self.weight, self.bias, act=variant[1], **common)
         if kind == "gated":
-            return gemv.OneRowProjection(self.weight, self.bias, launch=launch, gate_act=variant[1])
+            return gemv.OneRowProjection(self.weight, self.bias, gate_act=variant[1], **common)
         _, norm_weight, eps, zero_centered, act, rot = variant
         if (
             x.shape[-1] > gemv.NORM_MAX_ROW
@@ -267,22 +341,27 @@ class Linear(nn.Linear):
         return gemv.OneRowProjection(
             self.weight,
             self.bias,
-            launch=launch,
             act=act,
             norm=(norm_weight, eps, zero_centered),
             rotary=rot,
+            **common,
         )
 
-    def _plan_gemv(self, x: torch.Tensor, normed: bool = False) -> tuple[int, ...]:
+    def _plan_gemv(
+        self, x: torch.Tensor, normed: bool = False, scaled: ScaledWeight | None = None
+    ) -> tuple[int, ...]:
         """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS.
 
         :param normed: the kernel also normalises the input (see
             :func:`~backplane.kernels.gemv.plan_normed`).
+        :param scaled: a quantised weight's scales (see
+            :func:`~backplane.kernels.gemv.plan_fp8`: every shape runs the
+            kernel), ``None`` for a full-precision weight.
         """
         w = self.weight
         if (
             self.packed_weight is not None
-            or w.dtype != x.dtype
+            or (scaled is None and w.dtype != x.dtype)
             or w.stride(-1) != 1
             or (self.bias is not None and not self.bias.is_contiguous())
         ):
@@ -292,8 +371,15 @@ class Linear(nn.Linear):
             return ()
         # The interpreter (CPU tests) stands in for a small device.
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        n, k = w.shape
+        if scaled is not None:
+            try:
+                return gemv.plan_fp8(n, k, sms, scaled.scale_k)
+            except ValueError as exc:
+                logger.warning("quantised projection %dx%d keeps its other paths: %s", n, k, exc)
+                return ()
         planner = gemv.plan_normed if normed else gemv.plan
-        return planner(w.shape[0], w.shape[1], sms) or ()
+        return planner(n, k, sms) or ()
 
     def pack(self, rows: int, *, release: bool) -> bool:
         """Pack the weight for CPU inference (see :func:`pack_weight`).

@@ -10,7 +10,11 @@ float32 ``weight_scale`` parameter in row form (see
   devices of compute capability 8.9 and up (and in the Triton interpreter):
   the one-row kernel of :mod:`backplane.kernels.gemv`, which reads the
   weight one byte per element and dequantises it as it goes (any scale
-  layout), the activations staying in their dtype;
+  layout), the activations staying in their dtype. The
+  :class:`~backplane.models.linear.Linear` builds it, with whatever rides
+  along (a pre-norm and residual add, the rotary embedding of the queries
+  and keys, an activation, a gated MLP's product) as for a full-precision
+  weight, from the scales :meth:`Fp8Projection.one_row_scales` gives it;
 * on CUDA devices of compute capability 8.9 and up (Ada, Hopper), for one
   scale per weight row: the activations quantised per token (or with the
   checkpoint's static ``input_scale``) and ``torch._scaled_mm`` with row-wise
@@ -24,13 +28,12 @@ float32 ``weight_scale`` parameter in row form (see
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
 
 from backplane import kernels
-from backplane.models.linear import Linear, dense
+from backplane.models.linear import Linear, ScaledWeight, dense
 from backplane.models.quant.fp8 import (
     FP8_DTYPE,
     dequantize_rows,
@@ -130,20 +133,15 @@ class Fp8Projection:
     def __init__(self, block_k: int, static: bool = False) -> None:
         self.block_k = int(block_k)
         self.static = bool(static)
-        # The one-row kernel's projections, by weight and scale storage (and the
-        # scales' version: a block-form copy is taken of them) and activation dtype.
-        self._one_row: dict[tuple, Any] = {}
 
     def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T + bias`` for the FP8 weight of ``linear``.
+        """``x @ W^T + bias`` for the FP8 weight of ``linear``, where the one-row kernel does not
+        run it (:meth:`~backplane.models.linear.Linear.forward` tries that first).
 
         :param linear: the converted projection.
         :param x: ``[..., in_features]`` in a float dtype.
         :return: ``[..., out_features]`` in ``x``'s dtype.
         """
-        proj = self._one_row_projection(linear, x)
-        if proj is not None:
-            return proj(x)[0]
         w, scales = linear.weight, linear.weight_scale
         if scales.shape[1] == 1 and self._fast(x, w):
             try:
@@ -159,53 +157,33 @@ class Fp8Projection:
                 _SCALED_MM[str(x.device)] = False
         return dense(x, dequantize_rows(w, scales, self.block_k, x.dtype), linear.bias)
 
-    def _one_row_projection(self, linear: Linear, x: torch.Tensor) -> Any:
-        """The one-row kernel's projection for ``x``, or ``None`` where another path runs it."""
-        if (
-            linear.fused_ops != "triton"
-            or x.dim() != 2
-            or x.shape[0] != 1
-            or x.stride(-1) != 1
-            or x.dtype not in ONE_ROW_DTYPES
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or not one_row_supported(x.device)
-        ):
-            return None
-        w, scales = linear.weight, linear.weight_scale
-        key = (w.data_ptr(), scales.data_ptr(), scales._version, x.dtype)
-        proj = self._one_row.get(key)
-        if proj is None:
-            # Projections of replaced or rewritten weights are not called again.
-            self._one_row = {k: p for k, p in self._one_row.items() if k[:3] == key[:3]}
-            proj = self._one_row[key] = self._build_one_row(linear, x)
-        return proj or None
+    def one_row_key(self, linear: Linear, x: torch.Tensor) -> tuple | None:
+        """What the one-row projections of ``linear`` are built from, or ``None`` where the
+        kernel does not read e4m3 weights for ``x``.
 
-    def _build_one_row(self, linear: Linear, x: torch.Tensor) -> Any:
-        """Build what :meth:`_one_row_projection` returns (``False`` where the kernel does not
-        take this weight)."""
-        w, scales, bias = linear.weight, linear.weight_scale, linear.bias
-        if w.stride(-1) != 1 or (bias is not None and not bias.is_contiguous()):
-            return False
-        gemv = kernels.load_gemv()
-        n, k = w.shape
-        scale_k = self.block_k if scales.shape[1] > 1 else None
-        scale, scale_n = block_form(scales) if scale_k is not None else (scales, 1)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        try:
-            launch = gemv.plan_fp8(n, k, sms, scale_k)
-        except ValueError as exc:
-            logger.warning("FP8 projection %dx%d keeps its other paths at one row: %s", n, k, exc)
-            return False
-        return gemv.OneRowProjection(
-            w,
-            bias,
-            launch=launch,
-            scale=scale,
-            scale_k=scale_k,
-            scale_n=scale_n,
-            dtype=x.dtype,
-        )
+        :param linear: the converted projection.
+        :param x: a one-row input.
+        :return: the weight's and scales' storage, the scales' version (a
+            block-form copy is taken of them) and ``x``'s dtype.
+        """
+        if x.dtype not in ONE_ROW_DTYPES or not one_row_supported(x.device):
+            return None
+        scales = linear.weight_scale
+        return (linear.weight.data_ptr(), scales.data_ptr(), scales._version, x.dtype)
+
+    def one_row_scales(self, linear: Linear) -> ScaledWeight:
+        """The scales of ``linear`` as the one-row kernel reads them: one per row, or block
+        scales shrunk to one row per block where the checkpoint's blocks allow (see
+        :func:`block_form`).
+
+        :param linear: the converted projection.
+        :return: the scales and their layout.
+        """
+        scales = linear.weight_scale
+        if scales.shape[1] == 1:
+            return ScaledWeight(scales, None, 1)
+        scale, scale_n = block_form(scales)
+        return ScaledWeight(scale, self.block_k, scale_n)
 
     def _fast(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         out, cols = w.shape
