@@ -127,7 +127,7 @@ def fp8_linear(
     s = rows.double()
     if s.shape[1] > 1:
         s = s.repeat_interleave(block[1], dim=1)[:, :k]
-    return lin, q.double() * s
+    return lin, (q.double() * s).to(device)
 
 
 def product_bound(h64: torch.Tensor, w64: torch.Tensor, b, ref: torch.Tensor, u: float):
