@@ -169,13 +169,12 @@ def equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 def poisoned(device: torch.device) -> Iterator[None]:
     """Every float tensor ``torch.empty`` allocates starts as NaN, and the split-K partial
     sums are NaN: an output element or partial the kernel does not write shows."""
-    from backplane.kernels import load_gemv
+    from backplane.kernels.split_k import SCRATCH
 
-    gemv = load_gemv()
     key = device
     if device.type == "cuda" and device.index is None:
         key = torch.device("cuda", torch.cuda.current_device())
-    bufs = gemv._SCRATCH.get(key)
+    bufs = SCRATCH.get(key)
     if bufs is not None:
         bufs[1].fill_(float("nan"))
     empty = torch.empty

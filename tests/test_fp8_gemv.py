@@ -155,7 +155,9 @@ def equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def poison_scratch(gemv: Any, device: torch.device) -> None:
     """Fill the split-K partial sums with NaN: a partial read before it is written shows."""
-    bufs = gemv._SCRATCH.get(device)
+    from backplane.kernels.split_k import SCRATCH
+
+    bufs = SCRATCH.get(device)
     if bufs is not None:
         bufs[1].fill_(float("nan"))
 

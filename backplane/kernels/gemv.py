@@ -71,17 +71,13 @@ from backplane.kernels.elementwise import (
     _inv_rms,
     _round,
 )
+from backplane.kernels.split_k import scratch as _scratch
 
 #: dtypes the kernel reads and writes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: the scaled weight dtype: read one byte per element, dequantised in the kernel
 FP8_WEIGHT = torch.float8_e4m3fn
-
-#: per device: the split-K arrival counters and partial sums (see :func:`_scratch`)
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-#: outgrown scratch buffers, never freed (captured graphs may still use them)
-_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 @triton.jit
@@ -334,32 +330,6 @@ def _epilogue(y, y_ptr, ACT: tl.constexpr, INTERPRET: tl.constexpr, EXACT: tl.co
 
 #: launches :func:`_gemv_kernel` with the host cost of the driver call
 _LAUNCHER = KernelLauncher(_gemv_kernel)
-
-
-def _scratch(device: torch.device, blocks: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K scratch on ``device``: zeroed int32 arrival counters for ``blocks`` row
-    blocks (each launch leaves them zero) and ``parts`` float32 partial sums.
-
-    Shared by every launch: launches on one stream run one after the other,
-    and each is done with both before it ends. Outgrown buffers are kept: a
-    captured graph replays into the ones it was captured with.
-    """
-    bufs = _SCRATCH.get(device)
-    if bufs is None or bufs[0].numel() < blocks or bufs[1].numel() < parts:
-        if bufs is not None:
-            _RETIRED.append(bufs)
-        counters = (
-            bufs[0]
-            if bufs is not None and bufs[0].numel() >= blocks
-            else torch.zeros(max(next_pow2(blocks), 1024), dtype=torch.int32, device=device)
-        )
-        part = (
-            bufs[1]
-            if bufs is not None and bufs[1].numel() >= parts
-            else torch.empty(max(next_pow2(parts), 1 << 16), dtype=torch.float32, device=device)
-        )
-        bufs = _SCRATCH[device] = (counters, part)
-    return bufs
 
 
 #: widest input row the models send through :func:`norm_gemv` (every program

@@ -40,8 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from backplane.core.launch import cdiv, next_pow2
+from backplane.core.launch import cdiv
 from backplane.kernels.availability import interpreting
+from backplane.kernels.split_k import scratch as _scratch
 
 #: ggml type ids the kernel reads -> (values per block, bytes per block)
 LAYOUTS: dict[int, tuple[int, int]] = {
@@ -64,10 +65,6 @@ _STEPS: dict[int, tuple[int, int]] = {8: (16, 16), 12: (2, 8), 13: (2, 8), 14: (
 
 #: per device: its multiprocessor count
 _SMS: dict[torch.device, int] = {}
-#: per device: the split-K arrival counters and partial sums (see :func:`_scratch`)
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-#: outgrown scratch buffers, never freed (captured graphs may still use them)
-_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 @triton.jit
@@ -438,32 +435,6 @@ def _sm_count(device: torch.device) -> int:
     if count is None:
         count = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return count
-
-
-def _scratch(device: torch.device, blocks: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K scratch on ``device``: zeroed int32 arrival counters for ``blocks`` row
-    blocks (each launch leaves them zero) and ``parts`` float32 partial sums.
-
-    Shared by every launch: launches on one stream run one after the other,
-    and each is done with both before it ends. Outgrown buffers are kept: a
-    captured graph replays into the ones it was captured with.
-    """
-    bufs = _SCRATCH.get(device)
-    if bufs is None or bufs[0].numel() < blocks or bufs[1].numel() < parts:
-        if bufs is not None:
-            _RETIRED.append(bufs)
-        counters = (
-            bufs[0]
-            if bufs is not None and bufs[0].numel() >= blocks
-            else torch.zeros(max(next_pow2(blocks), 1024), dtype=torch.int32, device=device)
-        )
-        part = (
-            bufs[1]
-            if bufs is not None and bufs[1].numel() >= parts
-            else torch.empty(max(next_pow2(parts), 1 << 16), dtype=torch.float32, device=device)
-        )
-        bufs = _SCRATCH[device] = (counters, part)
-    return bufs
 
 
 def dequantize_blocks(
