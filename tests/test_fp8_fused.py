@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from interpreter_checks import main, run_in_child
+from test_fp8_gemv import equal, within
 
 CHECKS = ("variants", "model-channel", "model-blocks")
 
@@ -143,26 +144,6 @@ def product_bound(h64: torch.Tensor, w64: torch.Tensor, b, ref: torch.Tensor, u:
     k = h64.shape[-1]
     absdot = h64.abs() @ w64.abs().T + (0 if b is None else b.double().abs())
     return u * ref.abs() + (2 * k + 4) * (torch.finfo(torch.float32).eps / 2) * absdot
-
-
-def within(name: str, got: torch.Tensor, want64: torch.Tensor, limit: torch.Tensor) -> None:
-    """``|got - want64| <= limit`` on every element, NaN failing."""
-    assert got.shape == want64.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want64.shape)}"
-    err = (got.double() - want64).abs().cpu()
-    limit = limit.double().cpu() + 1e-30
-    bad = ~(err <= limit)
-    assert not bad.any(), (
-        f"{name}: {int(bad.sum())} of {got.numel()} elements beyond the rounding bound; "
-        f"worst error {float((err / limit).nan_to_num(float('inf')).max()):.3g} x its bound"
-    )
-
-
-def equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """The same dtype, shape and bits."""
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = int((got != want).sum())
-    assert diff == 0, f"{name}: {diff} of {got.numel()} elements differ"
 
 
 @contextlib.contextmanager
