@@ -19,6 +19,7 @@ import tempfile
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,30 @@ def interpreting() -> bool:
     :return: ``True`` when ``TRITON_INTERPRET`` is set to something other than ``0``.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_gpu(min_capability: tuple[int, int] | None = None, why: str = "") -> Any:
+    """The CUDA device the Triton kernels run on, skipping the calling test where they cannot.
+
+    For the ``gpu`` twins of the interpreter checks: they skip without triton,
+    without CUDA, under ``TRITON_INTERPRET`` (the kernels would not run on the
+    GPU) and below ``min_capability``.
+
+    :param min_capability: the least compute capability, or ``None``.
+    :param why: what needs it, for the skip message.
+    :return: ``torch.device("cuda", current device)``.
+    """
+    import pytest
+    import torch
+
+    pytest.importorskip("triton", reason="triton is not installed")
+    if interpreting():
+        pytest.skip("TRITON_INTERPRET is set: the kernels would not run on the GPU")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    if min_capability is not None and torch.cuda.get_device_capability() < min_capability:
+        pytest.skip(f"{why} need compute capability {min_capability[0]}.{min_capability[1]}+")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def run_in_child(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreter_checks import kernel_gpu
 from test_fp8_gemv import CHECKS, LAYOUTS, equal, kernel_scales, quantized, run_check
 
 pytestmark = pytest.mark.gpu
@@ -23,16 +24,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def device() -> torch.device:
     """The CUDA device, skipping where the kernel cannot read e4m3 weights."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    from interpreter_checks import interpreting
-
-    if interpreting():
-        pytest.skip("TRITON_INTERPRET is set: the kernels would not run on the GPU")
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available")
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("e4m3 weights need compute capability 8.9 or newer")
-    return torch.device("cuda", torch.cuda.current_device())
+    return kernel_gpu((8, 9), "e4m3 weights")
 
 
 @pytest.mark.parametrize("check", CHECKS)

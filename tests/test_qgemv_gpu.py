@@ -19,6 +19,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from interpreter_checks import kernel_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -32,14 +33,7 @@ SHAPES = [(1024, 14336), (6144, 4096), (37, 768)]
 @pytest.fixture
 def device() -> torch.device:
     """The CUDA device, skipping where the kernel cannot run on one."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    from interpreter_checks import interpreting
-
-    if interpreting():
-        pytest.skip("TRITON_INTERPRET is set: the kernels would not run on the GPU")
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available")
-    return torch.device("cuda", torch.cuda.current_device())
+    return kernel_gpu()
 
 
 @functools.cache
