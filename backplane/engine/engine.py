@@ -140,8 +140,10 @@ class Engine(WorkerView):
             except BaseException:
                 self.executor.shutdown()
                 raise
-            if self.async_scheduling:
-                # a verified step's token count is known only on the host, after it ran
+            # A step with drafts runs synchronously (its token count is known only on the
+            # host, after it ran); with a proposer that tells from the committed tokens when
+            # a draft is worth waiting for (prompt lookup) the steps between overlap.
+            if self.async_scheduling and not self.spec.shares_async_steps:
                 logger.info("speculative decoding: steps run without asynchronous scheduling")
                 self.async_scheduling = False
         # per-request sampling seeds: the request's own, or one drawn here (reproducible per run)
@@ -364,6 +366,7 @@ class Engine(WorkerView):
         """
         self._check_open()
         if self.spec is not None:
+            self._settle_for_lookup()
             self.spec.propose(self.scheduler.running, self.structured_output)
         sched = self.scheduler.schedule()  # leaves nothing half-done if it raises
         flip = self._copies.turn
@@ -372,6 +375,24 @@ class Engine(WorkerView):
             return self._run_step(sched)
         except BaseException:
             self._recover(sched, prev, flip)
+            raise
+
+    def _settle_for_lookup(self) -> None:
+        """Commit the step in flight when a request looks for a draft at this step.
+
+        A draft continues the request's latest token, which must be on the host;
+        the committed tokens are delivered by this call (as :attr:`_undelivered`).
+        If the commit raises, its requests restart from their committed tokens.
+        """
+        prev = self._inflight
+        if prev is None or not self.spec.lookup_due(self.scheduler.running):
+            return
+        self._inflight = None
+        flip = self._copies.turn
+        try:
+            self._commit_launched(prev)
+        except BaseException:
+            self._recover(SchedulerOutput(), prev, flip)
             raise
 
     def _commit_launched(self, launched: LaunchedStep) -> dict[str, int]:
@@ -414,8 +435,12 @@ class Engine(WorkerView):
         if sched.state_saves or sched.state_restores:
             # recurrent states of cached prefixes, queued before the step's forward
             self.executor.driver.copy_state_slots(sched.state_saves, sched.state_restores)
+        verifying = self.spec is not None and any(s.num_draft_tokens for s in sched.scheduled)
+        if verifying and self._inflight is not None:
+            # drafts are proposed only with nothing in flight (see _settle_for_lookup)
+            raise RuntimeError("a step with drafts was scheduled while another was in flight")
         launched, committed = self._launch(sched) if sched.scheduled else (None, None)
-        if not self.async_scheduling:
+        if not self.async_scheduling or verifying:
             if launched is not None:
                 self.scheduler.advance(sched)
                 sampled = self._wait(launched)

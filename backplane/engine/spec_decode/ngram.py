@@ -94,6 +94,14 @@ class NgramProposer:
             for r in requests
         ]
 
+    def may_draft(self, token_ids: np.ndarray) -> bool:
+        """Whether the sequence's own suffix occurs earlier in it (a lookup would draft).
+
+        :param token_ids: ``[L]`` the sequence so far.
+        :return: ``True`` when :func:`find_draft` finds a match.
+        """
+        return len(find_draft(token_ids, self.min_n, self.max_n, 1)) > 0
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Nothing to forget: prompt lookup keeps no per-request state.
 

@@ -72,14 +72,18 @@ class SpecStats:
         return 1.0 + self.accepted_tokens / self.verified_seqs if self.verified_seqs else 0.0
 
 
-def may_speculate(req: Request) -> bool:
+def may_speculate(req: Request, *, pending: bool = False) -> bool:
     """Whether a running request's next step may verify drafts.
 
     :param req: a request.
+    :param pending: answer as if its token still on the device were committed
+        (whether committing the step in flight would let it speculate).
     :return: True when it decodes one token on cached context and its sampling
         reads nothing but the logits and its grammar (see the module docstring).
     """
-    if req.status is not RequestStatus.RUNNING or req.has_pending_token or req.final_pending:
+    if req.status is not RequestStatus.RUNNING or req.final_pending:
+        return False
+    if req.has_pending_token and not pending:
         return False
     c = req.num_computed_tokens
     if c == 0 or req.num_tokens - c != 1:
@@ -202,15 +206,50 @@ class SpecDecoder:
         drafts = self.proposer.propose(asks, context)
         for req, ask, draft in zip(reqs, asks, drafts, strict=True):
             draft = [int(t) for t in draft[: ask.max_tokens]]
-            if not draft or min(draft) < 0 or max(draft) >= self.vocab_size:
-                continue
-            if grammars is not None and req.request_id in grammars:
+            if draft and (min(draft) < 0 or max(draft) >= self.vocab_size):
+                draft = []
+            if draft and grammars is not None and req.request_id in grammars:
                 draft = draft[: grammars.valid_draft_length(req.request_id, draft)]
-                if not draft:
-                    continue
+            if not draft:
+                continue
             n = req.num_tokens
             req.token_buffer[n : n + len(draft)] = draft
             req.spec_token_ids.extend(draft)
+
+    @property
+    def shares_async_steps(self) -> bool:
+        """Whether the engine may schedule asynchronously between steps with drafts: the
+        proposer can tell from the committed tokens alone when a draft is worth waiting
+        for (:meth:`lookup_due`)."""
+        return callable(getattr(self.proposer, "may_draft", None))
+
+    def lookup_due(self, running: Sequence[Request]) -> bool:
+        """Whether the step in flight should be committed before the coming step's drafts.
+
+        A draft continues a request's latest token, which, with a step in
+        flight, is still on the device. A request whose committed tokens (all
+        but that one) already continue an earlier match (the proposer's
+        ``may_draft``) is likely to get a draft once it is committed: then it is
+        worth waiting for. One whose committed tokens match nothing is left in
+        flight, and looks again at the next step with one more token committed,
+        so a repeat is found at most a step late. A request with no token in
+        flight that may speculate makes the step wait too, so that a step with
+        drafts never runs beside one in flight. Which steps carry drafts changes
+        only the speed: verification keeps what decoding without them gives.
+
+        :param running: the scheduler's running requests.
+        :return: ``True`` when the step in flight should be committed first.
+        """
+        may_draft = getattr(self.proposer, "may_draft", None)
+        for req in running:
+            if not may_speculate(req, pending=True):
+                continue
+            if not req.has_pending_token or may_draft is None:
+                return True
+            committed = req.all_token_ids[: req.num_tokens - 1]
+            if may_draft(committed):
+                return True
+        return False
 
     def mark_verification(
         self, inputs: BatchInputs, scheduled: Sequence[ScheduledSeq], first_scratch_slot: int
@@ -402,4 +441,6 @@ class SpecDecoder:
             hit = starts.get(o.request_id)
             if hit is not None and o.new_token_ids:
                 req, start = hit
-                o.new_token_ids = req.output_token_ids[start:].tolist()
+                # the verified step's token comes last; any before it were committed by the
+                # step that was in flight before this one (and are delivered first)
+                o.new_token_ids = o.new_token_ids[:-1] + req.output_token_ids[start:].tolist()
