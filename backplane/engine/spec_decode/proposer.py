@@ -68,6 +68,13 @@ class ProposalContext:
 class Proposer(Protocol):
     """Drafts tokens for decoding sequences; implemented per method.
 
+    A proposer may also have ``may_draft(token_ids) -> bool``: whether a
+    sequence with these tokens would get a draft. With it, the engine keeps
+    asynchronous scheduling between drafts and commits a step in flight only
+    when a request's committed tokens already say a draft is likely
+    (:meth:`~backplane.engine.spec_decode.verify.SpecDecoder.lookup_due`);
+    without it, every step of a speculating engine runs synchronously.
+
     :ivar method: the configuration's method name (``"ngram"``, ``"draft_model"``, ``"mtp"``).
     :ivar num_speculative_tokens: ``k``, the most tokens proposed per sequence.
     """
