@@ -18,7 +18,6 @@ import logging
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from backplane.core.errors import ConfigError
 from backplane.engine.spec_decode.config import SpeculativeConfig
@@ -49,13 +48,17 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray
     if k <= 0 or length < 2:
         return np.empty(0, dtype=np.int64)
     tokens = np.asarray(tokens)
+    # A match of any length ends at an earlier occurrence of the last token: one pass
+    # finds those, and each longer suffix only filters them (no window per position).
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        # windows starting at 0 .. length - n - 1: every occurrence before the suffix itself
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            if not len(hits):
+                break
+            hits = hits[tokens[hits - back] == tokens[length - 1 - back]]
         if len(hits):
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             # the suffix equals the match, so token length + i equals token start + i:
             # past the sequence's end that is the draft's own token i - period
             period = length - start
