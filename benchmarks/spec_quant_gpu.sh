@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The one-GPU runs behind docs/speculative.md's and docs/models.md's figures, in parts that
+# each fit one call of a machine that compiles every kernel afresh (Triton, mamba-ssm and fla
+# kernels compile on first use; the parts of one call share the compiled kernels).
+#
+#   PART=tests bash benchmarks/spec_quant_gpu.sh OUT_DIR   # GPU tests of speculation and quantisation
+#   PART=spec  bash benchmarks/spec_quant_gpu.sh OUT_DIR   # speculation: ngram on the 1B shape, MTP
+#   PART=quant bash benchmarks/spec_quant_gpu.sh OUT_DIR   # FP8 and Q4_K at batch 1, the GGUF kernel
+#   PART=mix   bash benchmarks/spec_quant_gpu.sh OUT_DIR   # the 8B ShareGPT-like mix, bf16 and FP8
+#
+# Each step has a time limit (seconds, LIMIT_* below), so a stuck or slow step costs its
+# limit and the rest still run; OUT_DIR/timeline.txt says how long each took and how it
+# ended. The random weights are saved once under WEIGHTS_DIR.
+set -uo pipefail
+
+OUT=${1:?usage: PART=tests|spec|quant|mix bash benchmarks/spec_quant_gpu.sh OUT_DIR}
+PART=${PART:?set PART to tests, spec, quant or mix}
+W=${WEIGHTS_DIR:-/tmp/backplane-weights}
+LIMIT_TEST=${LIMIT_TEST:-150}
+LIMIT_BENCH=${LIMIT_BENCH:-200}
+mkdir -p "$OUT" "$W"
+T0=$(date +%s)
+mark() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/timeline.txt"; }
+
+# run NAME LIMIT COMMAND...: the command's output in OUT/NAME.log, its end in the timeline
+run() {
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    mark "rc=$? $name: $(tail -n 1 "$OUT/$name.log")"
+}
+
+latency() {
+    local name=$1
+    shift
+    run "$name" "$LIMIT_BENCH" backplane bench latency --weights-dir "$W" --batch-sizes 1 \
+        --attention triton --transformers none --json "$OUT/$name.json" "$@"
+}
+
+case $PART in
+tests)
+    for t in test_verify_graph test_spec_decode_gpu test_spec_graph_gpu test_hybrid_prefix_gpu \
+        test_fp8_kv_gpu test_fp8_gemv_gpu test_fp8_fused_gpu test_qgemv_gpu; do
+        run "$t" "$LIMIT_TEST" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "tests/$t.py"
+    done
+    ;;
+spec)
+    ngram='{"method": "ngram", "num_speculative_tokens": 4}'
+    latency ngram_llama32_1b --shapes llama-3.2-1b --workload rewrite --speculative-config "$ngram"
+    latency mtp_qwen3_next --shapes qwen3-next-1b-mtp \
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
+    ;;
+quant)
+    latency fp8_llama31_8b --shapes llama-3.1-8b --quantization fp8
+    latency q4k_llama31_8b --shapes llama-3.1-8b --weights-format gguf-q4_k
+    run qgemv "$LIMIT_BENCH" python3 benchmarks/qgemv.py --json "$OUT/qgemv.json"
+    ;;
+mix)
+    for q in none fp8; do
+        run "mix_$q" "$LIMIT_BENCH" backplane bench throughput --model llama-3.1-8b \
+            --weights-dir "$W" --num-prompts 1000 --request-rate inf --decode-batch-sizes none \
+            --no-transformers --quantization "$q" --json "$OUT/mix_$q.json"
+    done
+    ;;
+*)
+    echo "unknown PART=$PART (tests, spec, quant or mix)" >&2
+    exit 2
+    ;;
+esac
