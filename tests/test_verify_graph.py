@@ -12,6 +12,7 @@ replay real CUDA graphs over the torch and Triton backends.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -205,3 +206,32 @@ def test_verify_rows_are_bounded_by_the_budget_and_off_without_speculation():
     assert verify_rows(256, 8192, 5) == 256
     assert verify_rows(16, 40, 8) == 40
     assert verify_rows(512, 8192, 3) == 512
+
+
+@dataclass
+class _PendingReq:
+    """A request whose last token is still on the device (asynchronous scheduling)."""
+
+    token_buffer: np.ndarray
+    pending_source_row: int
+
+
+def test_rows_beside_tokens_in_flight_read_those_tokens_on_the_device(setup):
+    # A short chunk on cached context (a prompt's last chunk) beside decodes whose tokens
+    # the step in flight sampled: the decode rows take those tokens from the device, the
+    # chunk's rows their own tokens from the host.
+    engine, runner = setup
+    seqs = _chunks(engine, [3, 1, 1], [6, 9, 4], seed=21)
+    in_flight = torch.tensor([11, 17, 23, 29], dtype=torch.int64, device=engine.device)
+    for s, row in zip(seqs, (-1, 2, 0), strict=True):
+        s.request = _PendingReq(s.request.token_buffer, row)
+    ib = engine.input_batch
+    ib.pending_source = in_flight
+    try:
+        inputs = runner.prepare_inputs(seqs)
+    finally:
+        ib.pending_source = None
+    assert inputs.mode.rows_share_pages
+    ids = inputs.input_ids[:5].tolist()
+    assert ids[:3] == seqs[0].request.token_buffer[6:9].tolist()
+    assert ids[3:] == [23, 11]
