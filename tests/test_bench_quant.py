@@ -9,14 +9,12 @@ table the ``gguf`` package reads.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from bench_helpers import cpu_latency
 
 from backplane.cli import main
 
@@ -27,39 +25,16 @@ BATCHES = (1, 2)
 
 def _bench(tmp_path: Path, shape: str, *flags: str) -> dict[str, Any]:
     """Run ``bench latency`` on ``shape`` (CPU, torch attention, no transformers); its JSON."""
-    out = tmp_path / "latency.json"
-    argv = [
-        "bench",
-        "latency",
-        "--device",
-        "cpu",
-        "--shapes",
+    result, _ = cpu_latency(
         shape,
-        "--batch-sizes",
-        ",".join(map(str, BATCHES)),
-        "--prompt-len",
-        str(PROMPT_LEN),
-        "--new-tokens",
-        str(NEW_TOKENS),
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--attention",
-        "torch",
-        "--cuda-graphs",
-        "off",
-        "--transformers",
-        "none",
-        "--weights-dir",
-        str(tmp_path / "weights"),
-        "--json",
-        str(out),
-        *flags,
-    ]
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(argv) == 0
-    return json.loads(out.read_text())["shapes"][0]
+        tmp_path / "latency.json",
+        tmp_path / "weights",
+        batches=BATCHES,
+        prompt_len=PROMPT_LEN,
+        new_tokens=NEW_TOKENS,
+        extra=flags,
+    )
+    return result["shapes"][0]
 
 
 def _floors(shape: dict[str, Any]) -> tuple[dict[str, Any], ...]:

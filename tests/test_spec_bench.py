@@ -9,14 +9,13 @@ Never a timing.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_helpers import cpu_latency
 
 from backplane.cli import main
 from backplane.cli.bench.latency.settings import Settings, check_settings
@@ -31,42 +30,16 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
 
 
 def _bench(out: Path, weights: Path, shape: str, spec: dict[str, Any], *extra: str) -> dict:
-    argv = [
-        "bench",
-        "latency",
-        "--device",
-        "cpu",
-        "--shapes",
+    result, report = cpu_latency(
         shape,
-        "--batch-sizes",
-        ",".join(map(str, BATCHES)),
-        "--prompt-len",
-        str(PROMPT_LEN),
-        "--new-tokens",
-        str(NEW_TOKENS),
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--attention",
-        "torch",
-        "--cuda-graphs",
-        "off",
-        "--transformers",
-        "none",
-        "--weights-dir",
-        str(weights),
-        "--speculative-config",
-        json.dumps(spec),
-        "--json",
-        str(out),
-        *extra,
-    ]
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        rc = main(argv)
-    assert rc == 0
-    return {"json": json.loads(out.read_text()), "report": stdout.getvalue(), "weights": weights}
+        out,
+        weights,
+        batches=BATCHES,
+        prompt_len=PROMPT_LEN,
+        new_tokens=NEW_TOKENS,
+        extra=("--speculative-config", json.dumps(spec), *extra),
+    )
+    return {"json": result, "report": report, "weights": weights}
 
 
 @pytest.fixture(scope="module")
