@@ -48,6 +48,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from backplane.cli.bench.latency.floor import measure_bandwidth
 from backplane.kernels.gemv import gemv as splitk_gemv
 from backplane.kernels.gemv import plan as splitk_plan
 from backplane.kernels.gemv import plan_fp8
@@ -197,20 +198,6 @@ def gemv(
     return out
 
 
-def read_bandwidth() -> float:
-    """Bytes per second of a float32 sum over 1 GiB (best of 10)."""
-    t = torch.ones(2**28, device="cuda")
-    best = float("inf")
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t.sum()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return t.numel() * 4 / best
-
-
 def time_calls(fn, weights: list[torch.Tensor], calls: int = 40, repeats: int = 5) -> float:
     """Median microseconds per call of ``fn(w)`` replayed in a CUDA graph over ``weights``."""
     stream = torch.cuda.Stream()
@@ -250,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         logger.error("needs a CUDA device")
         return 2
-    bw = read_bandwidth()
+    bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     logger.info("read bandwidth %.1f GB/s, %s", bw / 1e9, torch.cuda.get_device_name())
     if args.fp8:
         return run_fp8(args.model, args.fp8, bw, args.json)

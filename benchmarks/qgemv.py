@@ -26,10 +26,11 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
 
 import torch
+from gemv import time_calls  # benchmarks/gemv.py: a CUDA-graph replay timer
 
+from backplane.cli.bench.latency.floor import measure_bandwidth
 from backplane.kernels import qgemv
 from backplane.models.gguf.dequant import dequantize
 
@@ -71,55 +72,6 @@ def random_blocks(ggml_type: int, f16_at: tuple[int, ...], n: int, k: int) -> to
     for off in f16_at:
         raw[:, off : off + 2] = scale
     return raw.reshape(n, -1)
-
-
-def read_bandwidth() -> float:
-    """Bytes per second of a float32 sum over 1 GiB (best of 10).
-
-    :return: the device's read bandwidth.
-    """
-    t = torch.ones(2**28, device="cuda")
-    best = float("inf")
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t.sum()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return t.numel() * 4 / best
-
-
-def time_calls(
-    fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], calls: int = 40
-) -> float:
-    """Median microseconds per call of ``fn(w)``, replayed in a CUDA graph over ``weights``.
-
-    :param fn: one call.
-    :param weights: the copies of the blocks, cycled through.
-    :param calls: calls per graph.
-    :return: microseconds per call (median of 7 replays after 2 warm-up replays).
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:3]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(weights[i % len(weights)])
-    times = []
-    for i in range(9):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def check(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> None:
@@ -171,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes.split(","):
         if name not in SHAPES:
             p.error(f"unknown projection {name!r}; choose from {', '.join(SHAPES)}")
-    bw = read_bandwidth()
+    bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     logger.info("%s: read bandwidth %.1f GB/s, %d SMs", torch.cuda.get_device_name(), bw / 1e9, sms)
     logger.info(
