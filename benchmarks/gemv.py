@@ -66,6 +66,13 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
         "down": (2048, 8192),
         "lm_head": (32000, 2048),
     },
+    "llama-8b": {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+        "lm_head": (128256, 4096),
+    },
     # Mamba2 in_proj: z (4096) + x, B, C (4096 + 2 * 8 * 128) + dt (64 heads)
     "nemotron-h-0.85b": {
         "in_proj": (10304, 2048),
@@ -83,8 +90,22 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
 SPLITK_TILES = ((16, 256), (32, 256), (8, 512), (16, 512))
 
 #: (block_n, block_k) tiles the split-K kernel is timed with on FP8 weights, at 1..8 splits
-#: (block_k over 128 skipped for block scales: a chunk takes one scale per row)
-FP8_TILES = ((16, 128), (32, 128), (16, 256), (32, 256), (8, 512), (16, 512))
+#: and 4 or 8 warps (block_k over 128 skipped for block scales: a chunk takes one scale per
+#: row); an FP8 tile holds half the bytes of a 16-bit one of the same shape
+FP8_TILES = (
+    (16, 128),
+    (32, 128),
+    (16, 256),
+    (32, 256),
+    (8, 512),
+    (16, 512),
+    (32, 512),
+    (8, 1024),
+    (16, 1024),
+)
+
+#: warps per program the FP8 tiles are timed with
+FP8_WARPS = (4, 8)
 
 #: the most input rows the kernel takes (the rows are held in registers)
 MAX_ROWS = 8
@@ -395,9 +416,10 @@ def run_fp8(model: str, granularity: str, bw: float, json_path: str | None) -> i
                 return 1
             t_path = time_calls(lambda lin, x=x: lin(x), lins)
             launches = {
-                (bn, bk, sk)
+                (bn, bk, sk, nw)
                 for bn, bk in FP8_TILES
                 for sk in (1, 2, 4, 8)
+                for nw in FP8_WARPS
                 if not (block and bk > 128)
             }
             times = {

@@ -292,6 +292,8 @@ def build_llm(args: argparse.Namespace) -> LLM:
         "backends": {**dict(args.backend), "attention": args.attention},
         "tensor_parallel_size": args.tensor_parallel_size,
     }
+    if args.quantization:
+        overrides["quantization"] = args.quantization
     if args.model:
         return LLM(args.model, **overrides)
     if args.shape in presets.PRESETS:
@@ -588,6 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="ranks the model is split over; the profile is rank 0's (the driver's process)",
+    )
+    ap.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="quantise the projections on load (fp8: e4m3 weights, one scale per row)",
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--top", type=int, default=15, help="kernels listed (15)")

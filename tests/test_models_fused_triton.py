@@ -1092,3 +1092,29 @@ def test_normed_projections_take_the_kernel_up_to_gate_up_size():
     assert not gemv.rotary_fits((16, 256, 1), 3072, 2552, 4, bf16)  # ends inside a block
     assert not gemv.rotary_fits((8, 512, 1), 3072, 2560, 32, torch.float16)
     assert not gemv.rotary_fits((8, 512, 1), 3072, 2560, 48, bf16)  # not whole heads
+
+
+def test_long_rows_take_the_kernel_in_wide_chunks():
+    """At 8B-class widths (4096 input features) every projection runs the kernel in chunks of
+    512, the LM head too; the 1B-class launches stay as measured; FP8 weights with one scale
+    per row take their own tiles there, block-scaled ones chunks that divide their blocks."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from backplane.kernels import gemv
+
+    sms = 132
+    assert gemv.plan(6144, 4096, sms) == (16, 512, 1)  # q/k/v
+    assert gemv.plan(28672, 4096, sms) == (16, 512, 1)  # gate/up: cuBLAS before
+    assert gemv.plan(128256, 4096, sms) == (16, 512, 1)  # LM head
+    assert gemv.plan(4096, 14336, sms) == (16, 512, 2)  # down: 7168 columns per split
+    assert gemv.plan(2048, 8192, sms) == (16, 256, 4)  # 1B down: 2048 per split
+    assert gemv.plan(2048, 2048, sms) == (8, 512, 1)
+    assert gemv.plan(16384, 2048, sms) is None
+    assert gemv.plan_fp8(28672, 4096, sms) == (16, 512, 1, 8)
+    assert gemv.plan_fp8(4096, 14336, sms) == (8, 1024, 1)
+    assert gemv.plan_fp8(1024, 16384, sms) == (8, 1024, 4)  # 128 row blocks: split to 512
+    assert gemv.plan_fp8(6144, 4096, sms, 128) == (16, 128, 1)
+    assert gemv.plan_fp8(2048, 2048, sms) == gemv.plan(2048, 2048, sms)
+    # A launch may name its warps; the projection keeps the three-part shape.
+    w = torch.zeros(64, 128, dtype=torch.float32)
+    proj = gemv.OneRowProjection(w, launch=(16, 64, 2, 8), pdl=False)
+    assert proj.launch == (16, 64, 2) and proj.split_k == 2

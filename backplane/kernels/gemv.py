@@ -332,6 +332,10 @@ def _epilogue(y, y_ptr, ACT: tl.constexpr, INTERPRET: tl.constexpr, EXACT: tl.co
 _LAUNCHER = KernelLauncher(_gemv_kernel)
 
 
+#: warps per program unless a launch names its own (Triton's default)
+NUM_WARPS = 4
+
+
 #: widest input row the models send through :func:`norm_gemv` (every program
 #: holds the whole row in registers for its RMS; wider rows take the norm kernel)
 NORM_MAX_ROW = 8192
@@ -344,11 +348,17 @@ SMALL_WEIGHT = 1 << 23
 MEDIUM_WEIGHT = 1 << 25
 
 
+#: a reduction at least this long per program streams in chunks of 512 columns,
+#: at every weight size (the 8B-class shapes, ``K = 4096``)
+LONG_ROW = 4096
+
+
 def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     """The launch shape for an ``[n, k]`` weight, or ``None`` where cuBLAS is as fast.
 
-    Measured on an H200 at one row, weights cold in L2 (``benchmarks/gemv.py``,
-    Llama-1B and Nemotron-H 0.85B projections):
+    Measured on an H200 at one row, weights cold in L2 (``benchmarks/gemv.py``).
+    Projections of 1B-class models (``K = 2048``, ``--model llama-1b`` and
+    ``nemotron-h-0.85b``):
 
     * tall weights (``k >= 2n``: down and Mamba2 out projections) split the
       reduction until about three programs per SM are in flight, at least
@@ -364,18 +374,28 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     * larger weights (gate/up of 2048 -> 16384, LM heads) stay with cuBLAS,
       which reads them at 87-95% of the bandwidth; the kernel was slower.
 
+    Where each program reduces at least :data:`LONG_ROW` columns (8B-class
+    models, ``--model llama-8b``) every size runs the kernel in steps of 512,
+    the tall ones split as above: q/k/v 4096 -> 6144 in 13.9 us against
+    cuBLAS's 16.2 (14.9 in steps of 256), o 4096 -> 4096 in 10.0 against 13.4,
+    gate/up 4096 -> 28672 in 55.5 against 61.1 (101% and 89% of the
+    bandwidth), down 14336 -> 4096 in two splits in 28.8 against 32.1 (38.1 in
+    steps of 256), a 128k LM head in 235 against 247.
+
     :param n: output features.
     :param k: input features.
     :param sms: the device's multiprocessor count.
     :return: ``(block_n, block_k, split_k)`` (``split_k`` a power of two), or ``None``.
     """
     if k >= 2 * n:
-        block_n, block_k = 16, 256
+        block_n = 16
         blocks = cdiv(n, block_n)
         split_k = 1
         while blocks * split_k < 3 * sms and k // (split_k * 2) >= 1024:
             split_k *= 2
-        return block_n, block_k, split_k
+        return block_n, 512 if k // split_k >= LONG_ROW else 256, split_k
+    if k >= LONG_ROW:
+        return 16, 512, 1
     if n * k <= SMALL_WEIGHT:
         return 8, 512, 1
     if n * k < MEDIUM_WEIGHT:
@@ -408,39 +428,64 @@ def plan_normed(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
 
 
 def default_launch(
-    n: int, k: int, device: torch.device, scale_k: int | None = None
-) -> tuple[int, int, int]:
+    n: int, k: int, device: torch.device, scale_k: int | None = None, fp8: bool = False
+) -> tuple[int, ...]:
     """:func:`plan`'s launch for an ``[n, k]`` weight on ``device``, or one split in row
-    blocks of 16 where it leaves the weight to cuBLAS; with ``scale_k`` (block-scaled FP8
-    weights), :func:`plan_fp8`'s."""
+    blocks of 16 where it leaves the weight to cuBLAS; for FP8 weights (``fp8``, with
+    ``scale_k`` for block scales), :func:`plan_fp8`'s."""
     sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
-    if scale_k is not None:
+    if fp8 or scale_k is not None:
         return plan_fp8(n, k, sms, scale_k)
     return plan(n, k, sms) or (16, 256, 1)
 
 
-def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int, int, int]:
+#: FP8 weights of at least this many elements (64 MiB: gate/up and LM heads of
+#: 8B-class models) take eight warps per program on long rows
+FP8_LARGE = 1 << 26
+
+
+def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int, ...]:
     """The launch shape for an ``[n, k]`` FP8 (e4m3) weight at one row.
 
     Every shape runs the kernel: the alternative at one row,
     ``torch._scaled_mm``, quantises the activation in a launch of its own and
-    multiplies a row padded to 16. The shapes are :func:`plan`'s (one in row
-    blocks of 16 where it leaves a 16-bit weight to cuBLAS), with the chunks
-    narrowed to divide the weight's scale blocks so that each chunk takes one
-    scale per row. Not yet measured against other tiles on a GPU:
-    ``benchmarks/gemv.py --fp8`` times them.
+    multiplies a row padded to 16 (5-8x slower, ``benchmarks/gemv.py --fp8``).
+
+    With one scale per row (or tensor) and rows of at least
+    :data:`LONG_ROW` columns, the shapes measured on an H200 at the
+    Llama-3.1-8B projections (``--fp8 channel --model llama-8b``): weights of
+    :data:`FP8_LARGE` elements and more in row blocks of 16, steps of 512 and
+    eight warps (gate/up 30.7-31.9 us at 86-89% of the bandwidth, a 128k LM
+    head 126.7 us at 97%); smaller ones in row blocks of 8 and steps of 1024,
+    split as :func:`plan` splits tall weights (o 5.8 us against 12.2 for the
+    16-bit shapes below, down 16.6 against 24.8, q/k/v 9.6 against 12.7): an
+    FP8 tile holds half the bytes of a 16-bit one of the same shape.
+
+    Otherwise the shapes are :func:`plan`'s (one in row blocks of 16 where it
+    leaves a 16-bit weight to cuBLAS), with the chunks narrowed to divide the
+    weight's scale blocks so that each chunk takes one scale per row.
 
     :param n: output features.
     :param k: input features.
     :param sms: the device's multiprocessor count.
     :param scale_k: input columns per weight scale for block scales, ``None``
         for one scale per row (or per tensor).
-    :return: ``(block_n, block_k, split_k)``.
+    :return: ``(block_n, block_k, split_k)``, with the warps per program
+        after them where they are not :data:`NUM_WARPS`.
     :raises ValueError: for scale blocks of fewer than 16 columns or not a
         multiple of 16.
     """
+    blocked = scale_k is not None and scale_k < k
+    if not blocked and k >= LONG_ROW:
+        if n * k >= FP8_LARGE:
+            return 16, 512, 1, 8
+        blocks = cdiv(n, 8)
+        split_k = 1
+        while blocks * split_k < 3 * sms and k // (split_k * 2) >= LONG_ROW:
+            split_k *= 2
+        return 8, 1024, split_k
     block_n, block_k, split_k = plan(n, k, sms) or (16, 256, 1)
-    if scale_k is not None and scale_k < k:
+    if blocked:
         if scale_k % 16:
             raise ValueError(
                 f"gemv: FP8 scale blocks of {scale_k} columns are not read by the kernel; "
@@ -544,7 +589,8 @@ class OneRowProjection:
     :param weight: ``[N, K]`` with unit stride along ``K``.
     :param bias: optional ``[N]``, contiguous.
     :param launch: ``(block_n, block_k, split_k)``, powers of two (default:
-        :func:`default_launch`).
+        :func:`default_launch`), optionally followed by the warps per program
+        (default :data:`NUM_WARPS`).
     :param act: the epilogue's activation (a key of
         :data:`~backplane.kernels.elementwise.ACT_CODES`) or ``None``.
     :param gate_act: the gated-activation prologue's activation, or ``None``.
@@ -600,8 +646,12 @@ class OneRowProjection:
             weight, scale, scale_k, scale_n
         )
         if launch is None:
-            launch = default_launch(n, k, weight.device, scale_k if scale_mode == 2 else None)
-        block_n, block_k, _ = launch
+            launch = default_launch(
+                n, k, weight.device, scale_k if scale_mode == 2 else None, fp8=scale_mode > 0
+            )
+        block_n, block_k = launch[0], launch[1]
+        num_warps = launch[3] if len(launch) > 3 else NUM_WARPS
+        launch = tuple(launch[:3])
         if scale_mode == 2 and scale_k % block_k:
             raise ValueError(
                 f"gemv: chunks of {block_k} columns straddle the weight's scale blocks of "
@@ -672,6 +722,7 @@ class OneRowProjection:
             n,
             k,
             launch,
+            num_warps,
             weight.stride(0),
             weight.dtype,
             weight.data_ptr() & 15,
@@ -698,6 +749,7 @@ class OneRowProjection:
             BLOCK_D=next_pow2(k) if norm is not None else 1,
             ROPE=rotary is not None,
             INTERPRET=INTERPRET,
+            num_warps=num_warps,
             EXACT=_EXACT_MATH,
             PDL=int(pdl),
             SCALE=scale_mode,
@@ -793,7 +845,8 @@ def gemv(
     :param weight: ``[N, K]`` with unit stride along ``K``, the dtype of ``x``.
     :param bias: optional ``[N]``, contiguous.
     :param launch: ``(block_n, block_k, split_k)``, ``block_n`` and ``block_k``
-        powers of two; default: :func:`default_launch`.
+        powers of two, optionally followed by the warps per program; default:
+        :func:`default_launch`.
     :param act: an activation applied to the product before it is stored (a
         key of :data:`~backplane.kernels.elementwise.ACT_CODES`, e.g.
         ``"relu2"``), with the roundings of the projection followed by the
