@@ -22,7 +22,14 @@ in all), and each figure is set against the projection's own bandwidth floor
 (weight bytes / the device's read bandwidth, measured here with a large
 reduction). The Triton results are checked against cuBLAS's first.
 
-With ``--fp8 tensor|channel|block`` it times FP8 (e4m3) weights at one row
+With ``--fused`` it times each projection of ``--model`` at one row as a
+Llama-family layer runs it, with the work that rides along (q/k/v: residual
+add, RMS norm and rotary; gate/up: residual add and RMS norm; down: the
+gated activation), over a few launches, against the separate kernel pair
+(the norm or activation kernel, then the plain projection, or cuBLAS); with
+``--fp8 channel`` as well, on FP8 weights scaled per row.
+
+With ``--fp8 tensor|channel|block`` (alone) it times FP8 (e4m3) weights at one row
 instead, scaled per tensor, per output channel or per 128x128 block: the
 split-K kernel reading them one byte per element (the launch ``plan_fp8``
 picks, and a grid of tiles and split counts) against what an FP8 ``Linear``
@@ -34,6 +41,7 @@ Run on the GPU machine::
 
     python benchmarks/gemv.py [--model nemotron-h-0.85b] [--rows 1,8] [--json out.json]
     python benchmarks/gemv.py --fp8 block [--model nemotron-h-0.85b] [--json out.json]
+    python benchmarks/gemv.py --fused [--fp8 channel] --model llama-8b [--json out.json]
 """
 
 from __future__ import annotations
@@ -253,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("tensor", "channel", "block"),
         help="time FP8 weights of this scale granularity at one row (see above)",
     )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="time the projections with their prologues and epilogues (see above)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -260,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     logger.info("read bandwidth %.1f GB/s, %s", bw / 1e9, torch.cuda.get_device_name())
+    if args.fused:
+        return run_fused(args.model, args.fp8, bw, args.json)
     if args.fp8:
         return run_fp8(args.model, args.fp8, bw, args.json)
     rows = [int(r) for r in args.rows.split(",")]
@@ -472,6 +487,140 @@ def run_fp8(model: str, granularity: str, bw: float, json_path: str | None) -> i
                 indent=1,
             )
     return 0
+
+
+#: launches ``--fused`` times per projection kind, for 16-bit and FP8 weights
+FUSED_LAUNCHES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "wide": ((16, 512, 1), (8, 512, 1), (16, 256, 1), (32, 256, 1), (16, 512, 1, 8)),
+    "tall": ((16, 512, 2), (16, 256, 2), (16, 512, 4), (8, 512, 2), (16, 256, 4)),
+    "wide_fp8": ((8, 1024, 1), (16, 512, 1, 8), (16, 512, 1), (8, 512, 1), (16, 256, 1)),
+    "tall_fp8": ((8, 1024, 1), (16, 512, 2, 8), (8, 1024, 2), (16, 512, 2), (16, 256, 2)),
+}
+
+
+def run_fused(model: str, fp8: str | None, bw: float, json_path: str | None) -> int:
+    """Time ``model``'s projections as a layer runs them at one row; print one row per launch.
+
+    :param model: a key of :data:`MODELS` with ``qkv``, ``o``, ``gate_up`` and ``down``.
+    :param fp8: ``"channel"`` for FP8 weights scaled per row, ``None`` for bfloat16.
+    :param bw: the device's read bandwidth, bytes per second.
+    :param json_path: write the figures here, or ``None``.
+    :return: the exit status (1 when a fused launch disagrees with the separate kernels).
+    """
+    if fp8 not in (None, "channel"):
+        logger.error("--fused takes --fp8 channel or none")
+        return 2
+    shapes = MODELS[model]
+    results = []
+    logger.info("%-8s %-10s %9s %9s %7s  %s", "shape", "variant", "floor us", "us", "%bw", "launch")
+    for name, variant in (
+        ("qkv", "norm_rope"),
+        ("o", "plain"),
+        ("gate_up", "norm"),
+        ("down", "gated"),
+    ):
+        n, k = shapes[name]
+        floor = (n * k * (1 if fp8 else 2) + (n * 4 if fp8 else 0)) / bw * 1e6
+        rows = _fused_rows(shapes, name, variant, fp8 is not None)
+        if rows is None:
+            return 1
+        for key, us in rows.items():
+            logger.info(
+                "%-8s %-10s %9.2f %9.2f %6.0f%%  %s",
+                name,
+                variant,
+                floor,
+                us,
+                100 * floor / us,
+                key,
+            )
+        results.append(
+            {"shape": name, "variant": variant, "n": n, "k": k, "floor_us": floor, "us": rows}
+        )
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            out = {"bandwidth": bw, "gpu": torch.cuda.get_device_name(), "fp8": fp8}
+            json.dump({**out, "results": results}, f, indent=1)
+    return 0
+
+
+def _fused_rows(
+    shapes: dict[str, tuple[int, int]], name: str, variant: str, fp8: bool
+) -> dict[str, float] | None:
+    """Microseconds per call of one projection's fused and separate launches (``None``: a
+    fused launch disagreed with the separate kernels)."""
+    from backplane.kernels import elementwise
+    from backplane.kernels.gemv import OneRowProjection
+
+    n, k = shapes[name]
+    head_dim, q_rows = 128, shapes["o"][1]
+    kv_rows = (shapes["qkv"][0] - q_rows) // 2
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    copies = max(2, -(-(256 << 20) // (n * k * (1 if fp8 else 2))))
+    weights, scales = [], []
+    for _ in range(copies):
+        w = torch.randn(n, k, device=dev) * 0.02
+        if fp8:
+            q, scale = quantize_weight(w, "channel")
+            weights.append(q)
+            scales.append(scale.reshape(-1).contiguous())
+        else:
+            weights.append(w.to(bf16))
+    x = torch.randn(1, 2 * k if variant == "gated" else k, device=dev, dtype=bf16)
+    residual = torch.randn(1, k, device=dev, dtype=bf16)
+    g = (torch.rand(k, device=dev) + 0.5).to(bf16)
+    cos = torch.rand(head_dim // 2, device=dev).to(bf16)
+    sin = torch.rand(head_dim // 2, device=dev).to(bf16)
+    normed = variant.startswith("norm")
+    extras: dict = {}
+    if normed:
+        extras["norm"] = (g, 1e-5, False)
+    if variant == "norm_rope":
+        extras["rotary"] = (q_rows + kv_rows, head_dim // 2)
+    if variant == "gated":
+        extras["gate_act"] = "silu"
+
+    def project(i: int, launch: tuple[int, ...], **kw) -> OneRowProjection:
+        scale = {"scale": scales[i], "dtype": bf16} if fp8 else {}
+        return OneRowProjection(weights[i], launch=launch, **scale, **kw)
+
+    def prologue() -> torch.Tensor:
+        if normed:
+            return elementwise.add_rms_norm(x, residual, g, 1e-5, False)[0]
+        return elementwise.act_and_mul(x, "silu") if variant == "gated" else x
+
+    def call_fused(proj: OneRowProjection) -> torch.Tensor:
+        return proj(x, residual, cos, sin)[0] if normed else proj(x)[0]
+
+    def call_separate(proj: OneRowProjection) -> torch.Tensor:
+        return proj(prologue())[0]
+
+    def call_cublas(w: torch.Tensor) -> torch.Tensor:
+        return F.linear(prologue(), w)
+
+    kind = ("tall" if k >= 2 * n else "wide") + ("_fp8" if fp8 else "")
+    rows: dict[str, float] = {}
+    with torch.inference_mode():
+        for launch in FUSED_LAUNCHES[kind]:
+            try:
+                projs = [project(i, launch, **extras) for i in range(copies)]
+            except ValueError as exc:  # a rotary epilogue the launch cannot hold
+                logger.info("%-8s %-10s skipped %s: %s", name, variant, launch, exc)
+                continue
+            plain = [project(i, launch) for i in range(copies)]
+            if variant != "norm_rope":  # the rotation is left out of the separate pair
+                got, want = call_fused(projs[0]).float(), call_separate(plain[0]).float()
+                err = (got - want).abs().max().item()
+                if err > 1e-2 * max(want.abs().max().item(), 1e-6):
+                    logger.error("%s %s %s: fused differs by %.3g", name, variant, launch, err)
+                    return None
+            rows[f"fused {launch}"] = time_calls(call_fused, projs)
+            if variant != "plain":
+                rows[f"separate {launch}"] = time_calls(call_separate, plain)
+        if not fp8 and variant != "plain":
+            rows["separate cuBLAS"] = time_calls(call_cublas, weights)
+    return rows
 
 
 if __name__ == "__main__":
