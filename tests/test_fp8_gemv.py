@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from interpreter_checks import main, run_in_child
 
-CHECKS = ("layouts", "riders", "refusals", "linear")
+CHECKS = ("layouts", "wide_chunks", "riders", "refusals", "linear")
 
 #: scale layouts: (name, weight granularity for :func:`quantize_weight`)
 LAYOUTS = (
@@ -209,6 +209,79 @@ def check_layouts(device: torch.device) -> None:
                 equal(name + " (again)", again, got)
 
 
+def block_quantized(
+    n: int, k: int, scale_n: int, scale_k: int, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An e4m3 weight rounded by torch, with block scales drawn apart from it.
+
+    Each ``[scale_n, scale_k]`` block has its own scale, spread over 1/8 to 8
+    at random, so a product taking a neighbouring row or column group's scale
+    lies far beyond the rounding bound.
+
+    :return: ``(q [n, k], scale [ceil(n / scale_n), ceil(k / scale_k)], q * s in float64)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    q = w.clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (-(-n // scale_n), -(-k // scale_k))
+    scale = torch.exp2(torch.rand(shape, generator=g, dtype=torch.float64) * 6 - 3).float()
+    s64 = scale.double().repeat_interleave(scale_n, 0)[:n].repeat_interleave(scale_k, 1)[:, :k]
+    return q.to(device), scale.to(device), (q.double() * s64).to(device)
+
+
+def check_wide_chunks(device: torch.device) -> None:
+    """Block scales read in chunks holding several column blocks, scaled per column group:
+    square blocks (the rows of a program in one row block: the input chunk is scaled),
+    row-form blocks and row blocks the programs straddle (the weight tile is scaled), odd
+    row and column tails, unsplit and split, poisoned partials; within the bound of float64
+    over the dequantised weight, repeated calls giving the same bits. Long rows take the
+    row-scaled shapes by default."""
+    from backplane.kernels import load_gemv
+
+    gemv = load_gemv()
+    if _small(device):
+        # (n, k, scale_n, scale_k, launches)
+        cases = [
+            (100, 300, 32, 32, [(16, 64, 1), (8, 128, 2), (32, 256, 1)]),
+            (100, 300, 1, 32, [(16, 64, 1), (8, 128, 3)]),
+            (70, 1000, 128, 128, [(16, 256, 1), (8, 512, 2), (16, 1024, 1)]),
+            (70, 1000, 1, 128, [(16, 256, 2), (8, 512, 1)]),
+            (100, 300, 48, 16, [(32, 64, 1), (16, 128, 2)]),
+            (20, 4200, 128, 128, [None]),
+            (20, 4200, 1, 128, [None]),
+        ]
+        dtypes = (torch.bfloat16, torch.float32)
+    else:
+        deep = [None, (8, 1024, 1), (8, 1024, 4), (16, 512, 1, 8), (32, 256, 2), (64, 512, 3)]
+        cases = [
+            (2048, 7168, 128, 128, deep),
+            (7168, 2048, 128, 128, deep),
+            (2048, 7168, 1, 128, deep),
+            (7168, 2048, 1, 128, deep),
+            (1000, 7000, 128, 128, deep),
+            (130, 3000, 48, 16, [(32, 64, 1), (16, 256, 2), (8, 1024, 1)]),
+        ]
+        dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    key = _device_key(device)
+    for seed, (n, k, scale_n, scale_k, launches) in enumerate(cases):
+        q, s, w64 = block_quantized(n, k, scale_n, scale_k, device, seed)
+        sc = dict(scale=s, scale_k=scale_k, scale_n=scale_n)
+        for dtype, launch in itertools.product(dtypes, launches):
+            x = _randn(1, k, dtype=dtype, device=device, seed=seed + 100)
+            b = _randn(n, dtype=dtype, device=device, seed=seed + 200)
+            name = f"fp8 gemv {n}x{k} blocks {scale_n}x{scale_k} {dtype} launch={launch}"
+            proj = gemv.OneRowProjection(q, b, launch=launch, dtype=dtype, **sc)
+            if launch is None and k >= gemv.LONG_ROW:
+                # The default launch of a long row holds several blocks per chunk.
+                assert proj.launch[1] > scale_k, f"{name}: planned {proj.launch}"
+            poison_scratch(gemv, key)
+            got, _ = proj(x)
+            ref = x.double() @ w64.T + b.double()
+            within(name, got, ref, bound(x, w64, b, ref))
+            poison_scratch(gemv, key)
+            equal(name + " (again)", proj(x)[0], got)
+
+
 def check_riders(device: torch.device) -> None:
     """The RMS-norm and gated-activation prologues and the activation epilogue over an FP8
     weight equal, bit for bit, the separate kernels followed by the plain FP8 product."""
@@ -217,7 +290,8 @@ def check_riders(device: torch.device) -> None:
     gemv, ew = load_gemv(), load()
     n, k = (40, 300) if _small(device) else (2048, 2048)
     dtype = torch.bfloat16
-    for (layout, gran), launch in itertools.product(LAYOUTS[::2], [(16, 128, 1), (8, 64, 3)]):
+    launches = [(16, 128, 1), (8, 64, 3), (16, 256, 2)]
+    for (layout, gran), launch in itertools.product(LAYOUTS[::2], launches):
         q, scale, rows = quantized(n, k, gran, device, seed=7)
         s, scale_k, scale_n = kernel_scales(layout, scale, rows)
         sc = dict(scale=s, scale_k=scale_k, scale_n=scale_n)
@@ -258,7 +332,16 @@ def check_refusals(device: torch.device) -> None:
         ("block scales without scale_k", {"scale": rows}, "fits no layout"),
         ("scale_k not matching", {"scale": rows, "scale_k": 64}, "fits no layout"),
         ("square blocks as rows", {"scale": scale, "scale_k": 128}, "fits no layout"),
-        ("straddling chunks", {"scale": rows, "scale_k": 128, "launch": (16, 256, 1)}, "straddle"),
+        (
+            "chunks straddling blocks of 96 columns",
+            {"scale": rows[:, :1].repeat(1, 4), "scale_k": 96, "launch": (16, 128, 1)},
+            "straddle",
+        ),
+        (
+            "chunks holding blocks narrower than 16 columns",
+            {"scale": rows[:, :1].repeat(1, 38), "scale_k": 8, "launch": (16, 64, 1)},
+            "straddle",
+        ),
     ]
     for name, kwargs, words in bad:
         weight = kwargs.pop("weight", q)
@@ -275,6 +358,11 @@ def check_refusals(device: torch.device) -> None:
     else:
         raise AssertionError("an FP8 projection without an activation dtype was accepted")
     assert gemv.plan_fp8(40, 300, 4, 128)[1] == 128
+    # Long rows: the row-scaled shapes where chunks hold whole blocks or lie in one.
+    for n, k in ((2048, 7168), (7168, 4096), (4096, 14336), (28672, 4096)):
+        for scale_k in (128, 16, 2048):
+            assert gemv.plan_fp8(n, k, 132, scale_k) == gemv.plan_fp8(n, k, 132), (n, k, scale_k)
+    assert gemv.plan_fp8(4096, 4096, 132, 96)[1] == 32
     assert gemv.plan_fp8(40, 300, 4, 96)[1] == 32
     try:
         gemv.plan_fp8(40, 300, 4, 100)

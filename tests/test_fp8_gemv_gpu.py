@@ -3,9 +3,12 @@
 The checks of ``tests/test_fp8_gemv.py`` (every scale layout, odd shapes,
 split and unsplit, poisoned partial sums, against float64 over the
 dequantised weight; the riders; the refusals; FP8 ``Linear`` routing) at
-larger shapes, then CUDA-graph captures: a projection captured with one input
-and replayed with others gives what eager calls give, for each scale layout
-and for an FP8 ``Linear`` (its kernel built in the eager warm-up call).
+larger shapes (block scales read in chunks of several blocks at DeepSeek-V3's
+7168 -> 2048 and 2048 -> 7168 with 128x128 blocks, every element against
+float64), then CUDA-graph captures: a projection captured with one input and
+replayed with others gives what eager calls give, for each scale layout (in
+chunks within a scale block and holding several) and for an FP8 ``Linear``
+(its kernel built in the eager warm-up call).
 
 Run with ``python -m pytest -m gpu tests/test_fp8_gemv_gpu.py``; Triton's e4m3
 type needs compute capability 8.9 or newer.
@@ -34,7 +37,7 @@ def test_check(device: torch.device, check: str) -> None:
 
 
 @pytest.mark.parametrize("layout", [name for name, _ in LAYOUTS])
-@pytest.mark.parametrize("launch", [(16, 128, 1), (16, 128, 4)])
+@pytest.mark.parametrize("launch", [(16, 128, 1), (16, 128, 4), (8, 1024, 2)])
 def test_graph_replay(device: torch.device, layout: str, launch: tuple[int, int, int]) -> None:
     """A captured FP8 projection replayed with new inputs equals eager calls, bit for bit
     (the split-K arrival counters are left at zero by every launch)."""
