@@ -435,7 +435,7 @@ def run_fp8(model: str, granularity: str, bw: float, json_path: str | None) -> i
                 for bn, bk in FP8_TILES
                 for sk in (1, 2, 4, 8)
                 for nw in FP8_WARPS
-                if not (block and bk > 128)
+                if not (block and bk % 128)
             }
             times = {
                 str(launch): time_calls(lambda lin, launch=launch: kernel(lin, launch), lins)
