@@ -1097,7 +1097,7 @@ def test_normed_projections_take_the_kernel_up_to_gate_up_size():
 def test_long_rows_take_the_kernel_in_wide_chunks():
     """At 8B-class widths (4096 input features) every projection runs the kernel in chunks of
     512, the LM head too; the 1B-class launches stay as measured; FP8 weights with one scale
-    per row take their own tiles there, block-scaled ones chunks that divide their blocks."""
+    per row take their own tiles there, block-scaled ones too where a chunk holds whole blocks."""
     pytest.importorskip("triton", reason="triton is not installed")
     from backplane.kernels import gemv
 
@@ -1112,7 +1112,8 @@ def test_long_rows_take_the_kernel_in_wide_chunks():
     assert gemv.plan_fp8(28672, 4096, sms) == (16, 512, 1, 8)
     assert gemv.plan_fp8(4096, 14336, sms) == (8, 1024, 1)
     assert gemv.plan_fp8(1024, 16384, sms) == (8, 1024, 4)  # 128 row blocks: split to 512
-    assert gemv.plan_fp8(6144, 4096, sms, 128) == (16, 128, 1)
+    assert gemv.plan_fp8(6144, 4096, sms, 128) == gemv.plan_fp8(6144, 4096, sms)  # whole blocks
+    assert gemv.plan_fp8(6144, 4096, sms, 96) == (16, 32, 1)  # 96 columns: narrowed
     assert gemv.plan_fp8(2048, 2048, sms) == gemv.plan(2048, 2048, sms)
     # A launch may name its warps; the projection keeps the three-part shape.
     w = torch.zeros(64, 128, dtype=torch.float32)
