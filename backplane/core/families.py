@@ -354,7 +354,16 @@ class RecurrentBackend(Backend):
     ``batch.verify_states.slots`` names. Once the engine knows how many
     proposals each sequence accepted, it copies the kept position's state back
     into the sequence's slot with :meth:`copy_state_slots`.
+
+    A backend whose :attr:`chains_rows` is true also runs the chunks of such
+    a step as decode rows of a captured verify graph: its ops then read and
+    write the slots ``batch.chained_rows`` names
+    (:class:`~backplane.core.metadata.ChainedRows`) instead of each row's own.
     """
+
+    #: whether the ops follow ``batch.chained_rows`` in a verify graph; the engine
+    #: verifies a recurrent model in verify graphs only when all its recurrent backends do
+    chains_rows: ClassVar[bool] = False
 
     def copy_state_slots(
         self, state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor

@@ -144,6 +144,39 @@ EAGER = StepMode()
 
 
 @dataclass(frozen=True)
+class ChainedRows:
+    """How the recurrent layers chain the decode rows of a step whose rows are chunk positions.
+
+    In a verify graph (:attr:`StepMode.rows_share_pages`) row ``r`` is position
+    ``position[r]`` of its sequence's chunk, run as one recurrent decode step:
+    it reads the state in slot ``src_slots[r]`` (the sequence's own slot at
+    position 0, the previous row's output slot after that) and writes its
+    output state to slot ``dst_slots[r]``, never to its source. The last row
+    of a chunk writes the sequence's own slot; the others write scratch slots,
+    which also keep the state after every position for the verification (see
+    :meth:`VerifyStates.chained`). Padding rows read and write the reserved
+    slot 0 at position 0.
+
+    Rows of one position never depend on each other, so a recurrent op runs
+    its decode update once per position ``j < num_positions``, each time over
+    the rows whose position is ``j``. The tensors are views of persistent
+    buffers at addresses that depend only on the row count, so a captured
+    graph reads each step's values.
+
+    :param num_positions: the most positions of a chunk the step may hold
+        (host; fixed per captured bucket).
+    :param position: ``int64 [rows]`` the chunk position of each row.
+    :param src_slots: ``int64 [rows]`` the slot each row reads its state from.
+    :param dst_slots: ``int64 [rows]`` the slot each row writes its state to.
+    """
+
+    num_positions: int
+    position: torch.Tensor
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class VerifyStates:
     """Where a speculative verification step keeps the recurrent state after each chunk position.
 
@@ -232,6 +265,54 @@ class VerifyStates:
             slots_host=slots,
             max_len=int(lens.max()) if len(lens) else 0,
             seqs=put(seqs),
+            slots=put(np.where(slots >= 0, slots, NULL_SLOT)),
+            sources=put(sources),
+            own_slots=put(own),
+        )
+
+    @classmethod
+    def chained(
+        cls,
+        first_rows: np.ndarray,
+        lens: np.ndarray,
+        own_slots: np.ndarray,
+        dst_slots: np.ndarray,
+        device: torch.device | str,
+    ) -> VerifyStates:
+        """Describe the verifying sequences of a step whose chunks ran as chained decode rows.
+
+        The rows already wrote the state after every position to their output
+        slots (:class:`ChainedRows`): position ``t < len - 1`` to a scratch slot,
+        the last position to the sequence's own slot. So only :meth:`keep_slots`
+        is meaningful; ``seqs_host`` holds each sequence's first row, and the
+        recurrent ops record nothing more for such a step.
+
+        :param first_rows: ``[V]`` the first row of each verifying sequence.
+        :param lens: ``[V]`` its chunk length.
+        :param own_slots: ``[V]`` its own state slot.
+        :param dst_slots: ``[V, W]`` the output slot of each of its rows (``W`` at least
+            the longest chunk; columns past a chunk's end are ignored).
+        :param device: where the step's tensors live.
+        :return: the description.
+        """
+        first_rows = np.asarray(first_rows, dtype=np.int64).reshape(-1)
+        lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+        own = np.asarray(own_slots, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_slots, dtype=np.int64).reshape(len(lens), -1)
+        cols = np.arange(dst.shape[1])[None, :]
+        slots = np.where(cols < lens[:, None] - 1, dst, -1)
+        sources = np.where(cols < lens[:, None], dst, NULL_SLOT)
+        sources[np.arange(len(lens)), lens - 1] = own
+        dev = torch.device(device)
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        return cls(
+            seqs_host=first_rows,
+            slots_host=slots,
+            max_len=int(lens.max()) if len(lens) else 0,
+            seqs=put(first_rows),
             slots=put(np.where(slots >= 0, slots, NULL_SLOT)),
             sources=put(sources),
             own_slots=put(own),
@@ -344,6 +425,9 @@ class BatchMetadata:
     #: the verifying sequences of a speculative step and where the recurrent ops
     #: keep their per-position states (``None``: no verification chunk)
     verify_states: VerifyStates | None = None
+    #: the state slots recurrent ops chain a verify graph's rows through
+    #: (``None``: every sequence reads and writes its own slot)
+    chained_rows: ChainedRows | None = None
 
     @property
     def num_seqs(self) -> int:

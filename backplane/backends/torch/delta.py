@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from backplane.backends.torch.chained_rows import chained_delta
 from backplane.backends.torch.verify_states import record_delta_states
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import DeltaBackend, DeltaLayerSpec
@@ -174,7 +175,11 @@ def gated_delta_rule(
             finals.append(final)
         state.index_copy_(0, slots, torch.stack(finals).to(state.dtype))
 
-    if batch.num_decode_seqs > 0:
+    if batch.chained_rows is not None and n > 0:
+        # a verify graph's rows: every row is a decode step, chained through its slots
+        qs, ks = _prepare_qk(q[:n], k[:n], hv, scale, use_qk_l2norm)
+        buf[:n].copy_(chained_delta(qs, ks, v, g, beta, state, batch.chained_rows, n))
+    elif batch.num_decode_seqs > 0:
         p, s_end = batch.num_prefill_seqs, batch.num_seqs
         rows = slice(batch.num_prefill_tokens, n)  # one token per decode sequence
         slots = batch.state_slots.to(device=dev, dtype=torch.long)[p:s_end]
@@ -193,6 +198,7 @@ class TorchDeltaBackend(DeltaBackend):
     """Reference gated delta rule backend in plain torch (any device)."""
 
     name = "torch"
+    chains_rows = True
 
     def forward(
         self,

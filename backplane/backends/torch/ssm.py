@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backplane.backends.torch.chained_rows import chained_conv, chained_scan
 from backplane.backends.torch.verify_states import record_conv_states, record_scan_states
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
@@ -89,7 +90,10 @@ def causal_conv1d(
     n = batch.num_tokens
     width = weight.shape[1] - 1  # the state holds kernel_size - 1 inputs
     record_conv_states(x, conv_state)  # before the sequences' slots are overwritten
-    if n > 0:
+    chain = batch.chained_rows
+    if chain is not None and n > 0:
+        buf[:n].copy_(chained_conv(x, weight, bias, conv_state, activation, chain, n))
+    elif n > 0:
         seq, offset, slot, has_state = _token_layout(batch, x.device)
         tok = torch.arange(n, device=x.device)
         acc = torch.zeros((n, x.shape[1]), dtype=torch.float32, device=x.device)
@@ -276,7 +280,11 @@ def ssm_scan(
             finals.append(final)
         ssm_state.index_copy_(0, slots, torch.stack(finals).to(ssm_state.dtype))
 
-    if batch.num_decode_seqs > 0:
+    if batch.chained_rows is not None and n > 0:
+        # a verify graph's rows: every row is a decode step, chained through its slots
+        y = chained_scan(x, dt, A, B, C, dt_bias, ssm_state, dt_softplus, batch.chained_rows, n)
+        finish_rows(y, slice(0, n))
+    elif batch.num_decode_seqs > 0:
         p, s = batch.num_prefill_seqs, batch.num_seqs
         rows = slice(batch.num_prefill_tokens, n)  # one token per decode sequence
         slots = batch.state_slots.to(device=x.device, dtype=torch.long)[p:s]
@@ -299,6 +307,7 @@ class TorchSSMBackend(SSMBackend):
     """Reference Mamba2 backend: causal conv1d and selective scan in plain torch (any device)."""
 
     name = "torch"
+    chains_rows = True
 
     def conv(
         self,

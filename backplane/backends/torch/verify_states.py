@@ -31,9 +31,15 @@ from backplane.core.metadata import BatchMetadata, VerifyStates
 
 
 def _verifying(batch: BatchMetadata) -> VerifyStates | None:
-    """The step's verification description, or ``None`` when it verifies no sequence."""
+    """The step's verification description, or ``None`` when it verifies no sequence here.
+
+    A verify graph's chained rows write every position's state themselves
+    (:mod:`backplane.backends.torch.chained_rows`): nothing is left to record.
+    """
     vs = batch.verify_states
     if vs is None or len(vs.seqs_host) == 0 or batch.num_tokens == 0:
+        return None
+    if batch.mode.rows_share_pages:
         return None
     return vs
 
