@@ -267,6 +267,12 @@ class SpecDecoder:
         :param scheduled: the scheduler's sequences, as given to input preparation.
         :param first_scratch_slot: the first state slot past those the slot pool hands out
             (the worker allocates ``max_num_seqs * num_speculative_tokens`` more).
+
+        A step replayed as a verify graph (``inputs.row_chain`` set) already
+        chains its rows' states through scratch slots of that region
+        (:func:`~backplane.engine.worker.inputs.chain_rows`, from the same
+        ``first_scratch_slot``); its description names those slots instead
+        (:meth:`~backplane.core.metadata.VerifyStates.chained`).
         """
         if not self.recurrent:
             return
@@ -274,6 +280,15 @@ class SpecDecoder:
         idx = np.fromiter((i for i, s in enumerate(scheduled) if s.num_draft_tokens), np.int64)
         if not len(idx):
             meta.verify_states = None
+            return
+        chain = inputs.row_chain
+        if chain is not None:
+            first = inputs.first_token_rows(idx)
+            lens = np.fromiter((scheduled[i].num_new_tokens for i in idx), np.int64, len(idx))
+            own = np.fromiter((scheduled[i].state_slot for i in idx), np.int64, len(idx))
+            cols = first[:, None] + np.arange(int(lens.max()))[None, :]
+            dst = chain.dst_slots[np.minimum(cols, len(chain.dst_slots) - 1)]
+            meta.verify_states = VerifyStates.chained(first, lens, own, dst, meta.device)
             return
         if inputs.order is not None:  # scheduled index -> packed sequence index
             packed = np.empty(len(inputs.order), dtype=np.int64)

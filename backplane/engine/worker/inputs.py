@@ -32,7 +32,15 @@ import torch
 
 from backplane.core.block_table import PersistentBlockTable
 from backplane.core.launch import cdiv
-from backplane.core.metadata import EAGER, NULL_PAGE, NULL_SLOT, BatchMetadata, HostBatch, StepMode
+from backplane.core.metadata import (
+    EAGER,
+    NULL_PAGE,
+    NULL_SLOT,
+    BatchMetadata,
+    ChainedRows,
+    HostBatch,
+    StepMode,
+)
 from backplane.core.packing import measure_batch, pack_batch
 
 #: HostBatch fields that live in a fixed section of the buffers (page indices are sized per step)
@@ -76,6 +84,8 @@ class BatchInputs:
         ``None`` when the metadata's sequences are the scheduled ones.
     :param logits: logits of every row when the step's graph projected them
         all (a decode graph), set by the runner; ``None`` otherwise.
+    :param row_chain: the host side of ``metadata.chained_rows`` (a verify graph's
+        rows of a model with recurrent state), else ``None``.
     """
 
     metadata: BatchMetadata
@@ -86,6 +96,7 @@ class BatchInputs:
     order: np.ndarray | None = None
     seq_rows: np.ndarray | None = None
     logits: torch.Tensor | None = None
+    row_chain: RowChain | None = None
 
     def first_token_rows(self, seqs: np.ndarray) -> np.ndarray:
         """The flat token row of the first new token of each of ``seqs``.
@@ -168,6 +179,7 @@ class InputBatch:
             t * 8,  # input_ids
             s * 8,  # logits_indices
             s * 8,  # pending_src
+            3 * s * 8,  # chain_position, chain_src, chain_dst
         ]
         nbytes = cdiv(sum(x + _ALIGN for x in sizes), _ALIGN) * _ALIGN
         host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -276,6 +288,7 @@ class InputBatch:
         padded_num_tokens: int | None = None,
         block_table_width: int | None = None,
         mode: StepMode = EAGER,
+        chain: RowChain | None = None,
     ) -> BatchInputs:
         """Build the step's inputs from the scheduled sequences.
 
@@ -287,9 +300,13 @@ class InputBatch:
         :param block_table_width: fixed column count of the dense block table
             (default: the most pages any sequence of the step needs, at least 1).
         :param mode: how the step will run, carried on its metadata.
+        :param chain: the recurrent chain of decode rows that are chunk positions
+            (:func:`chain_rows`), packed with the step and set as
+            ``metadata.chained_rows``; rows past its length are padding (slot 0).
         :return: the step's :class:`BatchInputs`.
         :raises ValueError: when the step exceeds the sizes given at startup, a
-            sequence's page table is too short, or the batch does not fit ``mode``.
+            sequence's page table is too short, the batch does not fit ``mode``,
+            or ``chain`` is given for a batch that is not all decode rows.
         """
         self._turn = (self._turn + 1) % len(self._host_ts)
         self._host_t = self._host_ts[self._turn]
@@ -335,6 +352,13 @@ class InputBatch:
         layout = self._layout(n, padded, shape.block_table_width)
         h = layout.host
         decodes = scheduled[num_prefill:]
+        if chain is not None:
+            if num_prefill or perm is not None:
+                raise ValueError(
+                    "chained rows are one-token decode rows in their given order; this batch "
+                    "has prefill sequences: give no chain for it"
+                )
+            _pack_chain(h, chain, n)
         pending = None
         every = False
         if self.pending_source is not None and num_decode:
@@ -406,7 +430,14 @@ class InputBatch:
             order=perm,
             nbytes=layout.page_indices_offset + total_pages * 4,
         )
-        return self._inputs(layout, host, step)
+        inputs = self._inputs(layout, host, step)
+        if chain is not None:
+            d = layout.dev
+            inputs.metadata.chained_rows = ChainedRows(
+                chain.num_positions, d["chain_position"], d["chain_src"], d["chain_dst"]
+            )
+            inputs.row_chain = chain
+        return inputs
 
     def _inputs(self, layout: _Layout, host: HostBatch, step: StepPacket) -> BatchInputs:
         """The step's :class:`BatchInputs` over the device views of ``layout``."""
@@ -579,6 +610,9 @@ _SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("last_token_indices", np.int64, "seq"),
     ("logits_indices", np.int64, "seq"),  # room for all; the step uses a prefix
     ("pending_src", np.int64, "seq"),  # decode rows: source row of a pending token, or -1
+    ("chain_position", np.int64, "seq"),  # chained rows (verify graphs of recurrent models)
+    ("chain_src", np.int64, "seq"),
+    ("chain_dst", np.int64, "seq"),
     ("query_start_loc", np.int32, "seq1"),
     ("query_lens", np.int32, "seq"),
     ("cached_lens", np.int32, "seq"),
@@ -675,6 +709,90 @@ def position_rows(scheduled: Sequence[ScheduledSeqLike]) -> tuple[list[PositionR
             for i in range(s.num_new_tokens)
         )
     return rows, starts
+
+
+@dataclass(frozen=True)
+class RowChain:
+    """The host side of a verify graph's chained rows (:class:`~backplane.core.metadata.ChainedRows`).
+
+    See :func:`chain_rows`. Arrays cover the step's real rows; padding rows follow.
+
+    :param num_positions: the most chunk positions of the bucket (the recurrent ops'
+        loop count, fixed per captured graph).
+    :param position: ``int64 [rows]`` each row's position in its chunk.
+    :param src_slots: ``int64 [rows]`` the state slot each row reads.
+    :param dst_slots: ``int64 [rows]`` the state slot each row writes.
+    """
+
+    num_positions: int
+    position: np.ndarray
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
+
+    @classmethod
+    def padding(cls, num_positions: int) -> RowChain:
+        """A chain of padding rows only (every row on slot 0): the batch a graph is captured with.
+
+        :param num_positions: the bucket's loop count.
+        """
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(int(num_positions), empty, empty, empty)
+
+
+def chain_rows(
+    scheduled: Sequence[ScheduledSeqLike], first_scratch_slot: int, stride: int, num_positions: int
+) -> RowChain:
+    """The state slots the recurrent layers chain the rows of :func:`position_rows` through.
+
+    Row ``i`` of sequence ``j`` (own slot ``o``, chunk of ``L`` tokens) reads
+    slot ``o`` when ``i == 0``, else what row ``i - 1`` wrote; it writes slot
+    ``o`` when it is the chunk's last row, else scratch slot
+    ``first_scratch_slot + j * stride + i``. So the sequence's slot ends
+    holding the state after its whole chunk, as in any step, and the state
+    after every earlier position stays in a scratch slot of its own, where
+    the verification finds it (:meth:`~backplane.core.metadata.VerifyStates.chained`).
+
+    :param scheduled: the step's sequences, in the order :func:`position_rows` spreads them.
+    :param first_scratch_slot: the first slot of the verification scratch region
+        (the worker allocates ``max_num_seqs * num_speculative_tokens`` slots there).
+    :param stride: scratch slots per sequence (``num_speculative_tokens``).
+    :param num_positions: the bucket's loop count (at least the longest chunk).
+    :return: the chain.
+    :raises ValueError: a chunk is longer than ``stride + 1`` or ``num_positions``.
+    """
+    n = len(scheduled)
+    lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+    own = np.fromiter((s.state_slot for s in scheduled), np.int64, n)
+    longest = int(lens.max()) if n else 0
+    if longest > min(stride + 1, num_positions):
+        raise ValueError(
+            f"a chunk of {longest} tokens does not fit a chain of {num_positions} positions "
+            f"with {stride} scratch slots per sequence; run it as one sequence instead"
+        )
+    seq = np.repeat(np.arange(n, dtype=np.int64), lens)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+    pos = np.arange(len(seq), dtype=np.int64) - starts[seq]
+    dst = np.where(pos == lens[seq] - 1, own[seq], first_scratch_slot + seq * stride + pos)
+    src = np.where(pos == 0, own[seq], np.roll(dst, 1))
+    return RowChain(int(num_positions), pos, src, dst)
+
+
+def _pack_chain(h: dict[str, np.ndarray], chain: RowChain, n: int) -> None:
+    """Write a chain into the host sections of a layout of ``n`` rows, padding rows on slot 0.
+
+    :raises ValueError: the chain has more rows than the batch.
+    """
+    rows = len(chain.position)
+    if rows > n:
+        raise ValueError(f"a chain of {rows} rows does not fit a batch of {n} rows")
+    for name, values in (
+        ("chain_position", chain.position),
+        ("chain_src", chain.src_slots),
+        ("chain_dst", chain.dst_slots),
+    ):
+        section = h[name][:n]
+        section[:rows] = values
+        section[rows:] = 0 if name == "chain_position" else NULL_SLOT
 
 
 def scratch_seq(new: int, cached: int, page_size: int) -> ScratchSeq:

@@ -12,7 +12,10 @@ dispatches on it:
   when the runner was given ``verify_len`` -> the verify graph of the bucket
   holding one decode row per position (see
   :func:`~backplane.engine.worker.inputs.position_rows`), padded as a decode
-  batch; it projects every row to logits (``BatchInputs.logits``);
+  batch; it projects every row to logits (``BatchInputs.logits``). In a model
+  with recurrent state the rows chain their states through scratch slots
+  (:func:`~backplane.engine.worker.inputs.chain_rows`), one recurrent decode
+  step per row;
 * prefill or mixed step within a captured token bucket -> piecewise graphs,
   the tokens padded to the bucket;
 * anything else -> eager.
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from backplane.core.families import Backend
+from backplane.core.families import Backend, RecurrentBackend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import NULL_PAGE, StepMode
 from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
@@ -57,9 +60,11 @@ from backplane.engine.worker.graph.sampling_head import SamplingHead
 from backplane.engine.worker.inputs import (
     BatchInputs,
     InputBatch,
+    RowChain,
     ScheduledSeqLike,
     ScratchRequest,
     ScratchSeq,
+    chain_rows,
     position_rows,
     scratch_prefill,
 )
@@ -89,7 +94,13 @@ class GraphModelRunner:
         tokens per sequence (``num_speculative_tokens + 1``), one bucket per
         decode bucket size up to :func:`~.buckets.verify_rows` rows (the input
         batch must hold that many sequences); 0 (the default) captures none.
-        Only for models without recurrent state.
+    :param first_scratch_slot: for a model with recurrent state and ``verify_len``:
+        the first of the ``max_num_seqs * (verify_len - 1)`` state slots the
+        verify graphs' rows chain their states through (the verification
+        scratch region); every recurrent backend must chain rows
+        (:attr:`~backplane.core.families.RecurrentBackend.chains_rows`).
+    :raises ValueError: verify graphs asked for a model with recurrent state without
+        ``first_scratch_slot``, or over a recurrent backend that does not chain rows.
     """
 
     def __init__(
@@ -107,6 +118,7 @@ class GraphModelRunner:
         decode_bucket_sizes: Sequence[int] | None = None,
         sampler: Sampler | None = None,
         verify_len: int = 0,
+        first_scratch_slot: int | None = None,
     ) -> None:
         self.model = model
         self.backends = backends
@@ -124,6 +136,12 @@ class GraphModelRunner:
         self.head: SamplingHead | None = None
         self.verify: DecodeGraphs | None = None
         self.verify_len = verify_len
+        self.max_num_seqs = max_num_seqs
+        #: verify rows chain recurrent states (a model with recurrent state)
+        self.chains_states = bool(verify_len) and bool(getattr(model, "has_recurrent_state", False))
+        self.first_scratch_slot = first_scratch_slot
+        if self.chains_states:
+            _check_chaining(backends, first_scratch_slot)
         most_rows = verify_rows(max_num_seqs, max_num_tokens, verify_len)
         self.verify_buckets = (
             decode_buckets(most_rows, decode_bucket_sizes) if most_rows and mode.has_decode else []
@@ -176,7 +194,12 @@ class GraphModelRunner:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         mode = StepMode.decode_graph(bucket, rows_share_pages=rows_share_pages)
         seqs = self._scratch(bucket, self.max_model_len - 1, self.max_pages)
-        inputs = self.input_batch.prepare(seqs, block_table_width=self.max_pages, mode=mode)
+        chain = None
+        if rows_share_pages and self.chains_states:
+            chain = RowChain.padding(min(self.verify_len, bucket))
+        inputs = self.input_batch.prepare(
+            seqs, block_table_width=self.max_pages, mode=mode, chain=chain
+        )
         with self._capture_context(inputs):
             yield (inputs.input_ids, inputs.positions)
 
@@ -288,18 +311,31 @@ class GraphModelRunner:
     ) -> BatchInputs | None:
         """Inputs of a step of short chunks as one decode row per position, or ``None``.
 
-        ``None`` when a chunk is longer than ``verify_len`` or no captured verify
-        bucket holds the rows; the step then runs as any other.
+        ``None`` when a chunk is longer than ``verify_len``, no captured verify
+        bucket holds the rows, or (recurrent state) the step has more sequences
+        than the scratch region has room for; the step then runs as any other.
         """
         if max(s.num_new_tokens for s in scheduled) > self.verify_len:
             return None
         bucket = pick_bucket(num_tokens, self.verify_buckets)
         if bucket is None or not self.verify.has(bucket):
             return None
+        chain = None
+        if self.chains_states:
+            if len(scheduled) > self.max_num_seqs:
+                return None
+            chain = chain_rows(
+                scheduled,
+                self.first_scratch_slot,
+                self.verify_len - 1,
+                min(self.verify_len, bucket),
+            )
         rows, starts = position_rows(scheduled)
         mode = StepMode.decode_graph(bucket, rows_share_pages=True)
         seqs = rows + self._decode_padding[: bucket - len(rows)]
-        inputs = self.input_batch.prepare(seqs, block_table_width=self.max_pages, mode=mode)
+        inputs = self.input_batch.prepare(
+            seqs, block_table_width=self.max_pages, mode=mode, chain=chain
+        )
         # the rows in order of their sequences: a sampled row names its sequence
         owner = np.repeat(np.arange(len(scheduled)), [s.num_new_tokens for s in scheduled])
         inputs.sample_seqs = owner[inputs.sample_seqs]
@@ -358,3 +394,28 @@ class GraphModelRunner:
             if len(ss) and int(ss[-1]) == len(ss) - 1:
                 return SamplerOutput(self.head.sample(mode.bucket, rows))
         return sample_eagerly(self.model, self.sampler, hidden, inputs, rows, inputs.logits)
+
+
+def _check_chaining(backends: Mapping[str, Backend], first_scratch_slot: int | None) -> None:
+    """Refuse verify graphs of a recurrent model that its backends cannot run.
+
+    :param backends: ``{family: backend}`` of the model.
+    :param first_scratch_slot: the runner's scratch region, or ``None``.
+    :raises ValueError: no scratch region, or a recurrent backend without ``chains_rows``.
+    """
+    if first_scratch_slot is None:
+        raise ValueError(
+            "verify graphs of a model with recurrent state chain their rows' states through "
+            "scratch slots: give first_scratch_slot, or verify_len=0 to verify piecewise"
+        )
+    refused = [
+        f"{family}={backend.name or type(backend).__name__}"
+        for family, backend in backends.items()
+        if isinstance(backend, RecurrentBackend) and not backend.chains_rows
+    ]
+    if refused:
+        raise ValueError(
+            f"the recurrent backends {', '.join(refused)} cannot run verify graphs (their ops "
+            "do not chain decode rows through state slots); pass verify_len=0 so that "
+            "verification runs piecewise, or select the torch backends of those families"
+        )
