@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ from backplane.engine.spec_decode.verify import SpecDecoder
 from backplane.engine.step_rows import prompt_rows, sampling_rows
 from backplane.engine.structured_output import StructuredOutputManager
 from backplane.engine.worker.inputs import BatchInputs
+from backplane.engine.worker.startup_timings import StartupTimings
 
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
@@ -95,6 +97,7 @@ class Engine(WorkerView):
         # Any: each key is one EngineConfig field with its own type, checked there
         **overrides: Any,
     ) -> None:
+        started = time.perf_counter()
         if config is None:
             config = EngineConfig.from_dict(overrides)
         elif overrides:
@@ -105,6 +108,7 @@ class Engine(WorkerView):
         self.dtype = config.torch_dtype
         self._closed = False
         self.executor: Executor = create_executor(config, registry)
+        setup_started = time.perf_counter()
         worker = self.executor.driver
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.vocab_size
@@ -163,7 +167,16 @@ class Engine(WorkerView):
             self.eos_token_ids,
             pin_memory=self.device.type == "cuda",
         )
+        #: seconds per start-up phase: the driver worker's, then the engine's own
+        self.startup_timings: StartupTimings = getattr(
+            worker, "startup_timings", None
+        ) or StartupTimings(self.device)
+        done = time.perf_counter()
+        self.startup_timings.add("engine setup", done - setup_started)
+        # what no phase covers (configuration, executor and worker construction)
+        self.startup_timings.add("other", done - started - self.startup_timings.total)
         logger.info("engine ready: model=%s %s", config.model, worker.describe())
+        logger.info("%s", self.startup_timings.summary())
 
     def _build_scheduler(self, paged_caches: list[torch.Tensor], recurrent: bool) -> Scheduler:
         from backplane.engine.kv_cache.host_tier import HostTier

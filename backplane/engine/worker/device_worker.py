@@ -36,6 +36,11 @@ from backplane.engine.worker.memory import (
     num_kv_pages,
 )
 from backplane.engine.worker.runner import EagerModelRunner, ModelRunner
+from backplane.engine.worker.startup_timings import (
+    StartupTimings,
+    startup_phase,
+    timed_startup_method,
+)
 from backplane.engine.worker.warmup import profile_step_peak, warm_up_kernels
 
 if TYPE_CHECKING:
@@ -68,6 +73,8 @@ class DeviceWorker:
         self.config = config
         self.registry = registry
         self.device = config.torch_device
+        #: seconds per start-up phase, filled by the start-up methods
+        self.startup_timings = StartupTimings(self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
                 f"device={config.device!r} but CUDA is not available here; use device='cpu'"
@@ -98,6 +105,7 @@ class DeviceWorker:
 
     # -- start-up -------------------------------------------------------------------
 
+    @timed_startup_method("weight load")
     def load_model(self) -> None:
         """Select backends for every family, build the model with them, decide the graph mode.
 
@@ -174,7 +182,8 @@ class DeviceWorker:
         from backplane.models.quant.kv_cache import use_fp8_kv_cache
 
         cfg = self.config
-        selection = BackendSelection(cfg, FAMILIES, registry=self.registry)
+        with startup_phase("backend selection"):
+            selection = BackendSelection(cfg, FAMILIES, registry=self.registry)
         while True:
             try:
                 loaded = load_model(
@@ -204,6 +213,7 @@ class DeviceWorker:
             dtype=self.dtype,
         )
 
+    @timed_startup_method("memory profiling")
     def determine_num_kv_pages(self) -> int:
         """Pages (including the scratch page 0) that fit the configured KV memory.
 
@@ -263,6 +273,7 @@ class DeviceWorker:
         logger.info("KV memory %s = %s", format_size(budget.kv), budget.explain())
         return budget
 
+    @timed_startup_method("cache allocation")
     def initialize_cache(self, num_pages: int) -> None:
         """Allocate the caches for ``num_pages`` pages and bind them to the model.
 
@@ -287,6 +298,7 @@ class DeviceWorker:
         """The paged cache tensors, in the footprint's order (for a host tier)."""
         return [self.caches[layer][name] for layer, name in self._paged]
 
+    @timed_startup_method("kernel warm-up")
     def compile_or_warm_up_model(self) -> None:
         """Build the runner (capturing its graphs) and, on CUDA, run the warm-up steps."""
         self.runner = self._build_runner()
@@ -304,6 +316,7 @@ class DeviceWorker:
                 device=self.device,
             )
 
+    @timed_startup_method("graph capture")
     def _build_runner(self) -> ModelRunner:
         """The eager runner, or the CUDA-graph runner (graphs captured now) for the graph mode."""
         if not self.graph_mode.captures:

@@ -46,6 +46,7 @@ from backplane.engine.worker.inputs import (
     scratch_prefill,
     scratch_seq,
 )
+from backplane.engine.worker.startup_timings import startup_detail
 from backplane.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ __all__ = [
     "KEYS_PER_SPLIT",
     "PREFILL_LENGTHS",
     "profile_step_peak",
+    "step_kind",
     "warm_up_kernels",
     "warmup_steps",
 ]
@@ -114,6 +116,19 @@ def warmup_steps(
     return steps
 
 
+def step_kind(seqs: list[ScratchSeq]) -> str:
+    """The class of a warm-up step, to say where warm-up time goes.
+
+    :param seqs: one step of :func:`warmup_steps`.
+    :return: ``"prefill"`` (prompts only), ``"decode"`` (one decode, at some
+        context, beside at most a prompt) or ``"mixed"`` (several decodes).
+    """
+    decodes = sum(1 for s in seqs if s.num_new_tokens == 1 and s.num_cached_tokens > 0)
+    if decodes == 0:
+        return "prefill"
+    return "decode" if decodes == 1 else "mixed"
+
+
 def warm_up_kernels(
     prepare: Callable[[list[ScheduledSeqLike]], BatchInputs],
     execute: Callable[[BatchInputs], torch.Tensor],
@@ -147,17 +162,18 @@ def warm_up_kernels(
     )
     start = time.perf_counter()
     for seqs in steps:
-        try:
-            execute(prepare(list(seqs)))
-        except Exception as exc:  # noqa: BLE001 - logged; serving can still go on
-            logger.warning(
-                "warm-up step of %d sequence(s), %d token(s) failed (%s: %s); "
-                "its kernels compile on first use",
-                len(seqs),
-                sum(s.num_new_tokens for s in seqs),
-                type(exc).__name__,
-                exc,
-            )
+        with startup_detail(f"warm-up {step_kind(seqs)}"):
+            try:
+                execute(prepare(list(seqs)))
+            except Exception as exc:  # noqa: BLE001 - logged; serving can still go on
+                logger.warning(
+                    "warm-up step of %d sequence(s), %d token(s) failed (%s: %s); "
+                    "its kernels compile on first use",
+                    len(seqs),
+                    sum(s.num_new_tokens for s in seqs),
+                    type(exc).__name__,
+                    exc,
+                )
     torch.cuda.synchronize(device)
     logger.info(
         "warm-up: %d scratch steps (every kernel shape class) in %.2f s",

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from backplane.engine.worker.startup_timings import startup_detail
+
 logger = logging.getLogger(__name__)
 
 #: The memory pool of one runner's graphs: a ``torch.cuda.MemPool``, or on torch
@@ -232,15 +234,21 @@ def capture_buckets(
     :param grown: filled with ``bucket -> bytes`` the pool grew by capturing it.
     :param progress: an optional tqdm-like bar, advanced once per bucket.
     """
-    for bucket in sorted(buckets, reverse=True):
+    for i, bucket in enumerate(sorted(buckets, reverse=True)):
         before = pool_bytes(pool)
-        try:
-            capture_one(bucket)
-        except Exception as exc:
-            failed[bucket] = f"{type(exc).__name__}: {exc}"
-            logger.warning(
-                "capture of %s %d failed, it will run eagerly: %s", label, bucket, failed[bucket]
-            )
+        # the first bucket of a kind pays for tracing, compiling and lazy set-up: timed apart
+        detail = f"capture {label} {bucket} (first)" if i == 0 else f"capture {label}s (rest)"
+        with startup_detail(detail):
+            try:
+                capture_one(bucket)
+            except Exception as exc:
+                failed[bucket] = f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "capture of %s %d failed, it will run eagerly: %s",
+                    label,
+                    bucket,
+                    failed[bucket],
+                )
         grown[bucket] = pool_bytes(pool) - before
         if progress is not None:
             progress.set_postfix_str(f"{label} {bucket}, pool {pool_bytes(pool) / 2**20:.1f} MiB")
