@@ -3,6 +3,7 @@
 * ``cpu`` (:mod:`.cpu`): the host side's CPU time per decode step, without a model;
 * ``latency`` (:mod:`.latency`): decode latency against the memory floor and transformers;
 * ``serve`` (:mod:`.serve`): a running server under load over HTTP;
+* ``startup`` (:mod:`.startup`): engine start-up time per phase, warm and cold caches;
 * ``throughput`` (:mod:`.throughput`): offline serving throughput in one process.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run_cli(args)``;
@@ -25,6 +26,11 @@ BENCHMARKS: tuple[tuple[str, str], ...] = (
         "TTFT / ITL / end-to-end latency and throughput of a running server per request rate",
     ),
     (
+        "startup",
+        "engine start-up seconds per phase (import, weights, profiling, graph capture, "
+        "warm-up), warm and with --cold empty kernel caches",
+    ),
+    (
         "throughput",
         "offline serving throughput in one process: requests at a rate through AsyncLLM, "
         "transformers on the same batch, decode-only tok/s against the floor",
@@ -43,9 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks (cpu: scheduling + input preparation; latency: decode; serve: a "
-        "server; throughput: offline serving in one process)",
+        "server; startup: engine start-up; throughput: offline serving in one process)",
         description="Benchmarks of the engine: its host side (cpu), decode latency (latency), "
-        "a running server under load (serve) and offline serving throughput (throughput).",
+        "a running server under load (serve), engine start-up (startup) and offline serving "
+        "throughput (throughput).",
     )
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, help in BENCHMARKS:
