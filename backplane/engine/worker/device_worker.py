@@ -16,7 +16,7 @@ import torch
 
 from backplane.core.backend_spec import BackendSpec
 from backplane.core.errors import BackendUnavailableError, ConfigError
-from backplane.core.families import Backend
+from backplane.core.families import Backend, RecurrentBackend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec, cache_footprint
@@ -335,6 +335,7 @@ class DeviceWorker:
             token_bucket_sizes=self.config.cuda_graph_buckets,
             sampler=self.sampler,
             verify_len=self.verify_len,
+            first_scratch_slot=self.num_slots if self.has_recurrent_state else None,
         )
         runner.capture()
         return runner
@@ -342,11 +343,16 @@ class DeviceWorker:
     def _verify_len(self) -> int:
         """Longest chunk a verify graph runs: ``k + 1`` under speculation, else 0 (none).
 
-        A recurrent model verifies its chunks through piecewise graphs: its
-        layers need each chunk as one sequence, not as rows.
+        A recurrent model's verify graphs chain each chunk's rows through
+        state slots; it gets them only when every recurrent backend in use
+        does that (``chains_rows``), else it verifies through piecewise graphs.
         """
         spec = self.config.speculative_config
-        if spec is None or self.has_recurrent_state:
+        if spec is None:
+            return 0
+        if self.has_recurrent_state and not all(
+            b.chains_rows for b in self.backends.values() if isinstance(b, RecurrentBackend)
+        ):
             return 0
         return spec.num_speculative_tokens + 1
 
