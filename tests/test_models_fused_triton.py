@@ -1115,6 +1115,11 @@ def test_long_rows_take_the_kernel_in_wide_chunks():
     assert gemv.plan_fp8(6144, 4096, sms, 128) == gemv.plan_fp8(6144, 4096, sms)  # whole blocks
     assert gemv.plan_fp8(6144, 4096, sms, 96) == (16, 32, 1)  # 96 columns: narrowed
     assert gemv.plan_fp8(2048, 2048, sms) == gemv.plan(2048, 2048, sms)
+    # A gated prologue on long tall rows: more splits (16-bit), plan()'s tiles (FP8).
+    assert gemv.plan_gated(4096, 14336, sms) == (16, 512, 4)
+    assert gemv.plan_gated(4096, 14336, sms, fp8=True) == (16, 512, 2)
+    assert gemv.plan_gated(2048, 8192, sms) is None  # 1B down: 2048 columns per split
+    assert gemv.plan_gated(28672, 4096, sms) is None  # not tall
     # A launch may name its warps; the projection keeps the three-part shape.
     w = torch.zeros(64, 128, dtype=torch.float32)
     proj = gemv.OneRowProjection(w, launch=(16, 64, 2, 8), pdl=False)

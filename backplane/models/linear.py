@@ -315,7 +315,7 @@ class Linear(nn.Linear):
         """Build what :meth:`_projection` returns (``False`` where the kernel does not run it)."""
         kind = variant[0]
         scaled = None if self.quant is None else self.quant.one_row_scales(self)
-        launch = self._plan_gemv(x, normed=kind == "norm", scaled=scaled)
+        launch = self._plan_gemv(x, normed=kind == "norm", gated=kind == "gated", scaled=scaled)
         if not launch:
             return False
         gemv = kernels.load_gemv()
@@ -348,12 +348,18 @@ class Linear(nn.Linear):
         )
 
     def _plan_gemv(
-        self, x: torch.Tensor, normed: bool = False, scaled: ScaledWeight | None = None
+        self,
+        x: torch.Tensor,
+        normed: bool = False,
+        scaled: ScaledWeight | None = None,
+        gated: bool = False,
     ) -> tuple[int, ...]:
         """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS.
 
         :param normed: the kernel also normalises the input (see
             :func:`~backplane.kernels.gemv.plan_normed`).
+        :param gated: the kernel forms the input from a gated MLP's row (see
+            :func:`~backplane.kernels.gemv.plan_gated`).
         :param scaled: a quantised weight's scales (see
             :func:`~backplane.kernels.gemv.plan_fp8`: every shape runs the
             kernel), ``None`` for a full-precision weight.
@@ -372,6 +378,10 @@ class Linear(nn.Linear):
         # The interpreter (CPU tests) stands in for a small device.
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         n, k = w.shape
+        if gated and (scaled is None or scaled.scale_k is None):
+            launch = gemv.plan_gated(n, k, sms, fp8=scaled is not None)
+            if launch is not None:
+                return launch
         if scaled is not None:
             try:
                 return gemv.plan_fp8(n, k, sms, scaled.scale_k)
