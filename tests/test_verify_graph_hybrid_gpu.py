@@ -1,0 +1,132 @@
+"""Verify graphs of hybrid models replayed as real CUDA graphs (the twin of the CPU tests).
+
+Run with ``python -m pytest -m gpu tests/test_verify_graph_hybrid_gpu.py``. Over the torch
+SSM and delta backends, a captured verify graph's rows chain their recurrent states
+through scratch slots: its hidden states, logits and per-position states equal the
+eager chunks, and an engine that captures its own graphs generates with speculation
+exactly what it generates without, its verification steps replaying verify graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import run_requests
+from graph_helpers import graph_runner_for
+from test_graph_runner import fill_caches_, restore_, snapshot
+from test_verify_graph_hybrid import (
+    MAX_SEQS,
+    MODELS,
+    NGRAM,
+    PAGE,
+    STATES,
+    VERIFY_LEN,
+    _chunks,
+    _engine,
+    _Foresight,
+    _prompts,
+    _step,
+)
+
+from backplane.engine.engine import Engine
+from backplane.engine.worker.graph.mode import GraphMode
+
+pytestmark = pytest.mark.gpu
+
+#: the recurrent families on the torch backends (the ones that chain rows); attention as chosen
+BACKENDS = {"ssm": "torch", "delta": "torch"}
+
+
+def _needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def setup(request):
+    _needs_cuda()
+    engine = _engine(request.param, "cuda", cuda_graphs="off", backends=BACKENDS)
+    runner = graph_runner_for(
+        engine,
+        mode=GraphMode.DECODE,
+        max_num_tokens=64,
+        max_num_seqs=MAX_SEQS,
+        verify_len=VERIFY_LEN,
+        first_scratch_slot=engine.num_slots,
+    )
+    runner.capture()
+    assert runner.verify.failed == {}
+    assert sorted(runner.verify.graphs) == [1, 2, 4, 8, 16]
+    yield engine, runner
+    runner.release()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("new", "cached", "drafts"),
+    [([4, 1, 3, 2], [5, 9, 13, 2], [3, 0, 2, 1]), ([3, 4, 4, 4], [4, 7, 1, 20], [2, 3, 3, 3])],
+)
+def test_captured_verify_graph_rows_equal_the_eager_chunks(setup, new, cached, drafts):
+    engine, runner = setup
+    seqs = _chunks(engine, new, cached, drafts, seed=sum(new) * 7 + len(new))
+    fill_caches_(engine, seed=5)
+    before = snapshot(engine)
+    inputs, got, got_logits, got_states = _step(engine, seqs, runner.prepare_inputs, runner.run)
+    assert inputs.mode.rows_share_pages and inputs.metadata.chained_rows is not None
+    torch.cuda.synchronize()
+    after = snapshot(engine)
+    restore_(engine, before)
+    _, want, want_logits, want_states = _step(
+        engine, seqs, engine.input_batch.prepare, lambda i: engine.model(i.input_ids, i.positions)
+    )
+    tol = 2e-4
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_logits, want_logits, rtol=tol * 10, atol=tol * 10)
+    assert got_states.keys() == want_states.keys() and got_states
+    for key, state in want_states.items():
+        torch.testing.assert_close(got_states[key], state, rtol=tol, atol=tol, msg=str(key))
+    scratch = engine.num_slots
+    for key, t in snapshot(engine).items():
+        if key[1] in STATES:
+            torch.testing.assert_close(after[key][1:scratch], t[1:scratch], rtol=tol, atol=tol)
+        else:
+            torch.testing.assert_close(after[key][1:], t[1:], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_engine_verifies_hybrids_in_its_captured_verify_graphs(model: str) -> None:
+    _needs_cuda()
+    kw = dict(
+        model=model,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_tokens=64,
+        page_size=PAGE,
+        backends=BACKENDS,
+        cuda_graphs="full_and_piecewise",
+    )
+    plain = Engine(**kw)
+    prompts, params = _prompts(plain)
+    want = run_requests(plain, prompts, params, check_invariants=False)
+    plain.shutdown()
+    spec = Engine(speculative_config=NGRAM, **kw)
+    runner = spec.runner
+    assert runner.verify is not None and runner.verify.failed == {}
+    replays: list[int] = []
+    replay = runner.verify.replay
+
+    def counted(bucket: int):
+        replays.append(bucket)
+        return replay(bucket)
+
+    runner.verify.replay = counted
+    spec.spec.proposer = _Foresight(
+        [p + w for p, w in zip(prompts, want, strict=True)], spec.vocab_size
+    )
+    got = run_requests(spec, prompts, params, check_invariants=False)
+    stats = spec.spec.stats
+    spec.shutdown()
+    assert got == want
+    assert len(replays) >= 5, "verification steps did not replay verify graphs"
+    assert stats.draft_tokens // 2 < stats.accepted_tokens < stats.draft_tokens
