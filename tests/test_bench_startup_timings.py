@@ -3,11 +3,14 @@ the work is, and the captures and warm-up steps report their parts."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from backplane.engine.worker.graph.capture import capture_buckets
 from backplane.engine.worker.startup_timings import (
@@ -142,3 +145,28 @@ def test_engine_attributes_its_start_up_to_the_phases(
         assert len(line) == 1 and "weight load" in line[0]
     finally:
         engine.shutdown()
+
+
+def test_decode_captures_run_one_warm_up_forward_per_bucket() -> None:
+    from backplane.engine.worker.graph.decode import DecodeGraphs
+
+    calls: list[int] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        calls.append(int(x.shape[0]))
+        return x * 2
+
+    buckets = [1, 2, 4, 8]
+    graphs = DecodeGraphs(forward, buckets, cuda=False)
+
+    @contextlib.contextmanager
+    def make_inputs(bucket: int) -> Iterator[tuple[torch.Tensor]]:
+        yield (torch.ones(bucket),)
+
+    graphs.capture(make_inputs)
+    # one warm-up run and the capture run per bucket, largest first; a second warm-up
+    # run would be a whole forward more per bucket at every start-up
+    assert calls == [b for b in sorted(buckets, reverse=True) for _ in range(2)]
+    assert all(graphs.has(b) for b in buckets)
+    for b in buckets:
+        assert torch.equal(graphs.replay(b), torch.full((b,), 2.0))
