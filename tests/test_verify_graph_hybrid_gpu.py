@@ -1,9 +1,10 @@
 """Verify graphs of hybrid models replayed as real CUDA graphs (the twin of the CPU tests).
 
 Run with ``python -m pytest -m gpu tests/test_verify_graph_hybrid_gpu.py``. Over the torch
-SSM and delta backends, a captured verify graph's rows chain their recurrent states
-through scratch slots: its hidden states, logits and per-position states equal the
-eager chunks, and an engine that captures its own graphs generates with speculation
+and the Triton SSM and delta backends, the ops on chained rows equal the float64
+references of the chunks; a captured verify graph's rows chain their recurrent states
+through scratch slots, so its hidden states, logits and per-position states equal the
+eager chunks; and an engine that captures its own graphs generates with speculation
 exactly what it generates without, its verification steps replaying verify graphs.
 """
 
@@ -27,25 +28,50 @@ from test_verify_graph_hybrid import (
     _prompts,
     _step,
 )
+from test_verify_graph_hybrid_ops import check_conv, check_delta, check_scan
 
+from backplane.core.registry import get_registry
 from backplane.engine.engine import Engine
 from backplane.engine.worker.graph.mode import GraphMode
+from backplane.testing.plugin import load_backend
 
 pytestmark = pytest.mark.gpu
 
-#: the recurrent families on the torch backends (the ones that chain rows); attention as chosen
-BACKENDS = {"ssm": "torch", "delta": "torch"}
+#: the recurrent families' backends that chain rows; attention as ``auto`` chooses
+NAMES = ("torch", "triton")
+CASES = [(m, b) for m in MODELS for b in NAMES]
 
 
-def _needs_cuda() -> None:
+def _needs(name: str) -> dict[str, str]:
+    """Skip without CUDA or without the backends; return the recurrent families' backends."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
+    if name == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    return {"ssm": name, "delta": name}
 
 
-@pytest.fixture(scope="module", params=MODELS)
+def _ids(case: tuple[str, str]) -> str:
+    return "-".join(case)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    ("check", "family"), [(check_conv, "ssm"), (check_scan, "ssm"), (check_delta, "delta")]
+)
+def test_ops_on_chained_rows_equal_the_chunks_on_cuda(check, family, name):
+    _needs(name)
+    spec = get_registry().get(family, name)
+    ok, why = spec.is_available()
+    if not ok:
+        pytest.skip(why)
+    check(load_backend(spec), device="cuda")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_ids)
 def setup(request):
-    _needs_cuda()
-    engine = _engine(request.param, "cuda", cuda_graphs="off", backends=BACKENDS)
+    model, name = request.param
+    engine = _engine(model, "cuda", cuda_graphs="off", backends=_needs(name))
     runner = graph_runner_for(
         engine,
         mode=GraphMode.DECODE,
@@ -93,9 +119,9 @@ def test_captured_verify_graph_rows_equal_the_eager_chunks(setup, new, cached, d
             torch.testing.assert_close(after[key][1:], t[1:], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_engine_verifies_hybrids_in_its_captured_verify_graphs(model: str) -> None:
-    _needs_cuda()
+@pytest.mark.parametrize(("model", "name"), CASES, ids=_ids)
+def test_engine_verifies_hybrids_in_its_captured_verify_graphs(model: str, name: str) -> None:
+    backends = _needs(name)
     kw = dict(
         model=model,
         device="cuda",
@@ -103,7 +129,7 @@ def test_engine_verifies_hybrids_in_its_captured_verify_graphs(model: str) -> No
         max_num_seqs=4,
         max_num_tokens=64,
         page_size=PAGE,
-        backends=BACKENDS,
+        backends=backends,
         cuda_graphs="full_and_piecewise",
     )
     plain = Engine(**kw)

@@ -14,12 +14,15 @@ length is the host's ``num_positions``, fixed per bucket: captured in a CUDA
 graph it unrolls, and nothing synchronises with the host.
 
 The arithmetic is that of the decode path of :mod:`backplane.backends.torch.ssm`
-and :mod:`backplane.backends.torch.delta`, in float32.
+and :mod:`backplane.backends.torch.delta`, in float32. A backend whose decode
+kernel updates a slot in place (Triton) chains its rows with
+:func:`run_chain_in_place` instead: each position copies the source states
+into the destination slots, then runs that kernel on the destinations.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,42 @@ def run_chain(state: torch.Tensor, chain: ChainedRows, rows: int, step: DecodeSt
         at = pos == j
         new, y = step(state.index_select(0, src).float())
         state.index_copy_(0, torch.where(at, dst, NULL_SLOT), new.to(state.dtype))
+        out = y if out is None else torch.where(at.view(-1, *([1] * (y.dim() - 1))), y, out)
+    assert out is not None, "a chain runs at least one position"
+    return out
+
+
+def run_chain_in_place(
+    states: Sequence[torch.Tensor],
+    chain: ChainedRows,
+    rows: int,
+    update: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Chain rows through a decode update that works in place on the slots it is given.
+
+    For each chunk position ``j``, every row at ``j`` first copies its source
+    slot's states into its destination slot (a row whose source is its
+    destination copies onto itself), then ``update(slots)`` advances the
+    states in ``slots`` by one token: the destination of each row at ``j``,
+    slot 0 for the others, whose outputs are dropped.
+
+    :param states: every state cache the update advances (``[num_slots, ...]`` each).
+    :param chain: the step's chained rows.
+    :param rows: the rows to run (the step's token count).
+    :param update: runs the backend's decode over all rows on the given ``[rows]`` slots
+        and returns their outputs (a new tensor).
+    :return: each row's output, taken at its own position.
+    """
+    pos = chain.position[:rows]
+    src = chain.src_slots[:rows]
+    dst = chain.dst_slots[:rows]
+    out: torch.Tensor | None = None
+    for j in range(chain.num_positions):
+        at = pos == j
+        slots = torch.where(at, dst, NULL_SLOT)
+        for state in states:
+            state.index_copy_(0, slots, state.index_select(0, src))
+        y = update(slots)
         out = y if out is None else torch.where(at.view(-1, *([1] * (y.dim() - 1))), y, out)
     assert out is not None, "a chain runs at least one position"
     return out

@@ -26,6 +26,7 @@ import types
 import numpy as np
 import torch
 
+from backplane.backends.torch.chained_rows import run_chain_in_place
 from backplane.backends.torch.delta import L2NORM_EPS
 from backplane.backends.torch.verify_states import record_delta_states
 from backplane.backends.triton._common import exact_fp32_dots, sequence_blocks
@@ -135,7 +136,18 @@ def gated_delta(
         buf[:tp].copy_(o[0])
         state.index_copy_(0, slots, ht.to(state.dtype))
     nd = batch.num_decode_seqs
-    if nd:
+    if nd and batch.chained_rows is not None:
+        # a verify graph's rows (all decodes): the decode kernel on each position's destinations
+        b = batch.num_tokens
+
+        def update(slots: torch.Tensor) -> torch.Tensor:
+            y = torch.empty_like(buf[:b])
+            delta_decode(q[:b], k[:b], v[:b], g[:b], beta[:b], state, slots, scale,
+                         use_qk_l2norm, y)  # fmt: skip
+            return y
+
+        buf[:b].copy_(run_chain_in_place((state,), batch.chained_rows, b, update))
+    elif nd:
         a, b = tp, batch.num_tokens
         np_ = batch.num_prefill_seqs
         delta_decode(
@@ -149,6 +161,7 @@ class TritonDeltaBackend(DeltaBackend):
     """Gated delta rule: fla's chunked kernel (prefill) and our in-place decode kernel."""
 
     name = "triton"
+    chains_rows = True
 
     def plan(self, batch: BatchMetadata) -> dict | None:
         """Build the prefill ``cu_seqlens`` (device and host) and slot indices once per step.

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backplane.backends.torch.chained_rows import run_chain_in_place
 from backplane.backends.torch.verify_states import record_conv_states, record_scan_states
 from backplane.backends.triton import _mamba_import
 from backplane.backends.triton._common import (
@@ -295,6 +296,19 @@ def causal_conv(
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), buf.stride(0), C,
         )  # fmt: skip
         meta = dict(K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_C=block_c)
+        chain = batch.chained_rows
+        if chain is not None and K > 1:
+            # a verify graph's rows: the decode kernel on each position's destination slots
+            rows = batch.num_tokens
+
+            def update(slots: torch.Tensor) -> torch.Tensor:
+                y = torch.empty_like(buf[:rows])
+                a = (*args[:4], y, args[5], slots, *args[7:14], y.stride(0), C)
+                _CONV_DECODE.launch((n, cdiv(C, block_c)), a, x.device.index, **meta)
+                return y
+
+            buf[:rows].copy_(run_chain_in_place((conv_state,), chain, rows, update))
+            return finish_output(out, buf, batch.num_tokens)
         if max_q == 1 and K > 1:
             # decode only: output and state update in one launch
             _CONV_DECODE.launch((n, cdiv(C, block_c)), args, x.device.index, **meta)
@@ -649,21 +663,27 @@ def ssm_scan(
     if nd:
         a, b = tp, batch.num_tokens
         np_ = batch.num_prefill_seqs
-        slots = batch.state_slots[np_ : np_ + nd].long()
-        y = mamba.selective_state_update(
-            ssm_state,
-            x[a:b],
-            dt[a:b].unsqueeze(-1).expand(nd, H, P),
-            A.float()[:, None, None].expand(H, P, N),
-            B[a:b],
-            C[a:b],
-            D=D[:, None].expand(H, P),
-            z=z[a:b] if z is not None else None,
-            dt_bias=dt_bias[:, None].expand(H, P),
-            dt_softplus=bool(dt_softplus),
-            state_batch_indices=slots,
-        )
-        buf[a:b].copy_(y)
+
+        def update(slots: torch.Tensor) -> torch.Tensor:
+            return mamba.selective_state_update(
+                ssm_state,
+                x[a:b],
+                dt[a:b].unsqueeze(-1).expand(nd, H, P),
+                A.float()[:, None, None].expand(H, P, N),
+                B[a:b],
+                C[a:b],
+                D=D[:, None].expand(H, P),
+                z=z[a:b] if z is not None else None,
+                dt_bias=dt_bias[:, None].expand(H, P),
+                dt_softplus=bool(dt_softplus),
+                state_batch_indices=slots,
+            )
+
+        if batch.chained_rows is not None:
+            # a verify graph's rows (all decodes): the update on each position's destinations
+            buf[a:b].copy_(run_chain_in_place((ssm_state,), batch.chained_rows, b, update))
+        else:
+            buf[a:b].copy_(update(batch.state_slots[np_ : np_ + nd].long()))
     return finish_output(out, buf, batch.num_tokens)
 
 
@@ -671,6 +691,7 @@ class TritonSSMBackend(SSMBackend):
     """Mamba2 with our Triton causal conv and mamba-ssm's Triton scan kernels."""
 
     name = "triton"
+    chains_rows = True
 
     def plan(self, batch: BatchMetadata) -> dict | None:
         """Read the packed prefill's host facts once per step (shared by every scan layer).
