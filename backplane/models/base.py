@@ -39,6 +39,7 @@ from backplane.core.layouts import TensorSpec
 from backplane.core.parallel import tensor_parallel
 from backplane.models.fused import check_fused_ops
 from backplane.models.linear import Linear, MergedLinear, can_pack, dense, pack_weight
+from backplane.models.meta_init import skip_meta_init
 from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
@@ -604,7 +605,7 @@ def build_model(
     prev = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
-        with torch.device("meta"):
+        with torch.device("meta"), skip_meta_init():
             model = cls(config, backends)
     finally:
         torch.set_default_dtype(prev)

@@ -1,0 +1,66 @@
+"""Models are built on ``meta`` without running their initialisers: the same model, and a
+start-up without CUDA graphs that no longer imports ``torch._dynamo``."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import backplane.models.base as base
+from backplane.models.meta_init import skip_meta_init
+
+
+def test_fills_of_meta_tensors_are_skipped_and_others_run() -> None:
+    with torch.device("meta"), skip_meta_init():
+        layer = torch.nn.Linear(4, 3)
+        emb = torch.nn.Embedding(5, 2)
+    assert layer.weight.is_meta and emb.weight.is_meta
+    # a tensor with storage is initialised exactly as without the mode
+    torch.manual_seed(0)
+    expected = torch.nn.init.normal_(torch.empty(3, 4), std=0.5)
+    with skip_meta_init():
+        torch.manual_seed(0)
+        got = torch.nn.init.normal_(torch.empty(3, 4), std=0.5)
+        fan = torch.nn.init._calculate_fan_in_and_fan_out(torch.empty(3, 4, device="meta"))
+    assert torch.equal(got, expected)
+    assert fan == (4, 3)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-nemotron-h"])
+def test_the_built_model_is_the_same(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from backplane import LLM
+
+    def weights() -> dict[str, torch.Tensor]:
+        llm = LLM(model, device="cpu", num_kv_pages=16, max_num_seqs=2)
+        try:
+            state = llm.engine.model.state_dict()
+            return {k: v.clone() for k, v in state.items()}
+        finally:
+            llm.shutdown()
+
+    skipped = weights()
+    monkeypatch.setattr(base, "skip_meta_init", contextlib.nullcontext)
+    initialised = weights()
+    assert skipped.keys() == initialised.keys()
+    for name, tensor in initialised.items():
+        assert torch.equal(skipped[name], tensor), name
+
+
+def test_an_eager_cpu_start_up_does_not_import_dynamo() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from backplane import LLM
+        llm = LLM("tiny-llama", device="cpu", num_kv_pages=16, max_num_seqs=2)
+        print("torch._dynamo" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
