@@ -232,6 +232,15 @@ def test_verify_graphs_refused_over_a_backend_that_does_not_chain_rows(setup):
         make(verify_len=VERIFY_LEN)
     # without verify graphs the same backends are fine
     make(backends=backends).release()
+    # and the worker verifies piecewise over them
+    worker = engine.executor.driver
+    assert worker._verify_len() == VERIFY_LEN
+    chosen = worker.backends
+    worker.backends = backends
+    try:
+        assert worker._verify_len() == 0
+    finally:
+        worker.backends = chosen
 
 
 class _Foresight:

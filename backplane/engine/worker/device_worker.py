@@ -350,9 +350,17 @@ class DeviceWorker:
         spec = self.config.speculative_config
         if spec is None:
             return 0
-        if self.has_recurrent_state and not all(
-            b.chains_rows for b in self.backends.values() if isinstance(b, RecurrentBackend)
-        ):
+        unchained = [
+            f"{family}={b.name}"
+            for family, b in self.backends.items()
+            if isinstance(b, RecurrentBackend) and not b.chains_rows
+        ]
+        if self.has_recurrent_state and unchained:
+            logger.info(
+                "speculative verification runs through piecewise graphs: the recurrent "
+                "backends %s do not run verify graphs",
+                ", ".join(unchained),
+            )
             return 0
         return spec.num_speculative_tokens + 1
 
