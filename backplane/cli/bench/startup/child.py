@@ -5,7 +5,7 @@
 object: ``model`` (what to load), ``overrides`` (the engine's settings),
 ``spawned`` (``time.monotonic()`` of the parent just before it started this
 process: the clock is the machine's, the same in both) and ``log_level``. It
-imports torch and backplane's api (what any process serving a model pays),
+imports backplane's api and with it torch (what any process serving a model pays),
 builds an ``LLM``, shuts it down and prints one line, :data:`RESULT_MARKER`
 followed by the JSON of :func:`startup_result`, on stdout.
 """
@@ -82,8 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    import torch  # noqa: F401
-
+    # backplane first, as a serving process does: it sets torch's OpenMP policy before torch loads
     from backplane.api import LLM
 
     imported = time.monotonic()
