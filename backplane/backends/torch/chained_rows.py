@@ -15,9 +15,10 @@ graph it unrolls, and nothing synchronises with the host.
 
 The arithmetic is that of the decode path of :mod:`backplane.backends.torch.ssm`
 and :mod:`backplane.backends.torch.delta`, in float32. A backend whose decode
-kernel updates a slot in place (Triton) chains its rows with
-:func:`run_chain_in_place` instead: each position copies the source states
-into the destination slots, then runs that kernel on the destinations.
+kernel can only update a slot in place (mamba-ssm's state update, which the
+Triton SSM backend calls) chains its rows with :func:`run_chain_in_place`
+instead: each position copies the source states into the destination slots,
+then runs that kernel on the destinations.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ import types
 import numpy as np
 import torch
 
-from backplane.backends.torch.chained_rows import run_chain_in_place
 from backplane.backends.torch.delta import L2NORM_EPS
 from backplane.backends.torch.verify_states import record_delta_states
 from backplane.backends.triton._common import exact_fp32_dots, sequence_blocks
@@ -137,16 +136,15 @@ def gated_delta(
         state.index_copy_(0, slots, ht.to(state.dtype))
     nd = batch.num_decode_seqs
     if nd and batch.chained_rows is not None:
-        # a verify graph's rows (all decodes): the decode kernel on each position's destinations
-        b = batch.num_tokens
-
-        def update(slots: torch.Tensor) -> torch.Tensor:
-            y = torch.empty_like(buf[:b])
-            delta_decode(q[:b], k[:b], v[:b], g[:b], beta[:b], state, slots, scale,
-                         use_qk_l2norm, y)  # fmt: skip
-            return y
-
-        buf[:b].copy_(run_chain_in_place((state,), batch.chained_rows, b, update))
+        # a verify graph's rows (all decodes): one launch per chunk position, each running
+        # the rows at that position from their source slots into their destination slots
+        b, chain = batch.num_tokens, batch.chained_rows
+        for j in range(chain.num_positions):
+            delta_decode(
+                q[:b], k[:b], v[:b], g[:b], beta[:b], state, chain.src_slots[:b], scale,
+                use_qk_l2norm, buf[:b], dst_slots=chain.dst_slots[:b],
+                positions=chain.position[:b], position=j,
+            )  # fmt: skip
     elif nd:
         a, b = tp, batch.num_tokens
         np_ = batch.num_prefill_seqs

@@ -18,6 +18,11 @@ nothing and reads no device value on the host (the grid comes from the host
 count of decode sequences), so it can be captured in a CUDA graph. Scratch
 sequences of a padded decode graph may share the reserved slot 0; their
 programs race on that slot only.
+
+The chained rows of a verify graph (:class:`~backplane.core.metadata.ChainedRows`)
+launch the same kernel once per chunk position ``j``: a row reads its source
+slot and writes its destination slot, and only the rows at position ``j``
+read or write anything.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ def _delta_decode_kernel(
     state_ptr,
     o_ptr,
     slots_ptr,
+    dst_ptr,
+    pos_ptr,
+    position,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -72,18 +80,32 @@ def _delta_decode_kernel(
     L2NORM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):
-    """One decode token of one sequence, one value head, one block of the value dimension."""
+    """One decode token of one sequence, one value head, one block of the value dimension.
+
+    With ``CHAINED`` the row reads slot ``slots[i]`` and writes slot ``dst[i]``, and
+    only when ``pos[i] == position``; otherwise it updates ``slots[i]`` in place.
+    """
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     row = i.to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
+    out_slot = slot
+    k_lim = DK
+    v_lim = DV
+    if CHAINED:
+        out_slot = tl.load(dst_ptr + i).to(tl.int64)
+        # a row at another position masks everything: no load, no store
+        run = (tl.load(pos_ptr + i) == position).to(tl.int32)
+        k_lim = DK * run
+        v_lim = DV * run
     hk = h // GROUP
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_mask = offs_k < DK
-    v_mask = offs_v < DV
+    k_mask = offs_k < k_lim
+    v_mask = offs_v < v_lim
     q = tl.load(
         q_ptr + row * stride_qt + hk * stride_qh + offs_k * stride_qd, mask=k_mask, other=0.0
     )
@@ -102,13 +124,14 @@ def _delta_decode_kernel(
     v = v.to(tl.float32)
     g = tl.load(g_ptr + row * stride_gt + h * stride_gh).to(tl.float32)
     beta = tl.load(beta_ptr + row * stride_bt + h * stride_bh).to(tl.float32)
-    ptrs = state_ptr + slot * stride_ss + h * stride_sh
-    ptrs += offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    within = offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    ptrs = state_ptr + slot * stride_ss + h * stride_sh + within
     mask = k_mask[:, None] & v_mask[None, :]
     s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * tl.exp(g)
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s += k[:, None] * delta[None, :]
-    tl.store(ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = state_ptr + out_slot * stride_ss + h * stride_sh + within
+    tl.store(out_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
     o = tl.sum(s * q[:, None], axis=0)
     tl.store(
         o_ptr + row * stride_ot + h * stride_oh + offs_v * stride_od,
@@ -131,11 +154,20 @@ def delta_decode(
     scale: float,
     use_qk_l2norm: bool,
     out: torch.Tensor,
+    *,
+    dst_slots: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    position: int = 0,
 ) -> None:
     """One gated-delta-rule step for each decode row, updating ``state`` in its slots.
 
     Row ``i`` of every input is sequence ``i``'s token; its state lives in
     ``state[slots[i]]``. Real sequences must have distinct slots.
+
+    With ``dst_slots`` and ``positions`` (chained rows) only the rows whose
+    position is ``position`` run: each reads ``state[slots[i]]`` and writes the
+    updated state to ``state[dst_slots[i]]`` and its output row; the others
+    touch nothing.
 
     :param q: ``[n, Hk, Dk]``.
     :param k: ``[n, Hk, Dk]``.
@@ -147,7 +179,13 @@ def delta_decode(
     :param scale: multiplies ``q`` (after the optional L2 norm).
     :param use_qk_l2norm: L2-normalise ``q`` and ``k`` per head first.
     :param out: ``[n, Hv, Dv]`` receives the outputs.
+    :param dst_slots: ``[n]`` the slot each row writes (chained rows), or ``None``.
+    :param positions: ``[n]`` each row's chunk position (with ``dst_slots``).
+    :param position: the position whose rows run.
     """
+    chained = dst_slots is not None
+    if chained != (positions is not None):
+        raise ValueError("chained rows need both dst_slots and positions; give both or neither")
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if n == 0:
@@ -158,11 +196,12 @@ def delta_decode(
     grid = (n, hv, cdiv(dv, block_v))
     _DELTA_DECODE.launch(grid, (
         q, k, v, g, beta, state, out, slots,
+        dst_slots if chained else slots, positions if chained else slots, int(position),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         float(scale), L2NORM_EPS, dk, dv, hv // hk), q.device.index,
-        L2NORM=bool(use_qk_l2norm), BLOCK_K=next_pow2(dk), BLOCK_V=block_v,
+        L2NORM=bool(use_qk_l2norm), BLOCK_K=next_pow2(dk), BLOCK_V=block_v, CHAINED=chained,
     )  # fmt: skip

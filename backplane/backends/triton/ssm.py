@@ -42,6 +42,12 @@ Two cached ops:
     cache with the slot indices (``state_batch_indices``), in the tied layout
     (``A``, ``dt``, ``dt_bias``, ``D`` broadcast over ``head_dim`` with stride 0).
 
+The chained rows of a verify graph (``batch.chained_rows``) launch the conv's
+decode kernel once per chunk position, each row reading its source slot and
+writing its destination slot; the scan copies each position's source states
+into the destination slots and runs ``selective_state_update`` there
+(:func:`~backplane.backends.torch.chained_rows.run_chain_in_place`).
+
 mamba-ssm is loaded by :mod:`backplane.backends.triton._mamba_import` (its
 package ``__init__`` is never executed).
 """
@@ -203,28 +209,41 @@ def _conv_decode_kernel(
     stride_sk,
     stride_ot,
     C,
+    dst_ptr,
+    pos_ptr,
+    position,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):
     """One new token of one sequence (one channel block): its output and the shifted state.
 
     The taps are summed in the order of ``_conv_kernel`` (bias, then the state's
     taps oldest first, then the new input), so a decode step gives the same bits
     as the general kernel; the state update that kernel leaves to
-    ``_conv_state_kernel`` happens here, in the same launch.
+    ``_conv_state_kernel`` happens here, in the same launch. With ``CHAINED``
+    (a verify graph's rows) the row reads slot ``slots[seq]``, writes the
+    shifted window to slot ``dst[seq]``, and runs only when ``pos[seq] == position``.
     """
     seq = tl.program_id(0)
     cb = tl.program_id(1)
     start = tl.load(qsl_ptr + seq)
     if tl.load(qsl_ptr + seq + 1) > start:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
+        out_slot = slot
+        c_lim = C
+        if CHAINED:
+            out_slot = tl.load(dst_ptr + seq).to(tl.int64)
+            # a row at another position masks everything: no load, no store
+            c_lim = C * (tl.load(pos_ptr + seq) == position).to(tl.int32)
         has_init = tl.load(has_init_ptr + seq).to(tl.int32)
         offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = offs_c < C
+        c_mask = offs_c < c_lim
         from_state = c_mask & ((offs_c * 0 + has_init) != 0)
         base = state_ptr + slot * stride_ss + offs_c * stride_sc
+        out_base = state_ptr + out_slot * stride_ss + offs_c * stride_sc
         acc = tl.zeros([BLOCK_C], tl.float32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
@@ -244,11 +263,11 @@ def _conv_decode_kernel(
             mask=c_mask,
         )
         # Shift the window by one: every thread reads its channels' taps before
-        # overwriting them, the new input goes last.
+        # overwriting them (in place, or into the destination slot), the new input last.
         for k in tl.static_range(K - 2):
             nxt = tl.load(base + (k + 1) * stride_sk, mask=from_state, other=0.0)
-            tl.store(base + k * stride_sk, nxt, mask=c_mask)
-        tl.store(base + (K - 2) * stride_sk, xv.to(state_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(out_base + k * stride_sk, nxt, mask=c_mask)
+        tl.store(out_base + (K - 2) * stride_sk, xv.to(state_ptr.dtype.element_ty), mask=c_mask)
 
 
 _CONV_DECODE = KernelLauncher(_conv_decode_kernel)
@@ -298,20 +317,23 @@ def causal_conv(
         meta = dict(K=K, HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_C=block_c)
         chain = batch.chained_rows
         if chain is not None and K > 1:
-            # a verify graph's rows: the decode kernel on each position's destination slots
-            rows = batch.num_tokens
-
-            def update(slots: torch.Tensor) -> torch.Tensor:
-                y = torch.empty_like(buf[:rows])
-                a = (*args[:4], y, args[5], slots, *args[7:14], y.stride(0), C)
-                _CONV_DECODE.launch((n, cdiv(C, block_c)), a, x.device.index, **meta)
-                return y
-
-            buf[:rows].copy_(run_chain_in_place((conv_state,), chain, rows, update))
+            # a verify graph's rows: one launch per chunk position, each running the rows at
+            # that position from their source slots into their destination slots
+            grid = (n, cdiv(C, block_c))
+            rows = (*args[:6], chain.src_slots, *args[7:])
+            for j in range(chain.num_positions):
+                _CONV_DECODE.launch(
+                    grid, (*rows, chain.dst_slots, chain.position, j), x.device.index,
+                    **meta, CHAINED=True,
+                )  # fmt: skip
             return finish_output(out, buf, batch.num_tokens)
         if max_q == 1 and K > 1:
             # decode only: output and state update in one launch
-            _CONV_DECODE.launch((n, cdiv(C, block_c)), args, x.device.index, **meta)
+            slots = batch.state_slots
+            _CONV_DECODE.launch(
+                (n, cdiv(C, block_c)), (*args, slots, slots, 0), x.device.index, **meta,
+                CHAINED=False,
+            )  # fmt: skip
             return finish_output(out, buf, batch.num_tokens)
         block_t = min(64, next_pow2(max_q))
         grid = (n, cdiv(max_q, block_t), cdiv(C, block_c))
