@@ -79,6 +79,9 @@ def generate_eager_and_graphed(
             max_num_seqs=4,
             max_num_tokens=64,
             max_model_len=128,
+            # a few pages suffice; sizing from free memory would meet the
+            # memory another engine of the test module still holds
+            kv_memory="256MiB",
             cuda_graphs=mode,
             backends=backends,
         )

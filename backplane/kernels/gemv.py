@@ -567,8 +567,9 @@ def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int,
     :data:`FP8_LARGE` elements and more in row blocks of 16, steps of 512 and
     eight warps (gate/up 30.7-31.9 us at 86-89% of the bandwidth, a 128k LM
     head 126.7 us at 97%); smaller ones in row blocks of 8 and steps of 1024,
-    split as :func:`plan` splits tall weights (o 5.8 us against 12.2 for the
-    16-bit shapes below, down 16.6 against 24.8, q/k/v 9.6 against 12.7): an
+    split as :func:`plan` splits tall weights, two chunks per split at least
+    (o 5.8 us against 12.2 for the 16-bit shapes below, down 16.6 against
+    24.8, q/k/v 9.6 against 12.7): an
     FP8 tile holds half the bytes of a 16-bit one of the same shape.
 
     Block scales on such rows take the same shapes where the chunk holds
@@ -600,7 +601,7 @@ def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int,
             return 16, wide, 1, 8
         blocks = cdiv(n, 8)
         split_k = 1
-        while blocks * split_k < 3 * sms and k // (split_k * 2) >= LONG_ROW:
+        while blocks * split_k < 3 * sms and k // (split_k * 2) >= 2 * wide:
             split_k *= 2
         return 8, wide, split_k
     block_n, block_k, split_k = plan(n, k, sms) or (16, 256, 1)
