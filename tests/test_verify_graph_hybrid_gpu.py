@@ -51,10 +51,6 @@ def _needs(name: str) -> dict[str, str]:
     return {"ssm": name, "delta": name}
 
 
-def _ids(case: tuple[str, str]) -> str:
-    return "-".join(case)
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(
     ("check", "family"), [(check_conv, "ssm"), (check_scan, "ssm"), (check_delta, "delta")]
@@ -68,7 +64,7 @@ def test_ops_on_chained_rows_equal_the_chunks_on_cuda(check, family, name):
     check(load_backend(spec), device="cuda")
 
 
-@pytest.fixture(scope="module", params=CASES, ids=_ids)
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{b}" for m, b in CASES])
 def setup(request):
     model, name = request.param
     engine = _engine(model, "cuda", cuda_graphs="off", backends=_needs(name))
@@ -119,7 +115,7 @@ def test_captured_verify_graph_rows_equal_the_eager_chunks(setup, new, cached, d
             torch.testing.assert_close(after[key][1:], t[1:], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize(("model", "name"), CASES, ids=_ids)
+@pytest.mark.parametrize(("model", "name"), CASES, ids=[f"{m}-{b}" for m, b in CASES])
 def test_engine_verifies_hybrids_in_its_captured_verify_graphs(model: str, name: str) -> None:
     backends = _needs(name)
     kw = dict(
