@@ -254,21 +254,7 @@ class VerifyStates:
                 "allocate scratch slots apart from the sequences' slots"
             )
         sources = np.where(slots >= 0, slots, NULL_SLOT)
-        sources[np.arange(len(seqs)), lens - 1] = own
-        dev = torch.device(device)
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-
-        return cls(
-            seqs_host=seqs,
-            slots_host=slots,
-            max_len=int(lens.max()) if len(lens) else 0,
-            seqs=put(seqs),
-            slots=put(np.where(slots >= 0, slots, NULL_SLOT)),
-            sources=put(sources),
-            own_slots=put(own),
-        )
+        return cls._of(seqs, slots, sources, own, lens, device)
 
     @classmethod
     def chained(
@@ -302,6 +288,20 @@ class VerifyStates:
         cols = np.arange(dst.shape[1])[None, :]
         slots = np.where(cols < lens[:, None] - 1, dst, -1)
         sources = np.where(cols < lens[:, None], dst, NULL_SLOT)
+        return cls._of(first_rows, slots, sources, own, lens, device)
+
+    @classmethod
+    def _of(
+        cls,
+        seqs: np.ndarray,
+        slots: np.ndarray,
+        sources: np.ndarray,
+        own: np.ndarray,
+        lens: np.ndarray,
+        device: torch.device | str,
+    ) -> VerifyStates:
+        """The description from its host arrays: each chunk's last position reads the
+        sequence's own slot; the device copies are made here."""
         sources[np.arange(len(lens)), lens - 1] = own
         dev = torch.device(device)
 
@@ -309,10 +309,10 @@ class VerifyStates:
             return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
         return cls(
-            seqs_host=first_rows,
+            seqs_host=seqs,
             slots_host=slots,
             max_len=int(lens.max()) if len(lens) else 0,
-            seqs=put(first_rows),
+            seqs=put(seqs),
             slots=put(np.where(slots >= 0, slots, NULL_SLOT)),
             sources=put(sources),
             own_slots=put(own),

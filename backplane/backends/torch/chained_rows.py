@@ -52,7 +52,7 @@ def run_chain(state: torch.Tensor, chain: ChainedRows, rows: int, step: DecodeSt
         at = pos == j
         new, y = step(state.index_select(0, src).float())
         state.index_copy_(0, torch.where(at, dst, NULL_SLOT), new.to(state.dtype))
-        out = y if out is None else torch.where(at.view(-1, *([1] * (y.dim() - 1))), y, out)
+        out = _at_position(out, y, at)
     assert out is not None, "a chain runs at least one position"
     return out
 
@@ -88,7 +88,7 @@ def run_chain_in_place(
         for state in states:
             state.index_copy_(0, slots, state.index_select(0, src))
         y = update(slots)
-        out = y if out is None else torch.where(at.view(-1, *([1] * (y.dim() - 1))), y, out)
+        out = _at_position(out, y, at)
     assert out is not None, "a chain runs at least one position"
     return out
 
@@ -210,3 +210,8 @@ def chained_delta(
         return s, torch.einsum("shkv,shk->shv", s, q)
 
     return run_chain(state, chain, rows, step)
+
+
+def _at_position(out: torch.Tensor | None, y: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``out`` with the rows where ``at`` holds taken from ``y`` (all of ``y`` at first)."""
+    return y if out is None else torch.where(at.view(-1, *([1] * (y.dim() - 1))), y, out)
