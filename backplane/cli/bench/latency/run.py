@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
@@ -46,6 +45,7 @@ from backplane.cli.bench.latency.weights import (
     folder_weights_info,
     gguf_weights_info,
     save_random_weights,
+    weights_workdir,
 )
 from backplane.cli.bench.machine import machine_info
 from backplane.core.errors import BackendUnavailableError, ConfigError, UnknownBackendError
@@ -410,11 +410,7 @@ def run_benchmark(settings: Settings) -> dict[str, Any]:
     total = len(settings.shapes) * per_shape * len(settings.batch_sizes)
     shapes = []
     with contextlib.ExitStack() as stack:
-        if settings.weights_dir:
-            workdir = settings.weights_dir
-            os.makedirs(workdir, exist_ok=True)
-        else:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-latency-"))
+        workdir = weights_workdir(stack, settings.weights_dir, "bench-latency-")
         progress = stack.enter_context(
             tqdm(total=total, desc="bench latency", unit="run", disable=None)
         )

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,21 @@ class WeightsInfo:
     experts_per_token: int
     kv_bytes_per_token: float
     state_bytes_per_seq: int
+
+
+def weights_workdir(stack: contextlib.ExitStack, weights_dir: str | None, prefix: str) -> str:
+    """The folder random weights are saved to: ``weights_dir`` (made if missing, kept),
+    or a temporary one removed when ``stack`` closes.
+
+    :param stack: the caller's exit stack.
+    :param weights_dir: ``--weights-dir``, or ``None``.
+    :param prefix: the temporary folder's name prefix (the command's).
+    :return: the folder's path.
+    """
+    if weights_dir:
+        os.makedirs(weights_dir, exist_ok=True)
+        return weights_dir
+    return stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
 
 
 def _specs_bytes(specs: dict[str, dict[str, Any]]) -> int:

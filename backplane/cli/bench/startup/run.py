@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backplane.cli.bench.latency.weights import weights_workdir
 from backplane.cli.bench.startup.child import RESULT_MARKER
 from backplane.core.errors import ConfigError
 
@@ -233,11 +234,7 @@ def run_startup_benchmark(settings: StartupSettings) -> dict[str, Any]:
     states = CACHE_STATES if settings.cold else CACHE_STATES[:1]
     shapes = []
     with contextlib.ExitStack() as stack:
-        if settings.weights_dir:
-            workdir = settings.weights_dir
-            os.makedirs(workdir, exist_ok=True)
-        else:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-startup-"))
+        workdir = weights_workdir(stack, settings.weights_dir, "bench-startup-")
         for name in settings.shapes:
             model = prepare_model(name, workdir, dtype, dtype_name)
             runs = {}

@@ -6,8 +6,6 @@ import argparse
 import contextlib
 import logging
 import math
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -16,6 +14,7 @@ from backplane.cli.bench.latency.engines import quiet_missing_tokenizer
 from backplane.cli.bench.latency.floor import measure_bandwidth
 from backplane.cli.bench.latency.measure import free_device_memory, skipped
 from backplane.cli.bench.latency.shard import rank_weights_info
+from backplane.cli.bench.latency.weights import weights_workdir
 from backplane.cli.bench.machine import machine_info
 from backplane.cli.bench.throughput.decode import decode_only
 from backplane.cli.bench.throughput.model import resolve_model
@@ -87,11 +86,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "read bandwidth %.1f GB/s (%s)", bandwidth["bytes_per_s"] / 1e9, bandwidth["method"]
         )
     with contextlib.ExitStack() as stack:
-        if args.weights_dir:
-            workdir = args.weights_dir
-            os.makedirs(workdir, exist_ok=True)
-        else:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-throughput-"))
+        workdir = weights_workdir(stack, args.weights_dir, "bench-throughput-")
         model = resolve_model(config.model, dtype, workdir)
         config = config.merge(model=model.source)
         t0 = time.perf_counter()
