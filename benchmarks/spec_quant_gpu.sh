@@ -7,14 +7,16 @@
 #   PART=spec  bash benchmarks/spec_quant_gpu.sh OUT_DIR   # speculation: ngram on the 1B shape, MTP
 #   PART=quant bash benchmarks/spec_quant_gpu.sh OUT_DIR   # FP8 and Q4_K at batch 1, the GGUF kernel
 #   PART=mix   bash benchmarks/spec_quant_gpu.sh OUT_DIR   # the 8B ShareGPT-like mix, bf16 and FP8
+#   PART=kernels bash benchmarks/spec_quant_gpu.sh OUT_DIR # one-row projections of the 8B shape, profiles
+#   PART=startup bash benchmarks/spec_quant_gpu.sh OUT_DIR # engine start-up per phase, warm and cold
 #
 # Each step has a time limit (seconds, LIMIT_* below), so a stuck or slow step costs its
 # limit and the rest still run; OUT_DIR/timeline.txt says how long each took and how it
 # ended. The random weights are saved once under WEIGHTS_DIR.
 set -uo pipefail
 
-OUT=${1:?usage: PART=tests|spec|quant|mix bash benchmarks/spec_quant_gpu.sh OUT_DIR}
-PART=${PART:?set PART to tests, spec, quant or mix}
+OUT=${1:?usage: PART=tests|spec|quant|mix|kernels|startup bash benchmarks/spec_quant_gpu.sh OUT_DIR}
+PART=${PART:?set PART to tests, spec, quant, mix, kernels or startup}
 W=${WEIGHTS_DIR:-/tmp/backplane-weights}
 LIMIT_TEST=${LIMIT_TEST:-150}
 LIMIT_BENCH=${LIMIT_BENCH:-200}
@@ -39,8 +41,9 @@ latency() {
 
 case $PART in
 tests)
-    for t in test_verify_graph test_spec_decode_gpu test_spec_graph_gpu test_hybrid_prefix_gpu \
-        test_fp8_kv_gpu test_fp8_gemv_gpu test_fp8_fused_gpu test_qgemv_gpu; do
+    for t in test_verify_graph test_verify_graph_hybrid_gpu test_spec_decode_gpu \
+        test_spec_graph_gpu test_hybrid_prefix_gpu test_fp8_kv_gpu test_fp8_gemv_gpu \
+        test_fp8_fused_gpu test_qgemv_gpu test_bench_startup_gpu; do
         run "$t" "$LIMIT_TEST" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "tests/$t.py"
     done
     ;;
@@ -62,8 +65,27 @@ mix)
             --no-transformers --quantization "$q" --json "$OUT/mix_$q.json"
     done
     ;;
+kernels)
+    run gemv_8b "$LIMIT_BENCH" python3 benchmarks/gemv.py --model llama-8b --rows 1 \
+        --json "$OUT/gemv_8b.json"
+    run fused_8b "$LIMIT_BENCH" python3 benchmarks/gemv.py --fused --model llama-8b \
+        --json "$OUT/fused_8b.json"
+    run fused_fp8_8b "$LIMIT_BENCH" python3 benchmarks/gemv.py --fused --fp8 channel \
+        --model llama-8b --json "$OUT/fused_fp8_8b.json"
+    run qgemv_sweep "$LIMIT_BENCH" python3 benchmarks/qgemv.py --sweep --json "$OUT/qgemv.json"
+    for q in none fp8; do
+        extra=()
+        [[ $q == fp8 ]] && extra=(--quantization fp8)
+        run "profile_8b_$q" "$LIMIT_BENCH" python3 benchmarks/profile_decode.py \
+            --shape llama-3.1-8b --attention triton --json "$OUT/profile_8b_$q.json" "${extra[@]}"
+    done
+    ;;
+startup)
+    run startup "$LIMIT_BENCH" backplane bench startup --shapes llama-3.2-1b,llama-3.1-8b \
+        --weights-dir "$W" --attention triton --cold --json "$OUT/startup.json"
+    ;;
 *)
-    echo "unknown PART=$PART (tests, spec, quant or mix)" >&2
+    echo "unknown PART=$PART (tests, spec, quant, mix, kernels or startup)" >&2
     exit 2
     ;;
 esac
