@@ -6,7 +6,8 @@ kernels: it imports only ``backplane.core`` (launch helpers), and
 kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
 does not, so its callers import cleanly without it. :func:`unavailable_reason`
 (from :mod:`.availability`) says whether the kernels can run on a device;
-:func:`load` and :func:`load_gemv` import them.
+:func:`load`, :func:`load_gemv`, :func:`load_qgemv` and :func:`load_act_quant`
+(FP8 activation quantisation) import them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from types import ModuleType
 
 from backplane.kernels.availability import interpreting, unavailable_reason
 
-__all__ = ["interpreting", "load", "load_gemv", "load_qgemv", "unavailable_reason"]
+__all__ = [
+    "interpreting",
+    "load",
+    "load_act_quant",
+    "load_gemv",
+    "load_qgemv",
+    "unavailable_reason",
+]
 
 
 @functools.cache
@@ -48,3 +56,13 @@ def load_qgemv() -> ModuleType:
     :raises ImportError: when ``triton`` cannot be imported.
     """
     return importlib.import_module("backplane.kernels.qgemv")
+
+
+@functools.cache
+def load_act_quant() -> ModuleType:
+    """Import the FP8 activation quantisation kernel once and return :mod:`.act_quant`.
+
+    :return: the module.
+    :raises ImportError: when ``triton`` cannot be imported.
+    """
+    return importlib.import_module("backplane.kernels.act_quant")
