@@ -13,7 +13,11 @@ stacked in one matrix) and block rows that straddle two merged parts.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
+
+from backplane import kernels
 
 #: the storage dtype of FP8 weights, activations and caches
 FP8_DTYPE = torch.float8_e4m3fn
@@ -116,14 +120,72 @@ def dequantize_rows(
     return (q.float() * s).to(dtype)
 
 
+#: activation dtypes the quantisation kernel reads
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: CUDA devices (``str(device)``) and the activation quantisation kernels' module there, or
+#: ``None`` where they do not run (the module is held so that a compiled caller needs no import)
+_KERNEL: dict[str, ModuleType | None] = {}
+
+
+def _kernel(x: torch.Tensor) -> ModuleType | None:
+    """:mod:`backplane.kernels.act_quant` where it quantises ``x``: a CUDA tensor of a dtype it
+    reads, Triton installed, compute capability 8.9 or higher (e4m3 conversions); else ``None``.
+    """
+    if not x.is_cuda or x.dtype not in _KERNEL_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
+        return None
+    key = str(x.device)
+    if key not in _KERNEL:
+        runs = kernels.unavailable_reason(x.device) is None
+        runs = runs and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        _KERNEL[key] = kernels.load_act_quant() if runs else None
+    return _KERNEL[key]
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantisation, one scale per row.
 
-    :param x: ``[M, K]``.
-    :return: ``(q [M, K] e4m3, scale [M, 1] float32)`` with ``x ~= q * scale``.
+    On CUDA (compute capability 8.9 and up, Triton installed) one kernel
+    (:func:`backplane.kernels.act_quant.quantize_per_token`) writes both
+    results, bit for bit those of :func:`quantize_per_token_eager`, which
+    runs everywhere else.
+
+    :param x: ``[..., K]``.
+    :return: ``(q [..., K] e4m3, scale [..., 1] float32)`` with ``x ~= q * scale``.
+    """
+    kernel = _kernel(x)
+    if kernel is not None:
+        q, scale = kernel.quantize_per_token(x.reshape(-1, x.shape[-1]))
+        return q.view(x.shape), scale.view(*x.shape[:-1], 1)
+    return quantize_per_token_eager(x)
+
+
+def quantize_per_token_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_per_token` in torch operations (the reference of the kernel).
+
+    :param x: ``[..., K]``.
+    :return: ``(q [..., K] e4m3, scale [..., 1] float32)`` with ``x ~= q * scale``.
     """
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     return to_fp8(x, scale), scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static activation quantisation: :func:`to_fp8` with one scale for every value.
+
+    On CUDA (as for :func:`quantize_per_token`) one kernel
+    (:func:`backplane.kernels.act_quant.quantize_static`) writes ``q``, bit for
+    bit :func:`to_fp8`'s, which runs everywhere else.
+
+    :param x: ``[..., K]``.
+    :param scale: one value (any shape of one element), e.g. a checkpoint's ``input_scale``.
+    :return: ``q [..., K]`` e4m3 with ``x ~= q * scale``.
+    """
+    kernel = _kernel(x) if scale.numel() == 1 and scale.device == x.device else None
+    if kernel is not None:
+        q = kernel.quantize_static(x.reshape(-1, x.shape[-1]), scale)
+        return q.view(x.shape)
+    return to_fp8(x, scale.float().reshape(1))
 
 
 def quantize_per_block(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

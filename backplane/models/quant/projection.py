@@ -17,8 +17,9 @@ float32 ``weight_scale`` parameter in row form (see
   weight, from the scales :meth:`Fp8Projection.one_row_scales` gives it;
 * on CUDA devices of compute capability 8.9 and up (Ada, Hopper), for one
   scale per weight row: the activations quantised per token (or with the
-  checkpoint's static ``input_scale``) and ``torch._scaled_mm`` with row-wise
-  scales, in the activations' dtype;
+  checkpoint's static ``input_scale``; one kernel of
+  :mod:`backplane.kernels.act_quant` either way) and ``torch._scaled_mm`` with
+  row-wise scales, in the activations' dtype;
 * elsewhere (the CPU, older GPUs, block scales, shapes ``_scaled_mm`` does not
   take): the weight dequantised to the activations' dtype and the ordinary
   :func:`~backplane.models.linear.dense` product. This path's results equal
@@ -38,8 +39,8 @@ from backplane.models.quant.fp8 import (
     FP8_DTYPE,
     dequantize_rows,
     quantize_per_token,
+    quantize_static,
     quantize_weight,
-    to_fp8,
 )
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class Fp8Projection:
         rows = x.reshape(-1, x.shape[-1])
         if self.static:
             scale_a = linear.input_scale.float().reshape(1, 1).expand(rows.shape[0], 1)
-            qx = to_fp8(rows, scale_a)
+            qx = quantize_static(rows, linear.input_scale)
         else:
             qx, scale_a = quantize_per_token(rows)
         y = torch._scaled_mm(
