@@ -43,7 +43,7 @@ case $PART in
 tests)
     for t in test_verify_graph test_verify_graph_hybrid_gpu test_spec_decode_gpu \
         test_spec_graph_gpu test_hybrid_prefix_gpu test_fp8_kv_gpu test_fp8_gemv_gpu \
-        test_fp8_fused_gpu test_qgemv_gpu test_bench_startup_gpu; do
+        test_fp8_fused_gpu test_qgemv_gpu test_bench_startup_gpu test_fp8_act_quant_gpu; do
         run "$t" "$LIMIT_TEST" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "tests/$t.py"
     done
     ;;
