@@ -287,11 +287,12 @@ def _prompts(plain: Engine) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -> None:
-    plain = Engine(model=model, device="cpu", dtype="float32", max_num_seqs=4, page_size=PAGE)
-    prompts, params = _prompts(plain)
-    want = run_requests(plain, prompts, params, check_invariants=False)
+def _spec_with_verify_graphs(model: str, **kw: Any) -> tuple[Engine, list[int], Any]:
+    """An engine with ngram speculation whose runner captured verify graphs (the torch
+    backends chain rows), with its verify-graph replays counted.
+
+    :return: ``(engine, replayed buckets, runner)``.
+    """
     spec = Engine(
         model=model,
         device="cpu",
@@ -299,6 +300,7 @@ def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -
         max_num_seqs=4,
         page_size=PAGE,
         speculative_config=NGRAM,
+        **kw,
     )
     # the worker sized its input batch for verify rows: the torch backends chain them
     assert spec.executor.driver.verify_len == VERIFY_LEN
@@ -320,6 +322,15 @@ def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -
 
     runner.verify.replay = counted
     spec.runner = runner
+    return spec, replays, runner
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -> None:
+    plain = Engine(model=model, device="cpu", dtype="float32", max_num_seqs=4, page_size=PAGE)
+    prompts, params = _prompts(plain)
+    want = run_requests(plain, prompts, params, check_invariants=False)
+    spec, replays, runner = _spec_with_verify_graphs(model)
     spec.spec.proposer = _Foresight(
         [p + w for p, w in zip(prompts, want, strict=True)], spec.vocab_size
     )
@@ -330,4 +341,47 @@ def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -
     # whole chunks accepted and chunks rejected in the middle
     assert stats.verified_seqs > 0 and stats.draft_tokens // 2 < stats.accepted_tokens
     assert stats.accepted_tokens < stats.draft_tokens
+    runner.release()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_verify_graphs_with_prefix_caching_equal_decoding_without(model: str) -> None:
+    """With prefix caching on, requests that resume from cached prefixes (and the recurrent
+    states kept for them) verify their drafts in verify graphs and still produce the tokens
+    of decoding without speculation."""
+    plain = Engine(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=4,
+        page_size=PAGE,
+        enable_prefix_caching=True,
+    )
+    prompts, params = _prompts(plain)
+    # a second wave of the same prompts, each continued: their prefixes are cached
+    again = [p + [p[0], p[-1]] for p in prompts]
+    want = run_requests(plain, prompts, params, check_invariants=False)
+    want_again = run_requests(plain, again, params, check_invariants=False)
+    spec, replays, runner = _spec_with_verify_graphs(model, enable_prefix_caching=True)
+    full = [p + w for p, w in zip(prompts + again, want + want_again, strict=True)]
+    spec.spec.proposer = _Foresight(full, spec.vocab_size)
+    hits: list[int] = []
+    schedule = spec.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        hits.extend(
+            s.num_cached_tokens
+            for s in out.scheduled
+            if s.num_cached_tokens and len(s.request.output_token_ids) == 0
+        )
+        return out
+
+    spec.scheduler.schedule = recorded
+    assert run_requests(spec, prompts, params, check_invariants=False) == want
+    first = len(replays)
+    assert run_requests(spec, again, params, check_invariants=False) == want_again
+    assert hits, "no request of the second wave resumed from a cached prefix"
+    assert first >= 3 and len(replays) - first >= 3, "verification did not replay verify graphs"
+    assert spec.spec.stats.accepted_tokens > 0
     runner.release()
