@@ -385,3 +385,26 @@ def test_verify_graphs_with_prefix_caching_equal_decoding_without(model: str) ->
     assert first >= 3 and len(replays) - first >= 3, "verification did not replay verify graphs"
     assert spec.spec.stats.accepted_tokens > 0
     runner.release()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_verify_graphs_with_preemption_equal_decoding_without(model: str) -> None:
+    """With too few pages for every request, requests are preempted and recompute their
+    prompts and recurrent states; verification in verify graphs still gives the tokens of
+    decoding without speculation."""
+    pages = 16  # 64 tokens of KV for requests that grow to about 80 together
+    plain = Engine(
+        model=model, device="cpu", dtype="float32", max_num_seqs=4, page_size=PAGE,
+        num_kv_pages=pages,
+    )  # fmt: skip
+    prompts, params = _prompts(plain)
+    want = run_requests(plain, prompts, params, check_invariants=False)
+    spec, replays, runner = _spec_with_verify_graphs(model, num_kv_pages=pages)
+    spec.spec.proposer = _Foresight(
+        [p + w for p, w in zip(prompts, want, strict=True)], spec.vocab_size
+    )
+    assert run_requests(spec, prompts, params, check_invariants=False) == want
+    assert spec.scheduler.stats.preemptions > 0, "no request was preempted"
+    assert len(replays) >= 3, "verification did not replay verify graphs"
+    assert spec.spec.stats.accepted_tokens > 0
+    runner.release()
