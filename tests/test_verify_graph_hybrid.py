@@ -325,8 +325,39 @@ def _spec_with_verify_graphs(model: str, **kw: Any) -> tuple[Engine, list[int], 
     return spec, replays, runner
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -> None:
+#: the engine-level cases: the presets and a tiny Qwen3.5 checkpoint (gated delta rule and
+#: attention, saved once from transformers)
+ENGINE_MODELS = (*MODELS, "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def model_source(tmp_path_factory):
+    """``name -> what Engine(model=...) takes``: a preset, or the saved Qwen3.5 directory."""
+    saved: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name != "qwen3_5":
+            return name
+        if name not in saved:
+            transformers = pytest.importorskip("transformers")
+            import hf_tiny
+
+            torch.manual_seed(1234)
+            cfg = hf_tiny.qwen3_5()
+            cfg.initializer_range = 0.15  # well-separated logits: greedy ties are rare
+            path = tmp_path_factory.mktemp("qwen3_5")
+            transformers.Qwen3_5ForCausalLM(cfg).eval().save_pretrained(path)
+            saved[name] = str(path)
+        return saved[name]
+
+    return get
+
+
+@pytest.mark.parametrize("model", ENGINE_MODELS)
+def test_speculation_through_verify_graphs_equals_decoding_without(
+    model: str, model_source
+) -> None:
+    model = model_source(model)
     plain = Engine(model=model, device="cpu", dtype="float32", max_num_seqs=4, page_size=PAGE)
     prompts, params = _prompts(plain)
     want = run_requests(plain, prompts, params, check_invariants=False)
@@ -344,11 +375,12 @@ def test_speculation_through_verify_graphs_equals_decoding_without(model: str) -
     runner.release()
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_verify_graphs_with_prefix_caching_equal_decoding_without(model: str) -> None:
+@pytest.mark.parametrize("model", ENGINE_MODELS)
+def test_verify_graphs_with_prefix_caching_equal_decoding_without(model: str, model_source) -> None:
     """With prefix caching on, requests that resume from cached prefixes (and the recurrent
     states kept for them) verify their drafts in verify graphs and still produce the tokens
     of decoding without speculation."""
+    model = model_source(model)
     plain = Engine(
         model=model,
         device="cpu",
@@ -387,11 +419,12 @@ def test_verify_graphs_with_prefix_caching_equal_decoding_without(model: str) ->
     runner.release()
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_verify_graphs_with_preemption_equal_decoding_without(model: str) -> None:
+@pytest.mark.parametrize("model", ENGINE_MODELS)
+def test_verify_graphs_with_preemption_equal_decoding_without(model: str, model_source) -> None:
     """With too few pages for every request, requests are preempted and recompute their
     prompts and recurrent states; verification in verify graphs still gives the tokens of
     decoding without speculation."""
+    model = model_source(model)
     pages = 16  # 64 tokens of KV for requests that grow to about 80 together
     plain = Engine(
         model=model, device="cpu", dtype="float32", max_num_seqs=4, page_size=PAGE,
