@@ -75,9 +75,8 @@ def _engine(model: str, device: str, **kw: Any) -> Engine:
     )
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def setup(request):
-    engine = _engine(request.param, "cpu", cuda_graphs="off")
+def captured_runner(engine: Engine) -> Any:
+    """A graph runner of ``engine`` that captured its verify graphs (buckets 1 to 16)."""
     runner = graph_runner_for(
         engine,
         mode=GraphMode.DECODE,
@@ -89,6 +88,13 @@ def setup(request):
     runner.capture()
     assert runner.verify.failed == {}
     assert sorted(runner.verify.graphs) == [1, 2, 4, 8, 16]
+    return runner
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def setup(request):
+    engine = _engine(request.param, "cpu", cuda_graphs="off")
+    runner = captured_runner(engine)
     yield engine, runner
     runner.release()
     engine.shutdown()
@@ -153,21 +159,36 @@ def _step(engine: Engine, seqs, prepare, run):
 )
 def test_verify_graph_rows_equal_the_eager_chunks(setup, new, cached, drafts):
     engine, runner = setup
+    check_rows_equal_chunks(engine, runner, new, cached, drafts, tol=1e-4, logits_tol=1e-4)
+
+
+def check_rows_equal_chunks(
+    engine: Engine,
+    runner: Any,
+    new: list[int],
+    cached: list[int],
+    drafts: list[int],
+    tol: float,
+    logits_tol: float,
+) -> None:
+    """One verification step replayed in ``runner``'s verify graph equals the eager chunks:
+    hidden rows, logits, the state after every position, and every cache and slot after it."""
     seqs = _chunks(engine, new, cached, drafts, seed=sum(new) * 7 + len(new))
     fill_caches_(engine, seed=5)
     before = snapshot(engine)
     inputs, got, got_logits, got_states = _step(engine, seqs, runner.prepare_inputs, runner.run)
     assert inputs.mode.is_decode_graph and inputs.mode.rows_share_pages
     assert inputs.metadata.chained_rows is not None
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
     after = snapshot(engine)
     restore_(engine, before)
     eager, want, want_logits, want_states = _step(
         engine, seqs, engine.input_batch.prepare, lambda i: engine.model(i.input_ids, i.positions)
     )
     assert not eager.mode.rows_share_pages and eager.metadata.chained_rows is None
-    tol = 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_logits, want_logits, rtol=logits_tol, atol=logits_tol)
     # the state after every position of every verifying chunk, where the verification reads it
     assert got_states.keys() == want_states.keys() and got_states
     for key, state in want_states.items():

@@ -13,26 +13,20 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import run_requests
-from graph_helpers import graph_runner_for
-from test_graph_runner import fill_caches_, restore_, snapshot
 from test_verify_graph_hybrid import (
-    MAX_SEQS,
     MODELS,
     NGRAM,
     PAGE,
-    STATES,
-    VERIFY_LEN,
-    _chunks,
     _engine,
     _Foresight,
     _prompts,
-    _step,
+    captured_runner,
+    check_rows_equal_chunks,
 )
 from test_verify_graph_hybrid_ops import check_conv, check_delta, check_scan
 
 from backplane.core.registry import get_registry
 from backplane.engine.engine import Engine
-from backplane.engine.worker.graph.mode import GraphMode
 from backplane.testing.plugin import load_backend
 
 pytestmark = pytest.mark.gpu
@@ -68,17 +62,7 @@ def test_ops_on_chained_rows_equal_the_chunks_on_cuda(check, family, name):
 def setup(request):
     model, name = request.param
     engine = _engine(model, "cuda", cuda_graphs="off", backends=_needs(name))
-    runner = graph_runner_for(
-        engine,
-        mode=GraphMode.DECODE,
-        max_num_tokens=64,
-        max_num_seqs=MAX_SEQS,
-        verify_len=VERIFY_LEN,
-        first_scratch_slot=engine.num_slots,
-    )
-    runner.capture()
-    assert runner.verify.failed == {}
-    assert sorted(runner.verify.graphs) == [1, 2, 4, 8, 16]
+    runner = captured_runner(engine)
     yield engine, runner
     runner.release()
     engine.shutdown()
@@ -90,29 +74,7 @@ def setup(request):
 )
 def test_captured_verify_graph_rows_equal_the_eager_chunks(setup, new, cached, drafts):
     engine, runner = setup
-    seqs = _chunks(engine, new, cached, drafts, seed=sum(new) * 7 + len(new))
-    fill_caches_(engine, seed=5)
-    before = snapshot(engine)
-    inputs, got, got_logits, got_states = _step(engine, seqs, runner.prepare_inputs, runner.run)
-    assert inputs.mode.rows_share_pages and inputs.metadata.chained_rows is not None
-    torch.cuda.synchronize()
-    after = snapshot(engine)
-    restore_(engine, before)
-    _, want, want_logits, want_states = _step(
-        engine, seqs, engine.input_batch.prepare, lambda i: engine.model(i.input_ids, i.positions)
-    )
-    tol = 2e-4
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(got_logits, want_logits, rtol=tol * 10, atol=tol * 10)
-    assert got_states.keys() == want_states.keys() and got_states
-    for key, state in want_states.items():
-        torch.testing.assert_close(got_states[key], state, rtol=tol, atol=tol, msg=str(key))
-    scratch = engine.num_slots
-    for key, t in snapshot(engine).items():
-        if key[1] in STATES:
-            torch.testing.assert_close(after[key][1:scratch], t[1:scratch], rtol=tol, atol=tol)
-        else:
-            torch.testing.assert_close(after[key][1:], t[1:], rtol=tol, atol=tol)
+    check_rows_equal_chunks(engine, runner, new, cached, drafts, tol=2e-4, logits_tol=2e-3)
 
 
 @pytest.mark.parametrize(("model", "name"), CASES, ids=[f"{m}-{b}" for m, b in CASES])
