@@ -175,10 +175,7 @@ def startup_phase(name: str) -> Iterator[None]:
     :return: a context manager.
     """
     timings = _ACTIVE.get()
-    if timings is None:
-        yield
-        return
-    with timings.phase(name):
+    with timings.phase(name) if timings is not None else contextlib.nullcontext():
         yield
 
 
@@ -190,10 +187,7 @@ def startup_detail(name: str) -> Iterator[None]:
     :return: a context manager.
     """
     timings = _ACTIVE.get()
-    if timings is None:
-        yield
-        return
-    with timings.detail(name):
+    with timings.detail(name) if timings is not None else contextlib.nullcontext():
         yield
 
 
