@@ -374,38 +374,59 @@ def quantized_gemv(
         raise ValueError("out must be contiguous")
     else:
         y = out
+    grid, ints, constexprs = _launch(
+        n, in_features, ggml_type, _sm_count(x.device), launch, blocks.stride(0)
+    )
+    split_k = grid[1]
+    counters, part = _scratch(x.device, grid[0], split_k * n) if split_k > 1 else (y, y)
+    _qgemv_kernel[grid](xr, blocks, y, part, counters, *ints, **constexprs)
+    return y
+
+
+def _launch(
+    n: int,
+    in_features: int,
+    ggml_type: int,
+    sms: int,
+    launch: tuple[int, int, int] | None = None,
+    row_stride: int | None = None,
+) -> tuple[tuple[int, int], tuple[int, ...], dict[str, int]]:
+    """The one-row kernel's grid, integer arguments and compile-time arguments.
+
+    Shared by :func:`quantized_gemv` and ``benchmarks/qgemv_sass.py`` (which
+    compiles the kernel without a device at the launches this picks).
+
+    :param n: output rows.
+    :param in_features: values per row.
+    :param ggml_type: the blocks' ggml type id.
+    :param sms: the device's multiprocessor count.
+    :param launch: ``(block_n, split_k, num_warps)`` instead of :func:`plan`'s.
+    :param row_stride: bytes from one row of blocks to the next (default: the row's bytes).
+    :return: ``(grid, (N, row_bytes, n_units, units_per_split, split_k), constexprs)``,
+        ``constexprs`` holding ``num_warps`` too.
+    """
     block_size, type_size = LAYOUTS[int(ggml_type)]
     units = in_features // block_size
     step, groups = _STEPS[int(ggml_type)]
     if launch is None:
-        block_n, split_k = plan(n, units, step, _sm_count(x.device))
+        block_n, split_k = plan(n, units, step, sms)
         num_warps = _WARPS[int(ggml_type)]
     else:
         block_n, split_k, num_warps = launch
     per_split = cdiv(cdiv(units, split_k), step) * step
     split_k = cdiv(units, per_split)
-    row_blocks = cdiv(n, block_n)
-    counters, part = _scratch(x.device, row_blocks, split_k * n) if split_k > 1 else (y, y)
-    _qgemv_kernel[(row_blocks, split_k)](
-        xr,
-        blocks,
-        y,
-        part,
-        counters,
-        n,
-        blocks.stride(0),
-        units,
-        per_split,
-        split_k,
-        GGML_TYPE=int(ggml_type),
-        TYPE_SIZE=type_size,
-        UNITS=step,
-        GROUPS=groups,
-        BLOCK_N=block_n,
-        SPLIT=split_k > 1,
-        num_warps=num_warps,
-    )
-    return y
+    constexprs = {
+        "GGML_TYPE": int(ggml_type),
+        "TYPE_SIZE": type_size,
+        "UNITS": step,
+        "GROUPS": groups,
+        "BLOCK_N": block_n,
+        "SPLIT": split_k > 1,
+        "num_warps": num_warps,
+    }
+    row_stride = units * type_size if row_stride is None else row_stride
+    ints = (n, row_stride, units, per_split, split_k)
+    return (cdiv(n, block_n), split_k), ints, constexprs
 
 
 def plan(n: int, units: int, step: int, sms: int) -> tuple[int, int]:
