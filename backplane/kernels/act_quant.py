@@ -14,8 +14,9 @@ given scale. Both equal the torch reference
 (:func:`backplane.models.quant.fp8.quantize_per_token_eager`,
 :func:`~backplane.models.quant.fp8.to_fp8`) bit for bit:
 
-* ``scale = max(amax / 448, MIN_SCALE)`` in float32, ``amax`` of the row in
-  float32 (NaN when the row holds one, as ``torch.amax``);
+* ``scale = max(amax * (1 / 448), MIN_SCALE)`` in float32 (the reciprocal
+  rounded to float32, as torch's CUDA division by a number does it), ``amax``
+  of the row in float32 (NaN when the row holds one, as ``torch.amax``);
 * ``q = e4m3(clamp(x / scale, -448, 448))``, the quotient a correctly rounded
   float32 division (``div_rn``: Triton's ``/`` is an approximate one on
   CUDA), NaN kept through the clamp, rounded to the nearest e4m3 value, ties
@@ -42,6 +43,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: the largest finite e4m3 value
 FP8_MAX = 448.0
+
+#: ``1 / FP8_MAX``; a scale is the row's maximum times it (rounded to float32)
+INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / FP8_MAX)
 
 #: the smallest per-row scale (an all-zero row divides by it); the same float32
 #: value as :data:`backplane.models.quant.fp8.MIN_SCALE`
@@ -133,7 +137,7 @@ def _act_quant_kernel(
         mask = row_ok[:, None] & (cols[None, :] < k)
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.reduce(tl.abs(x), 1, _max_nan)
-        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+        scale = tl.maximum(amax * INV_FP8_MAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_row + cols[None, :], _quantize(x, scale[:, None], INTERPRET), mask=mask)
         tl.store(s_ptr + rows, scale, mask=row_ok)
     else:
@@ -143,7 +147,7 @@ def _act_quant_kernel(
             mask = row_ok[:, None] & (c[None, :] < k)
             x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
             amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
-        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+        scale = tl.maximum(amax * INV_FP8_MAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
         for start in range(0, k, BLOCK_K):
             c = start + cols
             mask = row_ok[:, None] & (c[None, :] < k)

@@ -23,6 +23,8 @@ from backplane import kernels
 FP8_DTYPE = torch.float8_e4m3fn
 #: the largest finite e4m3 value
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+#: ``1 / FP8_MAX``, rounded to float32 where it multiplies a float32 maximum
+INV_FP8_MAX = 1.0 / FP8_MAX
 #: the smallest scale used, so that an all-zero row or block does not divide by zero
 MIN_SCALE = 1e-12
 
@@ -166,7 +168,10 @@ def quantize_per_token_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     :param x: ``[..., K]``.
     :return: ``(q [..., K] e4m3, scale [..., 1] float32)`` with ``x ~= q * scale``.
     """
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    # times the float32 reciprocal, not divided: torch's CUDA division by a Python
+    # number multiplies by its reciprocal while the CPU divides, and the kernel's
+    # scales are to equal this on every device
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return to_fp8(x, scale), scale
 
 
