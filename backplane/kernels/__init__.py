@@ -6,8 +6,9 @@ kernels: it imports only ``backplane.core`` (launch helpers), and
 kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
 does not, so its callers import cleanly without it. :func:`unavailable_reason`
 (from :mod:`.availability`) says whether the kernels can run on a device;
-:func:`load`, :func:`load_gemv`, :func:`load_qgemv` and :func:`load_act_quant`
-(FP8 activation quantisation) import them.
+:func:`load`, :func:`load_gemv`, :func:`load_qgemv`, :func:`load_act_quant`
+(FP8 activation quantisation) and :func:`load_moe_gemv` (few-token MoE
+experts) import them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "load",
     "load_act_quant",
     "load_gemv",
+    "load_moe_gemv",
     "load_qgemv",
     "unavailable_reason",
 ]
@@ -66,3 +68,13 @@ def load_act_quant() -> ModuleType:
     :raises ImportError: when ``triton`` cannot be imported.
     """
     return importlib.import_module("backplane.kernels.act_quant")
+
+
+@functools.cache
+def load_moe_gemv() -> ModuleType:
+    """Import the few-token MoE expert kernels once and return :mod:`.moe_gemv`.
+
+    :return: the module.
+    :raises ImportError: when ``triton`` cannot be imported.
+    """
+    return importlib.import_module("backplane.kernels.moe_gemv")
