@@ -9,16 +9,38 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from backplane.core.errors import ConfigError
 from backplane.core.parallel import tensor_parallel
+from backplane.kernels import load_moe_gemv, unavailable_reason
 from backplane.models.linear import Linear, dense
 from backplane.models.mlp import MLP, activation, gated_activation
 from backplane.models.parallel import ParamShard, ShardSlice, head_shard
+
+#: the most token-expert pairs (``T * k``) run by the gathered kernels of
+#: :mod:`backplane.kernels.moe_gemv` on CUDA. They read each pair's expert
+#: separately on CUDA cores; beyond a few dozen pairs the grouped path, one
+#: tensor-core matmul per expert reading each expert once, costs less. At
+#: decode and speculative verification (1-16 tokens, k up to 8) the pairs stay
+#: below it, eagerly and in CUDA graphs alike.
+FUSED_MAX_PAIRS = 64
+
+
+@functools.cache
+def _fused_kernels(device: torch.device) -> ModuleType | None:
+    """The few-token expert kernels when they run on CUDA ``device``, else ``None``."""
+    if unavailable_reason(device) is not None:
+        return None
+    try:
+        return load_moe_gemv()
+    except ImportError:
+        return None
 
 
 @torch.library.custom_op("backplane_models::moe_experts", mutates_args=())
@@ -40,6 +62,11 @@ def moe_experts(
     that sync is illegal) every expert runs densely over all tokens instead,
     weighted by a routing weight of zero for tokens not routed to it.
 
+    On CUDA, up to :data:`FUSED_MAX_PAIRS` token-expert pairs run in the two
+    launches of :func:`backplane.kernels.moe_gemv.moe_gemv` instead, eagerly
+    and while capturing alike: they read only the routed experts' weights,
+    without a host sync, and keep the inner activations in float32.
+
     :param x: ``[T, H]``.
     :param topk_ids: ``[T, k]`` expert ids.
     :param topk_weights: ``[T, k]`` routing weights (float32).
@@ -50,9 +77,19 @@ def moe_experts(
     :param gated: ``act(gate) * up`` (else ``act(up)``).
     :return: ``[T, H]`` in ``x.dtype``.
     """
+    num_tokens, top_k = topk_ids.shape
+    pairs = num_tokens * top_k
+    if x.is_cuda and 0 < pairs <= FUSED_MAX_PAIRS:
+        kernels = _fused_kernels(x.device)
+        if (
+            kernels is not None
+            and kernels.supports(x, pairs, w_in, w_down, act)
+            and topk_ids.dtype in kernels.ID_DTYPES
+            and topk_weights.is_floating_point()
+        ):
+            return kernels.moe_gemv(x, topk_ids, topk_weights, w_in, w_down, act, gated)
     fn = gated_activation(act) if gated else activation(act)
     num_experts = w_in.shape[0]
-    num_tokens, top_k = topk_ids.shape
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out.to(x.dtype)
