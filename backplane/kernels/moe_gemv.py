@@ -295,6 +295,7 @@ def moe_gemv(
     w_down: torch.Tensor,
     act: str,
     gated: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the routed experts for a few tokens, reading only the routed experts' weights.
 
@@ -310,17 +311,32 @@ def moe_gemv(
     :param w_down: ``[E, H, I]``, contiguous, ``x``'s dtype.
     :param act: the activation's HF config name (one of :data:`ACT_NAMES`).
     :param gated: ``act(gate) * up`` (else ``act(up)``).
-    :return: ``[T, H]`` in ``x.dtype``: ``sum_j topk_weights[t, j] *
+    :param out: where to write the result, ``[T, H]`` of ``x``'s dtype with
+        rows of unit column stride; ``None`` allocates it.
+    :return: ``[T, H]`` in ``x.dtype`` (``out`` when given): ``sum_j topk_weights[t, j] *
         down[e_j](act(...))``, accumulated in float32.
     :raises ValueError: shapes that do not fit together, strided weights, an
-        unknown activation, tensors on several devices or none the kernels run on.
+        unknown activation, tensors on several devices or none the kernels run
+        on, an ``out`` that does not fit.
     :raises TypeError: unsupported dtypes.
     """
     _check(x, topk_ids, topk_weights, w_in, w_down, act, gated)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w_down.shape[2]
-    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    elif (
+        out.shape != x.shape
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or (hidden > 1 and out.stride(-1) != 1)
+    ):
+        raise ValueError(
+            f"out must be a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device} with unit "
+            f"column stride, not {out.dtype} {tuple(out.shape)} on {out.device} "
+            f"(strides {out.stride()})"
+        )
     if num_tokens == 0 or top_k == 0 or hidden == 0:
         return out.zero_()
     if x.stride(-1) != 1:
