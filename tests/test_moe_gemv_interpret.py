@@ -55,6 +55,45 @@ if __name__ != "__main__":
         assert res is not None, f"check {check} did not report"
         assert res["status"] == "ok", res["detail"]
 
+    @pytest.mark.parametrize("gated", [True, False])
+    def test_compiles_for_sm90(gated: bool) -> None:
+        """Both kernels compile for Hopper at the Qwen3-Next decode blocks (bfloat16)."""
+        triton = pytest.importorskip("triton", reason="triton is not installed")
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from backplane.kernels import moe_gemv
+
+        def compile_(fn, signature: dict[str, str], consts: dict[str, object]) -> None:
+            signature = {**signature, **dict.fromkeys(consts, "constexpr")}
+            src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+            compiled = triton.compile(
+                src, target=GPUTarget("cuda", 90, 32), options=dict(moe_gemv._LAUNCH)
+            )
+            assert compiled.asm["cubin"]
+
+        ints = dict.fromkeys(("inter", "hidden"), "i32")
+        compile_(
+            moe_gemv._moe_in_kernel,
+            {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "h_ptr": "*fp32", **ints}
+            | dict.fromkeys(("stride_x", "stride_we"), "i32"),
+            {
+                "TOP_K": 4,
+                "GATED": gated,
+                "ACT": 0 if gated else 2,
+                "BLOCK_I": moe_gemv.BLOCK_I,
+                "BLOCK_H": moe_gemv.BLOCK_H,
+                "EXACT": True,
+            },
+        )
+        compile_(
+            moe_gemv._moe_down_kernel,
+            {"h_ptr": "*fp32", "ids_ptr": "*i64", "tw_ptr": "*fp32", "w_ptr": "*bf16"}
+            | {"out_ptr": "*bf16", **ints}
+            | dict.fromkeys(("stride_we", "stride_out"), "i32"),
+            {"TOP_K": 4, "BLOCK_N": moe_gemv.BLOCK_N, "BLOCK_K": moe_gemv.BLOCK_K},
+        )
+
 
 # -- the reference -------------------------------------------------------------------
 

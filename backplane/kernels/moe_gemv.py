@@ -96,6 +96,10 @@ BLOCK_K = 512
 
 _WARPS = 4
 
+#: fused multiply-adds in the dot products (stated: Triton's default is to change); the
+#: results need not equal torch's unfused ones bit for bit, only be deterministic
+_LAUNCH = {"num_warps": _WARPS, "enable_fp_fusion": True}
+
 
 @triton.jit
 def _moe_in_kernel(
@@ -358,7 +362,7 @@ def moe_gemv(
             BLOCK_I=BLOCK_I,
             BLOCK_H=block_h,
             EXACT=_EXACT_MATH,
-            num_warps=_WARPS,
+            **_LAUNCH,
         )
     block_k = min(BLOCK_K, next_pow2(inter))
     _DOWN.launch(
@@ -368,6 +372,6 @@ def moe_gemv(
         TOP_K=top_k,
         BLOCK_N=BLOCK_N,
         BLOCK_K=block_k,
-        num_warps=_WARPS,
+        **_LAUNCH,
     )
     return out
