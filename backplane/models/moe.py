@@ -26,9 +26,9 @@ from backplane.models.parallel import ParamShard, ShardSlice, head_shard
 #: the most token-expert pairs (``T * k``) run by the gathered kernels of
 #: :mod:`backplane.kernels.moe_gemv` on CUDA. They read each pair's expert
 #: separately on CUDA cores; beyond a few dozen pairs the grouped path, one
-#: tensor-core matmul per expert reading each expert once, costs less. At
-#: decode and speculative verification (1-16 tokens, k up to 8) the pairs stay
-#: below it, eagerly and in CUDA graphs alike.
+#: tensor-core matmul per expert reading each expert once, costs less. Decode
+#: and speculative verification of a few tokens (up to 16 at k = 4, 8 at
+#: k = 8) stay within it, eagerly and in CUDA graphs alike.
 FUSED_MAX_PAIRS = 64
 
 
