@@ -65,6 +65,10 @@ TYPES: dict[str, int] = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _POINTERS = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr")
 _INTS = ("N", "row_bytes", "n_units", "units_per_split", "split_k")
 
+#: passes of the loop nested in each type's main loop (the Q6_K step runs its block's
+#: four (half, scale group) quarters as a loop: unrolled, it takes minutes to compile)
+INNER_TRIPS: dict[int, int] = {14: 4}
+
 #: warp-instructions per weight byte the H200 issues at most while streaming (see above)
 BUDGET = 132 * 4 * 1.98e9 / 4.8e12
 
@@ -79,7 +83,8 @@ def compile_sass(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -
     :param k: values per row.
     :param sms: the multiprocessor count the launch is planned for.
     :param dtype: the input's dtype.
-    :return: the SASS text and the compile-time arguments (``num_warps`` included).
+    :return: the SASS text and the launch: compile-time arguments (``num_warps`` included),
+        grid and registers per thread.
     """
     grid, ints, constexprs = qgemv._launch(n, k, ggml_type, sms)
     # Specialise as a real call would: 16-byte aligned tensors, integers by divisibility.
@@ -108,13 +113,17 @@ def compile_sass(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "-sass", f.name],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-    return sass, {**constexprs, "grid": list(grid)}
+        sass, usage = (
+            subprocess.run(
+                [os.path.join(bindir, "cuobjdump"), flag, f.name],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            for flag in ("-sass", "-res-usage")
+        )
+    regs = re.search(r"REG:(\d+)", usage)
+    return sass, {**constexprs, "grid": list(grid), "registers": int(regs[1]) if regs else None}
 
 
 def parse(sass: str) -> list[tuple[int, str, str]]:
@@ -122,25 +131,34 @@ def parse(sass: str) -> list[tuple[int, str, str]]:
     return [(int(m[1], 16), m[2], m[3].strip()) for m in _LINE.finditer(sass)]
 
 
-def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    """The body of the loop whose backward branch encloses the most global loads.
-
-    :raises ValueError: when the code has no backward branch.
-    """
-    best: list[tuple[int, str, str]] = []
+def loops(instrs: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+    """The body of each loop (from a backward branch's target to the branch)."""
+    out = []
     for addr, op, operands in instrs:
         if not op.startswith("BRA"):
             continue
         target = int(operands.split()[0].rstrip(";"), 16)
-        if target > addr:
-            continue
-        body = [i for i in instrs if target <= i[0] <= addr]
-        loads = sum(i[1].startswith("LDG") for i in body)
-        if loads > sum(i[1].startswith("LDG") for i in best) or not best:
-            best = body
-    if not best:
+        if target <= addr:
+            out.append([i for i in instrs if target <= i[0] <= addr])
+    return out
+
+
+def main_loop(
+    instrs: list[tuple[int, str, str]], inner_trips: int = 1
+) -> list[tuple[int, str, str]]:
+    """The instructions one pass of the main loop issues: the body of the loop whose
+    backward branch encloses the most global loads, with each loop nested in it
+    counted ``inner_trips`` times.
+
+    :raises ValueError: when the code has no backward branch.
+    """
+    bodies = loops(instrs)
+    if not bodies:
         raise ValueError("no loop in the kernel's SASS")
-    return best
+    best = max(bodies, key=lambda b: (sum(i[1].startswith("LDG") for i in b), len(b)))
+    start, end = best[0][0], best[-1][0]
+    inner = [b for b in bodies if b is not best and start <= b[0][0] and b[-1][0] <= end]
+    return best + [i for b in inner for i in b] * (inner_trips - 1)
 
 
 def classify(op: str) -> str:
@@ -179,7 +197,7 @@ def measure(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -> dic
         instruction classes and opcodes.
     """
     sass, launch = compile_sass(ggml_type, n, k, sms, dtype)
-    body = main_loop(parse(sass))
+    body = main_loop(parse(sass), INNER_TRIPS.get(ggml_type, 1))
     warps = launch["num_warps"]
     _, type_size = qgemv.LAYOUTS[ggml_type]
     per_iter = launch["BLOCK_N"] * launch["UNITS"] * type_size
