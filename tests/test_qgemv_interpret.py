@@ -7,7 +7,10 @@ dequantisation). The output and the split-K partial sums are filled with NaN
 before the call, so an element the kernel does not write, or a partial it
 sums without writing, fails the check. Shapes: a tall one (14336 values a row,
 the reduction split across programs), a wide one (96 rows of 2048), and rows
-that are not a multiple of the rows per program. Every split launch must
+that are not a multiple of the rows per program; each type in bfloat16 and
+float16 too (the kernel reads 16-bit inputs as words); launches other than the
+plan's, whose last split ends short of a whole step or whose step is longer
+than the row; an input row off the word alignment. Every split launch must
 leave the arrival counters at zero (so that the next launch, or a graph
 replay, starts clean) and give the same bits when run again.
 
