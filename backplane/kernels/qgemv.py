@@ -88,7 +88,9 @@ _ROW_BLOCK_N: dict[int, int] = {8: 16, 12: 8, 13: 8, 14: 16}
 
 #: warps per program of the one-row kernel, per type: one, so that the lanes span
 #: blocks and the rows stay in registers (chosen by instructions per weight byte,
-#: ``benchmarks/qgemv_sass.py``; ``benchmarks/qgemv.py --sweep`` times the others)
+#: ``benchmarks/qgemv_sass.py``; ``benchmarks/qgemv.py --sweep`` times the others).
+#: More warps, or fewer than 8 Q4_K / Q5_K blocks a step, spread lanes over a
+#: thread's words and bring shuffles and layout conversions back into the loop.
 _WARPS: dict[int, int] = {8: 1, 12: 1, 13: 1, 14: 1}
 
 #: per type, the one-row kernel's blocks per iteration (its ``UNITS``)
