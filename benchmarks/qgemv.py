@@ -12,8 +12,8 @@ blocks read, and that rate's fraction of the device's read bandwidth
 checked against the blocks dequantised in torch times the input.
 
 ``--sweep`` also times a grid of launches (rows per program, splits of the
-reduction, warps, blocks per step) per shape and type, with the best one
-marked: the figures ``plan`` and the kernel's per-type tables are drawn from.
+reduction, warps) per shape and type, with the best one marked: the figures
+``plan`` is drawn from.
 
 Run on the GPU machine::
 
@@ -23,11 +23,9 @@ Run on the GPU machine::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import sys
-from types import ModuleType
 
 import torch
 from gemv import time_calls  # benchmarks/gemv.py: a CUDA-graph replay timer
@@ -76,13 +74,13 @@ def random_blocks(ggml_type: int, f16_at: tuple[int, ...], n: int, k: int) -> to
     return raw.reshape(n, -1)
 
 
-def check(mod: ModuleType, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> None:
+def check(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> None:
     """Compare the kernel's row with the torch-dequantised product.
 
     :raises AssertionError: on an element off by more than float32 sums and the
         rounding of the stored row to ``x``'s dtype allow.
     """
-    got = mod.quantized_gemv(x, blocks, ggml_type, k).double()
+    got = qgemv.quantized_gemv(x, blocks, ggml_type, k).double()
     w = dequantize(blocks.reshape(-1), ggml_type, (blocks.shape[0], k)).double()
     want = x.double() @ w.T
     ulp = torch.finfo(x.dtype).eps  # a stored element is within half of it, relatively
@@ -92,51 +90,16 @@ def check(mod: ModuleType, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
 
 
-def load_module(path: str | None) -> ModuleType:
-    """The kernel module to time: the package's, or a copy of it at ``path`` (say, an
-    older version, to time both on one device)."""
-    if path is None:
-        return qgemv
-    spec = importlib.util.spec_from_file_location("qgemv_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def planned(mod: ModuleType, n: int, units: int, ggml_type: int, sms: int) -> tuple[int, int]:
-    """``mod.plan``'s ``(block_n, split_k)``; older versions take blocks per step, not the type."""
-    step = mod._STEPS[ggml_type]
-    if isinstance(step, tuple):  # older: (blocks, groups) per iteration
-        return tuple(mod.plan(n, units, step[0], sms))
-    return tuple(mod.plan(n, units, ggml_type, sms))
-
-
-def sweep_launches(mod: ModuleType, n: int, k: int, ggml_type: int, sms: int) -> list[tuple]:
-    """The launches ``--sweep`` times for an ``[n, k]`` weight of ``ggml_type``.
-
-    For this version, ``(block_n, split_k, num_warps, units per step)``: rows per
-    program and splits at the planned warps and step, then warps and steps at the
-    planned rows and split (every launch is one more compilation, so the grid
-    stays small). For older versions, their ``(block_n, split_k, num_warps)`` grid.
-    """
-    block_size, _ = mod.LAYOUTS[ggml_type]
+def sweep_launches(n: int, k: int, block_size: int) -> list[tuple[int, int, int]]:
+    """The ``(block_n, split_k, num_warps)`` grid ``--sweep`` times for an ``[n, k]`` weight."""
     units = k // block_size
-    step = mod._STEPS[ggml_type]
-    if isinstance(step, tuple):
-        return [
-            (bn, split_k, warps)
-            for bn in (8, 16, 32)
-            for split_k in (1, 2, 4, 8)
-            if units // split_k >= 2
-            for warps in (2, 4, 8)
-        ]
-    warps = mod._WARPS[ggml_type]
-    block_n, split = planned(mod, n, units, ggml_type, sms)
-    out = [(bn, s, warps, step) for bn in (8, 16, 32) for s in (1, 2, 4, 8) if units // s >= 1]
-    for w in (1, 2, 4):
-        for st in (step // 2, step, step * 2):
-            if (block_n, split, w, st) not in out:
-                out.append((block_n, split, w, st))
+    out = []
+    for block_n in (8, 16, 32):
+        for split_k in (1, 2, 4, 8):
+            if units // split_k < 2:
+                continue
+            for warps in (2, 4, 8):
+                out.append((block_n, split_k, warps))
     return out
 
 
@@ -151,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="projections, comma-separated")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launches")
     p.add_argument("--json", help="write the results to this file")
-    p.add_argument("--module", help="time a copy of backplane/kernels/qgemv.py at this path")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -163,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes.split(","):
         if name not in SHAPES:
             p.error(f"unknown projection {name!r}; choose from {', '.join(SHAPES)}")
-    mod = load_module(args.module)
     bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     logger.info("%s: read bandwidth %.1f GB/s, %d SMs", torch.cuda.get_device_name(), bw / 1e9, sms)
@@ -185,15 +146,15 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(max(1, -(-COLD_BYTES // nbytes)) - 1)
             ]
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            check(mod, x, first, ggml_type, k)
+            check(x, first, ggml_type, k)
             out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
 
             def call(w: torch.Tensor, launch=None, x=x, out=out, k=k, t=ggml_type) -> None:
-                mod.quantized_gemv(x, w, t, k, out=out, launch=launch)
+                qgemv.quantized_gemv(x, w, t, k, out=out, launch=launch)
 
             us = time_calls(call, copies)
             floor_us = nbytes / bw * 1e6
-            plan = planned(mod, n, k // block_size, ggml_type, sms)
+            plan = qgemv.plan(n, k // block_size, qgemv._STEPS[ggml_type][0], sms)
             row = {
                 "proj": shape,
                 "type": type_name,
@@ -213,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             if args.sweep:
                 sweep = []
-                for launch in sweep_launches(mod, n, k, ggml_type, sms):
+                for launch in sweep_launches(n, k, block_size):
                     t_us = time_calls(lambda w, launch=launch: call(w, launch), copies)
                     sweep.append({"launch": list(launch), "us": t_us})
                 best = min(sweep, key=lambda r: r["us"])

@@ -31,6 +31,13 @@ bound by bandwidth wants about half of that: **about 0.1 per weight byte
 hiding, occupancy and the pipes' different rates, and counts the loop body
 only (the prologue and the split-K epilogue run once per program).
 
+Read it beside a timing (``benchmarks/qgemv.py``). A rewrite of the loop that
+cut the count 2.1-3.2x (three instructions a weight, word loads, one warp per
+program holding its rows in registers, no shuffles or barriers) ran slower on
+an H200: Q4_K q/k/v 17.0 -> 24.5 us, the Q6_K LM head 363 -> 2,008 us, the 8B
+model in Q4_K 5.0 -> 8.0 ms per token; fewer, fatter programs kept fewer bytes
+in flight than the loads' latency needs.
+
 Run here (CPU only)::
 
     python benchmarks/qgemv_sass.py [--types Q4_K,Q8_0] [--shape 6144x4096] [--json out.json]

@@ -5,10 +5,9 @@ and ``gguf.quants.dequantize``'s matrix (numpy), every element, at Llama-3.1-8B
 widths (a down projection's 14336 values a row, split across programs on any
 device with more than a few multiprocessors), with the output and the split-K
 partial sums filled with NaN first; other launches than the planned one (as
-``benchmarks/qgemv.py --sweep`` times them) and an input off the kernel's word
-alignment; then CUDA-graph captures: a product captured with one input and
-replayed with others gives what eager calls give, bit for bit, and leaves the
-arrival counters at zero.
+``benchmarks/qgemv.py --sweep`` times them); then CUDA-graph captures: a
+product captured with one input and replayed with others gives what eager
+calls give, bit for bit, and leaves the arrival counters at zero.
 
 Run with ``python -m pytest -m gpu tests/test_qgemv_gpu.py``.
 """
@@ -62,8 +61,7 @@ def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("type_name", TYPES)
 def test_product(device: torch.device, type_name: str, shape: tuple[int, int]) -> None:
-    """One row times each type's blocks, in float32, bfloat16 and float16, poisoned output
-    and partials."""
+    """One row times each type's blocks, in float32 and bfloat16, poisoned output and partials."""
     from gguf_quant_helpers import QT
 
     from backplane.kernels import load_qgemv
@@ -73,7 +71,7 @@ def test_product(device: torch.device, type_name: str, shape: tuple[int, int]) -
     blocks, w = weight(type_name, rows, cols)
     raw = torch.from_numpy(blocks).to(device)
     qtype = int(QT[type_name])
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(1, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
         xd = x.to(device)
         _, part = qgemv._scratch(device, 1, 1)
@@ -88,14 +86,10 @@ def test_product(device: torch.device, type_name: str, shape: tuple[int, int]) -
     assert not counters.any(), "a launch left arrival counters set"
 
 
-@pytest.mark.parametrize(
-    "launch",
-    [(8, 1, 2), (16, 4, 4), (32, 8, 8), (32, 2, 4), (16, 2, 1, 2), (8, 3, 2, 16), (8, 8, 1, 1)],
-)
+@pytest.mark.parametrize("launch", [(8, 1, 2), (16, 4, 4), (32, 8, 8), (32, 2, 4)])
 @pytest.mark.parametrize("type_name", TYPES)
 def test_launches(device: torch.device, type_name: str, launch: tuple[int, int, int]) -> None:
-    """Launches other than the planned one (rows per program, splits, warps, blocks per
-    step, including splits that end short of a whole step) give the product."""
+    """Launches other than the planned one (rows per program, splits, warps) give the product."""
     from gguf_quant_helpers import QT
 
     from backplane.kernels import load_qgemv
@@ -140,20 +134,3 @@ def test_graph_replay(device: torch.device, type_name: str) -> None:
         assert_close(static_y, x, w, f"{type_name} replay {seed}")
     counters, _ = qgemv._scratch(device, 1, 1)
     assert not counters.any(), "a replay left arrival counters set"
-
-
-@pytest.mark.parametrize("type_name", TYPES)
-def test_unaligned_input(device: torch.device, type_name: str) -> None:
-    """An input row that starts off the kernel's word alignment (a view one element into
-    a larger buffer) gives the product."""
-    from gguf_quant_helpers import QT
-
-    from backplane.kernels import load_qgemv
-
-    qgemv = load_qgemv()
-    rows, cols = SHAPES[2]
-    blocks, w = weight(type_name, rows, cols)
-    xs = torch.randn(1, cols + 1, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    x = xs.to(device)[:, 1:]
-    got = qgemv.quantized_gemv(x, torch.from_numpy(blocks).to(device), int(QT[type_name]), cols)
-    assert_close(got, xs[:, 1:], w, f"{type_name} unaligned input")
