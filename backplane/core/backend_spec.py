@@ -12,6 +12,11 @@ from typing import Any
 #: tokens, chunked prefill and extend) and ``decode`` (one new token per sequence).
 STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
 
+#: Capability of a recurrent backend (``ssm``, ``delta``) whose class sets
+#: ``chains_rows``: it runs the chunks of speculative verification in captured
+#: verify graphs. Under speculation ``auto`` prefers the backends that declare it.
+CHAINED_ROWS = "chained_rows"
+
 
 def _always_available() -> tuple[bool, str]:
     return True, ""
@@ -99,7 +104,8 @@ class BackendSpec:
         reason says why a backend cannot run here (a missing package, no CUDA).
     :param priority: higher wins when the configuration says ``auto``.
     :param capabilities: free-form feature tags (``"sliding_window"``,
-        ``"cuda_graph"``, ``"cpu"``...) that tests and selection can gate on.
+        ``"cuda_graph"``, ``"cpu"``, :data:`CHAINED_ROWS`...) that tests and
+        selection can gate on.
     :param description: one line shown by ``backplane backends``.
     :param speed: measured figures per device class (``"sm90"`` for compute
         capability 9.0, ``"sm80"``, ``"cpu"``): a :class:`Speed`, or a mapping with

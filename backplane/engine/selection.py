@@ -5,6 +5,10 @@
   backends that can by their measured decode speed on the device's class
   (:func:`device_class_of`, ``BackendSpec.speed``), then by priority, takes the
   first, and logs why, with the figures compared, and why each other one lost.
+  Under speculative decoding ``auto`` first prefers, for the recurrent families
+  (``ssm``, ``delta``), the backends that declare
+  :data:`~backplane.core.backend_spec.CHAINED_ROWS` (their verification runs in
+  captured verify graphs).
 * :func:`select_backends` does that for the families a model uses, from an
   :class:`~backplane.engine.config.EngineConfig` (errors name the file and
   key, or the flag, the value came from).
@@ -33,7 +37,7 @@ import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from backplane.core.backend_spec import BackendSpec
+from backplane.core.backend_spec import CHAINED_ROWS, BackendSpec
 from backplane.core.errors import (
     BackendUnavailableError,
     BackplaneError,
@@ -53,9 +57,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEVICE_TAGS",
+    "RECURRENT_FAMILIES",
     "BackendSelection",
     "device_class_of",
     "load_backend",
+    "preference_of",
     "runs_on",
     "select_backend",
     "select_backends",
@@ -71,6 +77,31 @@ DEVICE_TAGS: frozenset[str] = frozenset({"cpu", "cuda", "rocm", "mps", "xpu"})
 #: Capability of a backend whose kernels run in an interpreter here (Triton's, under
 #: ``TRITON_INTERPRET=1``): ``auto`` takes it only when nothing else can run.
 INTERPRETED = "interpret"
+
+#: The families whose backends keep recurrent state per sequence.
+RECURRENT_FAMILIES: frozenset[str] = frozenset({"ssm", "delta"})
+
+#: Why ``auto`` prefers the backends that declare a capability (see :func:`preference_of`).
+_PREFERRED_FOR = {
+    CHAINED_ROWS: "it chains rows, so speculative verification runs in verify graphs",
+}
+
+
+def preference_of(config: EngineConfig, family: str) -> str | None:
+    """Name the capability ``auto`` prefers for ``family`` under ``config``.
+
+    With speculative decoding on, a recurrent family's backend that does not
+    chain rows makes every verification step run through piecewise graphs
+    (many times slower per token), so ``auto`` prefers the ones that do.
+
+    :param config: the engine configuration (its ``speculative_config``).
+    :param family: the op family.
+    :return: :data:`~backplane.core.backend_spec.CHAINED_ROWS` for ``ssm`` and
+        ``delta`` under speculation, else ``None`` (no preference).
+    """
+    if config.speculative_config is not None and family in RECURRENT_FAMILIES:
+        return CHAINED_ROWS
+    return None
 
 
 def runs_on(spec: BackendSpec, device: str | None) -> tuple[bool, str]:
@@ -136,13 +167,15 @@ def _auto(
     *,
     device_class: str | None = None,
     kind: str = "decode",
+    prefer: str | None = None,
 ) -> tuple[list[BackendSpec], list[str], str]:
     """Rank the backends of ``family`` the way ``auto`` does.
 
     The backends that can run here are ranked by their ``kind`` figure on
     ``device_class``, fastest first; those without one follow, and priority
     (then name: the registry's order) decides among equal figures and among
-    backends without figures.
+    backends without figures. Those that declare ``prefer`` (a capability)
+    come before those that do not, ranked the same way among themselves.
 
     :return: the backends that can run here, best first; for every other
         backend (``exclude`` left out), in registry order, why the first one
@@ -155,7 +188,7 @@ def _auto(
     # a stable sort: equal figures (and no figures) keep the registry's priority order;
     # a backend that runs in an interpreter (a debugging aid, orders of magnitude slower)
     # comes last, so setting TRITON_INTERPRET=1 does not change what auto picks
-    usable = sorted(
+    plain = sorted(
         (spec for spec, ok, _ in verdicts if ok),
         key=lambda spec: (
             INTERPRETED in spec.capabilities,
@@ -163,9 +196,18 @@ def _auto(
             -(figures[spec.name] or 0.0),
         ),
     )
+    # stable again: the preference ranks above figures and priority, not above the
+    # interpreter rule; with no usable backend declaring it, the order is unchanged
+    usable = sorted(
+        plain,
+        key=lambda spec: (INTERPRETED in spec.capabilities, prefer not in spec.capabilities),
+    )
     if not usable:
         return usable, [f"{spec.name} (unavailable: {reason})" for spec, _, reason in verdicts], ""
     best = usable[0]
+    # the preference decided when it moved a backend that ranked above the chosen one
+    passed_over = [spec.name for spec in plain[: plain.index(best)]] if prefer else []
+    because = _PREFERRED_FOR.get(prefer or "", f"it declares {prefer!r}")
     best_figure = figures[best.name]
     where = f"tok/s on {device_class}"
     lost: list[str] = []
@@ -177,6 +219,8 @@ def _auto(
             continue
         elif INTERPRETED in spec.capabilities and INTERPRETED not in best.capabilities:
             lost.append(f"{spec.name} (runs in an interpreter here; name it to use it)")
+        elif spec.name in passed_over:
+            lost.append(f"{spec.name} (lacks {prefer!r}; name it to use it)")
         elif best_figure is not None and value is None:
             lost.append(f"{spec.name} (no {kind} figure on {device_class})")
         elif best_figure is not None and value is not None and value != best_figure:
@@ -186,6 +230,8 @@ def _auto(
         else:
             lost.append(f"{spec.name} (priority {spec.priority} < {best.priority})")
     why = f"plugin {best.plugin}, priority {best.priority}"
+    if passed_over:
+        why += f"; preferred over {', '.join(passed_over)}: {because}"
     if best_figure is None or device_class is None:
         return usable, lost, why
     rival = usable[1] if len(usable) > 1 and figures[usable[1].name] is not None else None
@@ -215,6 +261,7 @@ def select_backend(
     registry: BackendRegistry | None = None,
     device: str | None = None,
     device_class: str | None = None,
+    prefer: str | None = None,
 ) -> BackendSpec:
     """Choose the backend of ``family`` from one configured value.
 
@@ -222,11 +269,15 @@ def select_backend(
     :param name: a backend name, or ``"auto"`` for the one that can run here
         with the best measured decode figure on the device class, or, among
         backends without one, the highest priority (what was chosen, the figures
-        compared and the reasons the others lost are logged at INFO).
+        compared and the reasons the others lost are logged at INFO). With
+        ``prefer``, ``auto`` first narrows the choice to the backends that can
+        run here and declare that capability, when there are any.
     :param registry: the registry to choose from (the process-wide one if ``None``).
     :param device: the device the engine runs on; see :func:`runs_on`.
     :param device_class: the class the figures are looked up for (``"sm90"``);
         ``None`` derives it from ``device`` (:func:`device_class_of`).
+    :param prefer: a capability ``auto`` prefers (:func:`preference_of`); a
+        named backend is used whatever it declares.
     :return: the chosen spec.
     :raises UnknownBackendError: the family, or the named backend, is unknown;
         the message lists the installed backends and the plugins that failed.
@@ -246,7 +297,7 @@ def select_backend(
         return spec
     if device_class is None:
         device_class = device_class_of(device)
-    usable, lost, why = _auto(registry, family, device, device_class=device_class)
+    usable, lost, why = _auto(registry, family, device, device_class=device_class, prefer=prefer)
     if not usable:
         raise BackendUnavailableError(
             f"no available {family} backend: "
@@ -282,7 +333,9 @@ def select_backends(
     Every family whose backend is named in the configuration is checked for an
     installed backend of that name (a typo is an error even for a family the
     model does not use); the families in ``families`` are selected with
-    :func:`select_backend` on the configuration's device.
+    :func:`select_backend` on the configuration's device. Under speculative
+    decoding ``auto`` prefers, for ``ssm`` and ``delta``, the backends that chain
+    rows (:func:`preference_of`), keeping the plain choice when none can run.
 
     :param config: the engine configuration (its ``backends`` and ``device``).
     :param families: the op families the model uses; ``None`` = all.
@@ -310,7 +363,12 @@ def select_backends(
         try:
             if family in wanted:
                 spec = select_backend(
-                    family, name, registry=registry, device=device, device_class=klass
+                    family,
+                    name,
+                    registry=registry,
+                    device=device,
+                    device_class=klass,
+                    prefer=preference_of(config, family),
                 )
                 chosen[family] = spec
                 if name != "auto":
@@ -582,6 +640,7 @@ class BackendSelection:
             self.device,
             exclude=self._tried[family],
             device_class=self.device_class,
+            prefer=preference_of(self.config, family),
         )
         if not usable:
             return False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backplane.core.backend_spec import BackendSpec
+from backplane.core.backend_spec import CHAINED_ROWS, BackendSpec
 from backplane.core.hookspecs import hookimpl
 from backplane.plugins._availability import module_missing
 
@@ -46,7 +46,7 @@ def backplane_ssm_backends() -> list[BackendSpec]:
     return _spec(
         "ssm",
         "TorchSSMBackend",
-        frozenset({"z_gate", "n_groups"}),
+        frozenset({"z_gate", "n_groups", CHAINED_ROWS}),
         "reference causal conv + selective scan in plain torch",
     )
 
@@ -68,6 +68,6 @@ def backplane_delta_backends() -> list[BackendSpec]:
     return _spec(
         "delta",
         "TorchDeltaBackend",
-        frozenset({"qk_l2norm", "grouped_v_heads"}),
+        frozenset({"qk_l2norm", "grouped_v_heads", CHAINED_ROWS}),
         "reference gated delta rule in plain torch",
     )

@@ -14,7 +14,7 @@ Availability, per family:
 
 from __future__ import annotations
 
-from backplane.core.backend_spec import BackendSpec, Speed
+from backplane.core.backend_spec import CHAINED_ROWS, BackendSpec, Speed
 from backplane.core.hookspecs import hookimpl
 from backplane.plugins._availability import cuda_reason, module_missing, triton_interpret
 from backplane.plugins._measured import LLAMA_1B_SOURCE, op_speed
@@ -145,7 +145,7 @@ def backplane_ssm_backends() -> list[BackendSpec]:
             load="backplane.backends.triton.ssm:TritonSSMBackend",
             is_available=_ssm_available,
             priority=PRIORITY,
-            capabilities=_caps("z_gate", "n_groups"),
+            capabilities=_caps("z_gate", "n_groups", CHAINED_ROWS),
             description="mamba-ssm packed chunk scan / state update + Triton conv, epilogue",
             speed=SSM_SPEED,
         )
@@ -164,7 +164,7 @@ def backplane_delta_backends() -> list[BackendSpec]:
             priority=PRIORITY,
             # fla's chunked prefill kernels need a GPU driver even in the interpreter
             # (autotuning); only our decode kernel runs on CPU, so "cpu" is not claimed.
-            capabilities=_caps("qk_l2norm", "grouped_v_heads", interpreter_cpu=False),
+            capabilities=_caps("qk_l2norm", "grouped_v_heads", CHAINED_ROWS, interpreter_cpu=False),
             description="fla chunk_gated_delta_rule + Triton in-place decode",
         )
     ]
