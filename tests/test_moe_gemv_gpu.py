@@ -13,13 +13,13 @@ for bit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from interpreter_checks import kernel_gpu
+from moe_cases import moe_case
 
 from backplane.models.moe import FUSED_MAX_PAIRS, moe_experts
 
@@ -53,15 +53,8 @@ def _case(
     device: torch.device,
     seed: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Seeded inputs: distinct experts per token (shared across tokens), weights in [0, 1)."""
-    num_tokens, k, experts, inter, hidden = shape
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=g)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(num_tokens)])
-    weights = torch.rand(num_tokens, k, generator=g)
-    rows = 2 * inter if gated else inter
-    w_in = torch.randn(experts, rows, hidden, generator=g) / math.sqrt(hidden)
-    w_down = torch.randn(experts, hidden, inter, generator=g) / math.sqrt(inter)
+    """Seeded inputs (see :func:`moe_cases.moe_case`) on ``device``, floats in ``dtype``."""
+    x, ids, weights, w_in, w_down = moe_case(shape, gated, seed)
     return (
         x.to(device, dtype),
         ids.to(device),

@@ -26,6 +26,7 @@ import sys
 
 import torch
 from interpreter_checks import main, run_in_child
+from moe_cases import moe_case
 
 CHECKS = ("gated", "ungated", "activations", "edges", "refusals")
 
@@ -146,17 +147,8 @@ def reference(
 def _case(
     shape: tuple[int, int, int, int, int], gated: bool, seed: int
 ) -> tuple[torch.Tensor, ...]:
-    """Seeded float32 inputs; experts repeat across tokens (few experts), weights in [0, 1)."""
-    num_tokens, k, experts, inter, hidden = shape
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=g)
-    # distinct experts per token, as top-k picks them; with few experts tokens share them
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(num_tokens)])
-    weights = torch.rand(num_tokens, k, generator=g)
-    rows = 2 * inter if gated else inter
-    w_in = torch.randn(experts, rows, hidden, generator=g) / math.sqrt(hidden)
-    w_down = torch.randn(experts, hidden, inter, generator=g) / math.sqrt(inter)
-    return x, ids, weights, w_in, w_down
+    """Seeded float32 inputs (see :func:`moe_cases.moe_case`)."""
+    return moe_case(shape, gated, seed)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
