@@ -26,6 +26,7 @@ def _run(model: str, caching: bool, prompts: list[list[int]]) -> tuple[list, LLM
         page_size=PAGE,
         max_num_seqs=4,
         max_num_tokens=64,
+        kv_memory="256MiB",  # fixed: sized from free memory, tests sharing the GPU collide
         enable_prefix_caching=caching,
     )
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -22,7 +22,16 @@ pytestmark = pytest.mark.gpu
 hf_model = test_e2e.hf_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-ENGINE = dict(device="cuda", dtype="float32", max_num_seqs=4, max_num_tokens=64, page_size=16)
+# a KV cache of a fixed size: sized from free memory, engines of tests sharing the GPU
+# would take each other's room
+ENGINE = dict(
+    device="cuda",
+    dtype="float32",
+    max_num_seqs=4,
+    max_num_tokens=64,
+    page_size=16,
+    kv_memory="256MiB",
+)
 BACKENDS = ["triton", "flashinfer"]
 
 

@@ -114,6 +114,7 @@ ENGINE = dict(
     max_num_seqs=4,
     max_num_tokens=64,
     max_model_len=MAX_LEN,
+    kv_memory="256MiB",  # fixed: sized from free memory, tests sharing the GPU collide
 )
 
 

@@ -87,6 +87,7 @@ def test_engine_verifies_hybrids_in_its_captured_verify_graphs(model: str, name:
         max_num_seqs=4,
         max_num_tokens=64,
         page_size=PAGE,
+        kv_memory="256MiB",  # fixed: sized from free memory, tests sharing the GPU collide
         backends=backends,
         cuda_graphs="decode",  # verify graphs are decode graphs; prefill runs eagerly
     )
