@@ -11,6 +11,10 @@
 #    BACKPLANE_TP_ALL_REDUCE=one_shot.
 #
 #   GPUS=4 bash benchmarks/tensor_parallel_gpu.sh OUT_DIR
+#   GPUS=2 ONE_SHOT=1 STEPS="latency" bash benchmarks/tensor_parallel_gpu.sh OUT_DIR
+#
+# STEPS picks the parts (default "parity latency profile throughput"): a short call that
+# only compares NCCL with the one-shot all-reduce at batch 1 takes STEPS="latency".
 #
 # Each step has a time limit (seconds, LIMIT_* below), so a stuck step costs its limit and
 # the rest still run; OUT_DIR/timeline.txt says how long each took.
@@ -21,12 +25,16 @@ GPUS=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 W=${WEIGHTS_DIR:-/tmp/backplane-tp-weights}
 LIMIT_TEST=${LIMIT_TEST:-240}
 LIMIT_BENCH=${LIMIT_BENCH:-200}
+STEPS=" ${STEPS:-parity latency profile throughput} "
 mkdir -p "$OUT" "$W"
 T0=$(date +%s)
 mark() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/timeline.txt"; }
 
+wants() { [[ $STEPS == *" $1 "* ]]; }
+
 T=tests/test_tensor_parallel_gpu.py
-ids=$(python3 -m pytest -q --collect-only -p no:cacheprovider "$T" | grep '::')
+ids=""
+wants parity && ids=$(python3 -m pytest -q --collect-only -p no:cacheprovider "$T" | grep '::')
 for id in $ids; do
     case $id in
         *-4\]|*replicas*) [[ $GPUS -ge 4 ]] || continue ;;
@@ -50,16 +58,21 @@ modes=""
 for tp in $sizes; do
     for mode in nccl $modes; do
         [[ $mode == one_shot && $tp == 1 ]] && continue
-        BACKPLANE_TP_ALL_REDUCE=$mode timeout "$LIMIT_BENCH" backplane bench latency \
-            --shapes llama-3.1-8b --batch-sizes 1 --attention triton --transformers none \
-            --repeats 3 --weights-dir "$W" -tp "$tp" --json "$OUT/latency_tp${tp}_$mode.json" \
-            >"$OUT/latency_tp${tp}_$mode.log" 2>&1
-        mark "rc=$? latency tp=$tp $mode"
-        BACKPLANE_TP_ALL_REDUCE=$mode timeout "$LIMIT_BENCH" python3 benchmarks/profile_decode.py \
-            --model "$W/llama-3.1-8b-bfloat16" --attention triton --prompt-len 512 -tp "$tp" \
-            --json "$OUT/profile_tp${tp}_$mode.json" >"$OUT/profile_tp${tp}_$mode.log" 2>&1
-        mark "rc=$? profile tp=$tp $mode"
+        if wants latency; then
+            BACKPLANE_TP_ALL_REDUCE=$mode timeout "$LIMIT_BENCH" backplane bench latency \
+                --shapes llama-3.1-8b --batch-sizes 1 --attention triton --transformers none \
+                --repeats 3 --weights-dir "$W" -tp "$tp" --json "$OUT/latency_tp${tp}_$mode.json" \
+                >"$OUT/latency_tp${tp}_$mode.log" 2>&1
+            mark "rc=$? latency tp=$tp $mode"
+        fi
+        if wants profile; then
+            BACKPLANE_TP_ALL_REDUCE=$mode timeout "$LIMIT_BENCH" python3 benchmarks/profile_decode.py \
+                --model "$W/llama-3.1-8b-bfloat16" --attention triton --prompt-len 512 -tp "$tp" \
+                --json "$OUT/profile_tp${tp}_$mode.json" >"$OUT/profile_tp${tp}_$mode.log" 2>&1
+            mark "rc=$? profile tp=$tp $mode"
+        fi
     done
+    wants throughput || continue
     timeout "$LIMIT_BENCH" backplane bench throughput --model llama-3.1-8b --weights-dir "$W" \
         --num-prompts 1000 --request-rate inf --decode-batch-sizes 256 --no-transformers \
         -tp "$tp" --json "$OUT/throughput_tp$tp.json" >"$OUT/throughput_tp$tp.log" 2>&1
