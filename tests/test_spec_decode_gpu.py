@@ -75,10 +75,18 @@ def test_speculation_on_gpu_gives_the_greedy_tokens_of_plain_decoding(hf_model, 
         got = _tokens(spec, prompts, params)
         stats = spec.spec.stats
         recurrent = spec.executor.driver.has_recurrent_state
+        backends = dict(spec.executor.driver.backends)
     finally:
         spec.shutdown()
     assert stats.verified_seqs > 0, "no draft was verified: speculation was not exercised"
     assert got == want
-    # models without recurrent state verify in captured graphs; the others piecewise
-    assert (verify is None) == recurrent
-    assert recurrent or replays, "no verification step replayed a verify graph"
+    # every model verifies in captured graphs: under speculation auto picks the recurrent
+    # backends that chain rows (FlashInfer's would make a hybrid verify piecewise)
+    chaining = [
+        f"{family}={b.name}"
+        for family, b in backends.items()
+        if not getattr(b, "chains_rows", True)
+    ]
+    assert not chaining, f"auto chose recurrent backends that do not chain rows: {chaining}"
+    assert verify is not None, f"no verify graphs (recurrent state: {recurrent})"
+    assert replays, "no verification step replayed a verify graph"
