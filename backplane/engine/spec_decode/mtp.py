@@ -10,14 +10,21 @@ position on.
 
 The MTP attention layers keep a cache of their own per sequence (pages from
 :class:`~backplane.engine.spec_decode.own_cache.OwnCache`), holding one entry
-per position the layer has run at: every step-0 entry, and the entries of
-drafted tokens the target went on to accept. An entry stays valid while the
-token it was fed is still the sequence's token at the following position; the
-cache is cut at the first one that is not. Entries are stored densely and
-carry their own positions (for the rotary embedding), so positions the layer
-never ran at (the prompt, whose hidden states the engine does not keep) are
-simply not attended to: drafts are then less likely to be accepted, never wrong,
-since verification decides what is kept.
+per position the layer has run at: every prompt position ``i`` but the last,
+every step-0 entry, and the entries of drafted tokens the target went on to
+accept. MTP layers are trained attending over the whole sequence (the layer
+run at every position ``i`` on ``h_i`` and the embedding of token ``i + 1``),
+so the prompt's entries are made too: the engine keeps the target's hidden
+states of each prefill chunk (:attr:`ProposalContext.prefill_states`) and
+the proposer runs the layer over them, as one chunk per sequence, before the
+sequence's next step 0. An entry stays valid while the token it was fed is
+still the sequence's token at the following position; the cache is cut at
+the first one that is not. Entries are stored densely and carry their own
+positions (for the rotary embedding), so positions the layer never ran at
+(prompt positions read from the prefix cache, which were not recomputed, and
+decode steps without a draft) are simply not attended to: drafts are then
+less likely to be accepted, never wrong, since verification decides what is
+kept.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from backplane.core.errors import ConfigError
@@ -125,11 +133,15 @@ class MTPProposer:
 
         :param requests: the decoding sequences.
         :param context: the target's hidden state each request's last token was sampled
-            from (row ``i`` for ``requests[i]``).
+            from (row ``i`` for ``requests[i]``), and those of the positions its prefill
+            computed (run through the MTP layer into its cache first, also for a
+            request with ``max_tokens == 0``).
         :return: one draft per request.
         :raises ValueError: without hidden states, or with a row count other than the requests'.
         """
         drafts: list[list[int]] = [[] for _ in requests]
+        if context is not None and context.prefill_states is not None:
+            self._absorb(requests, context.prefill_states)
         active = [i for i, r in enumerate(requests) if r.max_tokens > 0 and len(r.token_ids) >= 2]
         if not active:
             return drafts
@@ -191,6 +203,71 @@ class MTPProposer:
         del seq.tokens[keep:]
         del positions[keep:]
         return seq
+
+    @torch.no_grad()
+    def _absorb(
+        self,
+        requests: Sequence[ProposalRequest],
+        states: Sequence[tuple[np.ndarray, torch.Tensor] | None],
+    ) -> None:
+        """Run the MTP layer at the prefill positions handed over and keep their entries.
+
+        Position ``p`` runs on the target's hidden state there and the embedding of
+        ``token_ids[p + 1]``, as in training. A sequence's entries from its first such
+        position on are replaced (a recomputed prefill). One forward for all sequences,
+        each its positions as one chunk after the entries it keeps.
+
+        :param requests: the requests.
+        :param states: per request, ``(positions, hidden)`` or ``None``.
+        """
+        if len(states) != len(requests):
+            raise ValueError(
+                f"the MTP proposer got prefill states for {len(states)} of {len(requests)} "
+                "requests; give one entry (or None) per request"
+            )
+        chunks = []
+        for i, st in enumerate(states):
+            if st is None:
+                continue
+            req = requests[i]
+            pos, rows = st
+            # the last position has no next token yet: it is step 0's
+            ok = pos < len(req.token_ids) - 2
+            if not ok.any():
+                continue
+            pos, rows = pos[ok], rows[torch.as_tensor(ok, device=rows.device)]
+            seq = self._rolled_back(req)
+            positions = self._positions[req.request_id]
+            keep = sum(1 for p in positions if p < int(pos[0]))
+            del seq.tokens[keep:]
+            del positions[keep:]
+            tokens = np.asarray(req.token_ids)[pos + 1].tolist()
+            chunks.append((seq, positions, pos.tolist(), tokens, rows))
+        if not chunks:
+            return
+        # a chunk of more than one token is an extend; one token on cached context a decode,
+        # which the packer takes after them
+        chunks.sort(key=lambda c: len(c[2]) == 1 and len(c[0].tokens) > 0)
+        cached = [len(c[0].tokens) for c in chunks]
+        tables = [
+            self.cache.reserve(c[0], n + len(c[2])) for c, n in zip(chunks, cached, strict=True)
+        ]
+        batch = build_batch_metadata(
+            [len(c[2]) for c in chunks],
+            cached,
+            tables,
+            self.cache.page_size,
+            state_slots=[c[0].slot for c in chunks],
+            device=self.device,
+        )
+        ids = torch.tensor([t for c in chunks for t in c[3]], dtype=torch.int64, device=self.device)
+        pos = torch.tensor([p for c in chunks for p in c[2]], dtype=torch.int64, device=self.device)
+        hidden = torch.cat([c[4].to(self.device) for c in chunks])
+        with forward_context(batch, plan_step(self.backends, batch)):
+            self.mtp(ids, pos, hidden, 0)
+        for seq, positions, p, t, _ in chunks:
+            seq.tokens.extend(t)
+            positions.extend(p)
 
     def _chained(
         self,

@@ -14,7 +14,9 @@ Context by method:
 - ``draft_model`` reads the token ids (and keeps its own KV cache keyed by
   request id, rolled back to :attr:`ProposalRequest.num_verified_tokens`).
 - ``mtp`` reads :attr:`ProposalContext.hidden_states`: the target's hidden
-  state of the position each request's last token was sampled from.
+  state of the position each request's last token was sampled from, and
+  :attr:`ProposalContext.prefill_states`: those of the positions its prefill
+  computed, not yet handed over.
 """
 
 from __future__ import annotations
@@ -58,10 +60,16 @@ class ProposalContext:
         target's hidden state at the position request ``i``'s last token was
         sampled from; ``None`` when the method does not need it (``ngram``).
     :param positions: ``[len(requests)]`` int64 positions of those tokens, or ``None``.
+    :param prefill_states: per request (row ``i`` for request ``i``), the target's
+        hidden states at positions its prefill computed since they were last handed
+        over, as ``(positions, hidden)``: ``[n]`` int64 increasing positions (host) and
+        ``[n, hidden]`` on the device; ``None`` for a request without any, or for all.
+        Each position's next token is in the request's ``token_ids``.
     """
 
     hidden_states: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    prefill_states: Sequence[tuple[np.ndarray, torch.Tensor] | None] | None = None
 
 
 @runtime_checkable

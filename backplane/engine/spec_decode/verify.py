@@ -145,6 +145,9 @@ class SpecDecoder:
         self._keeps_hidden = config.method == "mtp"
         #: request id -> that hidden state (``[hidden]`` on the device)
         self._hidden: dict[str, torch.Tensor] = {}
+        #: request id -> the hidden states of the prefill positions whose next token is
+        #: known, not yet handed to the proposer: ``(positions, [n, hidden])`` per chunk
+        self._prefill: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
         # requests the proposer may hold state for (released once they stop running)
         self._known: set[str] = set()
         self.max_model_len = int(max_model_len)
@@ -178,20 +181,23 @@ class SpecDecoder:
             self.proposer.release(gone)
             for rid in gone:
                 self._hidden.pop(rid, None)
+                self._prefill.pop(rid, None)
         self._known = live
         for req in running:
             req.spec_token_ids.clear()
-            if not may_speculate(req):
-                continue
-            if self._keeps_hidden and req.request_id not in self._hidden:
-                continue
-            # the drafts and the verified token must fit max_tokens and the model length
-            room = min(
-                req.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1,
-            )
+            room = 0
+            if may_speculate(req) and (not self._keeps_hidden or req.request_id in self._hidden):
+                # the drafts and the verified token must fit max_tokens and the model length
+                room = min(
+                    req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1,
+                )
             if room <= 0:
-                continue
+                if not self._hands_prefill(req):
+                    continue
+                # no draft, but its prefill's hidden states go to the proposer's cache now
+                # rather than waiting (and taking memory) until it drafts
+                room = 0
             reqs.append(req)
             asks.append(
                 ProposalRequest(req.request_id, req.all_token_ids, room, req.num_computed_tokens)
@@ -201,7 +207,8 @@ class SpecDecoder:
         context = None
         if self._keeps_hidden:
             context = ProposalContext(
-                hidden_states=torch.stack([self._hidden[a.request_id] for a in asks])
+                hidden_states=torch.stack([self._hidden[a.request_id] for a in asks]),
+                prefill_states=[self._take_prefill(a.request_id) for a in asks],
             )
         drafts = self.proposer.propose(asks, context)
         for req, ask, draft in zip(reqs, asks, drafts, strict=True):
@@ -215,6 +222,28 @@ class SpecDecoder:
             n = req.num_tokens
             req.token_buffer[n : n + len(draft)] = draft
             req.spec_token_ids.extend(draft)
+
+    def _hands_prefill(self, req: Request) -> bool:
+        """Whether a request that does not draft now still hands its prefill's hidden states
+        to the proposer: it has some, has sampled since (so its next propose may come at
+        any step) and its tokens are all on the host."""
+        rid = req.request_id
+        return (
+            rid in self._prefill
+            and rid in self._hidden
+            and req.status is RequestStatus.RUNNING
+            and not req.has_pending_token
+        )
+
+    def _take_prefill(self, request_id: str) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The request's kept prefill hidden states as one ``(positions, hidden)``, forgotten
+        here (the proposer keeps what it makes of them), or ``None``."""
+        chunks = self._prefill.pop(request_id, None)
+        if not chunks:
+            return None
+        if len(chunks) == 1:
+            return chunks[0]
+        return np.concatenate([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
 
     @property
     def shares_async_steps(self) -> bool:
@@ -326,6 +355,8 @@ class SpecDecoder:
         """
         self.accepted = {}
         self._starts = {}
+        if self._keeps_hidden:
+            self._keep_prefill(hidden, inputs, scheduled)
         idx = [i for i, s in enumerate(scheduled) if s.num_draft_tokens]
         if not idx:
             if self._keeps_hidden:
@@ -442,6 +473,40 @@ class SpecDecoder:
         kept = hidden.index_select(0, rows[: len(reqs)].to(hidden.device))
         for j, req in enumerate(reqs):
             self._hidden[req.request_id] = kept[j]
+
+    def _keep_prefill(
+        self, hidden: torch.Tensor, inputs: BatchInputs, scheduled: Sequence[ScheduledSeq]
+    ) -> None:
+        """Keep the hidden states of the step's prefill positions whose next token is known.
+
+        A chunk without drafts computes positions ``c .. c + n - 1``; every one
+        but the last of a chunk that ends the prompt (its next token is the one
+        sampled now, whose state :meth:`_keep_hidden` keeps) has its next token
+        in the request already. The MTP layer runs at each of them once the
+        proposer gets them, so its attention covers the prompt as in training.
+        Positions read from the prefix cache were not computed: they are skipped.
+
+        :param hidden: the step's hidden states.
+        :param inputs: the step's inputs.
+        :param scheduled: the scheduler's sequences, as given to input preparation.
+        """
+        idx = [
+            i
+            for i, s in enumerate(scheduled)
+            if not s.num_draft_tokens and s.num_new_tokens > int(s.is_prefill_chunk_final)
+        ]
+        if not idx:
+            return
+        first = inputs.first_token_rows(np.asarray(idx, dtype=np.int64))
+        for i, row in zip(idx, first.tolist(), strict=True):
+            s = scheduled[i]
+            n = s.num_new_tokens - int(s.is_prefill_chunk_final)
+            c = s.num_cached_tokens
+            chunks = self._prefill.setdefault(s.request.request_id, [])
+            # a recomputed request (preempted, restarted) replaces what it kept from c on
+            chunks[:] = [(p[p < c], h[: int((p < c).sum())]) for p, h in chunks if p[0] < c]
+            # a copy: the step's hidden-state buffer is reused by the next step
+            chunks.append((np.arange(c, c + n, dtype=np.int64), hidden[row : row + n].clone()))
 
     def deliver(self, outs: Sequence[EngineStepOutput]) -> None:
         """Give each verified request's output every token it committed in the step.
