@@ -130,3 +130,41 @@ def main(
     if result_file is not None:
         result_file.write_text(json.dumps(results))
     return 1 if any(r["status"] == "fail" for r in results.values()) else 0
+
+
+def interpreter_tests(
+    script: str | Path, checks: Iterable[str], *, timeout: float = 600
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The pytest side of a file of interpreter checks: a fixture and one test per check.
+
+    The fixture (module scope) runs every check in one child process
+    (:func:`run_in_child`); the test reports one check's result, skipping
+    where the child skipped it. Bind both at module level, the test under
+    a name starting with ``test``::
+
+        interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS)
+
+    :param script: the test file, which runs :func:`main` when executed as a script.
+    :param checks: the names of its checks.
+    :param timeout: seconds the child may take.
+    :return: ``(fixture named interpret_results, parametrized test)``.
+    """
+    import pytest
+
+    names = list(checks)
+
+    @pytest.fixture(scope="module")
+    def interpret_results() -> dict[str, Result]:
+        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
+        return run_in_child(script, names, timeout=timeout)
+
+    @pytest.mark.parametrize("check", names)
+    def test_in_interpreter(interpret_results: dict[str, Result], check: str) -> None:
+        """One check, run on CPU tensors in the Triton interpreter."""
+        res = interpret_results.get(check)
+        assert res is not None, f"check {check} did not report"
+        if res["status"] == "skip":
+            pytest.skip(res["detail"])
+        assert res["status"] == "ok", res["detail"]
+
+    return interpret_results, test_in_interpreter

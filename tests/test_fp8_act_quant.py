@@ -29,7 +29,7 @@ import re
 import sys
 
 import torch
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 CHECKS = ("per_token", "rounding", "static", "nonfinite", "refusals")
 
@@ -44,17 +44,7 @@ SHAPES = ((1, 1), (3, 17), (7, 64), (2, 4099), (3, 9000))
 if __name__ != "__main__":
     import pytest
 
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS, timeout=600)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_in_interpreter(interpret_results: dict[str, dict[str, str]], check: str) -> None:
-        """One check, run on CPU tensors in the Triton interpreter."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS, timeout=600)
 
     @pytest.mark.parametrize("single", [True, False])
     def test_compiles_for_sm90(single: bool) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 CHECKS = ("fp8_prefill_from_pages", "fp8_decode_split_kv", "fp8_scales_are_not_ignored")
 
@@ -26,21 +26,7 @@ CHECKS = ("fp8_prefill_from_pages", "fp8_decode_split_kv", "fp8_scales_are_not_i
 K_SCALE, V_SCALE = 0.37, 2.9
 
 if __name__ != "__main__":
-    import pytest
-
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_fp8_kernel_in_interpreter(interpret_results, check):
-        """One FP8 check, run in the Triton interpreter against a float64 reference."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        if res["status"] == "skip":
-            pytest.skip(res["detail"])
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_fp8_kernel_in_interpreter = interpreter_tests(__file__, CHECKS)
 
 
 def _setup(query_lens, cached_lens, *, hq, hkv, d, page_size, seed):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from interpreter_checks import interpreting, main, run_in_child
+from interpreter_checks import interpreter_tests, interpreting, main
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = [
@@ -137,17 +137,7 @@ if __name__ != "__main__":
 
     pytest.importorskip("gguf")
 
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_in_interpreter(interpret_results, check):
-        """One check, run on CPU tensors in the Triton interpreter, in float32."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

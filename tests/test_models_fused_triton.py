@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from interpreter_checks import interpreting, main, run_in_child
+from interpreter_checks import interpreter_tests, interpreting, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,17 +74,7 @@ if __name__ != "__main__":
     from backplane.core.errors import ConfigError
     from backplane.engine.selection import select_fused_ops
 
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS, timeout=900)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_in_interpreter(interpret_results, check):
-        """One check, run on CPU tensors in the Triton interpreter."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS, timeout=900)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("check", CHECKS)

@@ -25,7 +25,7 @@ import math
 import sys
 
 import torch
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 from moe_cases import moe_case
 
 CHECKS = ("gated", "ungated", "activations", "edges", "refusals")
@@ -44,17 +44,7 @@ SHAPES = (
 if __name__ != "__main__":
     import pytest
 
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS, timeout=600)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_in_interpreter(interpret_results: dict[str, dict[str, str]], check: str) -> None:
-        """One check, run on CPU tensors in the Triton interpreter."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS, timeout=600)
 
     @pytest.mark.parametrize("gated", [True, False])
     def test_compiles_for_sm90(gated: bool) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,17 +146,7 @@ if __name__ != "__main__":
 
     pytest.importorskip("gguf")
 
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_in_interpreter(interpret_results, check):
-        """One check, run on CPU tensors in the Triton interpreter."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS)
 
 
 # -- the child side -------------------------------------------------------------------------

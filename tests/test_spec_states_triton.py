@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the accepted positions each check keeps (none, all, mixed)
@@ -27,20 +27,9 @@ CHECKS = ("mamba2", "delta")
 
 
 if __name__ != "__main__":
-    import pytest
-
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS, timeout=900)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_verification_states_on_triton_in_interpreter(interpret_results, check):
-        """One family's verify / keep / decode check on the Triton backend."""
-        res = interpret_results[check]
-        if res["status"] == "skip":
-            pytest.skip(res["detail"])
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_verification_states_on_triton_in_interpreter = interpreter_tests(
+        __file__, CHECKS, timeout=900
+    )
 
 
 def check_mamba2() -> tuple[str, str]:

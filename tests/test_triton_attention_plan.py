@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,17 +214,7 @@ if __name__ != "__main__":
         _run(batch, inputs, {"attention": TritonAttentionBackend().plan(other)}, out)
         assert [c[:3] for c in recorded] == expected
 
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run the numerical checks in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_mixed_batch_in_interpreter(interpret_results, check):
-        """Planned and unplanned steps agree exactly, and with the torch reference backend."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_mixed_batch_in_interpreter = interpreter_tests(__file__, CHECKS)
 
 
 # -- the child side -------------------------------------------------------------------

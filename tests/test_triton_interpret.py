@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,21 +51,7 @@ CHECKS = (
 # -- the pytest side ----------------------------------------------------------------
 
 if __name__ != "__main__":
-    import pytest
-
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_kernel_in_interpreter(interpret_results, check):
-        """One kernel check, run in the Triton interpreter against a float64 reference."""
-        res = interpret_results.get(check)
-        assert res is not None, f"check {check} did not report"
-        if res["status"] == "skip":
-            pytest.skip(res["detail"])
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_kernel_in_interpreter = interpreter_tests(__file__, CHECKS)
 
 
 # -- the child side: references and checks ----------------------------------------------

@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import sys
 
-from interpreter_checks import main, run_in_child
+from interpreter_checks import interpreter_tests, main
 
 CHECKS = ("conv", "scan", "delta")
 
 
 if __name__ != "__main__":
-    import pytest
-
-    @pytest.fixture(scope="module")
-    def interpret_results() -> dict[str, dict[str, str]]:
-        """Run every check in one child process under ``TRITON_INTERPRET=1``."""
-        return run_in_child(__file__, CHECKS, timeout=900)
-
-    @pytest.mark.parametrize("check", CHECKS)
-    def test_chained_rows_on_triton_in_interpreter(interpret_results, check):
-        """One op's chained-row check on its Triton backend."""
-        res = interpret_results[check]
-        if res["status"] == "skip":
-            pytest.skip(res["detail"])
-        assert res["status"] == "ok", res["detail"]
+    interpret_results, test_chained_rows_on_triton_in_interpreter = interpreter_tests(
+        __file__, CHECKS, timeout=900
+    )
 
 
 def check_conv() -> tuple[str, str]:
