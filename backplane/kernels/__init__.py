@@ -6,9 +6,8 @@ kernels: it imports only ``backplane.core`` (launch helpers), and
 kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
 does not, so its callers import cleanly without it. :func:`unavailable_reason`
 (from :mod:`.availability`) says whether the kernels can run on a device;
-:func:`load`, :func:`load_gemv`, :func:`load_qgemv`, :func:`load_act_quant`
-(FP8 activation quantisation) and :func:`load_moe_gemv` (few-token MoE
-experts) import them.
+:func:`load` imports one of them by name (``load_gemv``, ``load_qgemv``,
+``load_act_quant`` and ``load_moe_gemv`` are :func:`load` bound to one module).
 """
 
 from __future__ import annotations
@@ -30,51 +29,29 @@ __all__ = [
 ]
 
 
-@functools.cache
-def load() -> ModuleType:
-    """Import the kernels (and ``triton``) once and return :mod:`.elementwise`.
-
-    :return: the module.
-    :raises ImportError: when ``triton`` cannot be imported.
-    """
-    return importlib.import_module("backplane.kernels.elementwise")
+#: the kernel modules :func:`load` imports, by name
+MODULES = ("elementwise", "gemv", "qgemv", "act_quant", "moe_gemv")
 
 
 @functools.cache
-def load_gemv() -> ModuleType:
-    """Import the one-row projection kernel once and return :mod:`.gemv`.
+def load(name: str = "elementwise") -> ModuleType:
+    """Import one kernel module (and ``triton``) once and return it.
 
+    :param name: one of :data:`MODULES`: ``elementwise`` (the fused elementwise
+        functions), ``gemv`` (one-row projections), ``qgemv`` (GGUF-quantised
+        ones), ``act_quant`` (FP8 activation quantisation) or ``moe_gemv``
+        (few-token MoE experts).
     :return: the module.
+    :raises ValueError: ``name`` is not a kernel module.
     :raises ImportError: when ``triton`` cannot be imported.
     """
-    return importlib.import_module("backplane.kernels.gemv")
+    if name not in MODULES:
+        raise ValueError(f"no kernel module {name!r}; the modules are: {', '.join(MODULES)}")
+    return importlib.import_module(f"backplane.kernels.{name}")
 
 
-@functools.cache
-def load_qgemv() -> ModuleType:
-    """Import the quantised one-row projection kernel once and return :mod:`.qgemv`.
-
-    :return: the module.
-    :raises ImportError: when ``triton`` cannot be imported.
-    """
-    return importlib.import_module("backplane.kernels.qgemv")
-
-
-@functools.cache
-def load_act_quant() -> ModuleType:
-    """Import the FP8 activation quantisation kernel once and return :mod:`.act_quant`.
-
-    :return: the module.
-    :raises ImportError: when ``triton`` cannot be imported.
-    """
-    return importlib.import_module("backplane.kernels.act_quant")
-
-
-@functools.cache
-def load_moe_gemv() -> ModuleType:
-    """Import the few-token MoE expert kernels once and return :mod:`.moe_gemv`.
-
-    :return: the module.
-    :raises ImportError: when ``triton`` cannot be imported.
-    """
-    return importlib.import_module("backplane.kernels.moe_gemv")
+#: :func:`load` of one module each, for the callers that use one
+load_gemv = functools.partial(load, "gemv")
+load_qgemv = functools.partial(load, "qgemv")
+load_act_quant = functools.partial(load, "act_quant")
+load_moe_gemv = functools.partial(load, "moe_gemv")
