@@ -1,4 +1,4 @@
-"""Draft steps 1..k-1 replayed from graphs: the same drafts as running every step eagerly.
+"""Drafting steps replayed from graphs: the same drafts as running every step eagerly.
 
 On a CPU the graphs are the capture module's eager stand-ins: a replay re-runs
 the captured chain of steps on the persistent inputs, so the bucket padding,
@@ -123,14 +123,22 @@ def test_draft_model_steps_from_graphs_equal_eager_token_for_token(preset):
     assert len(calls) == 5
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-deepseek-v3"])
-def test_mtp_steps_from_graphs_equal_eager_token_for_token(preset):
-    k = 3
+def test_mtp_steps_from_graphs_equal_eager_token_for_token(preset, k):
     eager, hidden_size = _mtp(preset, k, False)
     graphed, _ = _mtp(preset, k, True)
     assert graphed.graphs is not None and graphed.graphs.failed == {}
+    # every step is in the graph, the first one (fed the target's hidden state) included
+    assert graphed.graphs.first_step == 0 and graphed.graphs.num_steps == k
+    calls = []
+    run = graphed.graphs.run
+    graphed.graphs.run = lambda *a, **kw: calls.append(len(a[0])) or run(*a, **kw)
     want, got = _drive([eager, graphed], k, hidden_size)
     assert got == want
+    # the first step of each sequence has no MTP entry to attend to (eager); every later
+    # step replays unless a request drafts fewer than k
+    assert len(calls) >= 3
     # the caches' bookkeeping agrees too (entries, their tokens and positions)
     for rid in ("a", "b", "c"):
         assert graphed.cache.get(rid).tokens == eager.cache.get(rid).tokens
@@ -201,8 +209,8 @@ def test_the_postprocess_hook_undoes_the_chained_steps_metadata_moves():
     assert [lens[0] for lens in seen[: 3 * n]] == list(range(first, first + n)) * 3
     # and replays draft from the lengths they are given
     table = np.full(graphs.width, NULL_PAGE, dtype=np.int32)
-    rest = graphs.run([1, 2], [5, 6], [4, 7], [table, table], [0, 0])
-    # chained step s (1..n) adds entry cached + s, so it runs at seq_len cached + s + 1
+    rest = graphs.run([1, 2], [5, 6], [5, 8], [table, table], [0, 0])
+    # chained step s (0..n-1) adds entry cached + s, so it runs at seq_len cached + s + 1
     assert rest == [[6, 7, 8], [9, 10, 11]]
 
 
@@ -245,7 +253,8 @@ def _capture_on_cpu(proposer: Any, max_num_seqs: int, max_model_len: int) -> Cha
     graphs = ChainedDraftGraphs(
         proposer._graph_step,
         proposer.backends,
-        num_steps=proposer.num_speculative_tokens - 1,
+        num_steps=proposer.num_speculative_tokens,
+        first_step=0,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         page_size=proposer.cache.page_size,

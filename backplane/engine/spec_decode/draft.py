@@ -5,12 +5,14 @@ draft) of its own, handed out by :class:`~backplane.engine.spec_decode.own_cache
 outside the scheduler. Each step, for every sequence, it catches up on the
 tokens the target committed since the last step (one ragged forward for all
 sequences, prefills and extends first), then drafts ``k`` tokens greedily, one
-batched single-token forward per further token. The cache is rolled back to
+batched single-token forward per further token. With graphs, the catch-up's
+last token per sequence and every further step replay from one graph (see
+:mod:`~backplane.engine.spec_decode.step_graphs`); only the tokens before a
+sequence's last run eagerly (a new sequence, or one whose every draft was
+accepted). The cache is rolled back to
 the longest prefix it shares with the sequence (a rejected draft's keys and
 values are simply overwritten later); a draft with recurrent state cannot undo
 tokens, so after a rejection it recomputes that sequence from its start.
-
-It runs eagerly through the same model and backend code as the target.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class DraftModelProposer:
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence (tokens), drafts included.
     :param page_size: tokens per page of the draft's KV cache.
-    :param cuda_graphs: replay drafting steps ``1..k-1`` from graphs captured now (see
+    :param cuda_graphs: replay the drafting steps from graphs captured now (see
         :mod:`~backplane.engine.spec_decode.step_graphs`); on a CPU they are eager stand-ins.
     :raises ConfigError: on a different vocabulary size.
     """
@@ -110,7 +112,7 @@ class DraftModelProposer:
             if not spec.paged
         ]
         self._recurrent = bool(getattr(draft, "has_recurrent_state", False))
-        #: steps 1..k-1 as captured graphs (``None``: every step eagerly)
+        #: the drafting steps as captured graphs (``None``: every step eagerly)
         self.graphs = chained_draft_graphs(
             self._graph_step,
             self.backends,
@@ -143,15 +145,15 @@ class DraftModelProposer:
         seqs = {i: self._rolled_back(requests[i]) for i in active}
         # First forward: each sequence's uncached tokens, prefills / extends before decodes.
         feeds = {i: np.asarray(requests[i].token_ids[len(seqs[i].tokens) :]) for i in active}
-        order = sorted(active, key=lambda i: len(feeds[i]) == 1)
+        replayed = self._replayed(active, requests, seqs, feeds)
+        if replayed is not None:
+            for i, got in zip(active, replayed, strict=True):
+                drafts[i].extend(got)
+            return drafts
+        order = sorted(active, key=lambda i: _is_decode(feeds[i], seqs[i]))
         tokens = self._forward(order, seqs, feeds)
         for i, t in zip(order, tokens, strict=True):
             drafts[i].append(t)
-        chained = self._chained(order, requests, seqs, tokens)
-        if chained is not None:
-            for i, rest in zip(order, chained, strict=True):
-                drafts[i].extend(rest)
-            return drafts
         for step in range(1, self.num_speculative_tokens):
             order = [i for i in order if requests[i].max_tokens > step]
             if not order:
@@ -170,17 +172,35 @@ class DraftModelProposer:
         for rid in request_ids:
             self.cache.release(rid)
 
-    def _chained(
+    def _replayed(
         self,
-        order: list[int],
+        active: list[int],
         requests: Sequence[ProposalRequest],
         seqs: dict[int, SequenceCache],
-        drafted: list[int],
+        feeds: dict[int, np.ndarray],
     ) -> list[list[int]] | None:
-        """Steps 1..k-1 replayed from the graphs after the first forward (see
-        :func:`~.step_graphs.replay_drafts`); the draft's positions are its cache entries."""
-        cached = [len(seqs[i].tokens) - 1 for i in order]
-        return replay_drafts(self.graphs, self.cache, order, requests, seqs, drafted, cached)
+        """Every step replayed from the graphs, fed each sequence's last uncached token
+        (those before it run eagerly first, and ``feeds`` keeps only the last), or ``None``
+        to run the steps eagerly (see :func:`~.step_graphs.replay_drafts`)."""
+        graphs = self.graphs
+        k = self.num_speculative_tokens
+        if (
+            graphs is None
+            or any(requests[i].max_tokens < k for i in active)
+            or graphs.bucket_for(len(active)) is None
+        ):
+            return None
+        before = {i: feeds[i][:-1] for i in active if len(feeds[i]) > 1}
+        if before:
+            self._forward(
+                sorted(before, key=lambda i: _is_decode(before[i], seqs[i])), seqs, before
+            )
+            for i in before:
+                feeds[i] = feeds[i][-1:]
+        fed = [int(feeds[i][0]) for i in active]
+        # the draft's positions are its cache entries
+        positions = [len(seqs[i].tokens) for i in active]
+        return replay_drafts(graphs, self.cache, active, requests, seqs, fed, positions)
 
     def _rolled_back(self, request: ProposalRequest) -> SequenceCache:
         """The request's cache, cut to the prefix it shares with the sequence, the last token
@@ -228,6 +248,11 @@ class DraftModelProposer:
         # A sequence starting over must not read the previous occupant's state.
         for tensor in self._state_tensors:
             tensor[slot].zero_()
+
+
+def _is_decode(feed: np.ndarray, seq: SequenceCache) -> bool:
+    # the packer takes decodes (one token on cached context) after prefills and extends
+    return len(feed) == 1 and len(seq.tokens) > 0
 
 
 def load_draft_proposer(

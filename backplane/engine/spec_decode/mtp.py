@@ -61,7 +61,7 @@ class MTPProposer:
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence (tokens), drafts included.
     :param page_size: tokens per page of the MTP layers' KV cache.
-    :param cuda_graphs: replay steps ``1..k-1`` from graphs captured now (see
+    :param cuda_graphs: replay the drafting steps from graphs captured now (see
         :mod:`~backplane.engine.spec_decode.step_graphs`); on a CPU they are eager stand-ins.
     :raises ConfigError: when the target has no MTP layers attached, or more than one.
     """
@@ -106,7 +106,7 @@ class MTPProposer:
         #: per request: the position of each cache entry (``SequenceCache.tokens`` holds
         #: the token each entry was fed)
         self._positions: dict[str, list[int]] = {}
-        #: steps 1..k-1 as captured graphs (``None``: every step eagerly)
+        #: every drafting step as captured graphs (``None``: every step eagerly)
         self.graphs = chained_draft_graphs(
             self._graph_step,
             self.backends,
@@ -160,16 +160,15 @@ class MTPProposer:
         hidden = hidden_rows[torch.as_tensor(order, device=hidden_rows.device)].to(self.device)
         tokens = [int(requests[i].token_ids[-1]) for i in order]
         positions = [len(requests[i].token_ids) - 2 for i in order]
+        replayed = self._replayed(order, requests, seqs, tokens, positions, hidden)
+        if replayed is not None:
+            for i, got in zip(order, replayed, strict=True):
+                drafts[i].extend(got)
+            return drafts
         for step in range(self.num_speculative_tokens):
             hidden, drafted = self._forward(step, order, requests, seqs, tokens, positions, hidden)
             for i, t in zip(order, drafted, strict=True):
                 drafts[i].append(t)
-            if step == 0:
-                chained = self._chained(order, requests, seqs, drafted, positions, hidden)
-                if chained is not None:
-                    for i, rest in zip(order, chained, strict=True):
-                        drafts[i].extend(rest)
-                    break
             keep = [j for j, i in enumerate(order) if requests[i].max_tokens > step + 1]
             if not keep:
                 break
@@ -269,25 +268,25 @@ class MTPProposer:
             seq.tokens.extend(t)
             positions.extend(p)
 
-    def _chained(
+    def _replayed(
         self,
         order: list[int],
         requests: Sequence[ProposalRequest],
         seqs: dict[int, SequenceCache],
-        drafted: list[int],
+        tokens: list[int],
         positions: list[int],
         hidden: torch.Tensor,
     ) -> list[list[int]] | None:
-        """Steps 1..k-1 replayed from the graphs, after step 0 ran eagerly (see
-        :func:`~.step_graphs.replay_drafts`); each replayed entry is one position on."""
-        rest = replay_drafts(
-            self.graphs, self.cache, order, requests, seqs, drafted, positions, hidden
+        """Every step replayed from the graphs (see :func:`~.step_graphs.replay_drafts`),
+        or ``None`` to run them eagerly; step ``s`` runs at position ``positions + s``."""
+        drafted = replay_drafts(
+            self.graphs, self.cache, order, requests, seqs, tokens, positions, hidden
         )
-        if rest is not None:
+        if drafted is not None:
             k = self.num_speculative_tokens
             for i, p in zip(order, positions, strict=True):
-                self._positions[requests[i].request_id].extend(p + s for s in range(1, k))
-        return rest
+                self._positions[requests[i].request_id].extend(p + s for s in range(k))
+        return drafted
 
     @torch.no_grad()
     def _forward(

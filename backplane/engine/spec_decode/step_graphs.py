@@ -1,10 +1,13 @@
-"""Draft steps ``1..k-1`` of a model-running proposer, replayed from graphs captured at start-up.
+"""The drafting steps of a model-running proposer, replayed from graphs captured at start-up.
 
-A draft model or an MTP layer drafts one token per sequence per step after its
-first step (the first one catches up on the committed tokens, a ragged batch,
-and stays eager). Those steps differ only in the token fed, the position and
-the one cache entry they add, so :class:`ChainedDraftGraphs` captures them all
-as one graph per batch bucket, its inputs describing step 1: each later step
+A draft model or an MTP layer drafts one token per sequence per step: an MTP
+layer from its first step on, a draft model once it has caught up on the
+tokens committed since its last draft (one token per sequence, unless the
+target accepted every draft or the sequence is new: the tokens before the last
+then run eagerly first). Those steps differ only in the token fed, the
+position and the one cache entry they add, so :class:`ChainedDraftGraphs`
+captures them all as one graph per batch bucket, its inputs describing the
+first chained step: each later step
 first *advances* the step's metadata by one token in place (positions, cached
 and sequence lengths, the cache slot it writes, the page's fill), then every
 step runs the proposer's forward and LM head and feeds its greedy token to the
@@ -318,15 +321,15 @@ class ChainedDraftGraphs:
         slots: Sequence[int],
         hidden: torch.Tensor | None = None,
     ) -> list[list[int]] | None:
-        """Replay the chained steps for a batch described by its last eager step.
+        """Replay the chained steps for a batch described by its first chained step.
 
-        :param input_ids: per sequence, the token the first chained step is fed (the
-            last eager step's draft).
-        :param positions: per sequence, the position of the last eager step.
-        :param cached_lens: per sequence, the cache entries before the last eager step's.
-        :param tables: per sequence, its pages (holding ``cached + 1 + num_steps`` entries).
+        :param input_ids: per sequence, the token the first chained step is fed.
+        :param positions: per sequence, that step's position.
+        :param cached_lens: per sequence, the cache entries before that step's (at least one:
+            a sequence without context is a prefill, which the graphs do not hold).
+        :param tables: per sequence, its pages (holding ``cached + num_steps`` entries).
         :param slots: per sequence, its state slot.
-        :param hidden: ``[n, hidden_size]`` output of the last eager step (when carried).
+        :param hidden: ``[n, hidden_size]`` rows the first chained step reads (when carried).
         :return: per sequence, the ``num_steps`` drafted tokens; ``None`` when no captured
             bucket holds the batch (run the steps eagerly).
         """
@@ -336,19 +339,17 @@ class ChainedDraftGraphs:
             return None
         slot = self._slots[bucket]
         pad = bucket - n
-        # Step 1 adds the entry after the eager step's (a sequence's first eager entry has
-        # no cached context, so the batch describes step 1 rather than that step). Padding
-        # sequences sit on the scratch page and slot, one entry in.
+        # Padding sequences sit on the scratch page and slot, one entry in.
         scratch = np.full(self.width, NULL_PAGE, dtype=np.int32)
         batch = self._batch(
-            [c + 1 for c in cached_lens] + [1] * pad,
+            list(cached_lens) + [1] * pad,
             list(tables) + [scratch] * pad,
             list(slots) + [0] * pad,
             bucket,
         )
         slot.load(batch)
         ids = torch.as_tensor(list(input_ids) + [0] * pad, dtype=torch.int64)
-        pos = torch.as_tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int64)
+        pos = torch.as_tensor(list(positions) + [1] * pad, dtype=torch.int64)
         slot.input_ids.copy_(ids, non_blocking=True)
         slot.positions.copy_(pos, non_blocking=True)
         if slot.hidden is not None and hidden is not None:
@@ -370,23 +371,26 @@ def chained_draft_graphs(
     *,
     enabled: bool,
     num_speculative_tokens: int,
+    first_step: int = 0,
     **settings: Any,
 ) -> ChainedDraftGraphs | None:
-    """A proposer's chained graphs for steps ``1..k-1``, captured now, or ``None`` (eager).
+    """A proposer's chained graphs for steps ``first_step..k-1``, captured now, or ``None``.
 
     :param step_fn: one draft step (see :data:`DraftStepFn`).
     :param backends: ``{family: backend}`` the step's cached ops run on.
     :param enabled: the worker replays decode graphs.
-    :param num_speculative_tokens: ``k``; with one there is nothing to chain.
+    :param num_speculative_tokens: ``k``.
+    :param first_step: the first step the graphs hold (the steps before it run eagerly).
     :param settings: the other keywords of :class:`ChainedDraftGraphs`.
-    :return: the captured graphs, or ``None``.
+    :return: the captured graphs, or ``None`` (disabled, or no step left to chain).
     """
-    if not enabled or num_speculative_tokens < 2:
+    if not enabled or num_speculative_tokens <= first_step:
         return None
     graphs = ChainedDraftGraphs(
         step_fn,
         backends,
-        num_steps=num_speculative_tokens - 1,
+        num_steps=num_speculative_tokens - first_step,
+        first_step=first_step,
         **settings,
     )
     graphs.capture()
@@ -399,36 +403,42 @@ def replay_drafts(
     order: Sequence[int],
     requests: Sequence[Any],
     seqs: Mapping[int, Any],
-    drafted: Sequence[int],
+    fed: Sequence[int],
     positions: Sequence[int],
     hidden: torch.Tensor | None = None,
 ) -> list[list[int]] | None:
-    """Steps ``1..k-1`` of a proposer replayed from its graphs, after its eager step 0.
+    """The chained steps of a proposer replayed from its graphs, one token per sequence.
 
     :param graphs: the proposer's graphs (``None``: none were captured).
     :param cache: the proposer's own cache (:class:`~.own_cache.OwnCache`).
     :param order: indices into ``requests`` of the sequences drafted for.
     :param requests: the proposal requests (their ``max_tokens``).
-    :param seqs: per index, the sequence's cache entry list (``tokens``, ``slot``); step 0's
-        entry is its last; the replayed steps' entries are appended.
-    :param drafted: per sequence, step 0's draft.
-    :param positions: per sequence, step 0's position.
-    :param hidden: step 0's output rows, for a proposer that carries them.
-    :return: per sequence, the ``k - 1`` further drafts; ``None``: run the steps eagerly
-        (no graphs, a sequence drafting fewer than ``k``, or no captured bucket).
+    :param seqs: per index, the sequence's cache entry list (``tokens``, ``slot``), holding
+        every entry before the first chained step's; the replayed steps' entries are appended.
+    :param fed: per sequence, the token the first chained step is fed.
+    :param positions: per sequence, that step's position.
+    :param hidden: the rows the first chained step reads, for a proposer that carries them.
+    :return: per sequence, the drafts of the chained steps; ``None``: run the steps eagerly
+        (no graphs, a sequence drafting fewer than ``k`` or without cached context, or no
+        captured bucket).
     """
     if graphs is None:
         return None
-    k = graphs.num_steps + 1
-    if any(requests[i].max_tokens < k for i in order) or graphs.bucket_for(len(order)) is None:
+    k = graphs.first_step + graphs.num_steps
+    cached = [len(seqs[i].tokens) for i in order]
+    if (
+        any(requests[i].max_tokens < k for i in order)
+        or not all(cached)
+        or graphs.bucket_for(len(order)) is None
+    ):
         return None
-    cached = [len(seqs[i].tokens) - 1 for i in order]
-    tables = [cache.reserve(seqs[i], c + k) for i, c in zip(order, cached, strict=True)]
+    n = graphs.num_steps
+    tables = [cache.reserve(seqs[i], c + n) for i, c in zip(order, cached, strict=True)]
     slots = [seqs[i].slot for i in order]
-    rest = graphs.run(drafted, positions, cached, tables, slots, hidden)
+    rest = graphs.run(fed, positions, cached, tables, slots, hidden)
     if rest is None:
         return None
-    for i, first, more in zip(order, drafted, rest, strict=True):
-        # step s (1..k-1) was fed the token step s-1 drafted
+    for i, first, more in zip(order, fed, rest, strict=True):
+        # each chained step was fed the token the step before it drafted
         seqs[i].tokens.extend([first, *more[:-1]])
     return rest
