@@ -45,6 +45,7 @@ import torch
 
 from backplane import LLM, SamplingParams
 from backplane.cli.bench.latency.shapes import SHAPES
+from backplane.cli.bench.latency.speculation import parse_speculative_config
 from backplane.models import presets
 
 logger = logging.getLogger("profile_decode")
@@ -294,6 +295,8 @@ def build_llm(args: argparse.Namespace) -> LLM:
     }
     if args.quantization:
         overrides["quantization"] = args.quantization
+    if args.speculative_config:
+        overrides["speculative_config"] = args.speculative_config
     if args.model:
         return LLM(args.model, **overrides)
     if args.shape in presets.PRESETS:
@@ -595,6 +598,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=("fp8",),
         help="quantise the projections on load (fp8: e4m3 weights, one scale per row)",
+    )
+    ap.add_argument(
+        "--speculative-config",
+        type=parse_speculative_config,
+        metavar="JSON",
+        help="profile steps with speculative decoding, spelled as for serve, e.g. "
+        '\'{"method": "mtp", "num_speculative_tokens": 1}\'; a step then verifies drafts',
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--top", type=int, default=15, help="kernels listed (15)")

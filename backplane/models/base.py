@@ -356,7 +356,12 @@ class CausalLM(CachedModule):
             :meth:`~backplane.core.metadata.VerifyStates.keep_slots`.
         :param dst_slots: ``[V]`` the verifying sequences' own slots.
         """
-        for _, mixer in self.cached_layers():
+        # walking the module tree costs ~1 ms a step: the layers are listed once
+        layers = self.__dict__.get("_cached_mixers")
+        if layers is None:
+            layers = [m for _, m in self.cached_layers()]
+            object.__setattr__(self, "_cached_mixers", layers)
+        for mixer in layers:
             mixer.keep_verified_states(src_slots, dst_slots)
 
     # -- weights -------------------------------------------------------------------
