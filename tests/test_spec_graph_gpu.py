@@ -83,7 +83,7 @@ def _drive(eager: Any, graphed: Any, k: int, hidden_size: int = 0) -> None:
             ctx = ProposalContext(hidden_states=rows)
         want = eager.propose([_req(r, seqs[r], limits[r]) for r in ids], ctx)
         got = graphed.propose([_req(r, seqs[r], limits[r]) for r in ids], ctx)
-        assert got == want, step
+        assert got == want, f"step {step}: graphed {got} eager {want} (limits {limits})"
         seqs["a"] = seqs["a"] + want[0] + [int(rng.integers(0, 256))]
         seqs["b"] = seqs["b"] + want[1][:1] + [(want[1][-1] + 1) % 256]
         if "c" in seqs:

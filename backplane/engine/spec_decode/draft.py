@@ -274,7 +274,7 @@ def load_draft_proposer(
     :param max_num_seqs: the most sequences drafted for at once.
     :param max_model_len: the longest sequence.
     :param page_size: tokens per page of the draft's KV cache.
-    :param cuda_graphs: replay drafting steps ``1..k-1`` from captured graphs.
+    :param cuda_graphs: replay the drafting steps from captured graphs.
     :return: the proposer.
     :raises ConfigError: another method, a draft that does not load, or one of another vocabulary.
     """

@@ -49,8 +49,8 @@ def create_proposer(
     :param backends: ``{family: backend object}`` the draft model or MTP layers run on.
     :param max_num_seqs: the most sequences a model-running proposer drafts for at once.
     :param max_model_len: the longest sequence.
-    :param cuda_graphs: a model-running proposer replays its drafting steps after the first
-        from graphs captured now (the worker's decode graphs are on).
+    :param cuda_graphs: a model-running proposer replays its drafting steps from graphs
+        captured now (the worker's decode graphs are on).
     :return: the proposer.
     :raises ConfigError: for a method whose proposer is not available.
     """
