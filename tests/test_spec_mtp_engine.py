@@ -40,3 +40,39 @@ def test_mtp_tokens_equal_decoding_without_speculation():
 def test_mtp_on_a_model_without_mtp_layers_is_refused():
     with pytest.raises(ConfigError, match="multi-token-prediction"):
         Engine(model="tiny-llama", speculative_config=MTP, **ENGINE)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [
+        ("tiny-deepseek-v3", MTP),
+        (
+            "tiny-llama",
+            {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 2},
+        ),
+    ],
+)
+def test_a_finished_or_aborted_request_gives_back_the_proposer_cache_in_its_last_step(model, spec):
+    engine = Engine(model=model, speculative_config=spec, **ENGINE)
+    cache = engine.spec.proposer.cache
+    free = len(cache._free_pages), len(cache._free_slots)
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    done = engine.add_request(rng.integers(1, 256, size=9).tolist(), params)
+    aborted = engine.add_request(rng.integers(1, 256, size=6).tolist(), params)
+    finished: set[str] = set()
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        if steps == 4:
+            # both have drafted by now: the proposer holds pages for them
+            assert len(cache._free_pages) < free[0]
+            assert engine.abort_request(aborted)
+        finished |= {o.request_id for o in outs if o.finished}
+    assert finished == {done, aborted}
+    assert engine.spec.stats.draft_tokens > 0
+    # no further step ran: the last one gave everything back
+    assert (len(cache._free_pages), len(cache._free_slots)) == free
+    assert not engine.spec._hidden and not engine.spec._known

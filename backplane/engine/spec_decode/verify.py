@@ -175,13 +175,8 @@ class SpecDecoder:
         reqs: list[Request] = []
         asks: list[ProposalRequest] = []
         live = {req.request_id for req in running}
-        gone = self._known - live
-        if gone:
-            # finished, aborted or preempted: their proposer state (a draft cache) goes
-            self.proposer.release(gone)
-            for rid in gone:
-                self._hidden.pop(rid, None)
-                self._prefill.pop(rid, None)
+        # preempted (or finished and not yet forgotten): their proposer state goes
+        self._forget(self._known - live)
         self._known = live
         for req in running:
             req.spec_token_ids.clear()
@@ -508,11 +503,24 @@ class SpecDecoder:
             # a copy: the step's hidden-state buffer is reused by the next step
             chunks.append((np.arange(c, c + n, dtype=np.int64), hidden[row : row + n].clone()))
 
+    def _forget(self, request_ids: set[str]) -> None:
+        """Drop what is kept for requests that stopped running (the proposer's state too)."""
+        if not request_ids:
+            return
+        self.proposer.release(request_ids)
+        for rid in request_ids:
+            self._hidden.pop(rid, None)
+            self._prefill.pop(rid, None)
+        self._known -= request_ids
+
     def deliver(self, outs: Sequence[EngineStepOutput]) -> None:
         """Give each verified request's output every token it committed in the step.
 
         :param outs: the step's outputs (their ``new_token_ids`` are replaced).
         """
+        # a finished request's proposer state (a draft cache) goes now, not at the next
+        # step's proposal: an engine left idle would hold it
+        self._forget({o.request_id for o in outs if o.finished} & self._known)
         starts, self._starts = self._starts, {}
         self.accepted = {}
         if not starts:
