@@ -183,3 +183,36 @@ def test_torch_and_triton_recurrent_specs_declare_chained_rows():
     for family in RECURRENT_FAMILIES:
         for name in ("torch", "triton"):
             assert CHAINED_ROWS in specs[(family, name)].capabilities, (family, name)
+
+
+def _loadable(family: str, name: str, priority: int, *caps: str) -> BackendSpec:
+    """A backend spec that loads the torch backend of ``family`` under another name."""
+    from backplane.backends.torch.attention import TorchAttentionBackend
+    from backplane.backends.torch.delta import TorchDeltaBackend
+
+    base = {"attention": TorchAttentionBackend, "delta": TorchDeltaBackend}[family]
+    cls = type(f"_{name.title()}", (base,), {"name": name})
+    return BackendSpec(family=family, name=name, load=cls, priority=priority, capabilities=caps)
+
+
+@pytest.mark.parametrize("speculation", [False, True])
+def test_the_kernel_warm_up_takes_flashinfer_where_the_engine_would_run_it(
+    speculation, monkeypatch
+):
+    import backplane.engine.selection as selection
+    from backplane.cli.warmup import _select_backends
+
+    # a FlashInfer stand-in that does not chain rows, beside a backend that does
+    reg = _registry(
+        _loadable("delta", "flashinfer", 55),
+        _loadable("delta", "chains", 50, CHAINED_ROWS),
+        _loadable("attention", "flashinfer", 55),
+        _loadable("attention", "plain", 50),
+    )
+    monkeypatch.setattr(selection, "_registry", lambda registry: reg)
+    config = EngineConfig(device="cpu", speculative_config=NGRAM if speculation else None)
+    chosen = _select_backends(config)
+    # attention prefers no capability: FlashInfer, whose JIT cache the warm-up fills;
+    # the delta family gets it only where the engine's auto would choose it
+    assert chosen["attention"].name == "flashinfer"
+    assert chosen["delta"].name == ("chains" if speculation else "flashinfer")

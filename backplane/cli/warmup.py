@@ -330,7 +330,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "the first request. FlashInfer's cache lives under $FLASHINFER_WORKSPACE_BASE "
             "(default: the home directory)/.cache/flashinfer. A family named with --backend "
             "(or in the --config file) warms that backend; every other family warms FlashInfer "
-            "where it can run, else the backend the engine's auto selection picks. Device, "
+            "where it can run (under --speculative-config, for Mamba2 and delta-rule layers "
+            "only where it chains rows), else the backend the engine's auto selection picks. "
+            "Device, "
             "dtype and KV page size are the engine's (--device, --dtype, --page-size)."
         ),
         run=run,
@@ -402,19 +404,24 @@ def _select_backends(config: EngineConfig) -> dict[str, Any]:
     A family named in the configuration gets that backend (an error if it cannot
     run); every other family gets FlashInfer where it is installed and can run,
     since its JIT cache is what the warm-up fills, else ``auto``'s choice, and
-    is left out when nothing can run here.
+    is left out when nothing can run here. Under speculative decoding a
+    recurrent family gets FlashInfer only where it chains rows, as the engine's
+    ``auto`` would choose (:func:`~backplane.engine.selection.preference_of`).
 
     :param config: the warm-up's engine configuration.
     :return: ``{family: backend object}``.
     """
-    from backplane.engine.selection import select_backends_for
+    from backplane.engine.selection import preference_of, select_backends_for
 
     named = {
         family: name
         for family, name in config.backends.items()
         if config.origin(f"backends.{family}").kind != "default"
     }
-    return select_backends_for(named, prefer="flashinfer", device=config.device_type)
+    wanted = {f: cap for f in FAMILIES if (cap := preference_of(config, f)) is not None}
+    return select_backends_for(
+        named, prefer="flashinfer", device=config.device_type, capabilities=wanted
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -494,6 +494,7 @@ def select_backends_for(
     prefer: str | None = None,
     device: str | None = None,
     registry: BackendRegistry | None = None,
+    capabilities: Mapping[str, str] | None = None,
 ) -> dict[str, Backend]:
     """Load one backend object per family from explicit choices, without an engine configuration.
 
@@ -511,6 +512,9 @@ def select_backends_for(
     :param device: the device the backends will run on; see :func:`runs_on`
         (``None`` skips the device check and ranks by priority alone).
     :param registry: the registry to choose from (the process-wide one if ``None``).
+    :param capabilities: ``{family: capability}`` ``auto`` prefers there, as the engine's
+        selection does (:func:`preference_of`); ``prefer`` is then taken for such a family
+        only when it declares the capability.
     :return: ``{family: backend object}``, in the order of the family list.
     :raises ConfigError: ``names`` or ``families`` names an unknown op family.
     :raises UnknownBackendError: a named backend is not installed.
@@ -529,17 +533,26 @@ def select_backends_for(
         if family not in wanted:
             continue
         name = names.get(family)
+        wanted_cap = (capabilities or {}).get(family)
         if name is None:
             name = "auto"
             if prefer is not None:
                 try:
-                    if registry.get(family, prefer).availability()[0]:
+                    spec = registry.get(family, prefer)
+                    if spec.availability()[0] and (
+                        wanted_cap is None or wanted_cap in spec.capabilities
+                    ):
                         name = prefer
                 except BackplaneError:  # not installed: auto decides
                     pass
         try:
             spec = select_backend(
-                family, name, registry=registry, device=device, device_class=device_class
+                family,
+                name,
+                registry=registry,
+                device=device,
+                device_class=device_class,
+                prefer=wanted_cap,
             )
             backends[family] = load_backend(
                 spec, registry=registry, device=device, device_class=device_class
