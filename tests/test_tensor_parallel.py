@@ -196,6 +196,23 @@ def test_tensor_parallel_size_from_yaml_and_flags(tmp_path):
     assert EngineConfig().tensor_parallel_size == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:2"])
+def test_each_rank_takes_its_device_and_an_even_share_of_the_cores(monkeypatch, device):
+    import backplane.engine.distributed.group as group
+
+    monkeypatch.setattr(group.torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(group, "available_cores", lambda: 32)
+    config = EngineConfig(device=device, tensor_parallel_size=4)
+    ranks = [group.rank_config(config, r) for r in range(4)]
+    base = int(device.partition(":")[2] or 0)
+    want = ["cpu"] * 4 if device == "cpu" else [f"cuda:{base + r}" for r in range(4)]
+    assert [c.device for c in ranks] == want
+    # four ranks' intra-op threads on 32 cores: eight each, on a GPU too
+    assert [c.threads for c in ranks] == [8] * 4
+    # a count the user set is kept
+    assert group.rank_config(config.merge(threads=3), 1).threads == 3
+
+
 @pytest.mark.parametrize(
     "key,value,message",
     [

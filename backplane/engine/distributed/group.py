@@ -10,7 +10,6 @@ built, so that the model's layers shard themselves over it.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from backplane.core.one_shot import one_shot_requested
 from backplane.core.parallel import TensorParallel, set_tensor_parallel
+from backplane.engine.threads import available_cores
 
 if TYPE_CHECKING:
     from backplane.engine.config import EngineConfig
@@ -46,9 +46,10 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The configuration the worker of ``rank`` runs with.
 
     On CUDA rank ``r`` takes the ``r``-th device after the configured one
-    (``cuda`` or ``cuda:0`` -> ``cuda:r``). On the CPU every rank gets an even
-    share of the cores unless ``threads`` is set, so the ranks do not fight
-    over the same cores.
+    (``cuda`` or ``cuda:0`` -> ``cuda:r``). Every rank gets an even share of
+    the cores unless ``threads`` is set, so the ranks' intra-op threads do not
+    fight over the same cores (on a GPU the host work of each rank's step is
+    what they would slow).
 
     :param config: the engine's configuration.
     :param rank: the worker's rank.
@@ -68,11 +69,10 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
                 f"{base + size - 1} but {count} are visible; lower tensor_parallel_size or "
                 "make more devices visible (CUDA_VISIBLE_DEVICES)"
             )
-        return config.merge(device=f"cuda:{base + rank}")
+        device = f"cuda:{base + rank}"
     overrides: dict[str, object] = {"device": device}
     if config.threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        overrides["threads"] = max(1, int(cores or 1) // size)
+        overrides["threads"] = max(1, available_cores() // size)
     return config.merge(**overrides)
 
 
