@@ -156,7 +156,7 @@ class ChainedDraftGraphs:
         backends: Mapping[str, Backend],
         *,
         num_steps: int,
-        first_step: int = 1,
+        first_step: int = 0,
         max_num_seqs: int,
         max_model_len: int,
         page_size: int,
