@@ -145,6 +145,36 @@ def test_mtp_steps_from_graphs_equal_eager_token_for_token(preset, k):
         assert graphed._positions[rid] == eager._positions[rid]
 
 
+def _full_scan_rollback(proposer: MTPProposer, request: ProposalRequest) -> Any:
+    """The reference rollback: scan the whole cache, cut at the first entry whose token the
+    sequence no longer holds or whose position step 0 is about to run at."""
+    seq = proposer.cache.get(request.request_id)
+    positions = proposer._positions.setdefault(request.request_id, [])
+    last = len(request.token_ids) - 2
+    keep = 0
+    for pos, tok in zip(positions, seq.tokens, strict=True):
+        if pos >= last or int(request.token_ids[pos + 1]) != tok:
+            break
+        keep += 1
+    del seq.tokens[keep:], positions[keep:]
+    return seq
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-deepseek-v3"])
+def test_mtp_rollback_from_the_entries_checked_before_equals_a_full_scan(preset):
+    k = 3
+    incremental, hidden_size = _mtp(preset, k, False)
+    full, _ = _mtp(preset, k, False)
+    full._rolled_back = lambda request: _full_scan_rollback(full, request)
+    want, got = _drive([full, incremental], k, hidden_size)
+    assert got == want
+    for rid in ("a", "b", "c"):
+        assert incremental.cache.get(rid).tokens == full.cache.get(rid).tokens
+        assert incremental._positions[rid] == full._positions[rid]
+        # and it did skip: what it checked before is remembered
+        assert incremental._checked[rid] > 0
+
+
 def _decode_batch(cached: list[int], tables: list[np.ndarray], width: int) -> Any:
     return build_batch_metadata([1] * len(cached), cached, tables, PAGE, block_table_width=width)
 
