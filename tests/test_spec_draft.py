@@ -147,3 +147,19 @@ def test_more_sequences_than_the_draft_cache_holds_is_an_error_saying_what_to_do
     proposer.propose([_req("a", [1, 2], 1)])
     with pytest.raises(ConfigError, match="max_num_seqs"):
         proposer.propose([_req("b", [1, 2], 1)])
+
+
+def test_common_prefix_from_a_known_start_equals_a_scan_from_the_first_token():
+    from backplane.engine.spec_decode.own_cache import common_prefix
+
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        tokens = rng.integers(0, 3, int(rng.integers(0, 12)))
+        cached = [int(t) for t in tokens[: int(rng.integers(0, len(tokens) + 1))]]
+        cached += rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+        want = 0
+        while want < min(len(cached), len(tokens)) and cached[want] == tokens[want]:
+            want += 1
+        # any start up to the true prefix gives the same answer
+        for start in range(want + 1):
+            assert common_prefix(cached, tokens, start=start) == want

@@ -157,6 +157,7 @@ def _full_scan_rollback(proposer: MTPProposer, request: ProposalRequest) -> Any:
             break
         keep += 1
     del seq.tokens[keep:], positions[keep:]
+    seq.checked = 0
     return seq
 
 
@@ -172,7 +173,7 @@ def test_mtp_rollback_from_the_entries_checked_before_equals_a_full_scan(preset)
         assert incremental.cache.get(rid).tokens == full.cache.get(rid).tokens
         assert incremental._positions[rid] == full._positions[rid]
         # and it did skip: what it checked before is remembered
-        assert incremental._checked[rid] > 0
+        assert incremental.cache.get(rid).checked > 0
 
 
 def _decode_batch(cached: list[int], tables: list[np.ndarray], width: int) -> Any:

@@ -206,11 +206,13 @@ class DraftModelProposer:
         """The request's cache, cut to the prefix it shares with the sequence, the last token
         left out so that it is fed again (its logits give the first draft)."""
         seq = self.cache.get(request.request_id)
-        keep = min(common_prefix(seq.tokens, request.token_ids), len(request.token_ids) - 1)
+        same = common_prefix(seq.tokens, request.token_ids, start=seq.checked)
+        keep = min(same, len(request.token_ids) - 1)
         if keep < len(seq.tokens) and self._recurrent:
             # A recurrent state holds every token it read: recompute from the start.
             keep = 0
-        del seq.tokens[keep:]
+        seq.cut(keep)
+        seq.checked = keep
         return seq
 
     @torch.no_grad()

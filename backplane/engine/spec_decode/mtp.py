@@ -106,9 +106,6 @@ class MTPProposer:
         #: per request: the position of each cache entry (``SequenceCache.tokens`` holds
         #: the token each entry was fed)
         self._positions: dict[str, list[int]] = {}
-        #: per request: how many leading entries were found valid (fed a committed token,
-        #: which never changes), so each rollback checks only the entries after them
-        self._checked: dict[str, int] = {}
         #: every drafting step as captured graphs (``None``: every step eagerly)
         self.graphs = chained_draft_graphs(
             self._graph_step,
@@ -189,7 +186,6 @@ class MTPProposer:
         for rid in request_ids:
             self.cache.release(rid)
             self._positions.pop(rid, None)
-            self._checked.pop(rid, None)
 
     def _rolled_back(self, request: ProposalRequest) -> SequenceCache:
         """The request's cache cut at its first entry whose token the sequence no longer holds
@@ -199,15 +195,15 @@ class MTPProposer:
         positions = self._positions.setdefault(rid, [])
         token_ids = request.token_ids
         last = len(token_ids) - 2
-        keep = min(self._checked.get(rid, 0), len(positions))
+        keep = min(seq.checked, len(positions))
         while keep < len(positions):
             pos = positions[keep]
             if pos >= last or int(token_ids[pos + 1]) != seq.tokens[keep]:
                 break
             keep += 1
-        del seq.tokens[keep:]
+        seq.cut(keep)
         del positions[keep:]
-        self._checked[rid] = keep
+        seq.checked = keep
         return seq
 
     @torch.no_grad()
@@ -245,9 +241,8 @@ class MTPProposer:
             seq = self._rolled_back(req)
             positions = self._positions[req.request_id]
             keep = sum(1 for p in positions if p < int(pos[0]))
-            del seq.tokens[keep:]
+            seq.cut(keep)
             del positions[keep:]
-            self._checked[req.request_id] = min(self._checked.get(req.request_id, 0), keep)
             tokens = np.asarray(req.token_ids)[pos + 1].tolist()
             chunks.append((seq, positions, pos.tolist(), tokens, rows))
         if not chunks:

@@ -31,11 +31,22 @@ class SequenceCache:
     :param slot: its recurrent-state slot.
     :param pages: its page ids, in order.
     :param tokens: the token ids whose keys and values (or state) are in the cache, in order.
+    :param checked: how many leading entries a rollback found fed committed tokens; those
+        never change, so the next rollback checks only the entries after them.
     """
 
     slot: int
     pages: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    checked: int = 0
+
+    def cut(self, keep: int) -> None:
+        """Drop every entry from ``keep`` on.
+
+        :param keep: how many leading entries stay.
+        """
+        del self.tokens[keep:]
+        self.checked = min(self.checked, keep)
 
 
 class OwnCache:
@@ -102,18 +113,20 @@ class OwnCache:
         self._free_slots.append(seq.slot)
 
 
-def common_prefix(cached: list[int], tokens: np.ndarray) -> int:
+def common_prefix(cached: list[int], tokens: np.ndarray, start: int = 0) -> int:
     """How many leading tokens of ``cached`` equal those of ``tokens``.
 
     :param cached: the token ids in a cache.
     :param tokens: the sequence now.
+    :param start: how many leading tokens are known to be equal already (not compared).
     :return: the length of the common prefix.
     """
     n = min(len(cached), len(tokens))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(cached[:n]) != np.asarray(tokens[:n]))
-    return int(diff[0]) if len(diff) else n
+    start = min(start, n)
+    if n == start:
+        return n
+    diff = np.flatnonzero(np.asarray(cached[start:n]) != np.asarray(tokens[start:n]))
+    return start + int(diff[0]) if len(diff) else n
 
 
 def allocate_own_cache(
