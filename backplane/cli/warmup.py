@@ -332,8 +332,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "(or in the --config file) warms that backend; every other family warms FlashInfer "
             "where it can run (under --speculative-config, for Mamba2 and delta-rule layers "
             "only where it chains rows), else the backend the engine's auto selection picks. "
-            "Device, "
-            "dtype and KV page size are the engine's (--device, --dtype, --page-size)."
+            "Device, dtype and KV page size are the engine's (--device, --dtype, --page-size)."
         ),
         run=run,
         json_help="print the results as JSON",
