@@ -436,6 +436,35 @@ def test_mla_matches_reference(lens) -> None:
     assert torch.equal(cache.cpu(), exp)
 
 
+def test_next_plan_leaves_the_step_in_flight_alone() -> None:
+    """A step planned while the device has not yet run the last one's plan copy.
+
+    The host plans step A behind a long device sleep, so A's plan copy waits on the
+    stream, and plans step B (other lengths) at once, as the engine does when it
+    prepares a step ahead. A must still attend with its own plan: exactly the
+    output it gives when run alone.
+    """
+    from backplane.backends.flashinfer.mla import FlashInferMLABackend
+
+    backend = FlashInferMLABackend()
+    a = _mla_inputs([1, 1, 1], [150, 3, 77], MLA_LAYER, 16, seed=1)
+    b = _mla_inputs([5, 1], [2, 200], MLA_LAYER, 16, seed=2)
+
+    def step(inputs):
+        batch, _, (qn, qp, kv_c, k_pe), cache, w_uk, w_uv, _ = inputs
+        with forward_context(batch, {"mla": backend.plan(batch)}):
+            return backend.forward(qn, qp, kv_c, k_pe, cache, w_uk, w_uv, MLA_LAYER).clone()
+
+    alone = step(a)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # some 0.3 s of device time ahead of the host
+    in_flight = step(a)
+    step(b)
+    torch.cuda.synchronize()
+    n = a[0].num_tokens
+    assert torch.equal(in_flight[:n], alone[:n])
+
+
 def test_mla_cuda_graph_replay_equals_eager() -> None:
     """MLA decode captured for bucket 4 replays correctly for other batches after re-planning."""
     from backplane.backends.flashinfer.mla import FlashInferMLABackend

@@ -135,6 +135,32 @@ def host_tensor(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
 
+def plan_wrapper(wrapper: Any, *args: Any, **kwargs: Any) -> None:
+    """Call ``wrapper.plan(*args, **kwargs)`` once its previous plan reached the device.
+
+    A wrapper's ``plan`` writes the plan into a page-locked host buffer of the
+    wrapper's own and queues its copy to the device on the current stream. With
+    the next step prepared while the device still runs the last one, a second
+    ``plan`` of the same wrapper could rewrite that host buffer before the first
+    copy ran, and the step in flight would attend with the next step's plan. So
+    each plan records an event after its copy, and the next one waits for it:
+    the device reaches that copy as soon as the step before it ends, so the wait
+    is short whenever the host is at most a step ahead.
+
+    :param wrapper: a FlashInfer attention or MLA wrapper.
+    :param args: ``plan``'s positional arguments.
+    :param kwargs: ``plan``'s keyword arguments.
+    """
+    done: torch.cuda.Event | None = getattr(wrapper, "_backplane_plan_copied", None)
+    if done is not None:
+        done.synchronize()
+    wrapper.plan(*args, **kwargs)
+    if done is None:
+        done = torch.cuda.Event()
+        wrapper._backplane_plan_copied = done
+    done.record()
+
+
 def to_device(
     a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int32
 ) -> torch.Tensor:

@@ -335,7 +335,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if step.graph is not None:
             a = step.graph_arrays
             w = self._graph_wrapper(step.graph.bucket, key)
-            w.plan(
+            _common.plan_wrapper(
+                w,
                 _common.host_tensor(a["kv_indptr"]),
                 _common.host_tensor(a["kv_indices"]),
                 _common.host_tensor(a["kv_last_page_len"]),
@@ -350,7 +351,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         split = int(h.page_indptr[np_])
         if np_:
             w = self._prefill_wrapper(key)
-            w.plan(
+            _common.plan_wrapper(
+                w,
                 _common.host_tensor(h.query_start_loc[: np_ + 1]),
                 _common.host_tensor(h.page_indptr[: np_ + 1]),
                 _common.host_tensor(h.page_indices[:split]),
@@ -362,7 +364,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             step.prefill[key] = w
         if n > np_:
             w = self._decode_wrapper(key)
-            w.plan(
+            _common.plan_wrapper(
+                w,
                 _common.host_tensor(h.page_indptr[np_ : n + 1] - split),
                 _common.host_tensor(h.page_indices[split : int(h.page_indptr[n])]),
                 _common.host_tensor(h.last_page_lens[np_:n]),

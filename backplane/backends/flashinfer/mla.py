@@ -210,7 +210,8 @@ class FlashInferMLABackend(MLABackend):
             lens = h.seq_lens[:n]
             b = None
         w = self._wrapper(key, b)
-        w.plan(
+        _common.plan_wrapper(
+            w,
             _common.host_tensor(qo),
             _common.host_tensor(indptr),
             _common.host_tensor(indices),
