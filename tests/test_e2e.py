@@ -16,6 +16,7 @@ is accepted only at a step where the reference's top-2 margin is below
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -48,9 +49,16 @@ ARCHS = {
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    """``arch -> (transformers model, saved directory)``, built once per architecture."""
+def hf_model_factory(
+    tmp_path_factory: Any, overrides: dict[str, dict[str, Any]] | None = None
+) -> Callable[[str], tuple[Any, str]]:
+    """``arch -> (transformers model, saved directory)``, each built once on first use.
+
+    :param tmp_path_factory: pytest's, for the saved checkpoints.
+    :param overrides: per architecture, config attributes set over its tiny config
+        (wider heads for kernels that take only some head sizes).
+    :return: the getter.
+    """
     built: dict[str, tuple[Any, str]] = {}
 
     def get(arch: str) -> tuple[Any, str]:
@@ -58,6 +66,8 @@ def hf_model(tmp_path_factory):
             cls_name, make_cfg, _, _ = ARCHS[arch]
             torch.manual_seed(1234)
             cfg = make_cfg()
+            for key, value in (overrides or {}).get(arch, {}).items():
+                setattr(cfg, key, value)
             # wide weights: well-separated logits, so greedy ties are rare
             cfg.initializer_range = 0.15
             model = getattr(transformers, cls_name)(cfg).eval()
@@ -72,6 +82,12 @@ def hf_model(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """``arch -> (transformers model, saved directory)``, built once per architecture."""
+    return hf_model_factory(tmp_path_factory)
 
 
 def hf_greedy(arch: str, model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
