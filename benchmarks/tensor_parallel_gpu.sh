@@ -7,14 +7,13 @@
 # 2. the Llama-3.1-8B shape (random bf16 weights, saved once) at TP=1, 2 (and 4):
 #    `bench latency` at batch 1, `benchmarks/profile_decode.py` (the all-reduce share of a
 #    batch-1 step), and `bench throughput` on 1,000 ShareGPT-like requests at once, each
-#    alone on the host; with ONE_SHOT=1 the latency and profile runs are repeated with
-#    BACKPLANE_TP_ALL_REDUCE=one_shot.
+#    alone on the host.
 #
 #   GPUS=4 bash benchmarks/tensor_parallel_gpu.sh OUT_DIR
-#   GPUS=2 ONE_SHOT=1 STEPS="latency" bash benchmarks/tensor_parallel_gpu.sh OUT_DIR
+#   GPUS=2 SIZES=2 STEPS="latency" bash benchmarks/tensor_parallel_gpu.sh OUT_DIR
 #
-# STEPS picks the parts (default "parity latency profile throughput"): a short call that
-# only compares NCCL with the one-shot all-reduce at batch 1 takes STEPS="latency".
+# STEPS picks the parts (default "parity latency profile throughput"), SIZES the
+# tensor-parallel sizes measured (default "1 2", or "1 2 4" with four GPUs).
 #
 # Each step has a time limit (seconds, LIMIT_* below), so a stuck step costs its limit and
 # the rest still run; OUT_DIR/timeline.txt says how long each took.
@@ -53,25 +52,21 @@ mark "weights saved"
 
 sizes="1 2"
 [[ $GPUS -ge 4 ]] && sizes="1 2 4"
-modes=""
-[[ -n "${ONE_SHOT:-}" ]] && modes="one_shot"
+sizes=${SIZES:-$sizes}
 for tp in $sizes; do
-    for mode in nccl $modes; do
-        [[ $mode == one_shot && $tp == 1 ]] && continue
-        if wants latency; then
-            BACKPLANE_TP_ALL_REDUCE=$mode timeout "$LIMIT_BENCH" backplane bench latency \
-                --shapes llama-3.1-8b --batch-sizes 1 --attention triton --transformers none \
-                --repeats 3 --weights-dir "$W" -tp "$tp" --json "$OUT/latency_tp${tp}_$mode.json" \
-                >"$OUT/latency_tp${tp}_$mode.log" 2>&1
-            mark "rc=$? latency tp=$tp $mode"
-        fi
-        if wants profile; then
-            BACKPLANE_TP_ALL_REDUCE=$mode timeout "$LIMIT_BENCH" python3 benchmarks/profile_decode.py \
-                --model "$W/llama-3.1-8b-bfloat16" --attention triton --prompt-len 512 -tp "$tp" \
-                --json "$OUT/profile_tp${tp}_$mode.json" >"$OUT/profile_tp${tp}_$mode.log" 2>&1
-            mark "rc=$? profile tp=$tp $mode"
-        fi
-    done
+    if wants latency; then
+        timeout "$LIMIT_BENCH" backplane bench latency \
+            --shapes llama-3.1-8b --batch-sizes 1 --attention triton --transformers none \
+            --repeats 3 --weights-dir "$W" -tp "$tp" --json "$OUT/latency_tp$tp.json" \
+            >"$OUT/latency_tp$tp.log" 2>&1
+        mark "rc=$? latency tp=$tp"
+    fi
+    if wants profile; then
+        timeout "$LIMIT_BENCH" python3 benchmarks/profile_decode.py \
+            --model "$W/llama-3.1-8b-bfloat16" --attention triton --prompt-len 512 -tp "$tp" \
+            --json "$OUT/profile_tp$tp.json" >"$OUT/profile_tp$tp.log" 2>&1
+        mark "rc=$? profile tp=$tp"
+    fi
     wants throughput || continue
     timeout "$LIMIT_BENCH" backplane bench throughput --model llama-3.1-8b --weights-dir "$W" \
         --num-prompts 1000 --request-rate inf --decode-batch-sizes 256 --no-transformers \

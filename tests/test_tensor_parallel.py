@@ -405,24 +405,6 @@ def test_start_up_answers_that_arrive_out_of_rank_order_are_all_read(monkeypatch
     assert executor._answers() == [10, 20, 30]
 
 
-@pytest.mark.parametrize(
-    ("value", "wanted"), [("", False), ("nccl", False), ("one_shot", True), (" One_Shot ", True)]
-)
-def test_the_all_reduce_choice_is_read_from_the_environment(monkeypatch, value, wanted):
-    from backplane.core.one_shot import ENV, one_shot_requested
-
-    monkeypatch.setenv(ENV, value)
-    assert one_shot_requested() is wanted
-
-
-def test_an_unknown_all_reduce_choice_is_refused_naming_the_choices(monkeypatch):
-    from backplane.core.one_shot import ENV, one_shot_requested
-
-    monkeypatch.setenv(ENV, "ring")
-    with pytest.raises(ValueError, match="one_shot or nccl"):
-        one_shot_requested()
-
-
 def test_a_worker_blocked_in_a_collective_ends_when_its_driver_is_killed(tmp_path):
     """A worker stuck in a collective never reads its pipe again; the orphan watch ends it."""
 

@@ -77,14 +77,11 @@ class TensorParallel:
     :param rank: this process's rank in the group (0 is the driver).
     :param size: the number of ranks.
     :param group: the ``torch.distributed`` process group, ``None`` with one rank.
-    :param one_shot: the one-shot all-reduce for small messages
-        (:class:`~backplane.core.one_shot.OneShotAllReduce`), ``None`` for NCCL alone.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
-    one_shot: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -157,10 +154,6 @@ def set_tensor_parallel(tp: TensorParallel) -> TensorParallel:
 @torch.library.custom_op("backplane::tp_all_reduce", mutates_args=("x",))
 def _tp_all_reduce(x: torch.Tensor) -> None:
     """Sum ``x`` over the ranks of this process's tensor-parallel group, in place."""
-    one_shot = _current.one_shot
-    if one_shot is not None and one_shot.fits(x):
-        one_shot.all_reduce(x)
-        return
     torch.distributed.all_reduce(x, group=_current.group)
 
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from backplane.core.one_shot import one_shot_requested
 from backplane.core.parallel import TensorParallel, set_tensor_parallel
 from backplane.engine.threads import available_cores
 
@@ -99,15 +98,7 @@ def join_group(rank: int, size: int, init_method: str, device: torch.device) -> 
         timeout=GROUP_TIMEOUT,
         **kwargs,  # type: ignore[arg-type]
     )
-    one_shot = None
-    if device.type == "cuda" and one_shot_requested():
-        from backplane.core.one_shot import OneShotAllReduce
-
-        one_shot = OneShotAllReduce(dist.group.WORLD, device)
-        logger.info(
-            "rank %d: one-shot all-reduce for messages up to %d bytes", rank, one_shot.max_bytes
-        )
-    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD, one_shot=one_shot)
+    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
     set_tensor_parallel(tp)
     logger.debug("rank %d of %d joined the %s group at %s", rank, size, backend, init_method)
     return tp
