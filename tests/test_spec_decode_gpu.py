@@ -6,7 +6,8 @@ Triton runs in float32, where verifying ``k + 1`` tokens in one forward and deco
 by one agree to the last token. FlashInfer attention runs in bfloat16 only, whose rounding
 differs between its prefill kernel (verification) and its decode kernel; there the tokens must
 agree up to the first position where plain decoding itself was a near-tie (its two most likely
-tokens within bfloat16 noise), and from then on the sequences go their own ways."""
+tokens within bfloat16 noise), where speculation must have taken plain decoding's runner-up;
+from then on the sequences go their own ways."""
 
 from __future__ import annotations
 
