@@ -44,6 +44,7 @@ from backplane.engine.sampling import (
     seed_as_int64,
 )
 from backplane.engine.sched import ScheduledSeq, Scheduler, SchedulerOutput
+from backplane.engine.spec_decode.factory import check_parallel
 from backplane.engine.spec_decode.verify import SpecDecoder
 from backplane.engine.step_rows import prompt_rows, sampling_rows
 from backplane.engine.structured_output import StructuredOutputManager
@@ -107,6 +108,9 @@ class Engine(WorkerView):
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self._closed = False
+        if config.speculative_config is not None:
+            # refused before any worker process starts
+            check_parallel(config.speculative_config, config.tensor_parallel_size)
         self.executor: Executor = create_executor(config, registry)
         setup_started = time.perf_counter()
         worker = self.executor.driver
@@ -545,7 +549,7 @@ class Engine(WorkerView):
         if self.spec is not None:
             # the verified sequences' own tokens replace what the plain sampler drew for them
             self.spec.verify(
-                self.model, hidden, inputs, scheduled, reqs, tokens, self.structured_output
+                self.executor, hidden, inputs, scheduled, reqs, tokens, self.structured_output
             )
         host, event = self._copies.start(tokens, wait_too=prompt is not None)
         lp_host = to_host(out.logprobs) if len(reqs) and out.logprobs is not None else None

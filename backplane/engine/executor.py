@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from backplane.engine.sampling import SamplerOutput, SamplingRows
@@ -73,6 +74,25 @@ class Executor(Protocol):
         """
         ...
 
+    def compute_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Project rows of the step's hidden states through the LM head on the worker(s):
+        :meth:`DeviceWorker.compute_logits` (the rows a speculative verification scores).
+
+        :param hidden: from :meth:`execute_model`.
+        :param rows: ``[R]`` int64 row indices.
+        :return: the driver's ``[R, vocab]`` logits.
+        """
+        ...
+
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Keep each verified sequence's recurrent state at its last accepted token on the
+        worker(s): :meth:`DeviceWorker.keep_verified_states`.
+
+        :param src_slots: ``[V]`` the slots holding the states to keep (driver's device).
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        ...
+
     def mirror_host_tier(self, tier: HostTier) -> None:
         """Make every page copy of the host KV tier (built over the driver's caches) reach
         every worker, so each rank's cache shard moves the same pages.
@@ -123,6 +143,14 @@ class InProcessExecutor:
     ) -> SamplerOutput:
         """See :meth:`Executor.sample_tokens`."""
         return self.driver.sample_tokens(hidden, inputs, rows)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """See :meth:`Executor.compute_logits`."""
+        return self.driver.compute_logits(hidden, torch.from_numpy(rows).to(hidden.device))
+
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """See :meth:`Executor.keep_verified_states`."""
+        self.driver.keep_verified_states(src_slots, dst_slots)
 
     def mirror_host_tier(self, tier: HostTier) -> None:
         """Nothing to do: the tier's copies move the only worker's pages (see the protocol)."""

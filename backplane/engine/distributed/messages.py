@@ -24,10 +24,12 @@ __all__ = [
     "EXECUTE",
     "HOST_COPY",
     "HOST_TIER",
+    "KEEP_STATES",
     "LOAD",
     "SAMPLE",
     "SHUTDOWN",
     "START",
+    "VERIFY_LOGITS",
     "OnDevice",
     "from_portable",
     "to_portable",
@@ -39,10 +41,16 @@ LOAD = "load"
 START = "start"
 #: take over the step the driver prepared: ``(StepPacket, host bytes)``
 ADOPT_STEP = "adopt_step"
-#: run the model for the adopted step
+#: run the model for the adopted step; the argument is the driver's description of the
+#: step's speculative verification states (``VerifyStates``, portable) or ``None``
 EXECUTE = "execute"
 #: run the sampling head for the step (its LM head may hold collectives): ``SamplingRows``
 SAMPLE = "sample"
+#: project rows of the step's hidden states through the LM head (its collectives):
+#: ``[R]`` int64 row indices (numpy)
+VERIFY_LOGITS = "verify_logits"
+#: keep the verified sequences' recurrent states: ``(src_slots, dst_slots)``, portable
+KEEP_STATES = "keep_states"
 #: build a host KV tier of this many pages over the rank's paged caches
 HOST_TIER = "host_tier"
 #: repeat a copy of the driver's host tier: ``(src_pages, dst_pages, to_host)``

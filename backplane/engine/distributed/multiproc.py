@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -266,7 +267,7 @@ class MultiprocExecutor:
         """
         with self._lock:
             self._check()
-            self._send_all(msg.EXECUTE)
+            self._send_all(msg.EXECUTE, msg.to_portable(inputs.metadata.verify_states))
             return self._guard(self.driver.execute_model, inputs, fatal=True)
 
     def sample_tokens(
@@ -290,6 +291,31 @@ class MultiprocExecutor:
                 )
             self._send_all(msg.SAMPLE, portable)
             return self._guard(self.driver.sample_tokens, hidden, inputs, rows, fatal=True)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Run the LM head over the rows on every rank; see :meth:`Executor.compute_logits`.
+
+        :param hidden: from :meth:`execute_model`.
+        :param rows: ``[R]`` int64 row indices.
+        :return: the driver's logits.
+        """
+        with self._lock:
+            self._check()
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
+            self._send_all(msg.VERIFY_LOGITS, rows)
+            at = torch.from_numpy(rows).to(hidden.device)
+            return self._guard(self.driver.compute_logits, hidden, at, fatal=True)
+
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the kept states on every rank; see :meth:`Executor.keep_verified_states`.
+
+        :param src_slots: ``[V]`` the slots holding the states to keep.
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        with self._lock:
+            self._check()
+            self._send_all(msg.KEEP_STATES, msg.to_portable((src_slots, dst_slots)))
+            self._guard(self.driver.keep_verified_states, src_slots, dst_slots, fatal=True)
 
     def mirror_host_tier(self, tier: HostTier) -> None:
         """Give every worker a host tier of the same pages and repeat the driver's copies there.

@@ -91,7 +91,17 @@ class WorkerLoop:
             return None
         if name == msg.EXECUTE:
             assert self._inputs is not None
+            # a speculative verification's per-position states, as the driver marked them
+            self._inputs.metadata.verify_states = msg.from_portable(arg, w.device)
             self._hidden = w.execute_model(self._inputs)
+            return None
+        if name == msg.VERIFY_LOGITS:
+            assert self._hidden is not None
+            w.compute_logits(self._hidden, torch.from_numpy(arg).to(w.device))
+            return None
+        if name == msg.KEEP_STATES:
+            src, dst = msg.from_portable(arg, w.device)
+            w.keep_verified_states(src, dst)
             return None
         if name == msg.SAMPLE:
             assert self._inputs is not None and self._hidden is not None

@@ -9,7 +9,26 @@ from backplane.engine.spec_decode.config import SpeculativeConfig
 from backplane.engine.spec_decode.ngram import NgramProposer
 from backplane.engine.spec_decode.proposer import Proposer
 
-__all__ = ["check_target", "create_proposer"]
+__all__ = ["check_parallel", "check_target", "create_proposer"]
+
+
+def check_parallel(config: SpeculativeConfig, tensor_parallel_size: int) -> None:
+    """Refuse a method that cannot speculate for a target split over ranks.
+
+    Every rank verifies (the LM head and the recurrent state copies run on all of
+    them), and prompt lookup drafts on the host; a proposer running a model of its
+    own (a draft model, the MTP layers) would have to be split the same way.
+
+    :param config: the speculative configuration.
+    :param tensor_parallel_size: ranks the target is split over.
+    :raises ConfigError: saying what is unsupported and what to do.
+    """
+    if tensor_parallel_size > 1 and config.method != "ngram":
+        raise ConfigError(
+            f"speculative_config method={config.method!r} is not supported with "
+            f"tensor_parallel_size={tensor_parallel_size} yet (its drafting model would run on "
+            "one rank only); use method='ngram', or tensor_parallel_size=1"
+        )
 
 
 def check_target(
@@ -25,11 +44,7 @@ def check_target(
     """
     # A recurrent target (Mamba2 / delta-rule layers) verifies too: its ops keep the state
     # after every chunk position and the accepted one is kept (SpecDecoder.mark_verification).
-    if tensor_parallel_size > 1:
-        raise ConfigError(
-            f"speculative_config is not supported with tensor_parallel_size="
-            f"{tensor_parallel_size} yet; use tensor_parallel_size=1 or remove speculative_config"
-        )
+    check_parallel(config, tensor_parallel_size)
 
 
 def create_proposer(

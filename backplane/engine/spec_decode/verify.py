@@ -38,6 +38,7 @@ from backplane.engine.spec_decode.factory import check_target, create_proposer
 from backplane.engine.spec_decode.proposer import ProposalContext, ProposalRequest
 
 if TYPE_CHECKING:
+    from backplane.engine.executor import Executor
     from backplane.engine.outputs import EngineStepOutput
     from backplane.engine.sched.output import ScheduledSeq
     from backplane.engine.structured_output.manager import StructuredOutputManager
@@ -325,7 +326,7 @@ class SpecDecoder:
     @torch.inference_mode()
     def verify(
         self,
-        model: torch.nn.Module,
+        executor: Executor,
         hidden: torch.Tensor,
         inputs: BatchInputs,
         scheduled: Sequence[ScheduledSeq],
@@ -340,7 +341,8 @@ class SpecDecoder:
         grammar after the drafts before it); its matcher is left at the committed
         tokens, for the engine to advance by :meth:`committed` after the commit.
 
-        :param model: the target (its ``compute_logits`` is the LM head).
+        :param executor: the engine's executor: the LM head and the recurrent state copies
+            run on its worker(s), every rank of a split target.
         :param hidden: the step's hidden states.
         :param inputs: the step's inputs.
         :param scheduled: the scheduler's sequences, as given to input preparation.
@@ -364,11 +366,11 @@ class SpecDecoder:
         # row j of a sequence is its position j (positions past its drafts repeat its last)
         rows = first[:, None] + np.minimum(np.arange(k + 1)[None, :], d[:, None])
         dev = hidden.device
-        at = torch.from_numpy(rows.reshape(-1)).to(dev)
         if inputs.logits is not None:  # a verify graph projected every row already
+            at = torch.from_numpy(rows.reshape(-1)).to(dev)
             logits = inputs.logits.index_select(0, at).view(len(seqs), k + 1, -1)
         else:
-            logits = model.compute_logits(hidden.index_select(0, at)).view(len(seqs), k + 1, -1)
+            logits = executor.compute_logits(hidden, rows.reshape(-1)).view(len(seqs), k + 1, -1)
         drafts = np.zeros((len(seqs), k), dtype=np.int64)
         for b, s in enumerate(seqs):
             drafts[b, : d[b]] = s.request.spec_token_ids[: d[b]]
@@ -384,7 +386,7 @@ class SpecDecoder:
         vs = inputs.metadata.verify_states
         if vs is not None:
             # recurrent layers: each sequence's state after its last accepted token
-            model.keep_verified_states(*vs.keep_slots(out.num_accepted))
+            executor.keep_verified_states(*vs.keep_slots(out.num_accepted))
         verified = out.tokens.cpu().numpy()
         accepted = out.num_accepted.cpu().numpy()
         row_of = {id(r): i for i, r in enumerate(reqs)}

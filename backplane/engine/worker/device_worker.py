@@ -346,9 +346,14 @@ class DeviceWorker:
         A recurrent model's verify graphs chain each chunk's rows through
         state slots; it gets them only when every recurrent backend in use
         does that (``chains_rows``), else it verifies through piecewise graphs.
+        A target split over ranks verifies through piecewise graphs too: the
+        other ranks adopt the driver's prepared step (``InputBatch.adopt``),
+        which does not carry a verify graph's row chain or its rows' owners.
         """
         spec = self.config.speculative_config
         if spec is None:
+            return 0
+        if self.config.tensor_parallel_size > 1:
             return 0
         unchained = [
             f"{family}={b.name}"
@@ -413,6 +418,26 @@ class DeviceWorker:
         :return: tokens (and logprobs where asked) on the device.
         """
         return self.runner.sample(hidden, inputs, rows)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Project some rows of a step's hidden states through the LM head.
+
+        :param hidden: the step's hidden states (:meth:`execute_model`).
+        :param rows: ``[R]`` int64 row indices into ``hidden``, on its device.
+        :return: ``[R, vocab]`` logits (a vocabulary-parallel head gathers them on every rank).
+        """
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """After a speculative verification: keep each sequence's recurrent state at its last
+        accepted token (see :meth:`~backplane.models.base.CausalLM.keep_verified_states`).
+
+        :param src_slots: ``[V]`` the slots holding the states to keep.
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        self.model.keep_verified_states(src_slots, dst_slots)
 
     @torch.inference_mode()
     def copy_state_slots(
