@@ -121,18 +121,21 @@ def test_two_ranks_sampling_equals_one_rank(hf_model):
     assert got == want
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
-def test_two_ranks_speculating_give_the_greedy_tokens_of_one_rank(hf_model, arch):
-    """Prompt lookup on two ranks: every rank verifies (the LM head over the draft rows,
-    and for a recurrent model the state kept at the last accepted token), and the greedy
-    tokens are those of one rank decoding without speculation."""
+@pytest.mark.parametrize(
+    "arch,method", [("llama", "ngram"), ("nemotron_h", "ngram"), ("nemotron_h", "draft_model")]
+)
+def test_two_ranks_speculating_give_the_greedy_tokens_of_one_rank(hf_model, arch, method):
+    """Speculation on two ranks: every rank verifies (the LM head over the draft rows, and
+    for a recurrent model the state kept at the last accepted token), a draft model runs
+    whole on the driver, and the greedy tokens are those of one rank decoding without
+    speculation."""
     _, path = hf_model(arch)
     rng = np.random.default_rng(11)
     base = rng.integers(1, VOCAB, size=7).tolist()
-    # repeated text, so drafts are found and some accepted
+    # repeated text, so prompt lookup finds drafts and some are accepted
     prompts = [base * 3, (base[2:] + base) * 2, rng.integers(1, VOCAB, size=6).tolist()]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = LLM(path, device="cpu", dtype="float32", page_size=PAGE, max_num_seqs=3, threads=1)
@@ -140,24 +143,24 @@ def test_two_ranks_speculating_give_the_greedy_tokens_of_one_rank(hf_model, arch
         want = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     finally:
         one.shutdown()
-    llm = _tp_llm(path, speculative_config=SPEC)
+    # the draft model is the target itself: it proposes what the target will accept
+    spec = NGRAM if method == "ngram" else {"method": method, "model": path}
+    llm = _tp_llm(path, speculative_config={**spec, "num_speculative_tokens": 3})
     try:
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.spec.stats
     finally:
         llm.shutdown()
     assert stats.verified_seqs > 0 and stats.draft_tokens > 0, "nothing was verified"
+    if method == "draft_model":
+        assert stats.accepted_tokens > 0, "the target's own drafts were all rejected"
     assert got == want
 
 
-@pytest.mark.parametrize("method", ["draft_model", "mtp"])
-def test_speculation_with_a_drafting_model_is_refused_on_two_ranks(hf_model, method):
-    _, path = hf_model("llama")
-    spec = {"method": method, "num_speculative_tokens": 2}
-    if method == "draft_model":
-        spec["model"] = path
-    with pytest.raises(ConfigError, match=f"method='{method}' is not supported with tensor_par"):
-        _tp_llm(path, speculative_config=spec)
+def test_mtp_is_refused_on_two_ranks_before_any_worker_starts(hf_model):
+    _, path = hf_model("deepseek_v3")
+    with pytest.raises(ConfigError, match="method='mtp' is not supported with tensor_parallel"):
+        _tp_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
 def test_worker_killed_mid_run_ends_the_engine_naming_its_rank(hf_model):

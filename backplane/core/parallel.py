@@ -15,6 +15,8 @@ The group is set once per worker process, before the model is built, with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "set_tensor_parallel",
     "shard_range",
     "tensor_parallel",
+    "unsplit",
 ]
 
 
@@ -143,6 +146,24 @@ def set_tensor_parallel(tp: TensorParallel) -> TensorParallel:
     global _current
     previous, _current = _current, tp
     return previous
+
+
+@contextlib.contextmanager
+def unsplit() -> Iterator[TensorParallel]:
+    """Build (and run) a model whole in this block, even in a process of a split one.
+
+    Layers take the group current when they are built, so a model built here
+    holds its full weights and never calls a collective: a draft model the
+    driver runs alone next to a tensor-parallel target.
+
+    :return: the single-rank group in force inside the block.
+    """
+    one = TensorParallel()
+    previous = set_tensor_parallel(one)
+    try:
+        yield one
+    finally:
+        set_tensor_parallel(previous)
 
 
 # The collectives are custom ops so that torch.compile keeps each one as a single

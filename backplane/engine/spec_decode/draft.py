@@ -28,6 +28,7 @@ from backplane.core.errors import ConfigError
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.packing import build_batch_metadata
+from backplane.core.parallel import unsplit
 from backplane.engine.spec_decode.config import SpeculativeConfig
 from backplane.engine.spec_decode.own_cache import (
     SequenceCache,
@@ -288,26 +289,28 @@ def load_draft_proposer(
         )
     param = next(target.parameters())
     backends = _with_every_family(backends, param.device)
-    loaded = load_model(
-        config.model, dtype=param.dtype, device=param.device, backends=backends, progress=False
-    )
-    check_draft_vocabulary(loaded.model, target.vocab_size, config.model)
-    logger.info(
-        "draft model %s: %d layers, %d parameters",
-        config.model,
-        getattr(loaded.model, "num_layers", 0),
-        sum(p.numel() for p in loaded.model.parameters()),
-    )
-    return DraftModelProposer(
-        loaded.model,
-        backends,
-        num_speculative_tokens=config.num_speculative_tokens,
-        target_vocab_size=target.vocab_size,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        page_size=page_size,
-        cuda_graphs=cuda_graphs,
-    )
+    # Whole even next to a target split over ranks: the driver runs it alone.
+    with unsplit():
+        loaded = load_model(
+            config.model, dtype=param.dtype, device=param.device, backends=backends, progress=False
+        )
+        check_draft_vocabulary(loaded.model, target.vocab_size, config.model)
+        logger.info(
+            "draft model %s: %d layers, %d parameters",
+            config.model,
+            getattr(loaded.model, "num_layers", 0),
+            sum(p.numel() for p in loaded.model.parameters()),
+        )
+        return DraftModelProposer(
+            loaded.model,
+            backends,
+            num_speculative_tokens=config.num_speculative_tokens,
+            target_vocab_size=target.vocab_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            cuda_graphs=cuda_graphs,
+        )
 
 
 def _with_every_family(backends: dict[str, Any], device: torch.device) -> dict[str, Any]:

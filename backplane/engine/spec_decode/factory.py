@@ -16,18 +16,20 @@ def check_parallel(config: SpeculativeConfig, tensor_parallel_size: int) -> None
     """Refuse a method that cannot speculate for a target split over ranks.
 
     Every rank verifies (the LM head and the recurrent state copies run on all of
-    them), and prompt lookup drafts on the host; a proposer running a model of its
-    own (a draft model, the MTP layers) would have to be split the same way.
+    them); prompt lookup drafts on the host and a draft model runs whole on the
+    driver, but the MTP layers belong to the split target and would have to run
+    on every rank.
 
     :param config: the speculative configuration.
     :param tensor_parallel_size: ranks the target is split over.
     :raises ConfigError: saying what is unsupported and what to do.
     """
-    if tensor_parallel_size > 1 and config.method != "ngram":
+    if tensor_parallel_size > 1 and config.method == "mtp":
         raise ConfigError(
-            f"speculative_config method={config.method!r} is not supported with "
-            f"tensor_parallel_size={tensor_parallel_size} yet (its drafting model would run on "
-            "one rank only); use method='ngram', or tensor_parallel_size=1"
+            f"speculative_config method='mtp' is not supported with "
+            f"tensor_parallel_size={tensor_parallel_size} yet (the MTP layers are split with "
+            "the model and would draft on one rank only); use method='ngram' or "
+            "'draft_model', or tensor_parallel_size=1"
         )
 
 
