@@ -125,13 +125,20 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 @pytest.mark.parametrize(
-    "arch,method", [("llama", "ngram"), ("nemotron_h", "ngram"), ("nemotron_h", "draft_model")]
+    "arch,method,pages",
+    [
+        ("llama", "ngram", None),
+        # a cache too small for the batch: requests are preempted and recompute
+        ("llama", "ngram", 14),
+        ("nemotron_h", "ngram", None),
+        ("nemotron_h", "draft_model", None),
+    ],
 )
-def test_two_ranks_speculating_give_the_greedy_tokens_of_one_rank(hf_model, arch, method):
+def test_two_ranks_speculating_give_the_greedy_tokens_of_one_rank(hf_model, arch, method, pages):
     """Speculation on two ranks: every rank verifies (the LM head over the draft rows, and
     for a recurrent model the state kept at the last accepted token), a draft model runs
     whole on the driver, and the greedy tokens are those of one rank decoding without
-    speculation."""
+    speculation, with preemption too."""
     _, path = hf_model(arch)
     rng = np.random.default_rng(11)
     base = rng.integers(1, VOCAB, size=7).tolist()
@@ -145,13 +152,17 @@ def test_two_ranks_speculating_give_the_greedy_tokens_of_one_rank(hf_model, arch
         one.shutdown()
     # the draft model is the target itself: it proposes what the target will accept
     spec = NGRAM if method == "ngram" else {"method": method, "model": path}
-    llm = _tp_llm(path, speculative_config={**spec, "num_speculative_tokens": 3})
+    kw = {} if pages is None else {"num_kv_pages": pages, "enable_prefix_caching": True}
+    llm = _tp_llm(path, speculative_config={**spec, "num_speculative_tokens": 3}, **kw)
     try:
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.spec.stats
+        preemptions = llm.engine.scheduler.stats.preemptions
     finally:
         llm.shutdown()
     assert stats.verified_seqs > 0 and stats.draft_tokens > 0, "nothing was verified"
+    if pages is not None:
+        assert preemptions > 0, "the small cache preempted nothing"
     if method == "draft_model":
         assert stats.accepted_tokens > 0, "the target's own drafts were all rejected"
     assert got == want
