@@ -132,6 +132,25 @@ class Worker(ModelFacts, Protocol):
         """
         ...
 
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Project some rows of the step's hidden states through the LM head (the rows a
+        speculative verification scores).
+
+        :param hidden: what :meth:`execute_model` returned.
+        :param rows: ``[R]`` int64 row indices into ``hidden``, on its device.
+        :return: ``[R, vocab]`` logits.
+        """
+        ...
+
+    def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """After a speculative verification, copy each verified sequence's recurrent state
+        at its last accepted token into its own slot (nothing without recurrent state).
+
+        :param src_slots: ``[V]`` the slots holding the states to keep.
+        :param dst_slots: ``[V]`` the verifying sequences' own slots.
+        """
+        ...
+
     def shutdown(self) -> None:
         """Release the model, caches, graphs and buffers; idempotent."""
         ...
