@@ -16,6 +16,17 @@ from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import EAGER, BatchMetadata, StepMode
 from backplane.core.packing import build_batch_metadata
 
+#: the DeepSeek-V3 attention shape FlashInfer's MLA kernels take (latent 512, rotary 64),
+#: over a small config's other sizes
+MLA_DIMS: dict[str, int] = {
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
+
 
 def ragged_batch(
     query_lens: list[int],

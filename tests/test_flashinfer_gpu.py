@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from flashinfer_helpers import ragged_batch, run_model_steps
+from flashinfer_helpers import MLA_DIMS, ragged_batch, run_model_steps
 
 from backplane.core.families import (
     AttentionLayerSpec,
@@ -738,15 +738,7 @@ def _model_configs():
         "mamba_num_heads": 4,
         "n_groups": 2,
     }
-    ds = {
-        **PRESETS["tiny-deepseek-v3"],
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-    }
+    ds = {**PRESETS["tiny-deepseek-v3"], **MLA_DIMS}
     qn = {
         **PRESETS["tiny-qwen3-next"],
         "head_dim": 128,

@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("transformers")
 
 import test_e2e  # noqa: E402
+from flashinfer_helpers import MLA_DIMS  # noqa: E402
 from test_e2e import ARCHS  # noqa: E402
 
 from backplane import SamplingParams  # noqa: E402
@@ -38,16 +39,8 @@ FLASHINFER_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_5": {"head_dim": 128},
     "nemotron_h": {"head_dim": 128},
     "qwen3_next": {"head_dim": 128},
-    "deepseek_v3": {
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-        "head_dim": 64,
-        "qk_head_dim": 192,
-    },
+    # transformers derives these two from the others when a config is made, not after
+    "deepseek_v3": {**MLA_DIMS, "head_dim": 64, "qk_head_dim": 192},
 }
 
 
