@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backplane.engine.worker.graph.capture import CapturedGraph, capture
+
 
 def _time(fn: Callable[[], object], n: int) -> float:
     """Microseconds per call of ``fn``, the device drained before and after."""
@@ -93,16 +95,11 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
                 ar(h)
             return h
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
+        # captured as the engine captures its decode steps (one warm-up run on a side stream)
+        graph = capture(chain, None, ())
+        out = graph.outputs
 
-        def step(g: torch.cuda.CUDAGraph = graph) -> None:
+        def step(g: CapturedGraph = graph) -> None:
             dist.broadcast(step_inputs, src=0)
             g.replay()
 
