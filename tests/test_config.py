@@ -354,7 +354,10 @@ def test_gpu_memory_utilization_flag():
     assert EngineConfig().gpu_memory_utilization == 0.9
 
 
-def test_scheduling_limits_left_unset_follow_the_device():
+def test_scheduling_limits_left_unset_follow_the_device(monkeypatch):
+    from backplane.engine import config as config_module
+
+    monkeypatch.setattr(config_module, "_device_memory", lambda device: None)
     cpu = EngineConfig(device="cpu")
     assert (cpu.max_num_seqs_resolved, cpu.max_num_tokens_resolved) == (32, 2048)
     cuda = EngineConfig(device="cuda")
@@ -366,3 +369,18 @@ def test_scheduling_limits_left_unset_follow_the_device():
     assert cuda.resolved().max_num_seqs == 256 and cuda.resolved().max_num_tokens == 8192
     with pytest.raises(ConfigError, match=r"max_num_tokens \(100\) must be at least max_num_seqs"):
         EngineConfig(device="cuda", max_num_tokens=100)
+
+
+@pytest.mark.parametrize(
+    ("gib", "expected"),
+    [(80, (1024, 8192)), (141, (1024, 8192)), (48, (256, 8192)), (24, (256, 8192))],
+)
+def test_a_large_gpu_admits_more_sequences_by_default(monkeypatch, gib, expected):
+    from backplane.engine import config as config_module
+
+    monkeypatch.setattr(config_module, "_device_memory", lambda device: gib * 2**30 - 2**28)
+    cuda = EngineConfig(device="cuda:0")
+    assert (cuda.max_num_seqs_resolved, cuda.max_num_tokens_resolved) == expected
+    # what the user sets is kept on any GPU
+    assert EngineConfig(device="cuda", max_num_seqs=64).max_num_seqs_resolved == 64
+    assert EngineConfig(device="cuda", max_num_tokens=2048).max_num_tokens_resolved == 2048

@@ -123,3 +123,24 @@ def test_ten_engines_in_a_row_give_their_memory_back():
         free.append(torch.cuda.mem_get_info()[0])
     # every engine after the first finds the device as the first one left it
     assert max(free) - min(free) < (256 << 20), [f / 2**30 for f in free]
+
+
+@pytest.mark.parametrize(("model", "expected"), [("tiny-llama", 1024), ("tiny-nemotron-h", 256)])
+def test_a_recurrent_model_keeps_the_smaller_default_sequence_limit(monkeypatch, model, expected):
+    # a large GPU's default (1,024 sequences) would give a recurrent model 1,024 whole
+    # states; the worker keeps such a model at 256 unless the user asks for more
+    from backplane.engine.config import EngineConfig
+    from backplane.engine.engine import Engine
+
+    monkeypatch.setattr(EngineConfig, "_default_limits", lambda self: (1024, 8192))
+    engine = Engine(model=model, device="cpu", num_kv_pages=64, backends={"attention": "torch"})
+    try:
+        assert engine.max_num_seqs == expected
+        assert engine.scheduler.max_num_seqs == expected
+    finally:
+        engine.shutdown()
+    asked = Engine(model=model, device="cpu", num_kv_pages=64, max_num_seqs=600)
+    try:
+        assert asked.max_num_seqs == 600
+    finally:
+        asked.shutdown()

@@ -30,6 +30,13 @@ def test_decode_buckets_capped_by_max_num_seqs():
     assert decode_buckets(8, sizes=[1, 3, 16]) == [1, 3, 8]
 
 
+def test_decode_graphs_stop_at_512_sequences_unless_sizes_are_given():
+    # a larger decode step runs its piecewise graph: no start-up or memory for buckets above
+    assert decode_buckets(1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert decode_buckets(600)[-1] == 512
+    assert decode_buckets(1024, sizes=[8, 768]) == [8, 768, 1024]
+
+
 @pytest.mark.parametrize("n", range(1, 40))
 def test_pick_bucket_is_smallest_covering(n):
     buckets = [1, 2, 4, 8, 16, 24, 32]

@@ -20,6 +20,7 @@ from backplane.core.families import Backend, RecurrentBackend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec, cache_footprint
+from backplane.engine.config import RECURRENT_MAX_NUM_SEQS
 from backplane.engine.kv_cache.state_cache import snapshot_slot_count
 from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 from backplane.engine.selection import BackendSelection, select_fused_ops
@@ -138,6 +139,10 @@ class DeviceWorker:
         self.vocab_size = int(self.model.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (self.model.eos_token_ids or ()))
         self.has_recurrent_state = bool(self.model.has_recurrent_state)
+        if self.has_recurrent_state and cfg.max_num_seqs is None:
+            # a recurrent model holds a whole state per running sequence (megabytes a layer):
+            # the large-GPU default of attention models would spend the memory on states
+            self.max_num_seqs = min(self.max_num_seqs, RECURRENT_MAX_NUM_SEQS)
         self.max_pages_per_seq = pages_per_seq(self.max_model_len, self.page_size)
         # Prefix reuse of a recurrent model keeps the states of cached prefixes in spare
         # slots (snapshot_slot_count); the engine issues their copies on this worker only, so

@@ -42,13 +42,24 @@ def token_buckets(max_num_tokens: int, sizes: Iterable[int] | None = None) -> li
     return chosen[1:] if len(chosen) > 1 and chosen[0] == 1 else chosen
 
 
+#: the largest decode graph captured by default: a decode step of more sequences
+#: runs its piecewise graph instead. Such a step takes tens of milliseconds on the
+#: device, so the host's launches hide behind it, while each bucket above 512 would
+#: cost seconds of start-up and gigabytes of graph memory (vLLM caps its captures
+#: at the same size)
+MAX_DECODE_GRAPH_SEQS = 512
+
+
 def decode_buckets(max_num_seqs: int, sizes: Iterable[int] | None = None) -> list[int]:
     """Buckets of the monolithic decode graphs (batch sizes).
 
     :param max_num_seqs: the most sequences in one step.
-    :param sizes: configured sizes (default: powers of two).
+    :param sizes: configured sizes (default: powers of two up to ``max_num_seqs`` or
+        :data:`MAX_DECODE_GRAPH_SEQS`, whichever is smaller).
     :return: sorted sizes, none above ``max_num_seqs``.
     """
+    if sizes is None:
+        return _buckets_up_to(min(max_num_seqs, MAX_DECODE_GRAPH_SEQS), None)
     return _buckets_up_to(max_num_seqs, sizes)
 
 
