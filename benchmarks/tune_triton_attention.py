@@ -7,9 +7,12 @@ replay at the default number of key splits, then the best configuration is
 timed again at other split counts. The defaults of
 :mod:`backplane.backends.triton.attention_configs` are chosen from these tables.
 
-Layer: Llama-3-8B (32 query heads, 8 KV heads, head dim 128), bfloat16, page 16::
+Layer: Llama-3-8B (32 query heads, 8 KV heads, head dim 128), bfloat16, page 16;
+``--kv-cache-dtype fp8`` sweeps the decode over e4m3 pages::
 
     python benchmarks/tune_triton_attention.py [--quick] [--json out.jsonl]
+    python benchmarks/tune_triton_attention.py --only decode --kv-cache-dtype fp8 \
+        --decode-shapes 960:256,512:450,128:900,32:1200,1:512
 """
 
 from __future__ import annotations
@@ -79,18 +82,32 @@ def sweep_prefill(sizes: list[int], iters: int, rows: list[dict]) -> None:
                   f"({_flops(n) / best[0] / 1e9:.0f} TF/s)", flush=True)  # fmt: skip
 
 
-def sweep_decode(shapes: list[tuple[int, int]], iters: int, rows: list[dict]) -> None:
-    """Time every decode configuration (graph replay), then split counts for the best one."""
+#: the scale of the e4m3 cache of ``--kv-cache-dtype fp8`` (the random rows stay in range)
+FP8_SCALE = 0.05
+
+
+def sweep_decode(
+    shapes: list[tuple[int, int]], iters: int, rows: list[dict], fp8: bool = False
+) -> None:
+    """Time every decode configuration (graph replay), then split counts for the best one.
+
+    With ``fp8`` the cache holds e4m3 pages (one byte a value; the queries stay bfloat16).
+    """
     space = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
     group = ATTN.num_heads // ATTN.num_kv_heads
     for b, ctx in shapes:
         batch, q, kv, cache, out = _case([1] * b, [ctx - 1] * b)
+        scale = 1.0
+        if fp8:
+            cache = (cache / FP8_SCALE).to(torch.float8_e4m3fn)
+            scale = FP8_SCALE
         auto = choose_num_splits(batch, ATTN.num_kv_heads, q.device)
-        kv_bytes = 2 * b * ctx * ATTN.num_kv_heads * ATTN.head_dim * 2
+        kv_bytes = 2 * b * ctx * ATTN.num_kv_heads * ATTN.head_dim * cache.element_size()
 
         call = functools.partial(
             tri.paged_decode, batch, q, cache[:, 0], cache[:, 1], out,
             scale=ATTN.head_dim**-0.5, group=group, k_new=kv[:, 0], v_new=kv[:, 1],
+            k_scale=scale, v_scale=scale,
         )  # fmt: skip
 
         def run(cfg, splits, call=call):
@@ -131,6 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="timed calls per point")
     parser.add_argument("--json", help="append every measured row to this JSON-lines file")
     parser.add_argument("--only", choices=("prefill", "decode"), help="sweep one kernel")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the decode sweep's cache: auto (bfloat16) or fp8 (e4m3 pages)",
+    )
+    parser.add_argument(
+        "--decode-shapes",
+        metavar="B:CTX,...",
+        help="decode shapes as batch:context pairs (default: batches 1, 16, 64 at "
+        "contexts 1024, 8192, 32768)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -140,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep_prefill([1024, 4096] if args.quick else [1024, 4096, 16384], args.iters, rows)
     if args.only != "prefill":
         ctxs = (1024, 32768) if args.quick else (1024, 8192, 32768)
-        sweep_decode([(b, c) for b in (1, 16, 64) for c in ctxs], args.iters, rows)
+        shapes = [(b, c) for b in (1, 16, 64) for c in ctxs]
+        if args.decode_shapes:
+            shapes = [
+                (int(b), int(c)) for b, c in (p.split(":") for p in args.decode_shapes.split(","))
+            ]
+        sweep_decode(shapes, args.iters, rows, fp8=args.kv_cache_dtype == "fp8")
     if args.json:
         with open(args.json, "a") as f:
             for row in rows:

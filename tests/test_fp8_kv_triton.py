@@ -20,7 +20,12 @@ import sys
 
 from interpreter_checks import interpreter_tests, main
 
-CHECKS = ("fp8_prefill_from_pages", "fp8_decode_split_kv", "fp8_scales_are_not_ignored")
+CHECKS = (
+    "fp8_prefill_from_pages",
+    "fp8_decode_split_kv",
+    "fp8_decode_bf16_queries",
+    "fp8_scales_are_not_ignored",
+)
 
 #: the layer's scales of the checks (not powers of two: the division is rounded)
 K_SCALE, V_SCALE = 0.37, 2.9
@@ -131,6 +136,26 @@ def check_fp8_decode_split_kv():
             scale=0.2, group=4, k_scale=K_SCALE, v_scale=V_SCALE, num_splits=splits,
         )  # fmt: skip
         _close(f"decode over {splits} splits", out[: batch.num_tokens], ref)
+
+
+def check_fp8_decode_bf16_queries():
+    """bfloat16 queries over e4m3 pages (the engine's case): the tiles and queries meet in
+    float16, and the bfloat16 output is within its own rounding of the float64 reference."""
+    import torch
+
+    from backplane.backends.triton import attention_launch as tri
+
+    batch, q, cache = _setup([1, 1, 1], [70, 5, 33], hq=8, hkv=2, d=32, page_size=8, seed=4)
+    q = q.to(torch.bfloat16)
+    ref = _reference(batch, q.float(), cache, 0.2, K_SCALE, V_SCALE)
+    for splits in (1, 4):
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+        tri.paged_decode(
+            batch, q, cache[:, 0], cache[:, 1], out,
+            scale=0.2, group=4, k_scale=K_SCALE, v_scale=V_SCALE, num_splits=splits,
+        )  # fmt: skip
+        # bfloat16 output (8 bits) plus float16 probabilities (11 bits)
+        _close(f"bf16 decode over {splits} splits", out[: batch.num_tokens], ref, 2e-2, 1e-2)
 
 
 def check_fp8_scales_are_not_ignored():

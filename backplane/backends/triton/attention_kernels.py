@@ -666,8 +666,10 @@ def _decode_kernel(
     small batches.
 
     A ``KV_FP8`` cache (e4m3) gets ``key / k_scale`` and ``value / v_scale``
-    appended and is read as stored; ``qk_scale`` carries ``k_scale`` and the
-    (partial) outputs are multiplied by ``v_scale``.
+    appended and is read as stored, widened to the float32 queries' dtype, or
+    for 16-bit queries to float16 (the queries too, which must then stay
+    within float16's range); ``qk_scale`` carries
+    ``k_scale`` and the (partial) outputs are multiplied by ``v_scale``.
     """
     if PDL:
         # Launched as a programmatic dependent: the next kernel's programs may
@@ -697,7 +699,13 @@ def _decode_kernel(
         mask=h_mask[:, None] & (dk[None, :] < DK),
         other=0.0,
     )
-    if not KV_FP8:
+    if KV_FP8:
+        if q_ptr.dtype.element_ty != tl.float32:
+            # e4m3 widens to float16 in one instruction per pair (to bfloat16 it takes
+            # a chain of conversions): 16-bit queries meet float16 tiles, exactly for
+            # every bfloat16 query in float16's range
+            q = q.to(tl.float16)
+    else:
         q = q.to(k_ptr.dtype.element_ty)
     if HAS_PE:
         de = tl.arange(0, BLOCK_DPE)
@@ -706,7 +714,10 @@ def _decode_kernel(
             mask=h_mask[:, None] & (de[None, :] < DPE),
             other=0.0,
         )
-        if not KV_FP8:
+        if KV_FP8:
+            if qpe_ptr.dtype.element_ty != tl.float32:
+                qpe = qpe.to(tl.float16)
+        else:
             qpe = qpe.to(kpe_ptr.dtype.element_ty)
     else:
         qpe = q
