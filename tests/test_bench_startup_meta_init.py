@@ -1,5 +1,6 @@
-"""Models are built on ``meta`` without running their initialisers: the same model, and a
-start-up without CUDA graphs that no longer imports ``torch._dynamo``."""
+"""Models are built on ``meta`` without running their initialisers and given storage
+without torch's Python references: the same model, and a start-up without CUDA graphs
+that imports neither ``torch._dynamo`` nor ``sympy``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import backplane.models.base as base
-from backplane.models.meta_init import skip_meta_init
+from backplane.models.meta_init import materialize, skip_meta_init
 
 
 def test_fills_of_meta_tensors_are_skipped_and_others_run() -> None:
@@ -58,6 +59,48 @@ def test_an_eager_cpu_start_up_does_not_import_dynamo() -> None:
         from backplane import LLM
         llm = LLM("tiny-llama", device="cpu", num_kv_pages=16, max_num_seqs=2)
         print("torch._dynamo" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_materialize_allocates_what_to_empty_does() -> None:
+    def built() -> torch.nn.Module:
+        with torch.device("meta"):
+            module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        module.register_buffer("table", torch.empty(5, 2, device="meta").t())
+        module.requires_grad_(False)
+        module[0].bias.requires_grad_(True)
+        return module
+
+    expected = built().to_empty(device="cpu")
+    got = materialize(built(), "cpu")
+    want = dict(expected.named_parameters()) | dict(expected.named_buffers())
+    have = dict(got.named_parameters()) | dict(got.named_buffers())
+    assert have.keys() == want.keys()
+    for name, tensor in have.items():
+        ref = want[name]
+        assert type(tensor) is type(ref), name
+        assert (tensor.shape, tensor.stride(), tensor.dtype) == (
+            ref.shape,
+            ref.stride(),
+            ref.dtype,
+        ), name
+        assert (tensor.device, tensor.requires_grad) == (ref.device, ref.requires_grad), name
+    # the transposed buffer keeps its layout, as empty_like gives it
+    assert have["table"].stride() == (1, 2)
+
+
+def test_an_eager_cpu_start_up_does_not_import_sympy() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from backplane import LLM
+        llm = LLM("tiny-llama", device="cpu", num_kv_pages=16, max_num_seqs=2)
+        print("sympy" in sys.modules)
         """
     )
     out = subprocess.run(

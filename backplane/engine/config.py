@@ -42,8 +42,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from backplane.core.errors import ConfigError
 from backplane.core.hookspecs import FAMILIES
 from backplane.engine.sizes import parse_size
@@ -321,6 +319,9 @@ class EngineConfig:
         :raises ConfigError: the file is missing, is not valid YAML, is not a
             mapping, or has an unknown key or a bad value (naming the file and key).
         """
+        # only a configuration file needs the YAML parser: an engine built from keywords skips it
+        import yaml
+
         path_str = os.fspath(path)
         try:
             with open(path_str, encoding="utf-8") as fh:

@@ -6,10 +6,10 @@ layout: ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` inside a
 :func:`~backplane.core.forward_context.forward_context`, and the caller gathers
 the rows it needs before :meth:`CausalLM.compute_logits`.
 
-Weights are created uninitialised (usually on the ``meta`` device, then
-materialised with ``to_empty``) and filled by the loader through
-:meth:`CausalLM.weight_targets` / :meth:`CausalLM.load_weights`, or with random
-values by :meth:`CausalLM.init_random_weights_`. Projections that read the same
+Weights are created uninitialised (usually on the ``meta`` device, then given
+storage by :func:`~backplane.models.meta_init.materialize`) and filled by the
+loader through :meth:`CausalLM.weight_targets` / :meth:`CausalLM.load_weights`,
+or with random values by :meth:`CausalLM.init_random_weights_`. Projections that read the same
 input are merged into one parameter
 (:class:`~backplane.models.linear.MergedLinear`, the stacked MoE experts); the
 checkpoint's separate tensors load into their row slices.
@@ -39,7 +39,7 @@ from backplane.core.layouts import TensorSpec
 from backplane.core.parallel import tensor_parallel
 from backplane.models.fused import check_fused_ops
 from backplane.models.linear import Linear, MergedLinear, can_pack, dense, pack_weight
-from backplane.models.meta_init import skip_meta_init
+from backplane.models.meta_init import materialize, skip_meta_init
 from backplane.models.mixers import AttentionMixer, CachedMixer
 from backplane.models.moe import MoE
 from backplane.models.norm import RMSNorm
@@ -603,8 +603,9 @@ def build_model(
 ) -> CausalLM:
     """Construct ``cls`` without initialising weights, directly in ``dtype`` on ``device``.
 
-    Parameters are created on the ``meta`` device and materialised with
-    ``to_empty``, so no memory is spent on values the loader overwrites.
+    Parameters are created on the ``meta`` device and given uninitialised storage
+    (:func:`~backplane.models.meta_init.materialize`, as ``to_empty`` does), so no
+    memory or time is spent on values the loader overwrites.
     Float32-only buffers (router correction biases) stay float32.
     """
     prev = torch.get_default_dtype()
@@ -614,7 +615,7 @@ def build_model(
             model = cls(config, backends)
     finally:
         torch.set_default_dtype(prev)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -9,18 +9,20 @@ defaults. A ``.gguf`` file (or a directory holding exactly one, and no
 chat template and weights all come from the one file, dequantised on the
 target device. Model names are presets (random tiny models) or installed
 checkpoints such as ``smollm2`` (:mod:`backplane.models.presets`).
-Safetensors tensors are read
-through ``safetensors.safe_open`` (memory-mapped, one tensor at a time) and
-copied into a model built directly in the requested dtype on the requested
-device. Weight mapping is strict: a missing or unexpected tensor is an error
-that names it, and a mis-shaped one names its file too. Projections the model
-merges (q/k/v, gate/up, ...) load from the checkpoint's separate tensors, each
-into its row slice of the merged parameter. There is no network access: a hub
-id is an error asking for a local path.
+Safetensors tensors are read through ``safetensors.safe_open`` (memory-mapped,
+one tensor at a time) on the CPU, and onto a CUDA device by several threads
+through pinned buffers (:mod:`backplane.models.safetensors_reader`); either way
+they are copied into a model built directly in the requested dtype on the
+requested device. Weight mapping is strict: a missing or unexpected tensor is
+an error that names it, and a mis-shaped one names its file too. Projections
+the model merges (q/k/v, gate/up, ...) load from the checkpoint's separate
+tensors, each into its row slice of the merged parameter. There is no network
+access: a hub id is an error asking for a local path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,6 +52,7 @@ from backplane.models.quant.loading import (
 )
 from backplane.models.quant.scheme import SUPPORTED, Fp8Scheme, scheme_from_config
 from backplane.models.registry import model_class
+from backplane.models.safetensors_reader import UnreadableTensorError, read_tensors
 from backplane.models.tokenizer import TextTokenizer, load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -170,14 +173,24 @@ def iter_safetensors(
     progress: bool = True,
     origins: dict[str, Path] | None = None,
     shard_of: Callable[[str], ShardSlice | None] | None = None,
+    device: torch.device | str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from every file, memory-mapped, with a progress bar.
+    """Yield ``(name, tensor)`` from every file, with a progress bar.
+
+    On the CPU (and with ``device=None``) the tensors are memory-mapped views
+    of the files, read one at a time as the caller copies them. For a CUDA
+    ``device`` the tensors the rank loads whole are read by several threads
+    through pinned buffers and yielded on the device
+    (:func:`~backplane.models.safetensors_reader.read_tensors`), then the
+    sliced ones memory-mapped.
 
     :param files: safetensors files.
     :param progress: show a tqdm bar (on a terminal).
     :param origins: when given, filled with ``{tensor name: file}`` as the files are opened.
     :param shard_of: the slice of a tensor a tensor-parallel rank loads, by
         name (``None``: all of it); only that slice is read from the file.
+    :param device: where the model's weights are (``None``: read on the CPU).
+    :raises ConfigError: a header or a tensor cannot be read, naming the file.
     """
     from safetensors import safe_open
     from tqdm.auto import tqdm
@@ -193,10 +206,28 @@ def iter_safetensors(
         total += len(h.keys())
         if origins is not None:
             origins.update(dict.fromkeys(h.keys(), f))
+    staged = device is not None and torch.device(device).type == "cuda"
+    sliced = frozenset(
+        name
+        for _, h in handles
+        for name in h.keys()
+        if shard_of is not None and shard_of(name) is not None
+    )
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress or None)
     try:
+        if staged:
+            # the whole tensors first, at the pinned buffers' speed; the slices are read below
+            try:
+                with contextlib.closing(read_tensors(files, device, skip=sliced)) as whole:
+                    for _, name, tensor in whole:
+                        yield name, tensor
+                        bar.update(1)
+            except UnreadableTensorError as exc:
+                raise _unreadable(exc.path, exc, tensor=exc.tensor) from None
         for f, h in handles:
             for name in h.keys():
+                if staged and name not in sliced:
+                    continue
                 try:
                     tensor = _read(h, name, shard_of)
                 except Exception as exc:  # the data of this tensor lies past the end of the file
@@ -387,6 +418,11 @@ def _load(
     except WeightLoadError as exc:
         where = origin_of(exc.tensor) if exc.tensor is not None else None
         raise WeightLoadError(f"{where or origin}: {exc}", tensor=exc.tensor) from None
+    finally:
+        # a load that stops early stops the reading threads (and frees their buffers) now
+        close = getattr(tensors, "close", None)
+        if close is not None:
+            close()
     if report["ignored"]:
         logger.info(
             "ignored %d checkpoint tensors (e.g. %s)", len(report["ignored"]), report["ignored"][0]
@@ -454,7 +490,9 @@ def load_model(
     logger.info("loading %d weight file(s) from %s", len(files), path)
     origins: dict[str, Path] = {}
     shard_of = lm.checkpoint_shard if lm.tp.enabled else None
-    tensors = iter_safetensors(files, progress=progress, origins=origins, shard_of=shard_of)
+    tensors = iter_safetensors(
+        files, progress=progress, origins=origins, shard_of=shard_of, device=dev
+    )
     if scheme is not None:
         convert_for_checkpoint(lm, checkpoint_keys(files), scheme)
         tensors = fp8_checkpoint_tensors(lm, tensors, scheme)

@@ -8,6 +8,12 @@ tensors, through torch's Python references, and the first ``normal_`` among
 them imports ``torch._dynamo``: about a second of every start-up that
 compiles nothing (CPU, CUDA graphs off). :func:`skip_meta_init` skips those
 fills, and only on meta tensors, so a tensor with storage is initialised as before.
+
+``Module.to_empty`` has a cost of the same kind: ``torch.empty_like`` of a meta
+tensor runs torch's Python reference, whose first call imports
+``torch.fx.experimental.symbolic_shapes`` and with it ``sympy`` (a third of a
+second). :func:`materialize` allocates the same tensors through the device's
+own allocator instead.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["skip_meta_init"]
+__all__ = ["materialize", "skip_meta_init"]
 
 #: the in-place random fills of tensors that ``torch.nn.init`` functions end in
 _TENSOR_FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_})
@@ -64,3 +70,29 @@ class skip_meta_init(TorchFunctionMode):  # noqa: N801 - used as a context manag
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 return tensor
         return func(*args, **kwargs)
+
+
+def _empty_on(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The allocation ``to_empty`` makes for each tensor, without torch's Python reference."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        # an unusual layout keeps the exact semantics of to_empty (memory format, overlaps)
+        return torch.empty_like(t, device=device)
+
+    return empty
+
+
+def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """Give every parameter and buffer of ``module`` uninitialised storage on ``device``.
+
+    The same as ``module.to_empty(device=device)`` (the same shapes, dtypes
+    and parameter objects' flags), without importing ``sympy`` on the way.
+
+    :param module: a module built on ``meta`` (tensors with storage are reallocated too).
+    :param device: where the storage goes.
+    :return: ``module``, as ``to_empty`` returns it.
+    """
+    # _apply is how Module.to_empty itself converts every tensor (parameters keep their class)
+    return module._apply(_empty_on(torch.device(device)))
