@@ -44,7 +44,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         default=sup,
         metavar="N",
-        help="sequences per step (default: 256 on CUDA, 32 on a CPU)",
+        help="sequences per step (default: 1024 on a GPU of 70 GiB or more, 256 on a smaller one "
+        "or for a model with recurrent state, 32 on a CPU)",
     )
     group.add_argument(
         "--max-num-tokens",
