@@ -39,6 +39,7 @@ from backplane.engine.worker.memory import (
 from backplane.engine.worker.runner import EagerModelRunner, ModelRunner
 from backplane.engine.worker.startup_timings import (
     StartupTimings,
+    startup_detail,
     startup_phase,
     timed_startup_method,
 )
@@ -328,20 +329,21 @@ class DeviceWorker:
             return EagerModelRunner(self.model, self.input_batch, self.sampler)
         from backplane.engine.worker.graph.runner import GraphModelRunner
 
-        runner = GraphModelRunner(
-            self.model,
-            self.backends,
-            self.input_batch,
-            mode=self.graph_mode,
-            max_num_tokens=self.max_num_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            page_size=self.page_size,
-            token_bucket_sizes=self.config.cuda_graph_buckets,
-            sampler=self.sampler,
-            verify_len=self.verify_len,
-            first_scratch_slot=self.num_slots if self.has_recurrent_state else None,
-        )
+        with startup_detail("graph runner set-up"):
+            runner = GraphModelRunner(
+                self.model,
+                self.backends,
+                self.input_batch,
+                mode=self.graph_mode,
+                max_num_tokens=self.max_num_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len,
+                page_size=self.page_size,
+                token_bucket_sizes=self.config.cuda_graph_buckets,
+                sampler=self.sampler,
+                verify_len=self.verify_len,
+                first_scratch_slot=self.num_slots if self.has_recurrent_state else None,
+            )
         runner.capture()
         return runner
 

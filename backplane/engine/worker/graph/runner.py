@@ -69,6 +69,7 @@ from backplane.engine.worker.inputs import (
     scratch_prefill,
 )
 from backplane.engine.worker.runner import sample_eagerly
+from backplane.engine.worker.startup_timings import startup_detail
 
 logger = logging.getLogger(__name__)
 
@@ -236,14 +237,16 @@ class GraphModelRunner:
                 self.piecewise.capture(self._piecewise_inputs, progress=bar)
             if self.decode is not None:
                 self.decode.capture(self._decode_inputs, progress=bar)
-                for bucket, graph in self.decode.graphs.items():
-                    self.head.capture(bucket, graph.outputs[1])
+                with startup_detail("capture sampling heads"):
+                    for bucket, graph in self.decode.graphs.items():
+                        self.head.capture(bucket, graph.outputs[1])
             if self.verify is not None:
                 self.verify.capture(
                     functools.partial(self._decode_inputs, rows_share_pages=True), progress=bar
                 )
         if self.cuda:
-            torch.cuda.synchronize()
+            with startup_detail("capture: waiting for the device"):
+                torch.cuda.synchronize()
         logger.info("CUDA graph pool: %.1f MiB", pool_bytes(self.pool) / 2**20)
 
     def memory_report(self) -> dict[str, int | dict[int, int]]:
