@@ -365,3 +365,20 @@ def test_transformers_is_skipped_with_a_reason_where_it_cannot_run():
     gguf = Model("m.gguf", "m.gguf", None, None, "not a Hugging Face folder")
     r = transformers_batch(gguf, same, [math.inf], cpu, f32)
     assert r["status"] == "skipped" and r["reason"] == "not a Hugging Face folder"
+
+
+def test_report_gives_the_engine_limits_a_recurrent_model_runs_with(tmp_path, monkeypatch):
+    # a large GPU's default of 1,024 sequences is cut to 256 for a model with recurrent
+    # state; the report must show what the engine ran, not the configuration's default
+    from backplane.engine.config import RECURRENT_MAX_NUM_SEQS, EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "_default_limits", lambda self: (1024, 8192))
+    out = tmp_path / "n.json"
+    argv = ["bench", "throughput", "--model", "tiny-nemotron-h", "--device", "cpu"]
+    argv += ["--num-prompts", "2", "--input-len", "4", "--output-len", "2"]
+    argv += ["--decode-batch-sizes", "none", "--no-transformers", "--json", str(out)]
+    rc, printed = _run(argv)
+    assert rc == 0
+    config = json.loads(out.read_text())["engine"]["config"]
+    assert (config["max_num_seqs"], config["max_num_tokens"]) == (RECURRENT_MAX_NUM_SEQS, 8192)
+    assert f"max_num_seqs {RECURRENT_MAX_NUM_SEQS}," in printed

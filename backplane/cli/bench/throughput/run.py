@@ -100,8 +100,11 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "params": model.weights.params if model.weights else None,
             "weight_bytes": model.weights.weight_bytes if model.weights else None,
         }
+        resolved = config.resolved().to_dict()
+        # the engine's own limits: a model with recurrent state may run fewer sequences
+        resolved.update(max_num_seqs=engine.max_num_seqs, max_num_tokens=engine.max_num_tokens)
         result["engine"] = {
-            "config": config.resolved().to_dict(),
+            "config": resolved,
             "backends": {
                 f: getattr(b, "name", type(b).__name__) for f, b in engine.backends.items()
             },
