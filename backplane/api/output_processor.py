@@ -20,9 +20,9 @@ from backplane.api.outputs import (
     Logprob,
     MetricsSnapshot,
     RequestOutput,
-    defer_metrics,
     metrics_from,
     streamed_completion,
+    streamed_output,
 )
 from backplane.api.stop import StopAutomaton, StopMatcher
 from backplane.engine.outputs import EngineStepOutput
@@ -206,17 +206,16 @@ class PendingOutput:
             num_tokens=self.end,
             num_logprobs=self.num_logprobs,
         )
-        out = RequestOutput(
-            request_id=t.public_id,
-            prompt=t.prompt_text,
-            prompt_token_ids=t.prompt,
-            outputs=[completion],
-            finished=False,
-            prompt_logprobs=self.prompt_logprobs,
-            new_token_ids=t.token_ids[self.start : self.end],
-            new_text=text[self.sent : self.visible],
+        return streamed_output(
+            t.public_id,
+            t.prompt_text,
+            t.prompt,
+            completion,
+            self.prompt_logprobs,
+            t.token_ids[self.start : self.end],
+            text[self.sent : self.visible],
+            self.metrics,
         )
-        return defer_metrics(out, self.metrics)
 
 
 class OutputProcessor:
@@ -374,38 +373,42 @@ class OutputProcessor:
     def _build(self, t: TrackedRequest, start: int, sent: int, visible: int) -> RequestOutput:
         """``t``'s output as of now: its tokens from ``start`` and text ``[sent:visible]`` are new."""
         reason = t.stop_str if t.stop_str is not None else stop_reason(t, self.end_ids)
-        if t.finished:
-            completion = CompletionOutput(
-                index=t.index,
-                text=t.text,
-                token_ids=list(t.token_ids),
-                logprobs=None if t.logprobs is None else list(t.logprobs),
-                finish_reason=t.reason,
-                stop_reason=reason,
-            )
-        else:
+        snapshot = _metrics(t)
+        if not t.finished:
             # A running request's output copies its growing lists only if they are read
             # (streams mostly read the new tokens and text): O(new tokens) per step.
             completion = streamed_completion(
                 t.index, t.text, t.token_ids, t.logprobs, t.reason, reason
             )
-        out = RequestOutput(
+            return streamed_output(
+                t.public_id,
+                t.prompt_text,
+                t.prompt,
+                completion,
+                t.prompt_logprobs,
+                t.token_ids[start:],
+                t.text[sent:visible],
+                snapshot,
+            )
+        completion = CompletionOutput(
+            index=t.index,
+            text=t.text,
+            token_ids=list(t.token_ids),
+            logprobs=None if t.logprobs is None else list(t.logprobs),
+            finish_reason=t.reason,
+            stop_reason=reason,
+        )
+        return RequestOutput(
             request_id=t.public_id,
             prompt=t.prompt_text,
             prompt_token_ids=t.prompt,
             outputs=[completion],
-            finished=t.finished,
+            finished=True,
             prompt_logprobs=t.prompt_logprobs,
             new_token_ids=t.token_ids[start:],
             new_text=t.text[sent:visible],
+            metrics=None if snapshot is None else metrics_from(snapshot),
         )
-        snapshot = _metrics(t)
-        if snapshot is not None:
-            if t.finished:
-                out.metrics = metrics_from(snapshot)
-            else:  # built from the snapshot if read
-                defer_metrics(out, snapshot)
-        return out
 
     def _catch_up(self, t: TrackedRequest) -> None:
         """Bring ``t``'s text up to date with its tokens and search it for stop strings.
