@@ -9,6 +9,7 @@ text that could still become a stop string is held back from streams.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from backplane.models.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutputProcessor", "PendingOutput", "TrackedRequest"]
+__all__ = ["OutputProcessor", "PendingOutput", "TrackedRequest", "coalesced"]
 
 # Most tokens of the detokenising window before its start moves up: a longer window
 # costs a little more per decode, a shorter one a second decode more often.
@@ -216,6 +217,62 @@ class PendingOutput:
             text[self.sent : self.visible],
             self.metrics,
         )
+
+    def delta(self) -> tuple[list[int], str]:
+        """The tokens and text this output adds, without building it.
+
+        :return: its ``new_token_ids`` and ``new_text``.
+        """
+        return self.tracked.token_ids[self.start : self.end], self.text[self.sent : self.visible]
+
+
+def coalesced(outs: Sequence[RequestOutput | PendingOutput]) -> RequestOutput | PendingOutput:
+    """One output in place of consecutive incremental outputs of one request.
+
+    A stream whose reader falls behind the engine hands out what piled up as one
+    output: the last of them, whose ``new_token_ids`` and ``new_text`` also hold
+    what the earlier ones added. Everything else an output shows is as of its
+    step, so the last one's is the latest; the deltas a reader concatenates are
+    the same however the outputs were grouped. Running outputs not built yet
+    stay unbuilt (:class:`PendingOutput`): only the one handed out is built.
+
+    :param outs: outputs of one sample of one request in the order they were made,
+        none finished but the last one (at least one output).
+    :return: the last output, its deltas covering every one of ``outs``.
+    """
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    if all(type(o) is PendingOutput for o in outs):
+        first = outs[0]
+        assert isinstance(first, PendingOutput) and isinstance(last, PendingOutput)
+        return PendingOutput(
+            last.tracked,
+            first.start,
+            last.end,
+            last.num_logprobs,
+            last.text,
+            first.sent,
+            last.visible,
+            last.prompt_logprobs,
+            last.metrics,
+        )
+    tokens: list[int] = []
+    texts: list[str] = []
+    for o in outs[:-1]:
+        if type(o) is PendingOutput:
+            ids, text = o.delta()
+        else:
+            ids, text = o.new_token_ids, o.new_text
+        tokens += ids
+        texts.append(text)
+    # a copy: a finished output is also what finished-request callbacks were given
+    out = last.build() if type(last) is PendingOutput else copy.copy(last)
+    tokens += out.new_token_ids
+    texts.append(out.new_text)
+    out.new_token_ids = tokens
+    out.new_text = "".join(texts)
+    return out
 
 
 class OutputProcessor:
