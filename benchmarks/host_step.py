@@ -15,9 +15,13 @@ functions (nothing is stubbed):
 - ``outputs_llm``: the ``LLM.step`` output processing (detokenising, stop strings,
   :class:`RequestOutput`) around ``Engine.step``;
 - ``outputs_async``: what ``AsyncLLM``'s loop adds per step (delivery to the
-  callers' queues and the engine snapshot), with ``--path async``; a running
-  request's :class:`RequestOutput` is built by its stream's reader, on the
-  caller's thread, so it is not counted (about 2 us per output there);
+  callers' streams and the engine snapshot), with ``--path async``;
+- ``readers`` (``--path async``): the CPU time of the event loop's thread from the
+  end of one step to the end of the next, where one coroutine per request reads its
+  stream the way ``backplane bench throughput`` does (the clock of every token, the
+  gaps between them) and a running request's :class:`RequestOutput` is built. It
+  runs beside the engine thread and holds the same GIL, so it is host work of the
+  step too (measured on the thread's CPU clock whatever ``--clock`` says);
 - ``forward+sample`` (not host work of the step): the model forward and the sampler.
 
 Steps are classed by what they run: ``decode`` (only decodes, at least
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -41,7 +46,15 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-HOST_PARTS = ("schedule", "prepare_inputs", "step_rows", "commit", "collect", "outputs")
+HOST_PARTS = (
+    "schedule",
+    "prepare_inputs",
+    "step_rows",
+    "commit",
+    "collect",
+    "outputs",
+    "readers",
+)
 EXCLUDED = "forward+sample"
 
 
@@ -118,11 +131,16 @@ def _wrap(owner: Any, name: str, part: str, timers: StepTimers) -> Callable[[], 
     return lambda: setattr(owner, name, original)
 
 
-def instrument(llm: Any, timers: StepTimers) -> list[Callable[[], None]]:
+def instrument(
+    llm: Any, timers: StepTimers, readers_clock: int | None = None
+) -> list[Callable[[], None]]:
     """Put the timers around the components of ``llm``'s engine.
 
     :param llm: a :class:`backplane.LLM`.
     :param timers: where the times go.
+    :param readers_clock: the CPU clock of the thread that reads the streams
+        (``time.pthread_getcpuclockid``); its time since the previous step's end
+        goes to ``readers`` at each step's end.
     :return: the undo callables.
     """
     import backplane.engine.engine as engine_mod
@@ -165,6 +183,7 @@ def instrument(llm: Any, timers: StepTimers) -> list[Callable[[], None]]:
     engine.step = engine_step
     undo.append(lambda: setattr(engine, "step", original_step))
     original_llm_step = llm._step
+    readers_at = [0.0 if readers_clock is None else time.clock_gettime(readers_clock)]
 
     def llm_step(*args: Any, **kwargs: Any) -> Any:
         t0 = _clock()
@@ -173,6 +192,10 @@ def instrument(llm: Any, timers: StepTimers) -> list[Callable[[], None]]:
         finally:
             # the output processing is LLM.step less the engine step it wraps
             timers.add("outputs", _clock() - t0 - inner.get("t", 0.0))
+            if readers_clock is not None:
+                now = time.clock_gettime(readers_clock)
+                timers.add("readers", now - readers_at[0])
+                readers_at[0] = now
             timers.end_step()
 
     llm._step = llm_step
@@ -226,14 +249,24 @@ def run_async(args: argparse.Namespace, timers: StepTimers) -> float:
         try:
             loop_obj = engine._replicas[0] if hasattr(engine, "_replicas") else engine._loop
             llm = loop_obj.llm
-            instrument(llm, timers)
+            # this thread runs the event loop, hence every reader
+            instrument(llm, timers, time.pthread_getcpuclockid(threading.get_ident()))
             _wrap(loop_obj, "_deliver", "outputs", timers)
             _wrap(loop_obj, "_take_snapshot", "outputs", timers)
 
             async def one(i: int) -> int:
+                # per output, what backplane bench throughput's readers do
                 n = 0
+                last: float | None = None
+                gaps: list[float] = []
                 async for out in engine.generate(prompts[i], params[i], request_id=f"r{i}"):
-                    n = len(out.outputs[0].token_ids)
+                    now = time.perf_counter()
+                    k = len(out.new_token_ids)
+                    if k:
+                        if last is not None:
+                            gaps.extend([(now - last) / k] * k)
+                        last = now
+                        n += k
                 return n
 
             t0 = time.perf_counter()

@@ -142,3 +142,43 @@ def test_engine_loop_builds_no_output_of_a_running_request(llm, monkeypatch):
 
 async def _gather(one, prompts):
     return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_a_streamed_output_equals_the_one_the_constructor_builds():
+    from backplane.api.outputs import (
+        RequestOutput,
+        defer_metrics,
+        streamed_completion,
+        streamed_output,
+    )
+
+    tokens, gaps = [4, 5, 6, 7], [0.5, 0.25, 0.125]
+    snapshot = ((1.0, 0.5, 2, 0, None, 0, 0, 0), gaps, 2)
+    args = dict(
+        request_id="q",
+        prompt="a prompt",
+        prompt_token_ids=[1, 2],
+        prompt_logprobs=None,
+        new_token_ids=tokens[2:3],
+        new_text="c",
+    )
+
+    def completion():
+        return streamed_completion(0, "abc", tokens, None, None, None, num_tokens=3)
+
+    got = streamed_output(
+        args["request_id"],
+        args["prompt"],
+        args["prompt_token_ids"],
+        completion(),
+        args["prompt_logprobs"],
+        args["new_token_ids"],
+        args["new_text"],
+        snapshot,
+    )
+    want = defer_metrics(RequestOutput(outputs=[completion()], finished=False, **args), snapshot)
+    tokens.append(8)  # the request's lists grow after the output was made
+    gaps.append(1.0)
+    assert got == want
+    assert got.metrics.inter_token_latencies == [0.5, 0.25]
+    assert got.outputs[0].token_ids == [4, 5, 6] and not got.finished

@@ -56,7 +56,7 @@ from backplane.api.chat import render_chat_text
 from backplane.api.data_parallel import replica_configs, replica_in_own_process
 from backplane.api.engine_process import ProcessLLM
 from backplane.api.llm import LLM, Conversation, Prompt
-from backplane.api.output_processor import PendingOutput
+from backplane.api.output_processor import PendingOutput, coalesced
 from backplane.api.outputs import RequestOutput
 from backplane.api.stop import StopAutomaton, stop_automaton
 from backplane.core.errors import (
@@ -193,13 +193,32 @@ def _usable_cpus() -> int:
 
 
 class _AsyncSink:
-    """Delivers a request's outputs to an asyncio queue on the submitter's event loop."""
+    """Where a request's outputs wait for its reader, on the submitter's event loop.
 
-    __slots__ = ("loop", "queue")
+    Items are appended on that loop's thread (:func:`_put_all`), and the reader
+    is woken only when it waits for one: a reader that is behind finds
+    everything that piled up at its next read, without one wake-up per output.
+    """
+
+    __slots__ = ("loop", "items", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.items: deque[Any] = deque()
+        #: the future the reader awaits while ``items`` is empty (``None`` when it does not wait)
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Any) -> None:
+        """Queue an item for the reader and wake it if it waits (on the sink's loop only).
+
+        :param item: an output, or the exception that ends the stream.
+        """
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():  # a cancelled read leaves its future done
+                waiter.set_result(None)
 
 
 class _ThreadSink:
@@ -211,11 +230,37 @@ class _ThreadSink:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
 
+def _take(items: deque[Any]) -> Any:
+    """Take a stream's next item from what is queued for it (at least one item).
+
+    Every output queued before the next exception, up to the request's last one,
+    comes as one (:func:`coalesced`): a reader that fell behind catches up in one
+    read, and the outputs it reads still add up to the same tokens and text.
+
+    :param items: the stream's queued items, oldest first.
+    :return: an output (possibly unbuilt) or the exception that ends the stream.
+    """
+    item = items.popleft()
+    if not items or isinstance(item, BaseException) or item.finished:
+        return item
+    run = [item]
+    while items:
+        nxt = items[0]
+        if isinstance(nxt, BaseException):
+            break
+        run.append(items.popleft())
+        if nxt.finished:
+            break
+    return coalesced(run)
+
+
 class AsyncRequestStream:
     """The outputs of one request, for ``async for``.
 
     Each item is an incremental :class:`RequestOutput` (``new_text`` /
     ``new_token_ids`` since the previous one); the last has ``finished=True``.
+    The outputs of the steps that ran while the reader was busy come as one
+    (their new tokens and text together, the rest as of the latest step).
     Cancelling the task that iterates it, or :meth:`aclose`, aborts the request.
 
     :param engine: the engine that runs the request.
@@ -235,11 +280,17 @@ class AsyncRequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await self._sink.queue.get()
-        except BaseException:  # cancelled while waiting: the caller gave up on the request
-            self.abort()
-            raise
+        sink = self._sink
+        items = sink.items
+        while not items:
+            waiter = sink.waiter = sink.loop.create_future()
+            try:
+                await waiter
+            except BaseException:  # cancelled while waiting: the caller gave up on the request
+                sink.waiter = None
+                self.abort()
+                raise
+        item = _take(items)
         if type(item) is PendingOutput:
             return item.build()  # a running request's output, built here, off the engine loop
         if isinstance(item, BaseException):
@@ -277,6 +328,8 @@ class RequestStream:
         self._engine = engine
         self._sink = sink
         self._done = False
+        # taken from the sink's queue, not handed out yet
+        self._items: deque[Any] = deque()
 
     def __iter__(self) -> Iterator[RequestOutput]:
         return self
@@ -284,7 +337,14 @@ class RequestStream:
     def __next__(self) -> RequestOutput:
         if self._done:
             raise StopIteration
-        item = self._sink.queue.get()
+        items = self._items
+        q = self._sink.queue
+        if not items:
+            items.append(q.get())
+        # what piled up while this reader was away comes as one output (see _take)
+        while not q.empty():
+            items.append(q.get_nowait())
+        item = _take(items)
         if type(item) is PendingOutput:
             return item.build()  # a running request's output, built here, off the engine loop
         if isinstance(item, BaseException):
@@ -999,7 +1059,7 @@ class _EngineLoop:
             done(None)
 
     def _deliver(self, outs: list[RequestOutput | PendingOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_AsyncSink, Any]]] = {}
         for out in outs:
             rid = out.request_id
             sink = self._sinks.get(rid)
@@ -1014,7 +1074,7 @@ class _EngineLoop:
             if sink is None:
                 continue
             if isinstance(sink, _AsyncSink):
-                batches.setdefault(sink.loop, []).append((sink.queue, out))
+                batches.setdefault(sink.loop, []).append((sink, out))
             else:
                 sink.queue.put(out)
         # one wake-up per event loop per step, not one per request
@@ -1028,7 +1088,7 @@ class _EngineLoop:
     def _push(sink: _AsyncSink | _ThreadSink, item: Any) -> None:
         if isinstance(sink, _AsyncSink):
             try:
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+                sink.loop.call_soon_threadsafe(sink.put, item)
             except RuntimeError:
                 pass
         else:
@@ -1051,6 +1111,10 @@ class _EngineLoop:
         )
 
 
-def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _put_all(items: list[tuple[_AsyncSink, Any]]) -> None:
+    """Queue one step's outputs for their readers (on the readers' event loop).
+
+    :param items: ``(sink, output)`` pairs.
+    """
+    for sink, item in items:
+        sink.put(item)

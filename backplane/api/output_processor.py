@@ -9,6 +9,7 @@ text that could still become a stop string is held back from streams.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,9 +21,9 @@ from backplane.api.outputs import (
     Logprob,
     MetricsSnapshot,
     RequestOutput,
-    defer_metrics,
     metrics_from,
     streamed_completion,
+    streamed_output,
 )
 from backplane.api.stop import StopAutomaton, StopMatcher
 from backplane.engine.outputs import EngineStepOutput
@@ -31,7 +32,7 @@ from backplane.models.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutputProcessor", "PendingOutput", "TrackedRequest"]
+__all__ = ["OutputProcessor", "PendingOutput", "TrackedRequest", "coalesced"]
 
 # Most tokens of the detokenising window before its start moves up: a longer window
 # costs a little more per decode, a shorter one a second decode more often.
@@ -206,17 +207,72 @@ class PendingOutput:
             num_tokens=self.end,
             num_logprobs=self.num_logprobs,
         )
-        out = RequestOutput(
-            request_id=t.public_id,
-            prompt=t.prompt_text,
-            prompt_token_ids=t.prompt,
-            outputs=[completion],
-            finished=False,
-            prompt_logprobs=self.prompt_logprobs,
-            new_token_ids=t.token_ids[self.start : self.end],
-            new_text=text[self.sent : self.visible],
+        return streamed_output(
+            t.public_id,
+            t.prompt_text,
+            t.prompt,
+            completion,
+            self.prompt_logprobs,
+            t.token_ids[self.start : self.end],
+            text[self.sent : self.visible],
+            self.metrics,
         )
-        return defer_metrics(out, self.metrics)
+
+    def delta(self) -> tuple[list[int], str]:
+        """The tokens and text this output adds, without building it.
+
+        :return: its ``new_token_ids`` and ``new_text``.
+        """
+        return self.tracked.token_ids[self.start : self.end], self.text[self.sent : self.visible]
+
+
+def coalesced(outs: Sequence[RequestOutput | PendingOutput]) -> RequestOutput | PendingOutput:
+    """One output in place of consecutive incremental outputs of one request.
+
+    A stream whose reader falls behind the engine hands out what piled up as one
+    output: the last of them, whose ``new_token_ids`` and ``new_text`` also hold
+    what the earlier ones added. Everything else an output shows is as of its
+    step, so the last one's is the latest; the deltas a reader concatenates are
+    the same however the outputs were grouped. Running outputs not built yet
+    stay unbuilt (:class:`PendingOutput`): only the one handed out is built.
+
+    :param outs: outputs of one sample of one request in the order they were made,
+        none finished but the last one (at least one output).
+    :return: the last output, its deltas covering every one of ``outs``.
+    """
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    if all(type(o) is PendingOutput for o in outs):
+        first = outs[0]
+        assert isinstance(first, PendingOutput) and isinstance(last, PendingOutput)
+        return PendingOutput(
+            last.tracked,
+            first.start,
+            last.end,
+            last.num_logprobs,
+            last.text,
+            first.sent,
+            last.visible,
+            last.prompt_logprobs,
+            last.metrics,
+        )
+    tokens: list[int] = []
+    texts: list[str] = []
+    for o in outs[:-1]:
+        if type(o) is PendingOutput:
+            ids, text = o.delta()
+        else:
+            ids, text = o.new_token_ids, o.new_text
+        tokens += ids
+        texts.append(text)
+    # a copy: a finished output is also what finished-request callbacks were given
+    out = last.build() if type(last) is PendingOutput else copy.copy(last)
+    tokens += out.new_token_ids
+    texts.append(out.new_text)
+    out.new_token_ids = tokens
+    out.new_text = "".join(texts)
+    return out
 
 
 class OutputProcessor:
@@ -374,38 +430,42 @@ class OutputProcessor:
     def _build(self, t: TrackedRequest, start: int, sent: int, visible: int) -> RequestOutput:
         """``t``'s output as of now: its tokens from ``start`` and text ``[sent:visible]`` are new."""
         reason = t.stop_str if t.stop_str is not None else stop_reason(t, self.end_ids)
-        if t.finished:
-            completion = CompletionOutput(
-                index=t.index,
-                text=t.text,
-                token_ids=list(t.token_ids),
-                logprobs=None if t.logprobs is None else list(t.logprobs),
-                finish_reason=t.reason,
-                stop_reason=reason,
-            )
-        else:
+        snapshot = _metrics(t)
+        if not t.finished:
             # A running request's output copies its growing lists only if they are read
             # (streams mostly read the new tokens and text): O(new tokens) per step.
             completion = streamed_completion(
                 t.index, t.text, t.token_ids, t.logprobs, t.reason, reason
             )
-        out = RequestOutput(
+            return streamed_output(
+                t.public_id,
+                t.prompt_text,
+                t.prompt,
+                completion,
+                t.prompt_logprobs,
+                t.token_ids[start:],
+                t.text[sent:visible],
+                snapshot,
+            )
+        completion = CompletionOutput(
+            index=t.index,
+            text=t.text,
+            token_ids=list(t.token_ids),
+            logprobs=None if t.logprobs is None else list(t.logprobs),
+            finish_reason=t.reason,
+            stop_reason=reason,
+        )
+        return RequestOutput(
             request_id=t.public_id,
             prompt=t.prompt_text,
             prompt_token_ids=t.prompt,
             outputs=[completion],
-            finished=t.finished,
+            finished=True,
             prompt_logprobs=t.prompt_logprobs,
             new_token_ids=t.token_ids[start:],
             new_text=t.text[sent:visible],
+            metrics=None if snapshot is None else metrics_from(snapshot),
         )
-        snapshot = _metrics(t)
-        if snapshot is not None:
-            if t.finished:
-                out.metrics = metrics_from(snapshot)
-            else:  # built from the snapshot if read
-                defer_metrics(out, snapshot)
-        return out
 
     def _catch_up(self, t: TrackedRequest) -> None:
         """Bring ``t``'s text up to date with its tokens and search it for stop strings.

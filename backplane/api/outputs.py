@@ -24,6 +24,7 @@ __all__ = [
     "defer_metrics",
     "metrics_from",
     "streamed_completion",
+    "streamed_output",
 ]
 
 
@@ -314,4 +315,44 @@ def defer_metrics(out: RequestOutput, snapshot: MetricsSnapshot) -> RequestOutpu
     d = out.__dict__
     d.pop("metrics", None)
     d["_pending_metrics"] = snapshot
+    return out
+
+
+def streamed_output(
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: list[int],
+    completion: CompletionOutput,
+    prompt_logprobs: list[dict[int, Logprob] | None] | None,
+    new_token_ids: list[int],
+    new_text: str,
+    metrics: MetricsSnapshot,
+) -> RequestOutput:
+    """A running request's :class:`RequestOutput`, its metrics built on their first read.
+
+    The output ``defer_metrics(RequestOutput(..., finished=False, ...), metrics)``
+    gives, made without the dataclass's constructor: a stream gets one every step.
+
+    :param request_id: as in :class:`RequestOutput`.
+    :param prompt: as in :class:`RequestOutput`.
+    :param prompt_token_ids: as in :class:`RequestOutput`.
+    :param completion: its one sequence (see :func:`streamed_completion`).
+    :param prompt_logprobs: as in :class:`RequestOutput`.
+    :param new_token_ids: as in :class:`RequestOutput`.
+    :param new_text: as in :class:`RequestOutput`.
+    :param metrics: see :data:`MetricsSnapshot` and :func:`defer_metrics`.
+    :return: the output.
+    """
+    out = RequestOutput.__new__(RequestOutput)
+    out.__dict__ = {
+        "request_id": request_id,
+        "prompt": prompt,
+        "prompt_token_ids": prompt_token_ids,
+        "outputs": [completion],
+        "finished": False,
+        "prompt_logprobs": prompt_logprobs,
+        "new_token_ids": new_token_ids,
+        "new_text": new_text,
+        "_pending_metrics": metrics,
+    }
     return out
