@@ -314,35 +314,27 @@ def test_generation_with_triton_graphs_equals_eager(model, monkeypatch):
     assert results["full_and_piecewise"] == results["off"]
 
 
-def test_piecewise_graph_inputs_are_only_tensors_of_stable_storage(setup):
-    # Module constants (eps, scaling factors) must be specialised, not passed as
-    # fresh scalar tensors: those would move between capture and every replay.
-    engine, runner = setup
-    for split, _ in runner.piecewise.compiler.splits:
-        for node in split.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            value = node.meta.get("example_value")
-            if isinstance(value, torch.Tensor):
-                assert value.dim() > 0, f"scalar tensor graph input {node.name}"
-
-
-def test_every_cached_op_of_the_model_is_split_out(setup):
-    # a cached op left inside a captured segment would freeze one step's metadata
-    from backplane.engine.worker.graph.split import node_overload, normalize_ops
+def test_every_dynamic_op_of_the_model_is_cut_out(setup):
+    # an op left inside a recorded graph would freeze one step's metadata
+    from backplane.core.contract import intercept_cached_ops
+    from backplane.engine.worker.graph.piecewise import _EscapeCheck
 
     engine, runner = setup
-    ops = normalize_ops(op for b in engine.backends.values() for op in b.dynamic_ops())
-    seen = set()
-    for split, segments in runner.piecewise.compiler.splits:
-        for seg in segments:
-            if seg.dynamic:
-                seen.add(seg.op)
-                continue
-            for node in getattr(split, seg.name).module.graph.nodes:
-                if node.op == "call_function":
-                    assert node_overload(node) not in ops, f"{node.target} captured in {seg.name}"
-    assert seen and seen <= ops  # a model may use only some of a backend's ops
+    pw = runner.piecewise
+    calls = []
+
+    def count(op, args, kwargs):
+        if op._opoverload in pw.ops:
+            calls.append(op._opoverload)
+        return op._init_fn(*args, **kwargs)
+
+    with torch.inference_mode(), runner._piecewise_inputs(16) as args:
+        with intercept_cached_ops(count), _EscapeCheck(pw.ops):
+            runner._forward(*args)
+    assert calls and set(calls) <= pw.ops  # a model may use only some of a backend's ops
+    if engine.device.type == "cuda":
+        assert pw.recordings[16].ops == len(calls)
+        assert len(pw.recordings[16].graphs) == len(calls) + 1
 
 
 def test_the_step_mode_is_decided_once_and_run_dispatches_on_it(setup, monkeypatch):

@@ -20,8 +20,9 @@ Every cached op of every family ends its signature with ``out=None``:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,12 +84,45 @@ def finish_output(out: torch.Tensor | None, buf: torch.Tensor, num_tokens: int) 
     return buf
 
 
-class _CachedOpDef(CustomOpDef):
+#: Takes over every eager call of a cached op while set (:func:`intercept_cached_ops`).
+OpInterceptor = Callable[["CachedOpDef", tuple[Any, ...], dict[str, Any]], Any]
+_interceptor: OpInterceptor | None = None
+
+
+@contextlib.contextmanager
+def intercept_cached_ops(interceptor: OpInterceptor) -> Iterator[None]:
+    """Route every eager call of a cached op through ``interceptor`` while the block runs.
+
+    A graph runner records a forward as CUDA graphs cut at its dynamic ops this
+    way: at each such call it ends the graph being recorded, runs the op
+    eagerly and starts the next graph. Calls made under autograd, tracing or
+    ``torch.compile`` are not intercepted; calls through the dispatcher
+    (``torch.ops.ns.name(...)``) never reach it.
+
+    :param interceptor: called as ``interceptor(op, args, kwargs)`` with the
+        :class:`CachedOpDef` called (its Python function is ``op._init_fn``,
+        its overload ``op._opoverload``) and the call's arguments, ``out``
+        always among ``kwargs`` unless passed positionally; what it returns is
+        the call's result.
+    """
+    global _interceptor
+    previous, _interceptor = _interceptor, interceptor
+    try:
+        yield
+    finally:
+        _interceptor = previous
+
+
+class CachedOpDef(CustomOpDef):
     """A custom op whose trailing ``out`` may be omitted by Python callers."""
 
     #: number of schema arguments, set at registration (a plain int keeps the
     #: check traceable by torch.compile)
     num_args: int = 0
+
+    def output_shape(self, *args: Any, **kwargs: Any) -> tuple[Sequence[int], torch.dtype]:
+        """The full result ``(shape, dtype)`` of a call with these arguments (set at registration)."""
+        raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "out" not in kwargs and len(args) < self.num_args:
@@ -97,8 +131,11 @@ class _CachedOpDef(CustomOpDef):
             not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and not _is_fx_symbolic_tracing()
-            and _get_current_dispatch_mode() is None
         ):
+            if _interceptor is not None:
+                return _interceptor(self, args, kwargs)
+            if _get_current_dispatch_mode() is not None:
+                return super().__call__(*args, **kwargs)
             # Eager call on real tensors without autograd (the engine runs under
             # inference mode): the dispatcher would only add its Python
             # overhead (tens of microseconds per layer and step) to the same function.
@@ -146,9 +183,10 @@ def cached_op(
             ]
         )
         op = torch.library.custom_op(qualname, mutates_args=mutates)(fn)
-        # Python callers may still omit ``out``: _CachedOpDef.__call__ passes None.
-        op.__class__ = _CachedOpDef
+        # Python callers may still omit ``out``: CachedOpDef.__call__ passes None.
+        op.__class__ = CachedOpDef
         op.num_args = len(params)
+        op.output_shape = output_shape
 
         def fake(*args, **kwargs):
             bound = inspect.signature(fn).bind(*args, **kwargs)

@@ -308,8 +308,8 @@ class DeviceWorker:
     def compile_or_warm_up_model(self) -> None:
         """Build the runner (capturing its graphs) and, on CUDA, run the warm-up steps."""
         self.runner = self._build_runner()
-        # a worker dropped without shutdown() still releases what torch.compile's
-        # process-wide caches would otherwise keep of its graphs (weights, caches)
+        # a worker dropped without shutdown() still releases its graphs and the
+        # memory their pool holds
         self._release_runner = weakref.finalize(self, self.runner.release)
         if self._cuda:
             warm_up_kernels(

@@ -29,10 +29,9 @@ def token_buckets(max_num_tokens: int, sizes: Iterable[int] | None = None) -> li
     Pure-prefill batches can fill the whole token budget, so ``max_num_tokens``
     always has a bucket, whatever the configured sizes.
 
-    One token gets no bucket of its own when larger ones exist: ``torch.compile``
-    specialises a dimension of size 1, so that bucket alone would trace and split
-    the model a second time at start-up. A one-token step pads to the next bucket
-    (a decode of one sequence runs its decode graph anyway).
+    One token gets no bucket of its own when larger ones exist: a decode of one
+    sequence runs its decode graph, and a one-token prompt chunk pads to the next
+    bucket for the price of one padding token, not a capture at start-up.
 
     :param max_num_tokens: the scheduler's token budget per step.
     :param sizes: configured sizes (default: powers of two).

@@ -1,9 +1,9 @@
 """Where compiled artefacts persist between processes: one backplane cache directory.
 
-Start-up compiles Triton kernels (the backends' and the models' fused ones) and,
-through ``torch.compile``, traces the model for the piecewise graphs; Inductor
-and Triton keep what they compile in on-disk caches, so a second start-up of
-the same shapes reuses it. Their default places differ (``/tmp`` for Inductor,
+Start-up compiles Triton kernels (the backends' and the models' fused ones);
+Triton, and Inductor where a user's ``torch.compile`` runs beside the engine,
+keep what they compile in on-disk caches, so a second start-up of the same
+shapes reuses it. Their default places differ (``/tmp`` for Inductor,
 ``~/.triton`` for Triton) and ``/tmp`` is often cleared between runs; backplane
 puts both under one directory, so that ``backplane warmup`` and every engine
 find the same artefacts:

@@ -9,11 +9,11 @@ from backplane.engine.worker.graph.capture import GraphPool
 
 
 class GraphPhase(enum.Enum):
-    """What a captured segment does when called.
+    """What a piecewise runner is doing.
 
-    ``EAGER``: run the code. ``WARMUP``: run the code and record what capture
-    needs (output shapes of dynamic ops). ``CAPTURE``: record a CUDA graph.
-    ``REPLAY``: replay the graph recorded for the current bucket.
+    ``EAGER``: running the code. ``WARMUP``: running a bucket once before its
+    capture (kernels compile, lazy state is made). ``CAPTURE``: recording the
+    bucket's graphs. ``REPLAY``: replaying the current bucket.
     """
 
     EAGER = "eager"
@@ -38,8 +38,6 @@ class GraphContext:
     bucket: int | None = None
     pool: GraphPool = None
     pool_bytes: dict[int, int] = field(default_factory=dict)
-    #: data pointers of tensors produced by segments during the current capture pass
-    produced: set[int] = field(default_factory=set)
 
     def enter(self, phase: GraphPhase, bucket: int | None) -> None:
         """Switch phase and bucket."""
