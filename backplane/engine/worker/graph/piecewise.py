@@ -129,33 +129,26 @@ class Recording:
     output: Any = None
     graphs: list[Any] = field(default_factory=list)
     ops: int = 0
-    #: inputs found away from their capture address, copied there before each replay
-    moved: list[int] | None = None
+    #: whether a replay found its inputs elsewhere than at capture (said once)
+    warned: bool = False
 
     def replay(self, args: tuple[Any, ...]) -> Any:
-        """Run the steps on ``args`` (copied to the capture addresses if they moved)."""
-        if self.moved is None:
-            self.moved = _moved_inputs(self.inputs, args)
-        for i in self.moved:
-            self.inputs[i].copy_(args[i])
+        """Run the steps on ``args``, first copied to the capture addresses if they are elsewhere."""
+        for i, (a, c) in enumerate(zip(args, self.inputs, strict=True)):
+            if isinstance(a, torch.Tensor) and a.data_ptr() != c.data_ptr():
+                if not self.warned:
+                    self.warned = True
+                    logger.warning(
+                        "piecewise graphs: input %d (%s %s) is not at its capture address; "
+                        "it is copied there before the replay",
+                        i,
+                        tuple(a.shape),
+                        a.dtype,
+                    )
+                c.copy_(a)
         for step in self.steps:
             step()
         return self.output
-
-
-def _moved_inputs(captured: tuple[Any, ...], args: tuple[Any, ...]) -> list[int]:
-    moved = []
-    for i, (a, c) in enumerate(zip(args, captured, strict=True)):
-        if isinstance(a, torch.Tensor) and a.data_ptr() != c.data_ptr():
-            moved.append(i)
-            logger.warning(
-                "piecewise graphs: input %d (%s %s) is not at its capture address; "
-                "it is copied there before each replay",
-                i,
-                tuple(a.shape),
-                a.dtype,
-            )
-    return moved
 
 
 class _Recorder:
