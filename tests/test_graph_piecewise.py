@@ -14,9 +14,9 @@ from backplane.core.contract import cached_op, finish_output, intercept_cached_o
 from backplane.engine.worker.graph.capture import capture
 from backplane.engine.worker.graph.context import GraphPhase
 from backplane.engine.worker.graph.piecewise import (
+    EscapeCheck,
     EscapedOpError,
     PiecewiseGraphs,
-    _EscapeCheck,
     _Recorder,
     normalize_ops,
 )
@@ -138,11 +138,11 @@ def test_a_dynamic_op_reaching_the_dispatcher_is_caught():
     model = EscapingToy()
     ops = normalize_ops([rowmix])
     with torch.inference_mode(), pytest.raises(EscapedOpError, match="op object"):
-        with _EscapeCheck(ops):
+        with EscapeCheck(ops):
             model(torch.randn(3, 8), torch.arange(3.0))
     # through the op object the same call passes the check (the interceptor takes it)
     with torch.inference_mode(), intercept_cached_ops(lambda op, a, k: op._init_fn(*a, **k)):
-        with _EscapeCheck(ops):
+        with EscapeCheck(ops):
             Toy()(torch.randn(3, 8), torch.arange(3.0))
 
 
@@ -160,7 +160,7 @@ def _buffers(buckets):
 
 def test_a_bucket_whose_forward_escapes_fails_and_runs_eagerly():
     model = EscapingToy()
-    pw = PiecewiseGraphs(model.forward, [rowmix], [2, 4], cuda=False)
+    pw = PiecewiseGraphs(model.forward, [rowmix], [2, 4], cuda=False, check_escapes=True)
     _, _, make_inputs = _buffers([2, 4])
     with torch.inference_mode():
         pw.capture(make_inputs)
@@ -168,10 +168,11 @@ def test_a_bucket_whose_forward_escapes_fails_and_runs_eagerly():
     assert set(pw.failed) == {2, 4} and all("EscapedOpError" in e for e in pw.failed.values())
 
 
-def test_without_cuda_every_bucket_is_warmed_up_and_runs_eagerly():
+@pytest.mark.parametrize("check_escapes", [False, True])
+def test_without_cuda_every_bucket_is_warmed_up_and_runs_eagerly(check_escapes):
     model = Toy()
     buckets = [1, 2, 4, 8]
-    pw = PiecewiseGraphs(model.forward, [rowmix], buckets, cuda=False)
+    pw = PiecewiseGraphs(model.forward, [rowmix], buckets, cuda=False, check_escapes=check_escapes)
     xs, ps, make_inputs = _buffers(buckets)
     with torch.inference_mode():
         pw.capture(make_inputs)
@@ -189,7 +190,7 @@ def test_cuda_replays_equal_eager_forwards_and_run_the_ops_eagerly():
         pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
     model = Toy().cuda()
     buckets = [2, 4, 8, 16]
-    pw = PiecewiseGraphs(model.forward, [rowmix], buckets)
+    pw = PiecewiseGraphs(model.forward, [rowmix], buckets, check_escapes=True)
     xs, ps = torch.zeros(16, 8, device="cuda"), torch.zeros(16, device="cuda")
 
     @contextlib.contextmanager
@@ -237,3 +238,18 @@ def test_capture_postprocess_hook_restores_mutated_inputs():
     bad_offset = torch.full((4,), 5.0)
     g = capture(forward, None, (x, bad_offset), num_warmup=2)
     assert not torch.equal(g.replay(), torch.full((4,), 6.0))
+
+
+def test_the_kit_finds_a_backend_calling_its_op_through_the_dispatcher():
+    from backplane.testing.checks import check_op_objects_called
+
+    class Backend:
+        def dynamic_ops(self):
+            return (torch.ops.bp_graph_test.rowmix.default,)
+
+    x, w = torch.randn(3, 8), torch.randn(8)
+    assert check_op_objects_called(Backend(), lambda: rowmix(x, w)) == 1
+    with pytest.raises(EscapedOpError):
+        check_op_objects_called(Backend(), lambda: torch.ops.bp_graph_test.rowmix(x, w, None))
+    with pytest.raises(AssertionError, match="op object"):
+        check_op_objects_called(Backend(), lambda: rowmix_lookalike(x, w))

@@ -317,7 +317,7 @@ def test_generation_with_triton_graphs_equals_eager(model, monkeypatch):
 def test_every_dynamic_op_of_the_model_is_cut_out(setup):
     # an op left inside a recorded graph would freeze one step's metadata
     from backplane.core.contract import intercept_cached_ops
-    from backplane.engine.worker.graph.piecewise import _EscapeCheck
+    from backplane.engine.worker.graph.piecewise import EscapeCheck
 
     engine, runner = setup
     pw = runner.piecewise
@@ -329,7 +329,7 @@ def test_every_dynamic_op_of_the_model_is_cut_out(setup):
         return op._init_fn(*args, **kwargs)
 
     with torch.inference_mode(), runner._piecewise_inputs(16) as args:
-        with intercept_cached_ops(count), _EscapeCheck(pw.ops):
+        with intercept_cached_ops(count), EscapeCheck(pw.ops):
             runner._forward(*args)
     assert calls and set(calls) <= pw.ops  # a model may use only some of a backend's ops
     if engine.device.type == "cuda":

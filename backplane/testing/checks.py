@@ -10,7 +10,8 @@
 * :func:`run_opcheck` — ``torch.library.opcheck`` with the kit's defaults.
 * :func:`record_custom_ops` — the custom ops a backend's forward calls, to
   opcheck them and to compare them with its ``dynamic_ops()``.
-* :func:`check_custom_ops` — both of the above for one call of a backend.
+* :func:`check_custom_ops` — both of the above for one call of a backend, and
+  :func:`check_op_objects_called`: its dynamic ops reached through their op objects.
 * :func:`check_graph_replay` — a step captured in a CUDA graph replays like
   the eager step (CUDA only).
 """
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from backplane.core.contract import intercept_cached_ops
 from backplane.core.forward_context import forward_context
 from backplane.core.metadata import BatchMetadata
 
@@ -298,6 +300,7 @@ def check_custom_ops(
     dynamic = set(backend.dynamic_ops())
     _, calls = record_custom_ops(fn)
     assert calls, "forward called no custom op; cached ops must be torch.library custom ops"
+    check_op_objects_called(backend, fn)
     for op, args, kwargs in calls:
         assert op in dynamic, (
             f"forward called {op} which dynamic_ops() does not list; the graph runner "
@@ -308,6 +311,39 @@ def check_custom_ops(
             a, k = _with_out(op, args, kwargs, out)
             run_opcheck(op, a, k)
     return len(calls)
+
+
+def check_op_objects_called(backend: Any, fn: Callable[[], Any]) -> int:
+    """Check that one call of a backend reaches its dynamic ops through their op objects.
+
+    The piecewise graphs cut a recorded forward where a cached op's object is
+    called (:func:`~backplane.core.contract.intercept_cached_ops`); a call
+    through the dispatcher (``torch.ops.ns.name(...)``) would be recorded into
+    a graph with one step's metadata.
+
+    :param backend: the backend object.
+    :param fn: calls the backend once.
+    :return: the number of dynamic op calls seen (at least one).
+    :raises EscapedOpError: a dynamic op was called through the dispatcher.
+    """
+    from backplane.engine.worker.graph.piecewise import EscapeCheck, normalize_ops
+
+    ops = normalize_ops(backend.dynamic_ops())
+    seen: list[Any] = []
+
+    def note(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if op._opoverload in ops:
+            seen.append(op._opoverload)
+        return op._init_fn(*args, **kwargs)
+
+    # as the engine runs it: without autograd, where op objects skip the dispatcher
+    with torch.no_grad(), intercept_cached_ops(note), EscapeCheck(ops):
+        fn()
+    assert seen, (
+        "forward reached none of dynamic_ops() through an op object; call the object "
+        "cached_op returned, so that piecewise graphs can run the op eagerly"
+    )
+    return len(seen)
 
 
 def check_graph_replay(

@@ -20,12 +20,16 @@ anything reads it.
 
 Dynamic ops must be called through their op objects: a call through the
 dispatcher (``torch.ops.ns.name(...)``) would be recorded into a graph with the
-capture step's metadata. The warm-up forward of each bucket runs under a
-dispatch mode that catches such calls; that bucket then fails and runs eagerly.
+capture step's metadata. :class:`EscapeCheck` catches such calls; the
+conformance kit runs every backend under it, and ``check_escapes=True`` runs
+each bucket's warm-up under it (that bucket then fails and runs eagerly). It is
+off in the engine: entering a dispatch mode imports ``torch._dynamo`` (seconds
+of start-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -71,8 +75,15 @@ class EscapedOpError(RuntimeError):
     """A dynamic op was called through the dispatcher, where a recording cannot cut at it."""
 
 
-class _EscapeCheck(TorchDispatchMode):
-    """Raise when a dynamic op reaches the dispatcher (the recorder would miss it)."""
+class EscapeCheck(TorchDispatchMode):
+    """A dispatch mode that raises :class:`EscapedOpError` when a dynamic op reaches the dispatcher.
+
+    Run a forward under it together with :func:`intercept_cached_ops`: calls
+    through op objects go to the interceptor, so only calls the recorder would
+    miss reach this mode.
+
+    :param ops: the dynamic ops' overloads (:func:`normalize_ops`).
+    """
 
     def __init__(self, ops: frozenset[object]) -> None:
         super().__init__()
@@ -216,6 +227,7 @@ class PiecewiseGraphs:
     :param cuda: record real CUDA graphs (default: when CUDA is available);
         otherwise capture only warms each bucket up and a replay runs the
         forward eagerly.
+    :param check_escapes: run each bucket's warm-up under :class:`EscapeCheck`.
     """
 
     def __init__(
@@ -225,6 +237,7 @@ class PiecewiseGraphs:
         buckets: list[int],
         pool: GraphPool = None,
         cuda: bool | None = None,
+        check_escapes: bool = False,
     ) -> None:
         cuda = torch.cuda.is_available() if cuda is None else cuda
         self.ctx = GraphContext(
@@ -233,6 +246,7 @@ class PiecewiseGraphs:
         self.forward = forward
         self.ops = normalize_ops(dynamic_ops)
         self.buckets = sorted(buckets)
+        self.check_escapes = check_escapes
         self.recordings: dict[int, Recording] = {}
         self.captured: set[int] = set()
         self.failed: dict[int, str] = {}
@@ -258,9 +272,10 @@ class PiecewiseGraphs:
             try:
                 with make_inputs(bucket) as args:
                     self.ctx.enter(GraphPhase.WARMUP, bucket)
-                    # the op objects run their functions; anything reaching the
-                    # dispatcher is a dynamic op the recording would miss
-                    with intercept_cached_ops(_run_op), _EscapeCheck(self.ops):
+                    with contextlib.ExitStack() as stack:
+                        if self.check_escapes:
+                            stack.enter_context(intercept_cached_ops(_run_op))
+                            stack.enter_context(EscapeCheck(self.ops))
                         self.forward(*args)
                     if postprocess_fn is not None:
                         postprocess_fn(*args)
