@@ -182,6 +182,11 @@ class _Recorder:
 
     def begin(self) -> None:
         """Start recording the next graph."""
+        if torch.cuda.is_initialized():
+            # no memory can be given back while a stream records (cudaFree is not
+            # allowed then): what the warm-up and the eager ops left cached in the
+            # default pool goes back now, or the graph's pool may run out
+            torch.cuda.empty_cache()
         self._graph = self.graph_type()
         self._graph.capture_begin(pool=pool_id(self.pool))
 
