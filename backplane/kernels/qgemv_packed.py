@@ -2,12 +2,13 @@
 
 At one input row a projection's time is the bytes of its weight over the
 memory bandwidth, if the kernel's instructions keep up with the bytes: an
-H200 issues about 0.22 warp-instructions per byte it streams, about 3.5
-thread-instructions per Q4_K weight. Reading ggml's blocks
-(:mod:`.qgemv`) takes 0.49 per byte; :func:`packed_gemv` reads the layout of
-:class:`~backplane.kernels.q4k_layout.PackedQ4K` in about 0.19 (2.9 to 3.1
-per weight, counted in its sm_90 SASS by ``benchmarks/qgemv_sass.py
---packed``), keeping the parallelism of the raw-block kernel:
+H200 issues about 0.22 warp-instructions per byte it streams, about 3.9
+thread-instructions per Q4_K weight. Reading ggml's blocks (:mod:`.qgemv`)
+takes 0.49 per byte of Q4_K; :func:`packed_gemv` reads the layout of
+:class:`~backplane.kernels.q4k_layout.PackedQ4K` in 0.17 (three
+instructions a weight, counted in its sm_90 SASS by
+``benchmarks/qgemv_sass.py --packed``), keeping the parallelism of the
+raw-block kernel:
 
 - a program owns a chunk of ``BLOCK_K`` inputs and a run of output rows. It
   loads its chunk of ``x`` once, into float32 registers (each thread the
