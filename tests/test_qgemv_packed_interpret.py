@@ -190,6 +190,15 @@ def _refusals() -> None:
         (x, {"out": torch.zeros(1, 8)}, None),
         (x, {"out": torch.zeros(1, 16)[:, ::2]}, "contiguous"),
     ]
+    # rows of a bigger matrix: strided, which the kernel cannot read
+    wide = repack_q4k(torch.zeros(8, 288, dtype=torch.uint8), 512)
+    strided = type(wide)(*(t[:, : t.shape[1] // 2] for t in wide))
+    try:
+        qp.packed_gemv(x, strided)
+    except ValueError as e:
+        assert "contiguous" in str(e), str(e)
+    else:
+        raise AssertionError("no ValueError for a strided packed weight")
     for xi, kwargs, message in cases:
         if message is None:
             qp.packed_gemv(xi, packed, **kwargs)

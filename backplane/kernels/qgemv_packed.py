@@ -385,10 +385,11 @@ def packed_gemv(
         a new tensor when ``None``.
     :param launch: a :class:`Launch` instead of :func:`plan`'s (tuning).
     :return: ``[1, N]`` in ``x``'s dtype (``out`` when given).
-    :raises ValueError: a width or dtype :func:`supports` refuses, an input that is not one
+    :raises ValueError: a width or dtype :func:`supports` refuses, tensors not laid out
+        as :class:`~backplane.kernels.q4k_layout.PackedQ4K` says, an input that is not one
         row of ``K`` values, or an ``out`` that does not fit.
     """
-    n, k = packed.shape
+    n, k = _check(packed)
     if not supports(k, x.dtype):
         raise ValueError(
             f"the packed Q4_K kernel does not run rows of {k} values in {x.dtype}; "
@@ -427,6 +428,24 @@ def packed_gemv(
         **constexprs,
     )
     return y
+
+
+def _check(packed: PackedQ4K) -> tuple[int, int]:
+    """Refuse tensors the kernels would misread (they assume contiguous rows); return
+    ``(N, K)``."""
+    n, k = packed.shape
+    expected = (
+        (packed.qs, torch.int32, k // 8),
+        (packed.scales, torch.uint8, k // 16),
+        (packed.dm, torch.float16, k // 128),
+    )
+    for t, dtype, width in expected:
+        if t.shape != (n, width) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(
+                f"a packed Q4_K weight of {n} rows of {k} values holds contiguous {dtype} "
+                f"[{n}, {width}]; got {t.dtype} {tuple(t.shape)} with strides {t.stride()}"
+            )
+    return n, k
 
 
 def _launch(
@@ -505,7 +524,7 @@ def dequantize_packed_matrix(packed: PackedQ4K, dtype: torch.dtype) -> torch.Ten
     :return: ``[N, K]`` on the weight's device.
     :raises ValueError: a width or dtype :func:`supports` refuses.
     """
-    n, k = packed.shape
+    n, k = _check(packed)
     if not supports(k, dtype):
         raise ValueError(f"the packed Q4_K kernels do not write rows of {k} values in {dtype}")
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
