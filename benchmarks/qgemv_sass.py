@@ -38,9 +38,15 @@ an H200: Q4_K q/k/v 17.0 -> 24.5 us, the Q6_K LM head 363 -> 2,008 us, the 8B
 model in Q4_K 5.0 -> 8.0 ms per token; fewer, fatter programs kept fewer bytes
 in flight than the loads' latency needs.
 
+``--packed`` counts the one-row kernel over repacked Q4_K
+(:func:`backplane.kernels.qgemv_packed.packed_gemv`) instead, at its planned
+launch, per byte of the Q4_K weight it stands for (its layout is 2.8%
+larger); its main loop is the one with the most multiply-adds.
+
 Run here (CPU only)::
 
     python benchmarks/qgemv_sass.py [--types Q4_K,Q8_0] [--shape 6144x4096] [--json out.json]
+    python benchmarks/qgemv_sass.py --packed [--shape 4096x14336]
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
-from backplane.kernels import qgemv
+from backplane.kernels import qgemv, qgemv_packed
 
 logger = logging.getLogger("qgemv_sass")
 
@@ -71,6 +77,18 @@ TYPES: dict[str, int] = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 #: the kernel's pointer and integer parameters, in order
 _POINTERS = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr")
 _INTS = ("N", "row_bytes", "n_units", "units_per_split", "split_k")
+
+#: the packed kernel's pointer and integer parameters, in order, with their dtypes
+_PACKED_POINTERS = (
+    ("x_ptr", None),
+    ("qs_ptr", torch.int32),
+    ("sm_ptr", torch.int16),
+    ("dm_ptr", torch.int32),
+    ("y_ptr", None),
+    ("part_ptr", torch.float32),
+    ("count_ptr", torch.int32),
+)
+_PACKED_INTS = ("N", "rows_per_program", "split_k")
 
 #: passes of the loop nested in each type's main loop (the Q6_K step runs its block's
 #: four (half, scale group) quarters as a loop: unrolled, it takes minutes to compile)
@@ -97,8 +115,35 @@ def compile_sass(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -
     # Specialise as a real call would: 16-byte aligned tensors, integers by divisibility.
     args = [torch.empty(1, dtype=dtype)] + [torch.empty(1, dtype=torch.uint8)]
     args += [torch.empty(1, dtype=dtype), torch.empty(1), torch.empty(1, dtype=torch.int32)]
+    names = _POINTERS + _INTS
+    return _compile(qgemv._qgemv_kernel, names, args + list(ints), constexprs, grid)
+
+
+def compile_packed_sass(
+    n: int, k: int, sms: int, dtype: torch.dtype, launch: qgemv_packed.Launch | None = None
+) -> tuple[str, dict]:
+    """Compile the packed Q4_K one-row kernel for sm_90 at a launch and disassemble it.
+
+    :param n: output rows.
+    :param k: values per row.
+    :param sms: the multiprocessor count the launch is planned for.
+    :param dtype: the input's dtype.
+    :param launch: instead of the package's plan.
+    :return: as :func:`compile_sass`.
+    """
+    grid, ints, constexprs = qgemv_packed._launch(n, k, sms, launch)
+    args = [torch.empty(1, dtype=t or dtype) for _, t in _PACKED_POINTERS]
+    names = tuple(name for name, _ in _PACKED_POINTERS) + _PACKED_INTS
+    return _compile(qgemv_packed._packed_gemv_kernel, names, args + list(ints), constexprs, grid)
+
+
+def _compile(
+    kernel, names: tuple[str, ...], args: list, constexprs: dict, grid
+) -> tuple[str, dict]:
+    """Compile ``kernel`` for sm_90 with ``args`` specialised as a real call would; return its
+    SASS and the launch (compile-time arguments, grid, registers per thread)."""
     signature, attrs, consts = {}, {}, {}
-    for i, (name, value) in enumerate(zip(_POINTERS + _INTS, args + list(ints), strict=True)):
+    for i, (name, value) in enumerate(zip(names, args, strict=True)):
         kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
         if kind == "constexpr":
             signature[name] = "constexpr"
@@ -111,7 +156,7 @@ def compile_sass(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -
     num_warps = options.pop("num_warps")
     for name in options:
         signature[name] = "constexpr"
-    src = ASTSource(fn=qgemv._qgemv_kernel, signature=signature, constexprs={**options, **consts})
+    src = ASTSource(fn=kernel, signature=signature, constexprs={**options, **consts})
     src.attrs = attrs
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
@@ -196,6 +241,28 @@ def classify(op: str) -> str:
     return "other"
 
 
+def measure_packed(n: int, k: int, sms: int, dtype: torch.dtype) -> dict:
+    """Loop statistics of the packed Q4_K kernel at one shape, as :func:`measure` gives them
+    (bytes: of the Q4_K weight the iteration's rows and inputs stand for)."""
+    sass, launch = compile_packed_sass(n, k, sms, dtype)
+    bodies = loops(parse(sass))
+    if not bodies:
+        raise ValueError("no loop in the kernel's SASS")
+    body = max(bodies, key=lambda b: sum(i[1].startswith("FFMA") for i in b))
+    total = len(body) * launch["num_warps"]
+    per_iter = launch["BLOCK_N"] * launch["BLOCK_K"] // 256 * 144
+    return {
+        "launch": launch,
+        "instructions": len(body),
+        "warp_instructions": total,
+        "weight_bytes": per_iter,
+        "per_byte": total / per_iter,
+        "per_32_bytes": 32 * total / per_iter,
+        "classes": dict(Counter(classify(op) for _, op, _ in body).most_common()),
+        "opcodes": dict(Counter(op.split(".")[0] for _, op, _ in body).most_common()),
+    }
+
+
 def measure(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -> dict:
     """Loop statistics of one type at one shape.
 
@@ -232,16 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="6144x4096", help="rows x values per row (q/k/v of 8B)")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors to plan for")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--packed", action="store_true", help="the packed Q4_K kernel instead")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     n, k = (int(v) for v in args.shape.split("x"))
     dtype = getattr(torch, args.dtype)
     results = {}
-    for name in args.types.split(","):
-        if name not in TYPES:
+    for name in ["Q4_K packed"] if args.packed else args.types.split(","):
+        if name not in TYPES and not args.packed:
             p.error(f"unknown type {name!r}; choose from {', '.join(TYPES)}")
-        r = results[name] = measure(TYPES[name], n, k, args.sms, dtype)
+        if args.packed:
+            r = results[name] = measure_packed(n, k, args.sms, dtype)
+        else:
+            r = results[name] = measure(TYPES[name], n, k, args.sms, dtype)
         launch = {key: v for key, v in r["launch"].items() if key != "GGML_TYPE"}
         logger.info(
             "%-5s %5d instr x %d warps / %5d B = %.3f per byte (%.1f per 32 B, %.1fx the "

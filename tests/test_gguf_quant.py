@@ -104,6 +104,58 @@ def test_merged_parts_of_mixed_types_keep_their_own_runs():
     assert ((got - want).abs() <= _bound(x, w)).all()
 
 
+def test_repacked_q4k_runs_keep_one_copy_and_their_values(monkeypatch):
+    """With the Triton ops (here: the interpreter's say-so), the Q4_K run is repacked once and
+    its raw blocks dropped; the Q6_K run stays; values and products do not change."""
+    import backplane.kernels
+
+    rng = np.random.default_rng(4)
+    parts = [("gate_proj", 48, 12), ("up_proj", 16, 12), ("down_proj", 32, 14)]
+    blocks = [
+        random_blocks(QT.Q4_K, 48, 512, rng),
+        random_blocks(QT.Q4_K, 16, 512, rng),
+        random_blocks(QT.Q6_K, 32, 512, rng),
+    ]
+    w = torch.cat(
+        [_reference(b, t) for b, t in zip(blocks, (QT.Q4_K, QT.Q4_K, QT.Q6_K), strict=True)]
+    )
+    bias = torch.randn(96)
+    m = _module(parts, blocks, 512, bias)
+    m.fused_ops = "triton"
+    assert m.prepare_fused_ops() == 0, "CPU tensors outside the interpreter stay raw"
+    monkeypatch.setattr(backplane.kernels, "interpreting", lambda: True)
+    assert m.prepare_fused_ops() == 1 and m.packed_runs == {0}
+    assert m.prepare_fused_ops() == 0, "repacked twice"
+    assert m.qweight_0.numel() == 0 and m.weight.dtype == torch.int32
+    held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    assert held == 64 * 512 * 37 // 64 + blocks[2].nbytes + bias.numel() * 4  # 4.625 bits
+    assert torch.equal(m.dequantized(torch.float32), w)
+    m.fused_ops = "torch"
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        got = m(x).double()
+    want = x.double() @ w.double().T + bias.double()
+    assert ((got - want).abs() <= _bound(x, w)).all()
+    with pytest.raises(RuntimeError, match="load the checkpoint before"):
+        dict(m.checkpoint_slices())
+
+
+def test_a_traced_product_keeps_the_raw_blocks(monkeypatch):
+    """A product traced (or captured) before the repacking pins the raw blocks: the graph
+    would read them."""
+    import backplane.kernels
+
+    rng = np.random.default_rng(6)
+    m = _module([("proj", 16, 12)], [random_blocks(QT.Q4_K, 16, 256, rng)], 256)
+    m.fused_ops = "triton"
+    monkeypatch.setattr(backplane.kernels, "interpreting", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        m(torch.randn(2, 256))  # the torch path: nothing runs in the interpreter
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert m.prepare_fused_ops() == 0 and not m.packed_runs and m.qweight_0.numel() > 0
+
+
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match=r"Q4_K rows of 576 values cannot stay quantised"):
         QuantizedLinear(576, [("proj", 8, 12)])
@@ -178,6 +230,27 @@ def test_loader_keeps_every_kquant_projection_as_blocks(files):
     assert held == sum(int(t.n_bytes) for t in quantised.values())
     attn = lm.model.layers[0].self_attn.qkv_proj
     assert [GGML for _, _, GGML in attn.runs] == [int(QT.Q4_K), int(QT.Q6_K)]
+
+
+def test_setting_the_triton_ops_repacks_the_q4k_projections(files, monkeypatch):
+    """``set_fused_ops("triton")`` repacks every Q4_K run (through ``prepare_fused_ops``) and
+    the model computes the same logits, bit for bit, from the repacked weights."""
+    import backplane.kernels
+    import backplane.models.base
+
+    ids = [5, 17, 33, 2, 8, 60]
+    lm = _load(files["kquant"]).model
+    before = prefill_logits(lm, ids)
+    # "triton" on CPU tensors: the interpreter's say-so, without running a kernel here
+    monkeypatch.setattr(backplane.models.base, "check_fused_ops", lambda impl, device: None)
+    monkeypatch.setattr(backplane.kernels, "interpreting", lambda: True)
+    lm.set_fused_ops("triton")
+    modules = [m for m in lm.modules() if isinstance(m, QuantizedLinear)]
+    q4k = [m for m in modules if int(QT.Q4_K) in [t for _, _, t in m.runs]]
+    assert q4k and all(m.packed_runs for m in q4k)
+    assert all(not m.packed_runs for m in modules if m not in q4k)
+    lm.set_fused_ops("torch")
+    assert torch.equal(prefill_logits(lm, ids), before)
 
 
 def test_kept_blocks_compute_what_dequantising_at_load_computes(files, monkeypatch):

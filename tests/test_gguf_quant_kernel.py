@@ -82,7 +82,8 @@ def _check(name: str, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _check_module(device: torch.device, dtype: torch.dtype) -> None:
-    """A QuantizedLinear of mixed types at one row runs the kernel once per run of rows."""
+    """A QuantizedLinear of mixed types at one row runs a kernel once per run of rows: its
+    Q4_K run repacked (raw blocks dropped), its Q6_K run as raw blocks."""
     import gguf
     from gguf_quant_helpers import QT, random_blocks
 
@@ -99,35 +100,44 @@ def _check_module(device: torch.device, dtype: torch.dtype) -> None:
         for (part, _, _), b in zip(parts, blocks, strict=True):
             targets[f"{part}.weight"].copy_(torch.from_numpy(b))
     qgemv = kernels.load_qgemv()
+    packed = kernels.load_qgemv_packed()
     w = torch.cat(
         [
             torch.from_numpy(gguf.quants.dequantize(b, t).astype(np.float64))
             for b, t in zip(blocks, (QT.Q4_K, QT.Q6_K), strict=True)
         ]
     )
-    # one row: the one-row kernel per run of rows; three rows: the dequantising kernel
-    for rows, kernel, type_at in ((1, "quantized_gemv", 2), (3, "dequantize_blocks", 1)):
+    # one row: the one-row kernels per run of rows (Q4_K repacked at the first product);
+    # three rows: the dequantising kernels
+    kernel_pairs = (
+        (1, (packed, "packed_gemv"), (qgemv, "quantized_gemv")),
+        (3, (packed, "dequantize_packed_matrix"), (qgemv, "dequantize_blocks")),
+    )
+    for rows, *pair in kernel_pairs:
         calls = []
-        real = getattr(qgemv, kernel)
+        reals = [getattr(mod, name) for mod, name in pair]
+        for (mod, name), real in zip(pair, reals, strict=True):
 
-        def counted(*args, real=real, calls=calls, type_at=type_at, **kwargs):
-            calls.append(args[type_at])
-            return real(*args, **kwargs)
+            def counted(*args, real=real, calls=calls, name=name, **kwargs):
+                calls.append(name)
+                return real(*args, **kwargs)
 
-        setattr(qgemv, kernel, counted)
+            setattr(mod, name, counted)
         try:
             x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
             with torch.no_grad():
                 got = m(x.to(device))
         finally:
-            setattr(qgemv, kernel, real)
-        assert calls == [int(QT.Q4_K), int(QT.Q6_K)], (kernel, calls)
+            for (mod, name), real in zip(pair, reals, strict=True):
+                setattr(mod, name, real)
+        assert calls == [name for _, name in pair], (rows, calls)
+        assert m.packed_runs == {0} and m.qweight_0.numel() == 0, "Q4_K was not repacked once"
         want = x.double() @ w.T
         eps = torch.finfo(dtype).eps
         bound = 1e-5 * (x.double().abs() @ w.abs().T) + eps * want.abs() + 1e-6
         if dtype != torch.float32:  # the matrix itself is rounded to the dtype first
             bound = bound + eps * (x.double().abs() @ w.abs().T)
-        assert ((got.double().cpu() - want).abs() <= bound).all(), kernel
+        assert ((got.double().cpu() - want).abs() <= bound).all(), pair
 
 
 # -- the pytest side ------------------------------------------------------------------------

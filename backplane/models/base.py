@@ -267,10 +267,11 @@ class CausalLM(CachedModule):
         """Set who runs the fused elementwise work of every layer (norms, activations, rotary).
 
         Every module with a ``fused_ops`` attribute (the model's own included)
-        gets ``impl``; call it before any CUDA graph is captured. With Triton,
-        the projections (:class:`~backplane.models.linear.Linear`) also run
-        their one-row products on CUDA with the split-K GEMV where it is faster
-        than cuBLAS.
+        gets ``impl``, and then its ``prepare_fused_ops()`` runs where it has
+        one (GGUF projections repack their weights for the Triton kernels);
+        call it before any CUDA graph is captured. With Triton, the projections
+        (:class:`~backplane.models.linear.Linear`) also run their one-row
+        products on CUDA with the split-K GEMV where it is faster than cuBLAS.
 
         :param impl: ``"torch"`` or ``"triton"``, as chosen by
             :func:`backplane.engine.selection.select_fused_ops` (which resolves
@@ -285,6 +286,9 @@ class CausalLM(CachedModule):
         for m in self.modules():
             if isinstance(getattr(type(m), "fused_ops", None), str):
                 m.fused_ops = impl
+                prepare = getattr(m, "prepare_fused_ops", None)
+                if prepare is not None:
+                    prepare()
         logger.info("fused elementwise ops: %s (device %s)", impl, device)
         return impl
 

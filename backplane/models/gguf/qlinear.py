@@ -13,6 +13,12 @@ reads about a quarter of the bytes of its bfloat16 form per token:
   :mod:`backplane.kernels.qgemv`, which reads the blocks and dequantises in
   registers; more rows expand the blocks into a matrix of the input's dtype
   with one kernel of the same module and multiply (the matrix is dropped);
+- Q4_K rows there are first repacked (:meth:`QuantizedLinear.prepare_fused_ops`,
+  once, when the fused ops are set, or at the first product) into the layout of
+  :mod:`backplane.kernels.q4k_layout` (4.625 bits a weight against 4.5),
+  which the one-row kernel of :mod:`backplane.kernels.qgemv_packed` reads at
+  a third of the instructions per byte; the raw blocks are dropped, so the
+  weight is kept once;
 - elsewhere (CPU, traced forwards) the matrix is dequantised per call with
   the vectorised torch code of :mod:`~backplane.models.gguf.dequant` (kept
   nowhere) and multiplied.
@@ -35,6 +41,7 @@ import torch
 from torch import nn
 
 from backplane import kernels
+from backplane.kernels.q4k_layout import PackedQ4K, dequantize_packed, repack_q4k
 from backplane.models.base import CausalLM
 from backplane.models.gguf.dequant import GGML_TYPES, dequantize
 from backplane.models.linear import Linear, MergedLinear, dense
@@ -43,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: ggml type ids kept quantised in memory: Q8_0, Q4_K, Q5_K, Q6_K
 KEPT_TYPES: frozenset[int] = frozenset({8, 12, 13, 14})
+#: the ggml type id repacked for the Triton one-row kernel (Q4_K)
+PACKED_TYPE = 12
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int | None:
@@ -125,17 +134,73 @@ class QuantizedLinear(MergedLinear):
         else:
             self.register_parameter("bias", None)
         self.compute_dtype = dtype
+        #: runs of rows repacked (:meth:`prepare_fused_ops`), by index
+        self.packed_runs: set[int] = set()
+        #: set once a product was traced or captured with the raw blocks: they stay
+        self._keep_raw = False
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
-        """The raw blocks of the first run of rows (``uint8``), for code that asks a projection
-        where its weight lives; the float matrix does not exist (see :meth:`dequantized`)."""
-        return self.qweight_0
+        """The first run of rows as stored (raw ``uint8`` blocks, or the int32 quant words of a
+        repacked run), for code that asks a projection where its weight lives; the float
+        matrix does not exist (see :meth:`dequantized`)."""
+        return self.qweight_0 if 0 not in self.packed_runs else self.q4k_qs_0
 
-    def blocks(self) -> Iterator[tuple[torch.Tensor, int]]:
-        """Yield ``(raw blocks [rows, row_bytes] uint8, ggml type)`` per run of rows, in output order."""
+    def blocks(self) -> Iterator[tuple[torch.Tensor | PackedQ4K, int]]:
+        """Yield ``(weight, ggml type)`` per run of rows, in output order: its raw blocks
+        ``[rows, row_bytes]`` ``uint8``, or the :class:`~backplane.kernels.q4k_layout.PackedQ4K`
+        of a repacked Q4_K run."""
         for i, (_, _, t) in enumerate(self.runs):
-            yield getattr(self, f"qweight_{i}"), t
+            if i in self.packed_runs:
+                yield (
+                    PackedQ4K(
+                        getattr(self, f"q4k_qs_{i}"),
+                        getattr(self, f"q4k_scales_{i}"),
+                        getattr(self, f"q4k_dm_{i}"),
+                    ),
+                    t,
+                )
+            else:
+                yield getattr(self, f"qweight_{i}"), t
+
+    def prepare_fused_ops(self) -> int:
+        """With the Triton fused ops on CUDA (or the Triton interpreter), repack each Q4_K run
+        of rows for :mod:`backplane.kernels.qgemv_packed`, once, and drop its raw blocks.
+
+        Called by :meth:`~backplane.models.base.CausalLM.set_fused_ops` after it sets
+        :attr:`fused_ops` (before any graph is captured), and by the first product.
+        Nothing is repacked while a CUDA graph is captured or a forward traced; a run
+        that such a product read raw stays raw (the graph reads its bytes).
+
+        :return: how many runs were repacked now.
+        """
+        if (
+            self.fused_ops != "triton"
+            or self._keep_raw
+            or torch.compiler.is_compiling()
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        ):
+            return 0
+        done = 0
+        for i, (_, _, t) in enumerate(self.runs):
+            blocks = getattr(self, f"qweight_{i}")
+            if (
+                i in self.packed_runs
+                or t != PACKED_TYPE
+                or not (blocks.is_cuda or kernels.interpreting())
+            ):
+                continue
+            with torch.no_grad():
+                packed = repack_q4k(blocks, self.in_features)
+            self.register_buffer(f"q4k_qs_{i}", packed.qs)
+            self.register_buffer(f"q4k_scales_{i}", packed.scales)
+            self.register_buffer(f"q4k_dm_{i}", packed.dm)
+            # the raw blocks go: one copy of the weight (an empty tensor keeps the name)
+            empty = blocks.new_empty((0, blocks.shape[1]))
+            setattr(self, f"qweight_{i}", nn.Parameter(empty, requires_grad=False))
+            self.packed_runs.add(i)
+            done += 1
+        return done
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole weight as a float matrix ``[out_features, in_features]`` (tests, inspection).
@@ -146,6 +211,25 @@ class QuantizedLinear(MergedLinear):
         mats = [_dequantize_rows(b, t, self.in_features) for b, t in self.blocks()]
         return torch.cat(mats).to(dtype or self.compute_dtype)
 
+    def _unpacked(self) -> bool:
+        """Whether a Q4_K run is still to be repacked for the Triton kernels."""
+        return (
+            self.fused_ops == "triton"
+            and not self._keep_raw
+            and any(
+                t == PACKED_TYPE and i not in self.packed_runs
+                for i, (_, _, t) in enumerate(self.runs)
+            )
+        )
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` runs the Triton kernels (as opposed to torch)."""
+        return (
+            self.fused_ops == "triton"
+            and (x.is_cuda or kernels.interpreting())
+            and not torch.compiler.is_compiling()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + bias`` with ``W`` dequantised inside the product (see the module docstring).
 
@@ -153,19 +237,33 @@ class QuantizedLinear(MergedLinear):
         :return: ``[..., out_features]`` in ``x``'s dtype.
         """
         flat = x.reshape(-1, self.in_features)
+        if self._unpacked():
+            if self._fused(flat) and not (
+                flat.is_cuda and torch.cuda.is_current_stream_capturing()
+            ):
+                self.prepare_fused_ops()
+            else:
+                # a graph or a trace of this product may hold the raw blocks from now on
+                self._keep_raw = True
         outs = [self._run(flat, b, t) for b, t in self.blocks()]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _run(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    def _run(
+        self, x: torch.Tensor, blocks: torch.Tensor | PackedQ4K, ggml_type: int
+    ) -> torch.Tensor:
         """One run of rows: ``x [n, in] @ dequant(blocks).T`` -> ``[n, rows]`` in ``x``'s dtype."""
-        if (
-            self.fused_ops == "triton"
-            and (x.is_cuda or kernels.interpreting())
-            and not torch.compiler.is_compiling()
-        ):
+        if isinstance(blocks, PackedQ4K):
+            if self._fused(x):
+                packed = kernels.load_qgemv_packed()
+                if packed.supports(self.in_features, x.dtype):
+                    if x.shape[0] == 1:
+                        return packed.packed_gemv(x, blocks)
+                    return dense(x, packed.dequantize_packed_matrix(blocks, x.dtype))
+            return dense(x, dequantize_packed(blocks).to(x.dtype))
+        if self._fused(x):
             qgemv = kernels.load_qgemv()
             if qgemv.supports(ggml_type, self.in_features, x.dtype):
                 if x.shape[0] == 1:
@@ -189,6 +287,11 @@ class QuantizedLinear(MergedLinear):
         """The raw blocks of output rows ``[start, start + size)`` (one part: inside one run)."""
         for i, (first, rows, _) in enumerate(self.runs):
             if first <= start < first + rows:
+                if i in self.packed_runs:
+                    raise RuntimeError(
+                        "the weight was repacked for the Triton kernels; load the "
+                        "checkpoint before setting the fused ops"
+                    )
                 return getattr(self, f"qweight_{i}")[start - first : start - first + size]
         raise IndexError(f"row {start} is outside {self.out_features} rows")
 
@@ -215,8 +318,12 @@ class QuantizedLinear(MergedLinear):
         )
 
 
-def _dequantize_rows(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
-    """Raw blocks ``[rows, row_bytes]`` -> float32 ``[rows, in_features]``."""
+def _dequantize_rows(
+    blocks: torch.Tensor | PackedQ4K, ggml_type: int, in_features: int
+) -> torch.Tensor:
+    """Raw blocks ``[rows, row_bytes]`` (or a repacked Q4_K run) -> float32 ``[rows, in_features]``."""
+    if isinstance(blocks, PackedQ4K):
+        return dequantize_packed(blocks)
     return dequantize(blocks.reshape(-1), ggml_type, (blocks.shape[0], in_features))
 
 
