@@ -50,7 +50,6 @@ from backplane.engine.worker.graph.capture import (
     capture_stream,
     new_pool,
     pool_id,
-    weak_ref,
     weak_refs,
 )
 from backplane.engine.worker.graph.context import GraphContext, GraphPhase
@@ -113,15 +112,6 @@ def _with_out(
     if len(args) >= op.num_args:
         return (*args[: op.num_args - 1], out, *args[op.num_args :]), kwargs
     return args, {**kwargs, "out": out}
-
-
-def _unowned(value: Any) -> Any:
-    """``value`` with every CUDA tensor in it (nested tuples/lists too) held without ownership."""
-    if isinstance(value, torch.Tensor):
-        return weak_ref(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_unowned(v) for v in value)
-    return value
 
 
 @dataclass
@@ -214,7 +204,9 @@ class _Recorder:
         args, kwargs = _with_out(op, args, kwargs, buf)
         op._init_fn(*args, **kwargs)
         self.recording.steps.append(
-            functools.partial(op._init_fn, *_unowned(args), **_unowned(kwargs))
+            functools.partial(
+                op._init_fn, *weak_refs(args), **{k: weak_refs(v) for k, v in kwargs.items()}
+            )
         )
         self.recording.ops += 1
         self.begin()
