@@ -253,3 +253,31 @@ def test_the_kit_finds_a_backend_calling_its_op_through_the_dispatcher():
         check_op_objects_called(Backend(), lambda: torch.ops.bp_graph_test.rowmix(x, w, None))
     with pytest.raises(AssertionError, match="op object"):
         check_op_objects_called(Backend(), lambda: rowmix_lookalike(x, w))
+
+
+class FailingToy(Toy):
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        rowmix(self.l1(x) + pos[:, None], self.w)
+        raise RuntimeError("out of memory in the middle of a recording")
+
+
+def test_a_failed_recording_ends_the_capture_it_left_open():
+    class OpenGraphs(FakeGraph):
+        open = 0
+
+        def capture_begin(self, pool=None) -> None:
+            OpenGraphs.open += 1
+
+        def capture_end(self) -> None:
+            OpenGraphs.open -= 1
+
+    recorder = _Recorder(normalize_ops([rowmix]), None, graph_type=OpenGraphs)
+    with torch.inference_mode(), intercept_cached_ops(recorder):
+        recorder.begin()
+        with pytest.raises(RuntimeError, match="out of memory"):
+            FailingToy()(torch.randn(3, 8), torch.arange(3.0))
+        assert OpenGraphs.open == 1  # the graph begun after the op is still recording
+        recorder.abort()
+    assert OpenGraphs.open == 0
+    recorder.abort()  # nothing open: nothing to do
+    assert OpenGraphs.open == 0

@@ -190,6 +190,16 @@ class _Recorder:
         self.recording.graphs.append(graph)
         self.recording.steps.append(graph.replay)
 
+    def abort(self) -> None:
+        """End a capture left open by a failure, so that the stream can run work again."""
+        graph, self._graph = self._graph, None
+        if graph is None:
+            return
+        try:
+            graph.capture_end()
+        except Exception:  # an invalidated capture still ends; the failure is the caller's
+            logger.debug("ending a failed piecewise capture raised", exc_info=True)
+
     def __call__(self, op: CachedOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if op._opoverload not in self.ops:
             return op._init_fn(*args, **kwargs)
@@ -300,18 +310,15 @@ class PiecewiseGraphs:
         stream = capture_stream(torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
-        try:
-            with torch.cuda.stream(stream), intercept_cached_ops(recorder):
+        with torch.cuda.stream(stream), intercept_cached_ops(recorder):
+            try:
                 recorder.begin()
                 out = self.forward(*args)
                 recorder.end()
-        except BaseException:
-            if recorder._graph is not None:  # leave no capture open on the stream
-                try:
-                    recorder._graph.capture_end()
-                except Exception:
-                    pass
-            raise
+            except BaseException:
+                # on the capture stream: a capture can only end where it began
+                recorder.abort()
+                raise
         torch.cuda.current_stream().wait_stream(stream)
         recording = recorder.recording
         recording.inputs = tuple(args)
