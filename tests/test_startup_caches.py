@@ -33,6 +33,7 @@ def test_compilers_point_into_the_backplane_directory(tmp_path):
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
     assert (tmp_path / "inductor").is_dir() and (tmp_path / "triton").is_dir()
     assert caches.root == tmp_path and not caches.chosen_by_user
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"
     # a second call changes nothing
     assert configure_compile_caches(env).dirs == caches.dirs
 
@@ -44,6 +45,10 @@ def test_a_users_choice_is_kept(tmp_path):
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     assert caches.chosen_by_user == {"TRITON_CACHE_DIR"}
     assert not (tmp_path / "triton").exists()
+    env = {CACHE_DIR_ENV: str(tmp_path), "TRITON_CACHE_AUTOTUNING": "0"}
+    caches = configure_compile_caches(env)
+    assert env["TRITON_CACHE_AUTOTUNING"] == "0"
+    assert "TRITON_CACHE_AUTOTUNING" in caches.chosen_by_user
 
 
 def test_an_unwritable_directory_warns_and_leaves_the_default(tmp_path, caplog):
@@ -53,6 +58,7 @@ def test_an_unwritable_directory_warns_and_leaves_the_default(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         caches = configure_compile_caches(env)
     assert "TRITON_CACHE_DIR" not in env and "TORCHINDUCTOR_CACHE_DIR" not in env
+    assert "TRITON_CACHE_AUTOTUNING" not in env  # no directory of ours to keep them in
     assert not caches.dirs
     assert CACHE_DIR_ENV in caplog.text and "writable" in caplog.text
 

@@ -11,7 +11,11 @@ find the same artefacts:
 - the directory is ``$BACKPLANE_CACHE_DIR``, else ``$XDG_CACHE_HOME/backplane``,
   else ``~/.cache/backplane``;
 - ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` point into it unless the
-  user has set them (a user's choice is never overridden).
+  user has set them (a user's choice is never overridden);
+- ``TRITON_CACHE_AUTOTUNING=1`` (unless set) keeps the choices of autotuned
+  Triton kernels (mamba-ssm's and fla's scans; backplane's own kernels choose
+  their launches without autotuning) in Triton's cache, so a later start-up
+  does not time every configuration again.
 
 :func:`configure_compile_caches` sets them; it runs before anything is compiled
 (the worker's ``load_model``, ``backplane warmup``) and may run any number of
@@ -35,6 +39,9 @@ CACHE_DIR_ENV = "BACKPLANE_CACHE_DIR"
 
 #: each tool's variable and its sub-directory of the backplane cache
 _TOOL_DIRS = (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))
+#: Triton's switch for keeping autotuning results on disk (read when an autotuned
+#: kernel is defined, so it is set before any backend imports its kernels)
+AUTOTUNING_ENV = "TRITON_CACHE_AUTOTUNING"
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,8 @@ def cache_root(environ: MutableMapping[str, str] | None = None) -> Path:
 
 
 def configure_compile_caches(environ: MutableMapping[str, str] | None = None) -> CompileCaches:
-    """Point Inductor's and Triton's caches into backplane's cache directory.
+    """Point Inductor's and Triton's caches into backplane's cache directory, and keep
+    Triton's autotuning results there.
 
     A variable the user has set is left alone. When a directory cannot be
     created (a read-only home, say) its variable is not set and the compiler
@@ -100,5 +108,9 @@ def configure_compile_caches(environ: MutableMapping[str, str] | None = None) ->
             )
             continue
         env[var] = dirs[var] = str(path)
+    if AUTOTUNING_ENV in env:
+        user.add(AUTOTUNING_ENV)
+    elif "TRITON_CACHE_DIR" in dirs:
+        env[AUTOTUNING_ENV] = "1"
     logger.debug("compile caches: %s", dirs)
     return CompileCaches(root=root, dirs=dirs, chosen_by_user=frozenset(user))
