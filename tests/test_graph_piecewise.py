@@ -281,3 +281,22 @@ def test_a_failed_recording_ends_the_capture_it_left_open():
     assert OpenGraphs.open == 0
     recorder.abort()  # nothing open: nothing to do
     assert OpenGraphs.open == 0
+
+
+def test_an_interceptor_holds_for_its_own_thread_only():
+    import threading
+
+    seen = []
+    x, w = torch.randn(2, 8), torch.randn(8)
+
+    def other():
+        with torch.inference_mode():
+            rowmix(x, w)
+
+    with torch.inference_mode(), intercept_cached_ops(lambda op, a, k: seen.append(op) or x):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert seen == []
+        rowmix(x, w)
+    assert seen == [rowmix]

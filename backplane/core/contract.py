@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -86,7 +87,15 @@ def finish_output(out: torch.Tensor | None, buf: torch.Tensor, num_tokens: int) 
 
 #: Takes over every eager call of a cached op while set (:func:`intercept_cached_ops`).
 OpInterceptor = Callable[["CachedOpDef", tuple[Any, ...], dict[str, Any]], Any]
-_interceptor: OpInterceptor | None = None
+
+
+class _Interception(threading.local):
+    """The interceptor of this thread (engines in other threads capture on their own)."""
+
+    interceptor: OpInterceptor | None = None
+
+
+_local = _Interception()
 
 
 @contextlib.contextmanager
@@ -95,7 +104,8 @@ def intercept_cached_ops(interceptor: OpInterceptor) -> Iterator[None]:
 
     A graph runner records a forward as CUDA graphs cut at its dynamic ops this
     way: at each such call it ends the graph being recorded, runs the op
-    eagerly and starts the next graph. Calls made under autograd, tracing or
+    eagerly and starts the next graph. It holds for the calling thread only.
+    Calls made under autograd, tracing or
     ``torch.compile`` are not intercepted; calls through the dispatcher
     (``torch.ops.ns.name(...)``) never reach it.
 
@@ -105,12 +115,11 @@ def intercept_cached_ops(interceptor: OpInterceptor) -> Iterator[None]:
         always among ``kwargs`` unless passed positionally; what it returns is
         the call's result.
     """
-    global _interceptor
-    previous, _interceptor = _interceptor, interceptor
+    previous, _local.interceptor = _local.interceptor, interceptor
     try:
         yield
     finally:
-        _interceptor = previous
+        _local.interceptor = previous
 
 
 class CachedOpDef(CustomOpDef):
@@ -132,8 +141,9 @@ class CachedOpDef(CustomOpDef):
             and not torch.compiler.is_compiling()
             and not _is_fx_symbolic_tracing()
         ):
-            if _interceptor is not None:
-                return _interceptor(self, args, kwargs)
+            interceptor = _local.interceptor
+            if interceptor is not None:
+                return interceptor(self, args, kwargs)
             if _get_current_dispatch_mode() is not None:
                 return super().__call__(*args, **kwargs)
             # Eager call on real tensors without autograd (the engine runs under
