@@ -23,6 +23,7 @@ from interpreter_checks import interpreter_tests, main
 CHECKS = (
     "fp8_prefill_from_pages",
     "fp8_decode_split_kv",
+    "fp8_decode_active_splits",
     "fp8_decode_bf16_queries",
     "fp8_scales_are_not_ignored",
 )
@@ -136,6 +137,32 @@ def check_fp8_decode_split_kv():
             scale=0.2, group=4, k_scale=K_SCALE, v_scale=V_SCALE, num_splits=splits,
         )  # fmt: skip
         _close(f"decode over {splits} splits", out[: batch.num_tokens], ref)
+
+
+def check_fp8_decode_active_splits():
+    """Each sequence takes as many of the launch's splits as its keys fill at the least keys a
+    split, the rest idle: contexts of 2 to 251 keys over 8 splits, at 32 and at the default 128
+    keys a split, and every key divided among all splits (0); each launch twice with new
+    queries, so an arrival counter left wrong by the idle splits would break the second."""
+    import torch
+
+    from backplane.backends.triton import attention_launch as tri
+
+    batch, q, cache = _setup(
+        [1, 1, 1, 1, 1], [1, 4, 40, 100, 250], hq=8, hkv=2, d=32, page_size=8, seed=5
+    )
+    for min_keys in (32, None, 0):
+        for round_ in range(2):
+            q = torch.randn_like(q)
+            ref = _reference(batch, q, cache, 0.2, K_SCALE, V_SCALE)
+            out = torch.full(q.shape, float("nan"))
+            tri.paged_decode(
+                batch, q, cache[:, 0], cache[:, 1], out, scale=0.2, group=4,
+                k_scale=K_SCALE, v_scale=V_SCALE, num_splits=8, min_split_keys=min_keys,
+            )  # fmt: skip
+            _close(
+                f"8 splits, {min_keys} keys a split, round {round_}", out[: batch.num_tokens], ref
+            )
 
 
 def check_fp8_decode_bf16_queries():

@@ -648,8 +648,17 @@ def _decode_kernel(
     APPEND: tl.constexpr,
     PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
+
+    A sequence's keys are divided among its first ``active`` splits, each at
+    least ``MIN_SPLIT_KEYS`` keys (rounded up to whole tiles) and all but the
+    last the same size, ``active`` worked out from the sequence's length on the
+    device: a decode graph is captured with the split count of the longest
+    context, and a short sequence replayed in it leaves its other splits idle
+    (they write nothing and do not count in) instead of spreading a few keys
+    over every split and merging them all.
 
     With ``APPEND`` the program whose split holds the sequence's last position
     first writes this step's key/value row (``kn``/``vn`` at the token's slot)
@@ -685,7 +694,11 @@ def _decode_kernel(
     tok = (first_tok + j).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo0 = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo0, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    span = seq_len - lo0
+    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(per_split, tl.maximum(tl.cdiv(MIN_SPLIT_KEYS, BLOCK_N), 1) * BLOCK_N)
+    # splits past the keys stay idle; an empty sequence still has one (empty) split
+    active = tl.maximum(tl.cdiv(span, per_split), 1)
     lo = lo0 + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -774,7 +787,7 @@ def _decode_kernel(
     out_mask = h_mask[:, None] & (dv[None, :] < DV)
     if NUM_SPLITS == 1:
         tl.store(out_rows, acc.to(o_ptr.dtype.element_ty), mask=out_mask)
-    else:
+    elif split < active:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         row0 = (j.to(tl.int64) * num_heads + heads) * NUM_SPLITS
         tl.store(po_ptr + (row0 + split)[:, None] * BLOCK_DV + dv[None, :], acc, mask=out_mask)
@@ -782,12 +795,12 @@ def _decode_kernel(
         # Every thread's partial stores come before the (releasing) arrival.
         tl.debug_barrier()
         counter = arrivals_ptr + j * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
             ss = tl.arange(0, BLOCK_S)
             # Loads bypass L1 (".cg"): the other splits were written by other SMs.
             lses = tl.load(
                 plse_ptr + row0[:, None] + ss[None, :],
-                mask=h_mask[:, None] & (ss[None, :] < NUM_SPLITS),
+                mask=h_mask[:, None] & (ss[None, :] < active),
                 other=float("-inf"),
                 cache_modifier=".cg",
             )
@@ -797,7 +810,7 @@ def _decode_kernel(
             merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
             # One split at a time keeps registers at one [BLOCK_H, BLOCK_DV] tile
             # whatever the number of splits (MLA rows are 512 wide).
-            for s in range(NUM_SPLITS):
+            for s in range(active):
                 w = tl.exp2(
                     tl.load(plse_ptr + row0 + s, mask=h_mask, other=0.0, cache_modifier=".cg")
                     - m_safe

@@ -27,6 +27,7 @@ from backplane.backends.triton._common import dot_block, ieee_dot, interpreting,
 from backplane.backends.triton.attention_configs import (
     _DECODE_CONFIGS,
     _PREFILL_CONFIGS,
+    KEYS_PER_SPLIT,
     _configs_key,
     _decode_class,
     _launch_fitting,
@@ -692,6 +693,7 @@ def paged_decode(
     num_splits: int | None = None,
     configs: list[dict] | None = None,
     layout: _DecodeLayout | None = None,
+    min_split_keys: int | None = None,
 ) -> None:
     """Split-KV decode for the decode sequences of ``batch``, writing their ``out`` rows.
 
@@ -703,6 +705,9 @@ def paged_decode(
     ``num_splits`` overrides :func:`choose_num_splits` (tests use it to force
     several splits); ``layout`` is :func:`decode_layout`'s result for these
     tensors' layout (the same planes), kept by the caller; ``None`` looks it up.
+    ``min_split_keys``: the fewest keys a split of a sequence takes (see
+    ``_decode_kernel``), :data:`KEYS_PER_SPLIT` by default, 0 (every context
+    divided among all the splits) while a test forces the split count.
     """
     nd = batch.num_decode_seqs
     if nd == 0:
@@ -757,6 +762,8 @@ def paged_decode(
                 q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
                 k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
+    if min_split_keys is None:
+        min_split_keys = 0 if _FORCED_SPLITS["value"] else KEYS_PER_SPLIT
     if num_splits is None:
         num_splits = choose_num_splits(batch, layout.programs_per_split, q.device)
     if configs is None:
@@ -796,13 +803,18 @@ def paged_decode(
     )
     device = dev.index
     if aligned:
-        hit_key = (num_splits, cfg_id, int_key(nps), int_key(npt), out.dtype, kn.dtype,
-                   vn.dtype, slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
+        hit_key = (num_splits, min_split_keys, cfg_id, int_key(nps), int_key(npt), out.dtype,
+                   kn.dtype, vn.dtype, slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
         hit = layout.hits.get(hit_key)
         if hit is not None:
             hit.launch(nd, layout.programs_per_split, num_splits, device, *args)
             return
-    meta = dict(layout.meta, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits))
+    meta = dict(
+        layout.meta,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits),
+        MIN_SPLIT_KEYS=min_split_keys,
+    )
     key = (*layout.config_key, cfg_id)
     grid = (nd, layout.programs_per_split, num_splits)
     launch_key = (layout.spec_key, hit_key) if aligned else None
