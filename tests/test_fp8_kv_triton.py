@@ -149,7 +149,7 @@ def check_fp8_decode_active_splits():
     from backplane.backends.triton import attention_launch as tri
 
     batch, q, cache = _setup(
-        [1, 1, 1, 1, 1], [1, 4, 40, 100, 250], hq=8, hkv=2, d=32, page_size=8, seed=5
+        [1, 1, 1, 1, 1, 1], [1, 4, 40, 69, 100, 250], hq=8, hkv=2, d=32, page_size=8, seed=5
     )
     for min_keys in (32, None, 0):
         for round_ in range(2):

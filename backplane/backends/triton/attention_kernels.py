@@ -652,13 +652,14 @@ def _decode_kernel(
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
 
-    A sequence's keys are divided among its first ``active`` splits, each at
-    least ``MIN_SPLIT_KEYS`` keys (rounded up to whole tiles) and all but the
-    last the same size, ``active`` worked out from the sequence's length on the
-    device: a decode graph is captured with the split count of the longest
-    context, and a short sequence replayed in it leaves its other splits idle
-    (they write nothing and do not count in) instead of spreading a few keys
-    over every split and merging them all.
+    A sequence's keys are divided among its first ``active`` splits (whole
+    tiles each, all but the last the same size): as many as its
+    ``MIN_SPLIT_KEYS``-key blocks rounded up to a power of two, at most
+    ``NUM_SPLITS`` (all of them when ``MIN_SPLIT_KEYS`` is 0), worked out from
+    the sequence's length on the device. A decode graph is captured with the
+    split count of the longest context; a short sequence replayed in it leaves
+    its other splits idle (they write nothing and do not count in) instead of
+    spreading a few keys over every split and merging them all.
 
     With ``APPEND`` the program whose split holds the sequence's last position
     first writes this step's key/value row (``kn``/``vn`` at the token's slot)
@@ -695,8 +696,17 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     lo0 = tl.maximum(seq_len - window, 0)
     span = seq_len - lo0
-    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    per_split = tl.maximum(per_split, tl.maximum(tl.cdiv(MIN_SPLIT_KEYS, BLOCK_N), 1) * BLOCK_N)
+    if MIN_SPLIT_KEYS > 0:
+        # the host's rule for an eager step, per sequence: its MIN_SPLIT_KEYS-key
+        # blocks rounded up to a power of two, at most the launch's splits
+        blocks = tl.cdiv(span, MIN_SPLIT_KEYS)
+        want = tl.full([], 1, tl.int32)
+        for _ in tl.static_range(7):  # 2**7 > MAX_KV_SPLITS
+            want = tl.where(want < blocks, want * 2, want)
+        want = tl.minimum(want, NUM_SPLITS)
+    else:
+        want = NUM_SPLITS
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(span, want), BLOCK_N), 1) * BLOCK_N
     # splits past the keys stay idle; an empty sequence still has one (empty) split
     active = tl.maximum(tl.cdiv(span, per_split), 1)
     lo = lo0 + split * per_split
