@@ -249,8 +249,13 @@ def measure_packed(n: int, k: int, sms: int, dtype: torch.dtype) -> dict:
     if not bodies:
         raise ValueError("no loop in the kernel's SASS")
     body = max(bodies, key=lambda b: sum(i[1].startswith("FFMA") for i in b))
-    total = len(body) * launch["num_warps"]
     per_iter = launch["BLOCK_N"] * launch["BLOCK_K"] // 256 * 144
+    return _loop_stats(launch, body, launch["num_warps"], per_iter)
+
+
+def _loop_stats(launch: dict, body: list, warps: int, per_iter: int) -> dict:
+    """The statistics :func:`measure` returns, of a loop ``body`` reading ``per_iter`` bytes."""
+    total = len(body) * warps
     return {
         "launch": launch,
         "instructions": len(body),
@@ -272,20 +277,9 @@ def measure(ggml_type: int, n: int, k: int, sms: int, dtype: torch.dtype) -> dic
     """
     sass, launch = compile_sass(ggml_type, n, k, sms, dtype)
     body = main_loop(parse(sass), INNER_TRIPS.get(ggml_type, 1))
-    warps = launch["num_warps"]
     _, type_size = qgemv.LAYOUTS[ggml_type]
     per_iter = launch["BLOCK_N"] * launch["UNITS"] * type_size
-    total = len(body) * warps
-    return {
-        "launch": launch,
-        "instructions": len(body),
-        "warp_instructions": total,
-        "weight_bytes": per_iter,
-        "per_byte": total / per_iter,
-        "per_32_bytes": 32 * total / per_iter,
-        "classes": dict(Counter(classify(op) for _, op, _ in body).most_common()),
-        "opcodes": dict(Counter(op.split(".")[0] for _, op, _ in body).most_common()),
-    }
+    return _loop_stats(launch, body, launch["num_warps"], per_iter)
 
 
 def main(argv: list[str] | None = None) -> int:
