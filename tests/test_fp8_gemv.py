@@ -271,8 +271,8 @@ def check_wide_chunks(device: torch.device) -> None:
 
 
 def check_riders(device: torch.device) -> None:
-    """The RMS-norm and gated-activation prologues and the activation epilogue over an FP8
-    weight equal, bit for bit, the separate kernels followed by the plain FP8 product."""
+    """The RMS-norm and gated-activation prologues and the activation and gated epilogues over
+    an FP8 weight equal, bit for bit, the separate kernels with the plain FP8 product."""
     from backplane.kernels import load, load_gemv
 
     gemv, ew = load_gemv(), load()
@@ -299,6 +299,9 @@ def check_riders(device: torch.device) -> None:
         got = gemv.gemv(x, q, launch=launch, act="relu2", **sc)
         plain = gemv.gemv(x, q, launch=launch, **sc)
         equal(f"relu2 epilogue {name}", got, torch.square(torch.relu(plain)))
+        # Gate and up rows in pair order: each row keeps its own (block) scale.
+        got = gemv.gemv(x, q, launch=launch, glu="silu", **sc)
+        equal(f"gated epilogue {name}", got, ew.act_and_mul(plain, "silu"))
 
 
 def check_refusals(device: torch.device) -> None:

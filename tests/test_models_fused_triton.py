@@ -638,6 +638,7 @@ def check_gemv(device: torch.device) -> None:
             _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
     _check_gemv_activations(gemv, device)
     _check_gemv_gated(gemv, device)
+    _check_gemv_glu(gemv, device)
     _check_norm_gemv(gemv, device)
     w = _randn(4, 8, dtype=torch.float32, device=device, seed=1)
     for bad in ((2, 8), (1, 1, 8), (1, 9)):
@@ -712,10 +713,13 @@ def check_gemv(device: torch.device) -> None:
 def _check_gemv_dependent_launch(gemv: Any, device: torch.device) -> None:
     """Projections launched as programmatic dependents (the first two weight tiles loaded before
     the wait) equal the plain launches bit for bit, alone and chained (each reading the
-    previous one's output, with a norm prologue, split-K and a gated prologue); on a device
-    that runs dependent launches, a captured chain replays with new inputs as the plain chain
-    computes them (a missing wait would read the previous replay's rows)."""
+    previous one's output, with a norm prologue, split-K and a gated prologue, and an L2
+    prefetch of the next weight between the first two: the kernel after it must still wait,
+    through it, for the first); on a device that runs dependent launches, a captured chain
+    replays with new inputs as the plain chain computes them (a missing wait would read the
+    previous replay's rows)."""
     from backplane.core.launch import dependent_launch
+    from backplane.kernels import load_prefetch
 
     if device.type == "cuda" and not dependent_launch(device.index):
         return
@@ -736,6 +740,8 @@ def _check_gemv_dependent_launch(gemv: Any, device: torch.device) -> None:
 
         def run(x: torch.Tensor, r: torch.Tensor) -> list[torch.Tensor]:
             y1, res = p1(x, r)
+            if pdl:
+                load_prefetch().prefetch_l2(w2)
             y2, _ = p2(y1)
             y3, _ = p3(y2)
             return [y1, res, y2, y3]
@@ -849,6 +855,50 @@ def _check_gemv_gated(gemv: Any, device: torch.device) -> None:
     except ValueError:
         return
     raise AssertionError("gemv with gate_act accepted a row of the weight's width")
+
+
+def _check_gemv_glu(gemv: Any, device: torch.device) -> None:
+    """``gemv(x, w, ..., glu=a)`` over a gated MLP's ``[gate | up]`` weight equals the plain
+    product followed by the gated activation kernel, bit for bit, split or not, with a norm
+    prologue too (the residual stream unchanged); every element of the half-width output is
+    compared. An odd row count, row blocks that cannot hold whole pairs, or a gated epilogue
+    with an activation epilogue are refused."""
+    from backplane.kernels import load
+
+    elementwise = load()
+    if _small(device):
+        cases = [((80, 1000), None), ((66, 512), (8, 64, 4)), ((34, 300), (16, 128, 3))]
+    else:
+        cases = [((2 * 8192, 2048), (16, 256, 1)), ((2 * 14336, 4096), (16, 512, 1))]
+        cases += [((66, 3000), (8, 64, 3)), ((2 * 1024, 2048), None)]
+    seed = 800
+    eps = 1e-5
+    for ((n, k), launch), dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+        seed += 1
+        x = _randn(1, k, dtype=dtype, device=device, seed=seed)
+        w = _randn(n, k, dtype=dtype, device=device, seed=seed + 1, scale=k**-0.5)
+        b = _randn(n, dtype=dtype, device=device, seed=seed + 2)
+        r = _randn(1, k, dtype=dtype, device=device, seed=seed + 3)
+        g = _randn(k, dtype=dtype, device=device, seed=seed + 4, scale=0.5)
+        for act, bias in itertools.product(("silu", "relu2", "gelu"), (None, b)):
+            name = f"gemv {n}x{k} {dtype} launch={launch} glu={act} bias={bias is not None}"
+            got = gemv.gemv(x, w, bias, launch=launch, glu=act)
+            assert got.shape == (1, n // 2) and got.dtype == dtype, name
+            want = elementwise.act_and_mul(gemv.gemv(x, w, bias, launch=launch), act)
+            _equal(name, got, want)
+            got, res = gemv.norm_gemv(x, r, g, eps, False, w, bias, launch=launch, glu=act)
+            plain, want_res = gemv.norm_gemv(x, r, g, eps, False, w, bias, launch=launch)
+            _equal(name + " norm", got, elementwise.act_and_mul(plain, act))
+            _equal(name + " norm residual", res, want_res)
+    x = _randn(1, 64, dtype=torch.float32, device=device, seed=1)
+    for bad_n, bad_launch, act in ((33, (8, 64, 1), None), (32, (1, 64, 1), None),
+                                   (32, (8, 64, 1), "relu")):  # fmt: skip
+        w = _randn(bad_n, 64, dtype=torch.float32, device=device, seed=2)
+        try:
+            gemv.gemv(x, w, launch=bad_launch, act=act, glu="silu")
+        except ValueError:
+            continue
+        raise AssertionError(f"gemv accepted a gated epilogue over {bad_n} rows, {bad_launch}")
 
 
 def _check_norm_gemv(gemv: Any, device: torch.device) -> None:
@@ -1018,16 +1068,38 @@ def check_model(preset: str, device: torch.device) -> None:
 
         return wrapper
 
+    from backplane.kernels import load_prefetch
+    from backplane.models import linear
+
+    prefetch, capturing = load_prefetch(), linear.capturing
+    original_prefetch = prefetch.prefetch_l2
+    hinted: list[int] = []
+
+    def spying(weight: torch.Tensor) -> None:
+        hinted.append(weight.data_ptr())
+        original_prefetch(weight)
+
     try:
         for name, fn in originals.items():
             setattr(k, name, counting(name, fn))
+        # As if captured: the mixers hint their output projections at one token.
+        linear.capturing = lambda x: True
+        prefetch.prefetch_l2 = spying
         assert lm.set_fused_ops("triton") == "triton"
         got = _forward_logits(lm, backends, device)
     finally:
         for name, fn in originals.items():
             setattr(k, name, fn)
+        linear.capturing, prefetch.prefetch_l2 = capturing, original_prefetch
     missing = _EXPECTED_CALLS[preset] - set(calls)
     assert not missing, f"{preset}: kernels not run: {sorted(missing)} (ran {calls})"
+    # One one-row step: each mixer's output projection hinted once, nothing else.
+    outputs = sorted(
+        m.weight.data_ptr()
+        for name, m in lm.named_modules()
+        if name.endswith((".o_proj", ".out_proj"))
+    )
+    assert outputs and sorted(hinted) == outputs, f"{preset}: hinted {hinted}, outputs {outputs}"
     _close(f"{preset} logits", got, want, {"rtol": 1e-4, "atol": 1e-4})
     assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{preset}: greedy tokens differ"
 

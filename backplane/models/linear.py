@@ -158,6 +158,14 @@ class WeightQuantization(Protocol):
         ...
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``x``'s device.
+
+    :param x: a tensor of the step; ``False`` for one off CUDA.
+    """
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose product runs through :func:`dense` (same parameters, same checkpoint names).
 
@@ -225,6 +233,43 @@ class Linear(nn.Linear):
         proj = self._projection(x, ("gated", act))
         return None if proj is None else proj(x)[0]
 
+    def forward_glu(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """``act(gate) * up`` of a gated MLP's ``[gate | up]`` projection in one kernel, where the
+        one-row kernel runs this projection.
+
+        :param x: the input, as for :meth:`forward`.
+        :param act: the gate's activation (a key of
+            :data:`~backplane.kernels.elementwise.ACT_CODES`).
+        :return: ``[1, out_features / 2]``, rounded as :meth:`forward` followed by
+            the gated activation kernel round it; ``None`` where :meth:`forward`
+            would not use the one-row kernel (the caller forms the product).
+        """
+        proj = self._projection(x, ("glu", act))
+        return None if proj is None else proj(x)[0]
+
+    def prefetch_weight(self, x: torch.Tensor) -> None:
+        """Start pulling this projection's weight into the GPU's L2 for a one-row call a few
+        kernels later (see :mod:`backplane.kernels.prefetch`); returns at once.
+
+        A mixer calls it before the latency-bound kernels that come between its
+        input and output projections, at one token. It hints only while a CUDA
+        graph is captured: a replay pays no host time for the extra kernel, while
+        an eager one-row step is bound by its launches.
+
+        :param x: an activation of the step (its device and token count decide).
+        """
+        if (
+            self.fused_ops != "triton"
+            or x.dim() != 2
+            or x.shape[0] != 1
+            or torch.compiler.is_compiling()
+            or not capturing(x)
+        ):
+            return
+        w = self.weight
+        if w.device == x.device and w.is_contiguous() and self.packed_weight is None:
+            kernels.load_prefetch().prefetch_l2(w)
+
     def forward_normed(
         self,
         x: torch.Tensor,
@@ -234,6 +279,7 @@ class Linear(nn.Linear):
         zero_centered: bool,
         act: str | None = None,
         rotary: RotaryEpilogue | None = None,
+        glu: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Project the RMS-normalised ``x (+ residual)`` in one kernel, where the one-row kernel runs.
 
@@ -249,6 +295,8 @@ class Linear(nn.Linear):
         :param act: an activation applied as the epilogue, or ``None``.
         :param rotary: rotate the leading outputs (an attention layer's query
             and key heads), or ``None``.
+        :param glu: the weight is a gated MLP's ``[gate | up]``: the output is
+            ``glu(gate) * up`` (see :meth:`forward_glu`), or ``None``.
         :return: ``(output, residual stream)``, or ``None`` where the kernel
             does not run this input with all of the above (the caller
             normalises, projects and rotates).
@@ -258,14 +306,14 @@ class Linear(nn.Linear):
         ):
             return None
         if rotary is None:
-            variant: tuple = ("norm", norm_weight, eps, zero_centered, act, None)
+            variant: tuple = ("norm", norm_weight, eps, zero_centered, act, None, glu)
             cos = sin = None
         else:
             cos, sin = rotary.cos, rotary.sin
             half = cos.shape[-1]
             if cos.dtype != x.dtype or cos.stride(-1) != 1 or sin.stride(-1) != 1:
                 return None
-            variant = ("norm", norm_weight, eps, zero_centered, act, (rotary.rows, half))
+            variant = ("norm", norm_weight, eps, zero_centered, act, (rotary.rows, half), glu)
         proj = self._projection(x, variant)
         if proj is None:
             return None
@@ -276,8 +324,9 @@ class Linear(nn.Linear):
         """The one-row projection for ``x`` with what ``variant`` adds, or ``None`` where
         :func:`dense` (and separate kernels) run it.
 
-        :param variant: ``("plain",)``, ``("act", act)``, ``("gated", act)`` or
-            ``("norm", norm weight, eps, zero_centered, act, (rows, half) or None)``.
+        :param variant: ``("plain",)``, ``("act", act)``, ``("gated", act)``,
+            ``("glu", act)`` or ``("norm", norm weight, eps, zero_centered, act,
+            (rows, half) or None, glu act or None)``.
         """
         if (
             self.fused_ops != "triton"
@@ -330,12 +379,17 @@ class Linear(nn.Linear):
             return gemv.OneRowProjection(self.weight, self.bias, act=variant[1], **common)
         if kind == "gated":
             return gemv.OneRowProjection(self.weight, self.bias, gate_act=variant[1], **common)
-        _, norm_weight, eps, zero_centered, act, rot = variant
+        if kind == "glu":
+            if not gemv.glu_fits(launch, self.out_features):
+                return False
+            return gemv.OneRowProjection(self.weight, self.bias, glu=variant[1], **common)
+        _, norm_weight, eps, zero_centered, act, rot, glu = variant
         if (
             x.shape[-1] > gemv.NORM_MAX_ROW
             or norm_weight.dtype != x.dtype
             or not norm_weight.is_contiguous()
             or (rot is not None and not gemv.rotary_fits(launch, self.out_features, *rot, x.dtype))
+            or (glu is not None and not gemv.glu_fits(launch, self.out_features, act, rot))
         ):
             return False
         return gemv.OneRowProjection(
@@ -344,6 +398,7 @@ class Linear(nn.Linear):
             act=act,
             norm=(norm_weight, eps, zero_centered),
             rotary=rot,
+            glu=glu,
             **common,
         )
 
@@ -484,3 +539,6 @@ class InputProjection(NamedTuple):
     act: str | None = None
     #: a rotation of its leading outputs, or ``None``
     rotary: RotaryEpilogue | None = None
+    #: the gate's activation where the projection is a gated MLP's ``[gate | up]``
+    #: and the kernel stores ``act(gate) * up`` (half its rows), or ``None``
+    glu: str | None = None

@@ -126,16 +126,22 @@ class MLP(nn.Module):
 
         A pre-norm layer may run its norm and this projection in one kernel and
         pass the result to :meth:`forward` as ``projected``: ``gate_up_proj``
-        with no activation (the gated product follows), or ``up_proj`` with
-        the block's activation; ``None`` for a non-gated block whose
-        activation the projection kernel does not apply.
+        forming the gated product as its epilogue where the kernel applies the
+        activation (else with none: the gated product follows), or
+        ``up_proj`` with the block's activation; ``None`` for a non-gated block
+        whose activation the projection kernel does not apply.
 
         :param rope: not used.
         """
         if self.gated:
-            return InputProjection(self.gate_up_proj)
+            # forward() reads ``projected`` as the gated product exactly when this asks for it.
+            return InputProjection(self.gate_up_proj, glu=self._epilogue_act())
         act = _EPILOGUE_ACTS.get(self.act_fn)
         return None if act is None else InputProjection(self.up_proj, act)
+
+    def _epilogue_act(self) -> str | None:
+        """The activation the one-row kernel applies for this block, or ``None`` where it does not."""
+        return _EPILOGUE_ACTS.get(self.act_fn) if self.fused_ops == "triton" else None
 
     def forward(
         self, x: torch.Tensor | None, *, projected: torch.Tensor | None = None
@@ -144,13 +150,23 @@ class MLP(nn.Module):
 
         :param x: the normalised input (``None`` when ``projected`` is given).
         :param projected: what :meth:`input_projection` describes, already
-            computed for ``x``: the gate/up output, or the activated up output.
+            computed for ``x``: the gated product (the gate/up output where the
+            kernel does not apply the activation), or the activated up output.
         """
         if self.gated:
+            act = self._epilogue_act()
+            if projected is not None and act is not None:
+                return self.down_proj(projected)
+            if projected is None and act is not None:
+                # One-row decode: the gated product as the gate/up projection's epilogue.
+                h = self.gate_up_proj.forward_glu(x, act)
+                if h is not None:
+                    return self.down_proj(h)
             gate_up = self.gate_up_proj(x) if projected is None else projected
-            if self.fused_ops == "triton" and self.act_fn in _EPILOGUE_ACTS:
-                # One-row decode: the gated product as the down projection's prologue.
-                y = self.down_proj.forward_gated(gate_up, _EPILOGUE_ACTS[self.act_fn])
+            if act is not None:
+                # One-row decode where gate/up runs in cuBLAS: the gated product as
+                # the down projection's prologue.
+                y = self.down_proj.forward_gated(gate_up, act)
                 if y is not None:
                     return y
             h = act_and_mul(gate_up, self.act_fn, fused_ops=self.fused_ops)

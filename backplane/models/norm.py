@@ -100,7 +100,7 @@ class RMSNorm(nn.Module):
         if spec is None:
             return None
         return spec.linear.forward_normed(
-            x, residual, self.weight, self.eps, self.zero_centered, spec.act, spec.rotary
+            x, residual, self.weight, self.eps, self.zero_centered, spec.act, spec.rotary, spec.glu
         )
 
 
