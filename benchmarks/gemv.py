@@ -24,10 +24,11 @@ reduction). The Triton results are checked against cuBLAS's first.
 
 With ``--fused`` it times each projection of ``--model`` at one row as a
 Llama-family layer runs it, with the work that rides along (q/k/v: residual
-add, RMS norm and rotary; gate/up: residual add and RMS norm; down: the
-gated activation), over a few launches, against the separate kernel pair
-(the norm or activation kernel, then the plain projection, or cuBLAS); with
-``--fp8 channel`` as well, on FP8 weights scaled per row.
+add, RMS norm and rotary; gate/up: residual add and RMS norm, and with the
+gated product as its epilogue; down: the gated activation as its prologue,
+and plain), over a few launches, against the separate kernels (the norm or
+activation kernel and the plain projection, or cuBLAS); with ``--fp8
+channel`` as well, on FP8 weights scaled per row.
 
 With ``--fp8 tensor|channel|block`` (alone) it times FP8 (e4m3) weights at one row
 instead, scaled per tensor, per output channel or per 128x128 block: the
@@ -517,7 +518,9 @@ def run_fused(model: str, fp8: str | None, bw: float, json_path: str | None) -> 
         ("qkv", "norm_rope"),
         ("o", "plain"),
         ("gate_up", "norm"),
+        ("gate_up", "norm_glu"),
         ("down", "gated"),
+        ("down", "plain"),
     ):
         n, k = shapes[name]
         floor = (n * k * (1 if fp8 else 2) + (n * 4 if fp8 else 0)) / bw * 1e6
@@ -580,6 +583,8 @@ def _fused_rows(
         extras["rotary"] = (q_rows + kv_rows, head_dim // 2)
     if variant == "gated":
         extras["gate_act"] = "silu"
+    if variant == "norm_glu":
+        extras["glu"] = "silu"
 
     def project(i: int, launch: tuple[int, ...], **kw) -> OneRowProjection:
         scale = {"scale": scales[i], "dtype": bf16} if fp8 else {}
@@ -594,7 +599,8 @@ def _fused_rows(
         return proj(x, residual, cos, sin)[0] if normed else proj(x)[0]
 
     def call_separate(proj: OneRowProjection) -> torch.Tensor:
-        return proj(prologue())[0]
+        y = proj(prologue())[0]
+        return elementwise.act_and_mul(y, "silu") if variant == "norm_glu" else y
 
     def call_cublas(w: torch.Tensor) -> torch.Tensor:
         return F.linear(prologue(), w)

@@ -7,8 +7,8 @@ kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
 does not, so its callers import cleanly without it. :func:`unavailable_reason`
 (from :mod:`.availability`) says whether the kernels can run on a device;
 :func:`load` imports one of them by name (``load_gemv``, ``load_qgemv``,
-``load_act_quant``, ``load_moe_gemv``, ``load_qgemv_packed`` and ``load_prefetch``
-are :func:`load` bound to one module).
+``load_act_quant``, ``load_moe_gemv`` and ``load_qgemv_packed`` are :func:`load`
+bound to one module).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ __all__ = [
     "load_act_quant",
     "load_gemv",
     "load_moe_gemv",
-    "load_prefetch",
     "load_qgemv",
     "load_qgemv_packed",
     "unavailable_reason",
@@ -33,7 +32,7 @@ __all__ = [
 
 
 #: the kernel modules :func:`load` imports, by name
-MODULES = ("elementwise", "gemv", "qgemv", "qgemv_packed", "act_quant", "moe_gemv", "prefetch")
+MODULES = ("elementwise", "gemv", "qgemv", "qgemv_packed", "act_quant", "moe_gemv")
 
 
 @functools.cache
@@ -43,8 +42,7 @@ def load(name: str = "elementwise") -> ModuleType:
     :param name: one of :data:`MODULES`: ``elementwise`` (the fused elementwise
         functions), ``gemv`` (one-row projections), ``qgemv`` (GGUF-quantised
         ones), ``qgemv_packed`` (Q4_K repacked for them), ``act_quant`` (FP8
-        activation quantisation), ``moe_gemv`` (few-token MoE experts) or
-        ``prefetch`` (weights pulled into L2 ahead of their projection).
+        activation quantisation) or ``moe_gemv`` (few-token MoE experts).
     :return: the module.
     :raises ValueError: ``name`` is not a kernel module.
     :raises ImportError: when ``triton`` cannot be imported.
@@ -60,4 +58,3 @@ load_qgemv = functools.partial(load, "qgemv")
 load_act_quant = functools.partial(load, "act_quant")
 load_moe_gemv = functools.partial(load, "moe_gemv")
 load_qgemv_packed = functools.partial(load, "qgemv_packed")
-load_prefetch = functools.partial(load, "prefetch")

@@ -733,6 +733,25 @@ def rotary_fits(
     )
 
 
+def glu_pays(k: int) -> bool:
+    """Whether a gated MLP with ``k`` input features gains from the gated epilogue at one row.
+
+    Measured on an H200, ``backplane bench latency`` at batch 1, one machine:
+    the Llama-3.2-1B shape (``K = 2048``; gate/up in row blocks of 16 and steps
+    of 256, the down projection's launch the same either way) 0.974 -> 0.955
+    ms per token. The Llama-3.1-8B shape (``K = 4096``) lost: alone the
+    epilogue costs gate/up 1.5 us and saves the down projection 4.8 us
+    (``benchmarks/gemv.py --fused``: 59.2 against 57.8 us, 29.0 plain in two
+    splits against 33.8 gated in four), but in the layer the step took 4.630
+    ms against 4.475 with the prologue, and 4.476 at best with other down
+    launches. So rows of :data:`LONG_ROW` features and more keep the prologue.
+
+    :param k: the gate/up projection's input features.
+    :return: whether the MLP should ask for ``glu=``.
+    """
+    return k < LONG_ROW
+
+
 def glu_fits(
     launch: tuple[int, ...], n: int, act: str | None = None, rotary: tuple[int, int] | None = None
 ) -> bool:

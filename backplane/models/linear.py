@@ -158,14 +158,6 @@ class WeightQuantization(Protocol):
         ...
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of ``x``'s device.
-
-    :param x: a tensor of the step; ``False`` for one off CUDA.
-    """
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` whose product runs through :func:`dense` (same parameters, same checkpoint names).
 
@@ -246,29 +238,6 @@ class Linear(nn.Linear):
         """
         proj = self._projection(x, ("glu", act))
         return None if proj is None else proj(x)[0]
-
-    def prefetch_weight(self, x: torch.Tensor) -> None:
-        """Start pulling this projection's weight into the GPU's L2 for a one-row call a few
-        kernels later (see :mod:`backplane.kernels.prefetch`); returns at once.
-
-        A mixer calls it before the latency-bound kernels that come between its
-        input and output projections, at one token. It hints only while a CUDA
-        graph is captured: a replay pays no host time for the extra kernel, while
-        an eager one-row step is bound by its launches.
-
-        :param x: an activation of the step (its device and token count decide).
-        """
-        if (
-            self.fused_ops != "triton"
-            or x.dim() != 2
-            or x.shape[0] != 1
-            or torch.compiler.is_compiling()
-            or not capturing(x)
-        ):
-            return
-        w = self.weight
-        if w.device == x.device and w.is_contiguous() and self.packed_weight is None:
-            kernels.load_prefetch().prefetch_l2(w)
 
     def forward_normed(
         self,

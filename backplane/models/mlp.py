@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backplane.core.errors import ConfigError
+from backplane.kernels import load_gemv
 from backplane.models.fused import (
     act_and_mul,
     apply_activation,
@@ -135,13 +136,21 @@ class MLP(nn.Module):
         """
         if self.gated:
             # forward() reads ``projected`` as the gated product exactly when this asks for it.
-            return InputProjection(self.gate_up_proj, glu=self._epilogue_act())
+            return InputProjection(self.gate_up_proj, glu=self._glu_act())
         act = _EPILOGUE_ACTS.get(self.act_fn)
         return None if act is None else InputProjection(self.up_proj, act)
 
     def _epilogue_act(self) -> str | None:
         """The activation the one-row kernel applies for this block, or ``None`` where it does not."""
         return _EPILOGUE_ACTS.get(self.act_fn) if self.fused_ops == "triton" else None
+
+    def _glu_act(self) -> str | None:
+        """The activation of the gate/up projection's gated epilogue, or ``None`` where the
+        down projection forms the product (see :func:`~backplane.kernels.gemv.glu_pays`)."""
+        act = self._epilogue_act()
+        if act is None or not load_gemv().glu_pays(self.gate_up_proj.in_features):
+            return None
+        return act
 
     def forward(
         self, x: torch.Tensor | None, *, projected: torch.Tensor | None = None
@@ -154,12 +163,12 @@ class MLP(nn.Module):
             kernel does not apply the activation), or the activated up output.
         """
         if self.gated:
-            act = self._epilogue_act()
-            if projected is not None and act is not None:
+            act, glu = self._epilogue_act(), self._glu_act()
+            if projected is not None and glu is not None:
                 return self.down_proj(projected)
-            if projected is None and act is not None:
+            if projected is None and glu is not None:
                 # One-row decode: the gated product as the gate/up projection's epilogue.
-                h = self.gate_up_proj.forward_glu(x, act)
+                h = self.gate_up_proj.forward_glu(x, glu)
                 if h is not None:
                     return self.down_proj(h)
             gate_up = self.gate_up_proj(x) if projected is None else projected

@@ -173,8 +173,6 @@ class AttentionMixer(PagedMixer):
             else:
                 # Queries and keys are adjacent in every row of qkv: one call rotates both.
                 self.rotary.rotate_(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos, sin)
-        # The output projection's weight streams into L2 while attention walks its pages.
-        self.o_proj.prefetch_weight(qkv)
         # Views of the fused projection's rows: backends read them as they lie
         # (the kit's fused-projection test holds every backend to it).
         o = self.backend.forward(q, k, v, self.cache("kv_cache"), self.spec)

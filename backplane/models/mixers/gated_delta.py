@@ -175,8 +175,6 @@ class GatedDeltaNetMixer(ConvStateMixer):
         """Mix ``x`` ``[T, hidden]`` (``positions`` and ``rope`` are not used)."""
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        # The output projection's weight streams into L2 during the convolution and recurrence.
-        self.out_proj.prefetch_weight(x)
         mixed = self.conv(mixed)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b.float())

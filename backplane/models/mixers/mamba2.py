@@ -128,8 +128,6 @@ class Mamba2Mixer(ConvStateMixer):
         proj = self.in_proj(x) if projected is None else projected
         t = proj.shape[0]
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        # The output projection's weight streams into L2 during the convolution and scan.
-        self.out_proj.prefetch_weight(proj)
         xbc = self.conv(xbc)
         gs = self.n_groups * self.d_state
         xs, B, C = xbc.split([self.inner, gs, gs], dim=-1)

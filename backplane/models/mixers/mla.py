@@ -167,8 +167,6 @@ class MLAMixer(PagedMixer):
         cos, sin = rope if rope is not None else self.rotary.cos_sin(positions, q.dtype)
         q_pe = self.rotary.rotate(q_pe, cos, sin)
         k_pe = self.rotary.rotate(k_pe.view(t, 1, self.rope_dim), cos, sin)
-        # The output projection's weight streams into L2 while attention walks its pages.
-        self.o_proj.prefetch_weight(x)
         o = self.backend.forward(
             q_nope.contiguous(),
             q_pe.contiguous(),
