@@ -57,7 +57,11 @@ def async_triton(monkeypatch: pytest.MonkeyPatch) -> type[FakeMode]:
 
 
 def test_nothing_is_compiled_ahead_outside_a_start_up_window(async_triton) -> None:  # noqa: ANN001
+    assert not compile_ahead.in_startup_window()
     assert not compile_ahead.ahead_of(lambda: pytest.fail("no key outside a window"))
+    with compile_ahead.startup_window():
+        assert compile_ahead.in_startup_window()
+    assert not compile_ahead.in_startup_window()
 
 
 def test_nothing_is_compiled_ahead_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

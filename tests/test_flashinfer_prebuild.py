@@ -14,6 +14,7 @@ import torch
 
 from backplane.backends.flashinfer import _prebuild
 from backplane.backends.flashinfer import ssm as fi_ssm
+from backplane.core import compile_ahead
 from backplane.core.families import SSMLayerSpec
 
 
@@ -71,20 +72,23 @@ def test_describing_a_layer_starts_the_decode_module_build(monkeypatch: pytest.M
     for _ in range(3):
         backend.cache_spec(LAYER, num_slots=4, dtype=torch.bfloat16)
     # the module a bf16 decode asks for: float32 state and A, int32 state slots, one token a row
-    expected = (torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.int32, 64, 128, 1)
+    f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
+    expected = (f32, bf16, bf16, f32, i32, 64, 128, 1)
     assert _prebuild.wait(expected)
     assert built == [(torch.device("cuda", 0), expected)]
-    assert fi_ssm.state_update_module(
-        torch.float32, torch.bfloat16, torch.bfloat16, torch.int32, 64, 128
-    ) == expected
+    assert fi_ssm.state_update_module(f32, bf16, bf16, i32, 64, 128) == expected
 
 
-def test_without_cuda_nothing_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fi_ssm, "_can_prebuild", lambda: False)
+def test_only_a_starting_engine_on_cuda_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fi_ssm, "_build_state_update", lambda dev, mod: pytest.fail("built"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     backend = fi_ssm.FlashInferSSMBackend()
+    # a test or a tool describing caches is not a start-up
     assert backend.prebuild(LAYER, torch.bfloat16) is None
     backend.cache_spec(LAYER, num_slots=4, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with compile_ahead.startup_window():
+        assert backend.prebuild(LAYER, torch.bfloat16) is None
     assert not _prebuild._builds
 
 

@@ -10,9 +10,11 @@ Most of a compile runs without the GIL (the MLIR and LLVM passes, and
 ``AsyncCompileMode`` hands every compile a launch asks for to an executor and
 returns at once.
 
-* :func:`startup_window` marks the start-up steps (the worker's memory
-  profiling, graph capture and warm-up): compiling ahead happens only inside
-  one, so a serving step never pays for it.
+* :func:`startup_window` marks the start-up steps (the worker's model load,
+  memory profiling, graph capture and warm-up): compiling ahead happens only
+  inside one, so a serving step never pays for it (other start-up work that
+  should not run later, such as FlashInfer's background builds, asks
+  :func:`in_startup_window` too).
 * :func:`ahead_of` tells a call site whether to compile ahead now: inside the
   window, on CUDA, not while a CUDA graph is being captured, with a Triton
   that has ``AsyncCompileMode``, the first time for the caller's key (what its
@@ -47,6 +49,7 @@ __all__ = [
     "ahead_of",
     "compile_only",
     "compiling_only",
+    "in_startup_window",
     "launch",
     "record",
     "run_ahead",
@@ -83,6 +86,11 @@ def startup_window() -> Iterator[dict[str, float]]:
         yield details
     finally:
         _WINDOW.reset(token)
+
+
+def in_startup_window() -> bool:
+    """Whether a start-up step is running (inside :func:`startup_window`)."""
+    return _WINDOW.get() is not None
 
 
 def record(detail: str, seconds: float) -> None:

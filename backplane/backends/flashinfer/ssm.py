@@ -33,6 +33,7 @@ import torch
 
 from backplane.backends.flashinfer import _common, _prebuild
 from backplane.backends.torch.verify_states import record_scan_states
+from backplane.core import compile_ahead
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.errors import BackendUnavailableError
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
@@ -80,8 +81,8 @@ def _build_state_update(device: torch.device, module: tuple) -> None:
 
 
 def _can_prebuild() -> bool:
-    """Whether a CUDA device is here to build for (FlashInfer reads its compute capability)."""
-    return torch.cuda.is_available()
+    """Whether to build ahead: an engine is starting (not a test describing caches), on CUDA."""
+    return compile_ahead.in_startup_window() and torch.cuda.is_available()
 
 
 @dataclass
@@ -196,7 +197,8 @@ class FlashInferSSMBackend(SSMBackend):
         :param layer: the scan layer.
         :param dtype: the model's dtype.
         :param state_dtype: the SSM state's dtype.
-        :return: the build, or ``None`` without a CUDA device.
+        :return: the build, or ``None`` outside an engine's start-up or without
+            a CUDA device.
         """
         if not _can_prebuild():
             return None

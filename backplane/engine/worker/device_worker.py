@@ -124,7 +124,9 @@ class DeviceWorker:
         """
         cfg = self.config
         self._mem_start = DeviceMemory.read(self.device) if self._cuda else None
-        loaded, backends, specs = self._select_and_load()
+        # a backend may start building what it will need while the weights load
+        with self._compiling_ahead():
+            loaded, backends, specs = self._select_and_load()
         self._mem_loaded = DeviceMemory.read(self.device) if self._cuda else None
         self.model: CausalLM | None = loaded.model
         self.model.set_fused_ops(select_fused_ops(cfg.fused_ops, self.device))
