@@ -189,3 +189,36 @@ def test_each_mamba_configuration_is_asked_for_once(mamba) -> None:  # noqa: ANN
         assert [{k: r[k] for k in c.kwargs} for r, c in zip(runs, real.configs, strict=True)] == [
             c.kwargs for c in real.configs
         ], name
+
+
+@pytest.mark.parametrize(("dtype", "precision"), [("float32", "ieee"), ("bfloat16", None)])
+def test_float32_dots_stay_exact_until_the_compiles_end(
+    dtype: str, precision: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton reads TRITON_F32_DEFAULT while it compiles, after the compile-only pass returned."""
+    import os
+
+    import torch
+
+    from backplane.backends.triton import ssm
+
+    seen = {}
+
+    class Mode:
+        def __init__(self, executor, *, ignore_errors=False):  # noqa: ANN001
+            pass
+
+        def __enter__(self):  # noqa: ANN204
+            return self
+
+        def __exit__(self, *exc):  # noqa: ANN002, ANN204
+            # where Triton's AsyncCompileMode waits for the compiles
+            seen["exit"] = os.environ.get("TRITON_F32_DEFAULT")
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    monkeypatch.setattr(compile_ahead, "_async_compile_mode", lambda: Mode)
+    monkeypatch.setattr(ssm, "packed_prefill", lambda *a: seen.setdefault("pass", a[2].dtype))
+    x = torch.zeros(4, 2, 2, dtype=getattr(torch, dtype))
+    ssm.compile_prefill_ahead((None, None, x))
+    assert seen == {"pass": x.dtype, "exit": precision}
+    assert "TRITON_F32_DEFAULT" not in os.environ

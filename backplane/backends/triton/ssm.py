@@ -643,6 +643,20 @@ def _prefill_key(info: dict, args: tuple) -> tuple:
     )
 
 
+def compile_prefill_ahead(args: tuple) -> None:
+    """Compile every kernel :func:`packed_prefill` launches with ``args``, side by side.
+
+    See :func:`~backplane.core.compile_ahead.run_ahead`. Triton reads
+    ``TRITON_F32_DEFAULT`` when it compiles, which is after the compile-only
+    pass has returned: the exact float32 dots of a float32 model are set around
+    the wait for the compiles too.
+
+    :param args: :func:`packed_prefill`'s arguments.
+    """
+    with exact_fp32_dots(args[2].dtype):
+        compile_ahead.run_ahead("the Triton SSM prefill", packed_prefill, *args)
+
+
 @cached_op(
     "backplane_triton::ssm_scan",
     mutates_args=("ssm_state", "out"),
@@ -699,7 +713,7 @@ def ssm_scan(
         # At start-up, the first prefill of each shape compiles every kernel (and
         # every autotuned configuration) it needs side by side before it runs.
         if compile_ahead.ahead_of(lambda: _prefill_key(info, args)):
-            compile_ahead.run_ahead("the Triton SSM prefill", packed_prefill, *args)
+            compile_prefill_ahead(args)
         packed_prefill(*args)
     nd = batch.num_decode_seqs
     if nd:
