@@ -9,6 +9,11 @@ What runs where
       :attr:`FlashInferSSMBackend.fallback_name`). Those run on a view of the batch
       holding only the prefill sequences, inside the same custom op.
 
+FlashInfer builds the kernel's module on first use (``nvcc``, seconds to tens of
+seconds on a cold machine); the backend starts that build in the background when
+it first describes a layer's cache, right after the weights are read, and the
+first decode waits for it (:mod:`~backplane.backends.flashinfer._prebuild`).
+
 FlashInfer's kernel wants Mamba2's *tied* layout: ``A`` as ``(nheads, head_dim,
 d_state)`` with strides ``(1, 0, 0)``, ``D`` and ``dt_bias`` as ``(nheads, head_dim)``
 with strides ``(1, 0)`` and the dtype of ``dt``, and ``dt`` with stride 0 along
@@ -26,8 +31,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from backplane.backends.flashinfer import _common
+from backplane.backends.flashinfer import _common, _prebuild
 from backplane.backends.torch.verify_states import record_scan_states
+from backplane.core import compile_ahead
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.errors import BackendUnavailableError
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
@@ -41,6 +47,42 @@ logger = logging.getLogger(__name__)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIM_MULTIPLE = 64
 D_STATE_MULTIPLE = 32
+
+
+def state_update_module(
+    state: torch.dtype,
+    x: torch.dtype,
+    weight: torch.dtype,
+    index: torch.dtype,
+    head_dim: int,
+    d_state: int,
+) -> tuple:
+    """The specialisation of FlashInfer's ``selective_state_update`` module a decode builds.
+
+    FlashInfer 0.6 builds one module per ``(state, input, weight, A, index)``
+    dtype, ``head_dim``, ``d_state`` and tokens per row (one for decode); ``A``
+    is passed as float32.
+
+    :param state: the SSM state's dtype.
+    :param x: the inputs' dtype.
+    :param weight: the dtype of ``dt``, ``D`` and ``dt_bias`` as passed.
+    :param index: the state slots' dtype.
+    :param head_dim: the heads' width.
+    :param d_state: the state size.
+    :return: the arguments of ``get_selective_state_update_module`` after the device.
+    """
+    return (state, x, weight, torch.float32, index, int(head_dim), int(d_state), 1)
+
+
+def _build_state_update(device: torch.device, module: tuple) -> None:
+    from flashinfer.mamba.selective_state_update import get_selective_state_update_module
+
+    get_selective_state_update_module(device, *module)
+
+
+def _can_prebuild() -> bool:
+    """Whether to build ahead: an engine is starting (not a test describing caches), on CUDA."""
+    return compile_ahead.in_startup_window() and torch.cuda.is_available()
 
 
 @dataclass
@@ -133,9 +175,39 @@ class FlashInferSSMBackend(SSMBackend):
     def cache_spec(
         self, layer: SSMLayerSpec, *, num_slots: int, dtype: torch.dtype
     ) -> dict[str, TensorSpec]:
-        """The shared SSM-state layout, after checking FlashInfer can run ``layer``."""
+        """The shared SSM-state layout, after checking FlashInfer can run ``layer``.
+
+        The first call for a layer shape also starts building the decode kernel's
+        module in the background (:meth:`prebuild`).
+        """
         self._check(layer, dtype)
-        return super().cache_spec(layer, num_slots=num_slots, dtype=dtype)
+        specs = super().cache_spec(layer, num_slots=num_slots, dtype=dtype)
+        self.prebuild(layer, dtype, specs["ssm_state"].dtype)
+        return specs
+
+    def prebuild(
+        self, layer: SSMLayerSpec, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+    ) -> _prebuild.BackgroundBuild | None:
+        """Start building the decode module ``layer`` will need, on a background thread.
+
+        The module assumed is the one a model of ``dtype`` uses (inputs, ``dt``,
+        ``D`` and ``dt_bias`` in ``dtype``, int32 state slots); a decode that
+        needs another builds that one on first use, as without this.
+
+        :param layer: the scan layer.
+        :param dtype: the model's dtype.
+        :param state_dtype: the SSM state's dtype.
+        :return: the build, or ``None`` outside an engine's start-up or without
+            a CUDA device.
+        """
+        if not _can_prebuild():
+            return None
+        module = state_update_module(
+            state_dtype, dtype, dtype, torch.int32, layer.head_dim, layer.d_state
+        )
+        device = torch.device("cuda", torch.cuda.current_device())
+        name = f"selective_state_update (head_dim {layer.head_dim}, d_state {layer.d_state})"
+        return _prebuild.start(module, name, lambda: _build_state_update(device, module))
 
     def plan(self, batch: BatchMetadata) -> SSMStepPlan:
         """Plan the fallback for the full batch and for its prefill part (host only)."""
@@ -326,6 +398,12 @@ def _ssm_scan_op(
             zd = z[dec]
             if zd.stride(-1) != 1 or zd.stride(1) != head_dim:
                 zd = zd.contiguous()
+        # the module may still be building in the background (FlashInferSSMBackend.prebuild)
+        _prebuild.wait(
+            state_update_module(
+                ssm_state.dtype, x.dtype, wdt, batch.state_slots.dtype, head_dim, d_state
+            )
+        )
         dtd = dt[dec].to(wdt).contiguous()
         Bd, Cd = B[dec], C[dec]
         if Bd.stride(-1) != 1 or Bd.stride(1) != d_state:

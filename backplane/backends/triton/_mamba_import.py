@@ -19,7 +19,9 @@ launches in ``torch.cuda.device(x.device.index)``, which fails for CPU tensors
 (index ``None``); there, the loaded modules see a ``torch`` whose
 ``cuda.device(None)`` is a no-op context, and each autotuned kernel keeps only
 its smallest config (autotuning benchmarks on a GPU driver the interpreter does
-not have). Nothing is patched on CUDA.
+not have). On CUDA the modules are left as they are, and each autotuner is made
+an :class:`~backplane.backends.triton._autotune.AheadAutotuner` (compiled
+ahead at start-up, timed briefly; see that module).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ from typing import Any
 TRITON_MODULES = (
     "mamba_ssm.ops.triton.selective_state_update",
     "mamba_ssm.ops.triton.ssd_combined",
+)
+
+#: The autotuned kernels of the packed prefill (:func:`load`'s ``prefill_autotuners``).
+PREFILL_KERNELS = (
+    "_chunk_cumsum_fwd_kernel",
+    "_chunk_state_fwd_kernel",
+    "_state_passing_fwd_kernel",
+    "_bmm_chunk_fwd_kernel",
+    "_chunk_scan_fwd_kernel",
+    "_chunk_state_varlen_kernel",
 )
 
 
@@ -88,6 +100,28 @@ def _block_volume(config: Any) -> int:
     return volume
 
 
+def _autotuners() -> list[tuple[str, Any]]:
+    """``(name, autotuner)`` of every autotuned kernel in the loaded mamba-ssm Triton modules."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mamba_ssm.ops.triton."):
+            continue
+        for attr, value in vars(module).items():
+            if isinstance(value, Autotuner):
+                found.append((attr, value))
+    return found
+
+
+def _adapt_for_cuda() -> None:
+    """CUDA only: every autotuner compiles ahead at start-up and times briefly (``_autotune``)."""
+    from backplane.backends.triton import _autotune
+
+    for _, tuner in _autotuners():
+        _autotune.adapt(tuner)
+
+
 def _adapt_for_interpreter(torch: Any) -> None:
     """CPU interpreter only: no-op ``torch.cuda.device(None)``, one config per autotuner."""
     from triton.runtime.autotuner import Autotuner
@@ -112,7 +146,8 @@ def load() -> types.SimpleNamespace:
         (``chunk_cumsum_fwd``, ``chunk_state_fwd``, ``state_passing_fwd``,
         ``bmm_chunk_fwd``, ``chunk_scan_fwd``, ``chunk_state_varlen``) and
         ``mamba_chunk_scan_combined_fwd`` (the whole forward of
-        ``mamba_chunk_scan_combined``, without its autograd wrapper).
+        ``mamba_chunk_scan_combined``, without its autograd wrapper);
+        ``prefill_autotuners``: ``{name: autotuner}`` of :data:`PREFILL_KERNELS`.
     :raises ImportError: mamba-ssm (or einops, which its modules import) is missing.
     """
     stubbed = "mamba_ssm" not in sys.modules
@@ -131,6 +166,9 @@ def load() -> types.SimpleNamespace:
 
     if interpreting and not torch.cuda.is_available():
         _adapt_for_interpreter(torch)
+    elif not interpreting and torch.cuda.is_available():
+        _adapt_for_cuda()
+    tuners = dict(_autotuners())
     if stubbed:
         for name in set(sys.modules) - before:
             if name == "mamba_ssm" or name.startswith("mamba_ssm."):
@@ -145,4 +183,5 @@ def load() -> types.SimpleNamespace:
         chunk_scan_fwd=combined._chunk_scan_fwd,
         chunk_state_varlen=combined.chunk_state_varlen,
         mamba_chunk_scan_combined_fwd=combined._mamba_chunk_scan_combined_fwd,
+        prefill_autotuners={name: tuners[name] for name in PREFILL_KERNELS if name in tuners},
     )

@@ -68,6 +68,7 @@ from backplane.backends.triton._common import (
     next_pow2,
     sequence_blocks,
 )
+from backplane.core import compile_ahead
 from backplane.core.contract import cached_op, finish_output, output_buffer
 from backplane.core.families import ConvLayerSpec, SSMBackend, SSMLayerSpec
 from backplane.core.forward_context import get_forward_context
@@ -609,7 +610,8 @@ def packed_prefill(
     num_pb = cdiv(P, block_p)
     zz = z if z is not None else y
     blocks = info["blocks"]
-    _prefill_out_kernel[(blocks.shape[0], H * num_pb)](
+    compile_ahead.launch(
+        _prefill_out_kernel, (blocks.shape[0], H * num_pb),
         y, zz, C, ssm_state, da, out, blocks, qsl, batch.state_slots, batch.has_initial_state,
         y.stride(0), y.stride(1), zz.stride(0), zz.stride(1), zz.stride(2),
         C.stride(0), C.stride(1), C.stride(2),
@@ -620,12 +622,39 @@ def packed_prefill(
         BLOCK_T=PREFILL_BLOCK_T, BLOCK_P=block_p, BLOCK_N=block_n,
     )  # fmt: skip
     # A second launch: the outputs above read the initial states this one overwrites.
-    _prefill_state_kernel[(n, H, num_pb * cdiv(N, block_n))](
+    compile_ahead.launch(
+        _prefill_state_kernel, (n, H, num_pb * cdiv(N, block_n)),
         finals, ssm_state, da, qsl, batch.state_slots, batch.has_initial_state,
         finals.stride(0), finals.stride(1), finals.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         da.stride(0), P, N, BLOCK_P=block_p, BLOCK_N=block_n,
     )  # fmt: skip
+
+
+def _prefill_key(info: dict, args: tuple) -> tuple:
+    """What the packed prefill's launches specialise on: the plan's host facts and the tensors.
+
+    :param info: :func:`prefill_plan` of the batch.
+    :param args: :func:`packed_prefill`'s arguments after ``info`` and the batch.
+    :return: a key of :func:`~backplane.core.compile_ahead.ahead_of`.
+    """
+    return ("ssm_prefill", info["seqs"], info["tokens"], info["any_init"]) + (
+        compile_ahead.signature(*args[2:])
+    )
+
+
+def compile_prefill_ahead(args: tuple) -> None:
+    """Compile every kernel :func:`packed_prefill` launches with ``args``, side by side.
+
+    See :func:`~backplane.core.compile_ahead.run_ahead`. Triton reads
+    ``TRITON_F32_DEFAULT`` when it compiles, which is after the compile-only
+    pass has returned: the exact float32 dots of a float32 model are set around
+    the wait for the compiles too.
+
+    :param args: :func:`packed_prefill`'s arguments.
+    """
+    with exact_fp32_dots(args[2].dtype):
+        compile_ahead.run_ahead("the Triton SSM prefill", packed_prefill, *args)
 
 
 @cached_op(
@@ -677,10 +706,15 @@ def ssm_scan(
         dt_eff = dt[:tp].float() + dt_bias.float()
         if dt_softplus:
             dt_eff = torch.nn.functional.softplus(dt_eff)
-        packed_prefill(
+        args = (
             info, batch, x[:tp], dt_eff, A.float(), B[:tp], C[:tp], D,
             z[:tp] if z is not None else None, ssm_state, int(chunk_size), buf[:tp],
         )  # fmt: skip
+        # At start-up, the first prefill of each shape compiles every kernel (and
+        # every autotuned configuration) it needs side by side before it runs.
+        if compile_ahead.ahead_of(lambda: _prefill_key(info, args)):
+            compile_prefill_ahead(args)
+        packed_prefill(*args)
     nd = batch.num_decode_seqs
     if nd:
         a, b = tp, batch.num_tokens

@@ -7,13 +7,15 @@ lives on that device; the engine loop reaches it only through an executor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from backplane.core import compile_ahead
 from backplane.core.backend_spec import BackendSpec
 from backplane.core.errors import BackendUnavailableError, ConfigError
 from backplane.core.families import Backend, RecurrentBackend
@@ -122,7 +124,9 @@ class DeviceWorker:
         """
         cfg = self.config
         self._mem_start = DeviceMemory.read(self.device) if self._cuda else None
-        loaded, backends, specs = self._select_and_load()
+        # a backend may start building what it will need while the weights load
+        with self._compiling_ahead():
+            loaded, backends, specs = self._select_and_load()
         self._mem_loaded = DeviceMemory.read(self.device) if self._cuda else None
         self.model: CausalLM | None = loaded.model
         self.model.set_fused_ops(select_fused_ops(cfg.fused_ops, self.device))
@@ -235,7 +239,8 @@ class DeviceWorker:
         self._sized = self._cache_specs(2)
         footprint = cache_footprint(self._sized)
         if self._cuda and cfg.kv_memory is None and cfg.num_kv_pages is None:
-            self.kv_budget = self._profile_kv_budget()
+            with self._compiling_ahead():
+                self.kv_budget = self._profile_kv_budget()
         return num_kv_pages(
             footprint,
             num_kv_pages=cfg.num_kv_pages,
@@ -304,9 +309,25 @@ class DeviceWorker:
         """The paged cache tensors, in the footprint's order (for a host tier)."""
         return [self.caches[layer][name] for layer, name in self._paged]
 
+    @contextlib.contextmanager
+    def _compiling_ahead(self) -> Iterator[None]:
+        """Let the kernels of the wrapped start-up step compile ahead, side by side
+        (:mod:`~backplane.core.compile_ahead`), and add the seconds that took to the
+        start-up details."""
+        with compile_ahead.startup_window() as details:
+            try:
+                yield
+            finally:
+                for name, seconds in details.items():
+                    self.startup_timings.add_detail(name, seconds)
+
     @timed_startup_method("kernel warm-up")
     def compile_or_warm_up_model(self) -> None:
         """Build the runner (capturing its graphs) and, on CUDA, run the warm-up steps."""
+        with self._compiling_ahead():
+            self._build_and_warm_up()
+
+    def _build_and_warm_up(self) -> None:
         self.runner = self._build_runner()
         # a worker dropped without shutdown() still releases its graphs and the
         # memory their pool holds

@@ -117,6 +117,14 @@ class StartupTimings:
         """
         self.phases[name] = self.phases.get(name, 0.0) + max(0.0, seconds)
 
+    def add_detail(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` measured elsewhere to detail ``name``.
+
+        :param name: the detail.
+        :param seconds: wall seconds.
+        """
+        self.details[name] = self.details.get(name, 0.0) + seconds
+
     @property
     def total(self) -> float:
         """Seconds of every phase together."""

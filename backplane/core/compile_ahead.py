@@ -1,0 +1,242 @@
+"""Compiling a call's Triton kernels side by side, before its launches need them (start-up only).
+
+Triton compiles a kernel variant when it is first launched, and the launch
+waits for it; an autotuned kernel that meets a new tuning key compiles every
+configuration, one after the other, before timing them. mamba-ssm's chunked
+scan is six autotuned kernels with 51 configurations between them, so the
+first prefill of a cold Nemotron-H start-up compiled 51 kernels in a row.
+Most of a compile runs without the GIL (the MLIR and LLVM passes, and
+``ptxas`` in a subprocess), so threads compile side by side, and Triton's
+``AsyncCompileMode`` hands every compile a launch asks for to an executor and
+returns at once.
+
+* :func:`startup_window` marks the start-up steps (the worker's model load,
+  memory profiling, graph capture and warm-up): compiling ahead happens only
+  inside one, so a serving step never pays for it (other start-up work that
+  should not run later, such as FlashInfer's background builds, asks
+  :func:`in_startup_window` too).
+* :func:`ahead_of` tells a call site whether to compile ahead now: inside the
+  window, on CUDA, not while a CUDA graph is being captured, with a Triton
+  that has ``AsyncCompileMode``, the first time for the caller's key (what its
+  launches specialise on).
+* :func:`run_ahead` then runs the call site's code once under
+  :func:`compile_only`: every launch made through :func:`launch` (or through an
+  autotuner of :mod:`backplane.backends.triton._autotune`) compiles on a thread
+  pool and launches nothing; leaving waits for the compiles. The call site
+  then runs for real and finds every variant compiled, because the compile-only
+  pass launched with the same arguments.
+
+Under the Triton interpreter, on the CPU or with a Triton without
+``AsyncCompileMode``, :func:`ahead_of` is false and nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AHEAD_DETAIL",
+    "ahead_of",
+    "compile_only",
+    "compiling_only",
+    "in_startup_window",
+    "launch",
+    "record",
+    "run_ahead",
+    "signature",
+    "startup_window",
+]
+
+#: the start-up detail that :func:`run_ahead` adds its wall seconds to
+AHEAD_DETAIL = "compile ahead"
+
+# seconds per detail of the open start-up window (None: no window)
+_WINDOW: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
+    "backplane_compile_ahead_window", default=None
+)
+_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "backplane_compile_only", default=False
+)
+# the keys compiled ahead in this process (the compiled kernels stay in Triton's
+# in-memory caches, so a key is never worth a second pass)
+_DONE: set[Hashable] = set()
+
+
+@contextlib.contextmanager
+def startup_window() -> Iterator[dict[str, float]]:
+    """Allow compiling ahead while the wrapped start-up step runs.
+
+    :return: a context manager yielding ``{detail: seconds}``, filled by
+        :func:`record` (and :func:`run_ahead`) while it is open, for the
+        start-up timings.
+    """
+    details: dict[str, float] = {}
+    token = _WINDOW.set(details)
+    try:
+        yield details
+    finally:
+        _WINDOW.reset(token)
+
+
+def in_startup_window() -> bool:
+    """Whether a start-up step is running (inside :func:`startup_window`)."""
+    return _WINDOW.get() is not None
+
+
+def record(detail: str, seconds: float) -> None:
+    """Add ``seconds`` to ``detail`` of the open start-up window (nothing without one).
+
+    :param detail: e.g. ``"autotune timing"``.
+    :param seconds: wall seconds.
+    """
+    details = _WINDOW.get()
+    if details is not None:
+        details[detail] = details.get(detail, 0.0) + seconds
+
+
+@functools.cache
+def _async_compile_mode() -> type | None:
+    """Triton's ``AsyncCompileMode``, or ``None`` (interpreter, no triton, an older release)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    try:
+        import triton
+    except ImportError:
+        return None
+    return getattr(triton, "AsyncCompileMode", None)
+
+
+def _cuda_ready() -> bool:
+    """Whether Triton compiles for a CUDA device here, and no CUDA graph is being captured."""
+    import torch
+
+    return torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+
+
+def signature(*values: Any) -> tuple[Any, ...]:
+    """A key of :func:`ahead_of` from a call's arguments.
+
+    Tensors give their dtype, shape, strides and 16-byte alignment (what a
+    launch from them can specialise on); anything else stands for itself.
+
+    :param values: the call's arguments.
+    :return: a hashable tuple.
+    """
+    import torch
+
+    return tuple(
+        (v.dtype, tuple(v.shape), v.stride(), v.data_ptr() % 16 == 0)
+        if isinstance(v, torch.Tensor)
+        else v
+        for v in values
+    )
+
+
+def ahead_of(key: Callable[[], Hashable]) -> bool:
+    """Whether the caller should compile its launches ahead now (see the module docstring).
+
+    A true answer counts: the same key is never answered true again in this process.
+
+    :param key: makes what the caller's launches specialise on (see
+        :func:`signature`); called only inside a start-up window, so a serving
+        step pays one context-variable read.
+    :return: ``True`` inside a start-up window, on CUDA outside a graph capture,
+        with a Triton that compiles asynchronously, the first time for the key.
+    """
+    if _WINDOW.get() is None or _COMPILE_ONLY.get():
+        return False
+    if _async_compile_mode() is None or not _cuda_ready():
+        return False
+    made = key()
+    if made in _DONE:
+        return False
+    _DONE.add(made)
+    return True
+
+
+def compiling_only() -> bool:
+    """Whether launches compile without running (inside :func:`compile_only`)."""
+    return _COMPILE_ONLY.get()
+
+
+def _workers() -> int:
+    """Compile threads: one per CPU this process may use (each runs one ``ptxas`` at a time)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 32))
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None) -> Iterator[None]:
+    """Within: launches through :func:`launch` and the adapted autotuners compile, concurrently,
+    and launch nothing; leaving waits for every compile.
+
+    A compile that fails is dropped (Triton's ``ignore_errors``): the real
+    launch compiles it again and raises its error there.
+
+    :param workers: compile threads (default: one per usable CPU, at most 32).
+    :return: a context manager.
+    :raises RuntimeError: Triton has no ``AsyncCompileMode`` here (check :func:`ahead_of`).
+    """
+    mode_class = _async_compile_mode()
+    if mode_class is None:
+        raise RuntimeError("this Triton cannot compile asynchronously (no AsyncCompileMode)")
+    with ThreadPoolExecutor(workers or _workers(), thread_name_prefix="triton-compile") as pool:
+        token = _COMPILE_ONLY.set(True)
+        try:
+            with mode_class(pool, ignore_errors=True):
+                yield
+        finally:
+            _COMPILE_ONLY.reset(token)
+
+
+def run_ahead(what: str, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` once under :func:`compile_only`, to compile what its launches need.
+
+    Whatever ``fn`` returns is dropped: its launches did not run. A failure is
+    logged and swallowed; the real call compiles what is left when it launches.
+
+    :param what: the call, for the log (e.g. ``"the Triton SSM prefill"``).
+    :param fn: the call site's code.
+    :param args: its arguments, those of the real call that follows.
+    """
+    start = time.perf_counter()
+    try:
+        with compile_only():
+            fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the real call compiles on launch instead
+        logger.warning(
+            "compiling %s ahead failed (%s: %s); its kernels compile when launched",
+            what,
+            type(exc).__name__,
+            exc,
+        )
+    elapsed = time.perf_counter() - start
+    record(AHEAD_DETAIL, elapsed)
+    logger.debug("compiled %s ahead in %.2f s", what, elapsed)
+
+
+def launch(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)``, or, inside :func:`compile_only`, its compile alone.
+
+    :param kernel: a ``triton.jit`` function.
+    :param grid: the program counts.
+    :param args: the kernel's arguments, in order.
+    :param meta: its constants and launch options.
+    """
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=tuple(grid), **meta)
+    else:
+        kernel[tuple(grid)](*args, **meta)
