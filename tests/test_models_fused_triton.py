@@ -56,6 +56,7 @@ KERNEL_CHECKS = (
     "rotary",
     "rotary_interleaved",
     "gemv",
+    "row_parallel",
 )
 MODEL_CHECKS = (
     "model:tiny-llama",
@@ -708,6 +709,65 @@ def check_gemv(device: torch.device) -> None:
         static_x.copy_(x)
         graph.replay()
         _equal(f"gemv graph replay {s}", static_y.clone(), gemv.gemv(x, w, launch=launch))
+
+
+def check_row_parallel(device: torch.device) -> None:
+    """A row-parallel projection at one row runs the one-row kernel for its partial product
+    (plain, and with the gated product as its input) and then sums over the ranks and adds
+    the bias once: bit for bit the kernel's partial product, reduced, plus the bias; without
+    ``reduce`` the bias only on rank 0. Variants whose epilogue or prologue needs the whole
+    output or row are not taken. The other rank's partial sum comes from a stand-in group."""
+    from dataclasses import dataclass, field
+
+    from backplane.core.parallel import TensorParallel
+    from backplane.kernels import load, load_gemv
+    from backplane.models.parallel import RowParallelLinear, row_parallel_linear
+
+    gemv, elementwise = load_gemv(), load()
+
+    @dataclass(frozen=True)
+    class TwoRanks(TensorParallel):
+        other: torch.Tensor | None = None
+        reduced: list = field(default_factory=list)
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            self.reduced.append(x.shape)
+            return x.add_(self.other)
+
+    n, k = (40, 256) if _small(device) else (4096, 7168)
+    dtype = torch.bfloat16
+    for rank, reduce in ((0, True), (1, True), (0, False), (1, False)):
+        other = _randn(1, n, dtype=dtype, device=device, seed=60 + rank)
+        tp = TwoRanks(rank=rank, size=2, other=other)
+        lin = row_parallel_linear(2 * k, n, bias=True, reduce=reduce, tp=tp)
+        assert isinstance(lin, RowParallelLinear)
+        lin = lin.to(device, dtype)
+        with torch.no_grad():
+            lin.weight.copy_(_randn(n, k, dtype=dtype, device=device, seed=61, scale=k**-0.5))
+            lin.bias.copy_(_randn(n, dtype=dtype, device=device, seed=62))
+        lin.fused_ops = "triton"
+        x = _randn(1, k, dtype=dtype, device=device, seed=63)
+        gate_up = _randn(1, 2 * k, dtype=dtype, device=device, seed=64)
+        launch = lin._plan_gemv(x)
+        assert launch, "the one-row kernel plans this shape"
+
+        def finish(y: torch.Tensor, rank=rank, reduce=reduce, other=other, bias=lin.bias):
+            if not reduce:
+                return y + bias if rank == 0 else y
+            return y + other + bias
+
+        name = f"row-parallel rank {rank} reduce={reduce}"
+        with torch.inference_mode():
+            _equal(name, lin(x), finish(gemv.gemv(x, lin.weight, launch=launch)))
+            plan = lin._plan_gemv(gate_up, gated=True)
+            want = finish(
+                gemv.gemv(elementwise.act_and_mul(gate_up, "silu"), lin.weight, launch=plan)
+            )
+            _equal(name + " gated", lin.forward_gated(gate_up, "silu"), want)
+            g = torch.ones(k, dtype=dtype, device=device)
+            assert lin.forward_normed(x, None, g, 1e-5, False) is None, name
+            assert lin.forward_activated(x, "relu") is None, name
+        assert len(tp.reduced) == (2 if reduce else 0), f"{name}: reduced {tp.reduced}"
 
 
 def _check_gemv_dependent_launch(gemv: Any, device: torch.device) -> None:

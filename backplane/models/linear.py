@@ -343,15 +343,17 @@ class Linear(nn.Linear):
         if scaled is not None:
             common.update(scale=scaled.scale, scale_k=scaled.scale_k, scale_n=scaled.scale_n)
         if kind == "plain":
-            return gemv.OneRowProjection(self.weight, self.bias, **common)
+            return gemv.OneRowProjection(self.weight, self._kernel_bias(), **common)
         if kind == "act":
-            return gemv.OneRowProjection(self.weight, self.bias, act=variant[1], **common)
+            return gemv.OneRowProjection(self.weight, self._kernel_bias(), act=variant[1], **common)
         if kind == "gated":
-            return gemv.OneRowProjection(self.weight, self.bias, gate_act=variant[1], **common)
+            return gemv.OneRowProjection(
+                self.weight, self._kernel_bias(), gate_act=variant[1], **common
+            )
         if kind == "glu":
             if not gemv.glu_fits(launch, self.out_features):
                 return False
-            return gemv.OneRowProjection(self.weight, self.bias, glu=variant[1], **common)
+            return gemv.OneRowProjection(self.weight, self._kernel_bias(), glu=variant[1], **common)
         _, norm_weight, eps, zero_centered, act, rot, glu = variant
         if (
             x.shape[-1] > gemv.NORM_MAX_ROW
@@ -363,13 +365,17 @@ class Linear(nn.Linear):
             return False
         return gemv.OneRowProjection(
             self.weight,
-            self.bias,
+            self._kernel_bias(),
             act=act,
             norm=(norm_weight, eps, zero_centered),
             rotary=rot,
             glu=glu,
             **common,
         )
+
+    def _kernel_bias(self) -> torch.Tensor | None:
+        """The bias the one-row kernel adds to its sums (a subclass that adds it later: ``None``)."""
+        return self.bias
 
     def _plan_gemv(
         self,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -265,10 +266,13 @@ class MergedColumnParallelLinear(MergedLinear):
 class RowParallelLinear(Linear):
     """A projection holding a slice of the input columns; its output is all-reduced.
 
-    The one-row kernels of :class:`~backplane.models.linear.Linear` (with an
-    activation or a gated product riding along) are not used: each returns a
-    partial product the caller would not reduce, so they fall back to
-    :meth:`forward`.
+    At one row the one-row kernel of :class:`~backplane.models.linear.Linear`
+    computes this rank's partial product, plain or with a gated MLP's product
+    formed as its input (:meth:`forward_gated`), without the bias; the
+    all-reduce and the bias follow as they do after ``dense``. Variants whose
+    epilogue acts on the whole output (an activation, a rotation, a gated
+    epilogue) or whose prologue normalises the row are not used: the partial
+    sums are not the output.
 
     :param shard: this rank's slice of the input columns.
     :param out_features: the output width (whole on every rank).
@@ -293,8 +297,15 @@ class RowParallelLinear(Linear):
         self.reduce = reduce
         self.tp = tp
 
-    def _projection(self, x: torch.Tensor, variant: tuple) -> None:
-        """Never the one-row kernel (see the class docstring)."""
+    def _projection(self, x: torch.Tensor, variant: tuple) -> Any:
+        """The one-row kernel for the plain and gated-input partial products only (see the
+        class docstring)."""
+        if variant[0] not in ("plain", "gated"):
+            return None
+        return super()._projection(x, variant)
+
+    def _kernel_bias(self) -> torch.Tensor | None:
+        """None: the bias is added once, after the partial products are summed."""
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -304,11 +315,31 @@ class RowParallelLinear(Linear):
         :return: ``[..., out_features]``: the full output (or, without
             ``reduce``, this rank's partial sum).
         """
+        proj = self._projection(x, ("plain",))
+        if proj is not None:
+            return self._sum(proj(x)[0])
         bias = self.bias
         first = bias is not None and not self.reduce and self.tp.rank == 0
         y = dense(x, self.weight, bias if first else None, self.packed_weight)
         if not self.reduce:
             return y
+        self.tp.all_reduce(y)
+        return y if bias is None else y + bias
+
+    def forward_gated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """``self(act(gate) * up)`` for ``x = [gate | up]`` (this rank's inner channels), with
+        the product formed as the one-row kernel reads its input; ``None`` where that kernel
+        does not run (see :meth:`Linear.forward_gated
+        <backplane.models.linear.Linear.forward_gated>`)."""
+        y = super().forward_gated(x, act)
+        return None if y is None else self._sum(y)
+
+    def _sum(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``y`` (no bias) all-reduced and biased, or, without
+        ``reduce``, biased on rank 0 only (the caller sums the ranks' partials once)."""
+        bias = self.bias
+        if not self.reduce:
+            return y + bias if bias is not None and self.tp.rank == 0 else y
         self.tp.all_reduce(y)
         return y if bias is None else y + bias
 
