@@ -22,7 +22,8 @@ product as the down projection's prologue. Checked here:
   the same greedy tokens with ``fused_ops="triton"`` as with ``"torch"`` (its
   logits within float32 rounding of each other), each layer's projections
   having built the fused variants (norm and rotation into ``qkv_proj``, norm
-  into ``gate_up_proj``, the gated product into ``down_proj``) and the decode
+  and the gated product as its epilogue into ``gate_up_proj`` at these 1B-class
+  widths, a plain ``down_proj``) and the decode
   steps having run no separate norm, rotary or activation kernel inside the
   layers.
 
@@ -445,15 +446,17 @@ def check_model(layout: str, device: torch.device) -> None:
     assert len(fp8) == 4 * len(layers), f"{layout}: {len(fp8)} FP8 one-row projections built"
     normed = [b for b in fp8 if b.get("norm") is not None]
     rotated = [b for b in normed if b.get("rotary") is not None]
-    gated = [b for b in fp8 if b.get("gate_act") is not None]
+    # 1B-class rows: gate/up stores act(gate) * up, down reads it plain (gemv.glu_pays)
+    glu = [b for b in normed if b.get("glu") is not None]
+    plain = [b for b in fp8 if b.get("norm") is None and b.get("gate_act") is None]
     assert len(normed) == 2 * len(layers), f"{layout}: {len(normed)} normed projections built"
     assert len(rotated) == len(layers), f"{layout}: {len(rotated)} rotated projections built"
-    assert len(gated) == len(layers), f"{layout}: {len(gated)} gated projections built"
+    assert len(glu) == len(layers), f"{layout}: {len(glu)} gated epilogues built"
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         assert any(b["weight"] is attn.qkv_proj.weight for b in rotated), f"layer {i} qkv"
-        assert any(b["weight"] is mlp.gate_up_proj.weight for b in normed), f"layer {i} gate/up"
-        assert any(b["weight"] is mlp.down_proj.weight for b in gated), f"layer {i} down"
+        assert any(b["weight"] is mlp.gate_up_proj.weight for b in glu), f"layer {i} gate/up"
+        assert any(b["weight"] is mlp.down_proj.weight for b in plain), f"layer {i} down"
     if layout == "blocks":
         assert all(b["scale_k"] == 32 for b in fp8), "block scales not read per block"
     # At one row only the final norm runs as a kernel of its own (one per decode step).
