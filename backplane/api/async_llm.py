@@ -56,8 +56,8 @@ from backplane.api.chat import render_chat_text
 from backplane.api.data_parallel import replica_configs, replica_in_own_process
 from backplane.api.engine_process import ProcessLLM
 from backplane.api.llm import LLM, Conversation, Prompt
-from backplane.api.output_processor import PendingOutput, coalesced
 from backplane.api.outputs import RequestOutput
+from backplane.api.pending_output import PendingOutput, coalesced
 from backplane.api.stop import StopAutomaton, stop_automaton
 from backplane.core.errors import (
     BackplaneError,

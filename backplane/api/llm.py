@@ -30,8 +30,9 @@ from typing import Any
 from backplane.api import chat as _chat
 from backplane.api.chat import Conversation
 from backplane.api.guard import ConcurrentUseError, ThreadGuard
-from backplane.api.output_processor import OutputProcessor, PendingOutput, TrackedRequest
+from backplane.api.output_processor import OutputProcessor, TrackedRequest
 from backplane.api.outputs import RequestMetrics, RequestOutput
+from backplane.api.pending_output import PendingOutput
 from backplane.api.prompts import (
     Prompt,
     as_prompt_list,
