@@ -151,9 +151,11 @@ class OutputProcessor:
         # two decodes per request per step.
         self._direct_owner: Any = None
         self._direct: Callable[..., str] | None = None
+        self._direct_batch: Callable[..., list[str]] | None = None
         if isinstance(tokenizer, TextTokenizer):
             self._direct_owner = tokenizer
             self._direct = tokenizer.backend.decode
+            self._direct_batch = getattr(tokenizer.backend, "decode_batch", None)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Detokenize, skipping special tokens where the tokenizer can.
@@ -171,6 +173,20 @@ class OutputProcessor:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         except TypeError:
             return self.tokenizer.decode(list(token_ids))
+
+    def decode_many(self, windows: list[list[int]]) -> list[str]:
+        """Detokenize several id lists, each as :meth:`decode` would.
+
+        The ``tokenizers`` library decodes a batch in one call, without the GIL: the
+        engine loop's detokenising then leaves the streams' readers free to run.
+
+        :param windows: the id lists.
+        :return: their texts, in order.
+        """
+        batch = self._direct_batch
+        if batch is not None and self.tokenizer is self._direct_owner:
+            return batch(windows, skip_special_tokens=True)
+        return [self.decode(w) for w in windows]
 
     def update(self, t: TrackedRequest, step_output: EngineStepOutput) -> RequestOutput:
         """Take one engine step's output for ``t`` and return ``t``'s incremental output.
@@ -243,9 +259,75 @@ class OutputProcessor:
         :return: the finished output, or what builds the running one's.
         """
         self._take(t, step_output)
-        start, sent, visible = self._advance(t)
+        return self._streamed(t)
+
+    def update_streamed_many(
+        self, pairs: Sequence[tuple[TrackedRequest, EngineStepOutput]]
+    ) -> list[RequestOutput | PendingOutput]:
+        """:meth:`update_streamed` for each of one step's requests, their texts decoded together.
+
+        The tokens of every request are taken first; then the windows of those whose
+        text grows are detokenised in one :meth:`decode_many` call, and each
+        request's text, stop strings and output follow as :meth:`update_streamed`
+        would have made them.
+
+        :param pairs: ``(request, its engine output)`` per request of the step.
+        :return: the outputs, in the order of ``pairs``.
+        """
+        take = self._take
+        windows: list[list[int]] = []
+        # per window: the index of its pair (~index for a window's already emitted text)
+        owners: list[int] = []
+        check = self.tokenizer is not None
+        for i, (t, so) in enumerate(pairs):
+            take(t, so)
+            # the windows _catch_up would decode for a running request
+            if check and not t.finished and t.stop_str is None:
+                ids = t.token_ids
+                if len(ids) > t.read_offset:
+                    if t.window is None:
+                        if t.read_offset > t.prefix_offset:
+                            windows.append(ids[t.prefix_offset : t.read_offset])
+                            owners.append(~i)
+                        else:
+                            t.window = ""
+                    windows.append(ids[t.prefix_offset :])
+                    owners.append(i)
+        news: list[str | None] = [None] * len(pairs)
+        if windows:
+            for i, text in zip(owners, self.decode_many(windows), strict=True):
+                if i < 0:
+                    pairs[~i][0].window = text
+                else:
+                    news[i] = text
+        outs: list[RequestOutput | PendingOutput] = []
+        pending, streamed, grow = self._pending, self._streamed, self._grow
+        for (t, _), new in zip(pairs, news, strict=True):
+            if t.matcher is not None or t.finished:
+                outs.append(streamed(t, new))
+                continue
+            # what _streamed does for a running request without stop strings: the text
+            # grows by the window's new part, and all of it is handed out
+            start = t.emitted
+            t.emitted = len(t.token_ids)
+            if new is not None:
+                grow(t, new)
+            sent = t.sent
+            t.sent = visible = len(t.text)
+            outs.append(pending(t, start, sent, visible))
+        return outs
+
+    def _streamed(self, t: TrackedRequest, new: str | None = None) -> RequestOutput | PendingOutput:
+        """The rest of :meth:`update_streamed` once the step's tokens are taken (``new``:
+        the request's window decoded ahead, see :meth:`_catch_up`)."""
+        start, sent, visible = self._advance(t, new)
         if t.finished:  # by the engine, or by a stop string found just now
             return self._build(t, start, sent, visible)
+        return self._pending(t, start, sent, visible)
+
+    @staticmethod
+    def _pending(t: TrackedRequest, start: int, sent: int, visible: int) -> PendingOutput:
+        """A running request's output as of now, built by its reader (see :meth:`_build`)."""
         logprobs = t.logprobs
         return PendingOutput(
             t,
@@ -259,10 +341,11 @@ class OutputProcessor:
             _metrics(t),
         )
 
-    def _advance(self, t: TrackedRequest) -> tuple[int, int, int]:
+    def _advance(self, t: TrackedRequest, new: str | None = None) -> tuple[int, int, int]:
         """Mark ``t``'s tokens and text as handed out, its text brought up to date first.
 
         :param t: the request.
+        :param new: its window decoded ahead (see :meth:`_catch_up`), or ``None``.
         :return: the first token and the first character not handed out before, and
             how much of the text is handed out now (the end that may still grow into a
             stop string is held back while the request runs).
@@ -270,7 +353,7 @@ class OutputProcessor:
         start = t.emitted
         t.emitted = len(t.token_ids)
         if t.stop_str is None:  # a matched stop string froze the text
-            self._catch_up(t)
+            self._catch_up(t, new)
         visible = len(t.text)
         if t.matcher is not None and not t.finished:  # the end that may grow into a stop string
             visible -= t.matcher.partial()
@@ -319,12 +402,13 @@ class OutputProcessor:
             metrics=None if snapshot is None else metrics_from(snapshot),
         )
 
-    def _catch_up(self, t: TrackedRequest) -> None:
+    def _catch_up(self, t: TrackedRequest, new: str | None = None) -> None:
         """Bring ``t``'s text up to date with its tokens and search it for stop strings.
 
         The text of a finished request is decoded whole (the exact final text);
         a running one's from its sliding window, and only when it has tokens the
-        text has not read yet.
+        text has not read yet. ``new``: that window (``ids[prefix_offset:]``)
+        already decoded, when the caller decoded it with other requests' windows.
         """
         if t.finished:
             final = self.decode(t.token_ids)  # the exact final text
@@ -333,24 +417,31 @@ class OutputProcessor:
             t.text = final
         elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
             ids = t.token_ids
-            old = t.window
-            if old is None:
-                old = t.window = self.decode(ids[t.prefix_offset : t.read_offset])
-            new = self.decode(ids[t.prefix_offset :])
-            if len(new) > len(old) and not new.endswith("\ufffd"):
-                t.text += new[len(old) :]
-                if len(ids) - t.prefix_offset <= _MAX_WINDOW:
-                    # The window keeps its start, so the text just decoded is the next
-                    # step's old text: one decode per step instead of two.
-                    t.window = new
-                else:
-                    t.prefix_offset = t.read_offset
-                    t.window = None
-                t.read_offset = len(ids)
+            if t.window is None:
+                t.window = self.decode(ids[t.prefix_offset : t.read_offset])
+            self._grow(t, self.decode(ids[t.prefix_offset :]) if new is None else new)
         if t.matcher is not None:
             t.matcher.consume(t.text)
             if len(t.token_ids) > t.min_tokens:
                 self._match_stop(t)
+
+    @staticmethod
+    def _grow(t: TrackedRequest, new: str) -> None:
+        """Add to ``t``'s text what its window's text ``new`` (``ids[prefix_offset:]``, the
+        window text known: ``t.window``) has past the text already emitted, once it ends in
+        a whole character; move the window on."""
+        old = t.window
+        if len(new) > len(old) and not new.endswith("\ufffd"):
+            t.text += new[len(old) :]
+            n = len(t.token_ids)
+            if n - t.prefix_offset <= _MAX_WINDOW:
+                # The window keeps its start, so the text just decoded is the next
+                # step's old text: one decode per step instead of two.
+                t.window = new
+            else:
+                t.prefix_offset = t.read_offset
+                t.window = None
+            t.read_offset = n
 
     def decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         """One position's logprobs with each token's text filled in (when there is a tokenizer).
