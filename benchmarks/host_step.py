@@ -151,13 +151,14 @@ class GCPauses:
         """Milliseconds of pauses per step (mean over ``num_steps``) and the full passes.
 
         :param num_steps: the steps of the run.
-        :return: ``{"young": ms, "full": ms, "full_passes": count}``.
+        :return: ``{"young": ms, "full": ms, "full_passes": count, "steps": num_steps}``.
         """
         n = max(num_steps, 1)
         return {
             "young": 1e3 * self.young / n,
             "full": 1e3 * self.full / n,
             "full_passes": self.num_full,
+            "steps": num_steps,
         }
 
 
@@ -374,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
-    global _clock
+    global _clock, GC_PAUSES
     _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    GC_PAUSES = GCPauses()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     timers = StepTimers(args.min_seqs or args.max_num_seqs)
     import gc
