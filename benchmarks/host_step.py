@@ -24,6 +24,10 @@ functions (nothing is stubbed):
   step too (measured on the thread's CPU clock whatever ``--clock`` says);
 - ``forward+sample`` (not host work of the step): the model forward and the sampler.
 
+The cyclic garbage collector's pauses (every thread, wall clock) are counted apart, as
+a mean per step over every step of the run: a full pass comes every few dozen steps, so
+the medians above leave it out (a young pass lands in whatever component allocated).
+
 Steps are classed by what they run: ``decode`` (only decodes, at least
 ``--min-seqs`` sequences) and ``mixed`` (prefill tokens plus at least
 ``--min-seqs`` - 1 decodes). The figures are milliseconds per step (median over
@@ -69,6 +73,8 @@ class StepTimers:
         self.current: dict[str, float] = defaultdict(float)
         self.kind: str | None = None
         self.steps: dict[str, list[dict[str, float]]] = defaultdict(list)
+        #: every step closed, classed or not
+        self.num_steps = 0
 
     def add(self, part: str, seconds: float) -> None:
         """Add ``seconds`` to ``part`` of the step being run.
@@ -91,6 +97,7 @@ class StepTimers:
 
     def end_step(self) -> None:
         """Close the step being run: keep its figures under its kind, start the next."""
+        self.num_steps += 1
         if self.kind is not None:
             self.steps[self.kind].append(dict(self.current))
         self.current = defaultdict(float)
@@ -111,6 +118,52 @@ class StepTimers:
             out[kind] = row
         return out
 
+
+class GCPauses:
+    """The cyclic garbage collector's pauses, in every thread, while :attr:`on` (a ``gc``
+    callback: ``gc.callbacks.append(pauses)``)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.young = 0.0
+        self.full = 0.0
+        self.num_full = 0
+        self._started: dict[int, float] = {}
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if not self.on:
+            return
+        now = time.perf_counter()
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started[thread] = now
+            return
+        began = self._started.pop(thread, None)
+        if began is None:
+            return
+        if info["generation"] == 2:
+            self.full += now - began
+            self.num_full += 1
+        else:
+            self.young += now - began
+
+    def summary(self, num_steps: int) -> dict[str, float]:
+        """Milliseconds of pauses per step (mean over ``num_steps``) and the full passes.
+
+        :param num_steps: the steps of the run.
+        :return: ``{"young": ms, "full": ms, "full_passes": count, "steps": num_steps}``.
+        """
+        n = max(num_steps, 1)
+        return {
+            "young": 1e3 * self.young / n,
+            "full": 1e3 * self.full / n,
+            "full_passes": self.num_full,
+            "steps": num_steps,
+        }
+
+
+#: the collector's pauses during the timed run
+GC_PAUSES = GCPauses()
 
 #: the clock of the accumulators (see ``--clock``)
 _clock: Callable[[], float] = time.thread_time
@@ -229,9 +282,11 @@ def run_llm(args: argparse.Namespace, timers: StepTimers) -> float:
     prompts, olens = workload(args.requests, args.seed, args.prompt_len, args.output_len)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=1.0) for o in olens]
     instrument(llm, timers)
+    GC_PAUSES.on = True
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    GC_PAUSES.on = False
     assert [len(o.outputs[0].token_ids) for o in outs] == olens
     llm.shutdown()
     return wall
@@ -269,9 +324,11 @@ def run_async(args: argparse.Namespace, timers: StepTimers) -> float:
                         n += k
                 return n
 
+            GC_PAUSES.on = True
             t0 = time.perf_counter()
             counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
             wall = time.perf_counter() - t0
+            GC_PAUSES.on = False
             assert list(counts) == olens
             return wall
         finally:
@@ -318,16 +375,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
-    global _clock
+    global _clock, GC_PAUSES
     _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    GC_PAUSES = GCPauses()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     timers = StepTimers(args.min_seqs or args.max_num_seqs)
-    wall = (run_llm if args.path == "llm" else run_async)(args, timers)
+    import gc
+
+    gc.callbacks.append(GC_PAUSES)
+    try:
+        wall = (run_llm if args.path == "llm" else run_async)(args, timers)
+    finally:
+        gc.callbacks.remove(GC_PAUSES)
     summary = timers.summary()
+    pauses = GC_PAUSES.summary(timers.num_steps)
     if args.json:
-        logger.info(
-            json.dumps({"path": args.path, "wall_s": wall, "per_step_ms": summary}, indent=1)
-        )
+        record = {"path": args.path, "wall_s": wall, "per_step_ms": summary, "gc_ms": pauses}
+        logger.info(json.dumps(record, indent=1))
         return 0
     cols = (*HOST_PARTS, "host", EXCLUDED)
     lines = [f"path={args.path} wall={wall:.1f}s  (ms per step, {args.clock} clock)"]
@@ -335,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind, row in summary.items():
         vals = "".join(f"{row.get(c, 0.0):16.3f}" for c in cols)
         lines.append(f"{kind:8s}{int(row['steps']):7d}{vals}")
+    lines.append(
+        f"gc pauses, every thread (ms per step, mean over {timers.num_steps} steps): young "
+        f"{pauses['young']:.3f}, full {pauses['full']:.3f} ({pauses['full_passes']} full passes)"
+    )
     logger.info("\n".join(lines))
     return 0
 

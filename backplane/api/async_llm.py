@@ -56,8 +56,8 @@ from backplane.api.chat import render_chat_text
 from backplane.api.data_parallel import replica_configs, replica_in_own_process
 from backplane.api.engine_process import ProcessLLM
 from backplane.api.llm import LLM, Conversation, Prompt
-from backplane.api.output_processor import PendingOutput, coalesced
 from backplane.api.outputs import RequestOutput
+from backplane.api.pending_output import PendingOutput, coalesced
 from backplane.api.stop import StopAutomaton, stop_automaton
 from backplane.core.errors import (
     BackplaneError,
@@ -65,6 +65,7 @@ from backplane.core.errors import (
     InvalidFieldError,
     RequestError,
 )
+from backplane.core.gc_heap import freeze_startup_heap, released_startup_heap
 from backplane.engine.config import EngineConfig
 from backplane.engine.sampling import SamplingParams
 from backplane.models.tokenizer_bounds import char_bound
@@ -908,7 +909,9 @@ class _EngineLoop:
         return self._dead is None and self._thread.is_alive()
 
     def start(self) -> None:
-        """Start the loop's thread."""
+        """Start the loop's thread, the start-up heap frozen for it (see
+        :mod:`backplane.core.gc_heap`; the loop gives its hold up when it stops)."""
+        freeze_startup_heap()
         self._thread.start()
 
     def submit(self, command: tuple[Any, ...]) -> None:
@@ -988,11 +991,12 @@ class _EngineLoop:
         self._dead = reason
         self._release_all()
         self._snapshot = EngineSnapshot(alive=False)
-        if self._stopping:  # shut down on purpose: give the model's memory back too
-            try:
-                self.llm.shutdown()
-            except Exception:
-                logger.exception("releasing the engine failed")
+        with released_startup_heap():
+            if self._stopping:  # shut down on purpose: give the model's memory back too
+                try:
+                    self.llm.shutdown()
+                except Exception:
+                    logger.exception("releasing the engine failed")
         for rid, sink in list(self._sinks.items()):
             self._push(sink, reason)
             self._sinks.pop(rid, None)

@@ -134,11 +134,13 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         format="%(asctime)s engine process %(levelname)s %(name)s: %(message)s",
     )
     from backplane.api.llm import LLM
+    from backplane.core.gc_heap import freeze_startup_heap, released_startup_heap
 
     llm = None
     code = 0
     try:
         llm = LLM(config=config)
+        freeze_startup_heap()  # see backplane.core.gc_heap: this process serves from now on
         conn.send(("ready", _load_of(llm)))
         while True:
             try:
@@ -174,7 +176,8 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
             pass
     finally:
         if llm is not None:
-            llm.shutdown()
+            with released_startup_heap():
+                llm.shutdown()
         try:
             conn.send(("ok", None))  # the shutdown's answer (ignored when nobody listens)
         except (OSError, ValueError):

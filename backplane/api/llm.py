@@ -30,8 +30,9 @@ from typing import Any
 from backplane.api import chat as _chat
 from backplane.api.chat import Conversation
 from backplane.api.guard import ConcurrentUseError, ThreadGuard
-from backplane.api.output_processor import OutputProcessor, PendingOutput, TrackedRequest
+from backplane.api.output_processor import OutputProcessor, TrackedRequest
 from backplane.api.outputs import RequestMetrics, RequestOutput
+from backplane.api.pending_output import PendingOutput
 from backplane.api.prompts import (
     Prompt,
     as_prompt_list,
@@ -244,7 +245,10 @@ class LLM:
         """
         outs = []
         tracked, ready, final_only = self._tracked, self._ready, self._final_only
-        for so in self.engine.step():
+        step_outputs = self.engine.step()
+        if streamed and not ready:
+            return self._streamed_outputs(step_outputs)
+        for so in step_outputs:
             rid = so.request_id
             t = tracked.get(rid)
             if t is None:
@@ -265,6 +269,30 @@ class LLM:
             if queue is not None:
                 queue.append(out)
             outs.append(out)
+        return outs
+
+    def _streamed_outputs(self, step_outputs: list[Any]) -> list[RequestOutput | PendingOutput]:
+        """The outputs of :meth:`step_streamed` when no :meth:`stream` call reads any.
+
+        Every request's output is a streamed one (see
+        :meth:`OutputProcessor.update_streamed_many`: the step's texts are decoded together).
+
+        :param step_outputs: the engine step's outputs.
+        :return: one output per tracked request among them, in their order.
+        """
+        tracked, final_only = self._tracked, self._final_only
+        pairs = []
+        for so in step_outputs:
+            t = tracked.get(so.request_id)
+            if t is not None:
+                pairs.append((t, so))
+        outs = self._outputs.update_streamed_many(pairs)
+        for t, so in pairs:
+            if t.finished:
+                rid = so.request_id
+                tracked.pop(rid, None)
+                if rid in final_only:
+                    self._finished.append(rid)
         return outs
 
     def _add_all(

@@ -9,7 +9,6 @@ text that could still become a stop string is held back from streams.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from backplane.api.outputs import (
     streamed_completion,
     streamed_output,
 )
+from backplane.api.pending_output import PendingOutput, coalesced
 from backplane.api.stop import StopAutomaton, StopMatcher
 from backplane.engine.outputs import EngineStepOutput
 from backplane.engine.request import Request
@@ -127,154 +127,6 @@ class TrackedRequest:
         self.gaps: list[float] = []
 
 
-class PendingOutput:
-    """A running request's incremental output as of one step, built when its reader takes it.
-
-    It holds what the output shows (counts into the request's append-only token
-    and logprob lists, the text as of that step and the span of it that is new,
-    the metrics snapshot), so :meth:`build` gives, on any thread and at any later
-    time, the :class:`RequestOutput` :meth:`OutputProcessor.update` would have
-    built at that step.
-
-    :param tracked: the request.
-    :param start: its first token not handed out before this output.
-    :param end: its tokens as of this output.
-    :param num_logprobs: its logprob entries as of this output (``None`` when not asked for).
-    :param text: its text as of this output.
-    :param sent: the first character of ``text`` not handed out before.
-    :param visible: the end of the text handed out with this output.
-    :param prompt_logprobs: its prompt logprobs as of this output.
-    :param metrics: its metrics snapshot (see :func:`_metrics`).
-    """
-
-    __slots__ = (
-        "tracked",
-        "start",
-        "end",
-        "num_logprobs",
-        "text",
-        "sent",
-        "visible",
-        "prompt_logprobs",
-        "metrics",
-    )
-
-    #: a pending output is always one of a running request (finished ones are built at once)
-    finished = False
-
-    def __init__(
-        self,
-        tracked: TrackedRequest,
-        start: int,
-        end: int,
-        num_logprobs: int | None,
-        text: str,
-        sent: int,
-        visible: int,
-        prompt_logprobs: list[dict[int, Logprob] | None] | None,
-        metrics: MetricsSnapshot,
-    ) -> None:
-        self.tracked = tracked
-        self.start = start
-        self.end = end
-        self.num_logprobs = num_logprobs
-        self.text = text
-        self.sent = sent
-        self.visible = visible
-        self.prompt_logprobs = prompt_logprobs
-        self.metrics = metrics
-
-    @property
-    def request_id(self) -> str:
-        """The id the output carries."""
-        return self.tracked.public_id
-
-    def build(self) -> RequestOutput:
-        """Build the output.
-
-        :return: the :class:`RequestOutput` of the request as of the step it was made at.
-        """
-        t = self.tracked
-        text = self.text
-        # a running request has neither finish reason nor stop reason yet
-        completion = streamed_completion(
-            t.index,
-            text,
-            t.token_ids,
-            t.logprobs,
-            None,
-            None,
-            num_tokens=self.end,
-            num_logprobs=self.num_logprobs,
-        )
-        return streamed_output(
-            t.public_id,
-            t.prompt_text,
-            t.prompt,
-            completion,
-            self.prompt_logprobs,
-            t.token_ids[self.start : self.end],
-            text[self.sent : self.visible],
-            self.metrics,
-        )
-
-    def delta(self) -> tuple[list[int], str]:
-        """The tokens and text this output adds, without building it.
-
-        :return: its ``new_token_ids`` and ``new_text``.
-        """
-        return self.tracked.token_ids[self.start : self.end], self.text[self.sent : self.visible]
-
-
-def coalesced(outs: Sequence[RequestOutput | PendingOutput]) -> RequestOutput | PendingOutput:
-    """One output in place of consecutive incremental outputs of one request.
-
-    A stream whose reader falls behind the engine hands out what piled up as one
-    output: the last of them, whose ``new_token_ids`` and ``new_text`` also hold
-    what the earlier ones added. Everything else an output shows is as of its
-    step, so the last one's is the latest; the deltas a reader concatenates are
-    the same however the outputs were grouped. Running outputs not built yet
-    stay unbuilt (:class:`PendingOutput`): only the one handed out is built.
-
-    :param outs: outputs of one sample of one request in the order they were made,
-        none finished but the last one (at least one output).
-    :return: the last output, its deltas covering every one of ``outs``.
-    """
-    last = outs[-1]
-    if len(outs) == 1:
-        return last
-    if all(type(o) is PendingOutput for o in outs):
-        first = outs[0]
-        assert isinstance(first, PendingOutput) and isinstance(last, PendingOutput)
-        return PendingOutput(
-            last.tracked,
-            first.start,
-            last.end,
-            last.num_logprobs,
-            last.text,
-            first.sent,
-            last.visible,
-            last.prompt_logprobs,
-            last.metrics,
-        )
-    tokens: list[int] = []
-    texts: list[str] = []
-    for o in outs[:-1]:
-        if type(o) is PendingOutput:
-            ids, text = o.delta()
-        else:
-            ids, text = o.new_token_ids, o.new_text
-        tokens += ids
-        texts.append(text)
-    # a copy: a finished output is also what finished-request callbacks were given
-    out = last.build() if type(last) is PendingOutput else copy.copy(last)
-    tokens += out.new_token_ids
-    texts.append(out.new_text)
-    out.new_token_ids = tokens
-    out.new_text = "".join(texts)
-    return out
-
-
 class OutputProcessor:
     """Detokenises requests' tokens and builds their outputs.
 
@@ -299,9 +151,11 @@ class OutputProcessor:
         # two decodes per request per step.
         self._direct_owner: Any = None
         self._direct: Callable[..., str] | None = None
+        self._direct_batch: Callable[..., list[str]] | None = None
         if isinstance(tokenizer, TextTokenizer):
             self._direct_owner = tokenizer
             self._direct = tokenizer.backend.decode
+            self._direct_batch = getattr(tokenizer.backend, "decode_batch", None)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Detokenize, skipping special tokens where the tokenizer can.
@@ -319,6 +173,20 @@ class OutputProcessor:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         except TypeError:
             return self.tokenizer.decode(list(token_ids))
+
+    def decode_many(self, windows: list[list[int]]) -> list[str]:
+        """Detokenize several id lists, each as :meth:`decode` would.
+
+        The ``tokenizers`` library decodes a batch in one call, without the GIL: the
+        engine loop's detokenising then leaves the streams' readers free to run.
+
+        :param windows: the id lists.
+        :return: their texts, in order.
+        """
+        batch = self._direct_batch
+        if batch is not None and self.tokenizer is self._direct_owner:
+            return batch(windows, skip_special_tokens=True)
+        return [self.decode(w) for w in windows]
 
     def update(self, t: TrackedRequest, step_output: EngineStepOutput) -> RequestOutput:
         """Take one engine step's output for ``t`` and return ``t``'s incremental output.
@@ -391,9 +259,75 @@ class OutputProcessor:
         :return: the finished output, or what builds the running one's.
         """
         self._take(t, step_output)
-        start, sent, visible = self._advance(t)
+        return self._streamed(t)
+
+    def update_streamed_many(
+        self, pairs: Sequence[tuple[TrackedRequest, EngineStepOutput]]
+    ) -> list[RequestOutput | PendingOutput]:
+        """:meth:`update_streamed` for each of one step's requests, their texts decoded together.
+
+        The tokens of every request are taken first; then the windows of those whose
+        text grows are detokenised in one :meth:`decode_many` call, and each
+        request's text, stop strings and output follow as :meth:`update_streamed`
+        would have made them.
+
+        :param pairs: ``(request, its engine output)`` per request of the step.
+        :return: the outputs, in the order of ``pairs``.
+        """
+        take = self._take
+        windows: list[list[int]] = []
+        # per window: the index of its pair (~index for a window's already emitted text)
+        owners: list[int] = []
+        check = self.tokenizer is not None
+        for i, (t, so) in enumerate(pairs):
+            take(t, so)
+            # the windows _catch_up would decode for a running request
+            if check and not t.finished and t.stop_str is None:
+                ids = t.token_ids
+                if len(ids) > t.read_offset:
+                    if t.window is None:
+                        if t.read_offset > t.prefix_offset:
+                            windows.append(ids[t.prefix_offset : t.read_offset])
+                            owners.append(~i)
+                        else:
+                            t.window = ""
+                    windows.append(ids[t.prefix_offset :])
+                    owners.append(i)
+        news: list[str | None] = [None] * len(pairs)
+        if windows:
+            for i, text in zip(owners, self.decode_many(windows), strict=True):
+                if i < 0:
+                    pairs[~i][0].window = text
+                else:
+                    news[i] = text
+        outs: list[RequestOutput | PendingOutput] = []
+        pending, streamed, grow = self._pending, self._streamed, self._grow
+        for (t, _), new in zip(pairs, news, strict=True):
+            if t.matcher is not None or t.finished:
+                outs.append(streamed(t, new))
+                continue
+            # what _streamed does for a running request without stop strings: the text
+            # grows by the window's new part, and all of it is handed out
+            start = t.emitted
+            t.emitted = len(t.token_ids)
+            if new is not None:
+                grow(t, new)
+            sent = t.sent
+            t.sent = visible = len(t.text)
+            outs.append(pending(t, start, sent, visible))
+        return outs
+
+    def _streamed(self, t: TrackedRequest, new: str | None = None) -> RequestOutput | PendingOutput:
+        """The rest of :meth:`update_streamed` once the step's tokens are taken (``new``:
+        the request's window decoded ahead, see :meth:`_catch_up`)."""
+        start, sent, visible = self._advance(t, new)
         if t.finished:  # by the engine, or by a stop string found just now
             return self._build(t, start, sent, visible)
+        return self._pending(t, start, sent, visible)
+
+    @staticmethod
+    def _pending(t: TrackedRequest, start: int, sent: int, visible: int) -> PendingOutput:
+        """A running request's output as of now, built by its reader (see :meth:`_build`)."""
         logprobs = t.logprobs
         return PendingOutput(
             t,
@@ -407,10 +341,11 @@ class OutputProcessor:
             _metrics(t),
         )
 
-    def _advance(self, t: TrackedRequest) -> tuple[int, int, int]:
+    def _advance(self, t: TrackedRequest, new: str | None = None) -> tuple[int, int, int]:
         """Mark ``t``'s tokens and text as handed out, its text brought up to date first.
 
         :param t: the request.
+        :param new: its window decoded ahead (see :meth:`_catch_up`), or ``None``.
         :return: the first token and the first character not handed out before, and
             how much of the text is handed out now (the end that may still grow into a
             stop string is held back while the request runs).
@@ -418,7 +353,7 @@ class OutputProcessor:
         start = t.emitted
         t.emitted = len(t.token_ids)
         if t.stop_str is None:  # a matched stop string froze the text
-            self._catch_up(t)
+            self._catch_up(t, new)
         visible = len(t.text)
         if t.matcher is not None and not t.finished:  # the end that may grow into a stop string
             visible -= t.matcher.partial()
@@ -467,12 +402,13 @@ class OutputProcessor:
             metrics=None if snapshot is None else metrics_from(snapshot),
         )
 
-    def _catch_up(self, t: TrackedRequest) -> None:
+    def _catch_up(self, t: TrackedRequest, new: str | None = None) -> None:
         """Bring ``t``'s text up to date with its tokens and search it for stop strings.
 
         The text of a finished request is decoded whole (the exact final text);
         a running one's from its sliding window, and only when it has tokens the
-        text has not read yet.
+        text has not read yet. ``new``: that window (``ids[prefix_offset:]``)
+        already decoded, when the caller decoded it with other requests' windows.
         """
         if t.finished:
             final = self.decode(t.token_ids)  # the exact final text
@@ -481,24 +417,31 @@ class OutputProcessor:
             t.text = final
         elif self.tokenizer is not None and len(t.token_ids) > t.read_offset:
             ids = t.token_ids
-            old = t.window
-            if old is None:
-                old = t.window = self.decode(ids[t.prefix_offset : t.read_offset])
-            new = self.decode(ids[t.prefix_offset :])
-            if len(new) > len(old) and not new.endswith("\ufffd"):
-                t.text += new[len(old) :]
-                if len(ids) - t.prefix_offset <= _MAX_WINDOW:
-                    # The window keeps its start, so the text just decoded is the next
-                    # step's old text: one decode per step instead of two.
-                    t.window = new
-                else:
-                    t.prefix_offset = t.read_offset
-                    t.window = None
-                t.read_offset = len(ids)
+            if t.window is None:
+                t.window = self.decode(ids[t.prefix_offset : t.read_offset])
+            self._grow(t, self.decode(ids[t.prefix_offset :]) if new is None else new)
         if t.matcher is not None:
             t.matcher.consume(t.text)
             if len(t.token_ids) > t.min_tokens:
                 self._match_stop(t)
+
+    @staticmethod
+    def _grow(t: TrackedRequest, new: str) -> None:
+        """Add to ``t``'s text what its window's text ``new`` (``ids[prefix_offset:]``, the
+        window text known: ``t.window``) has past the text already emitted, once it ends in
+        a whole character; move the window on."""
+        old = t.window
+        if len(new) > len(old) and not new.endswith("\ufffd"):
+            t.text += new[len(old) :]
+            n = len(t.token_ids)
+            if n - t.prefix_offset <= _MAX_WINDOW:
+                # The window keeps its start, so the text just decoded is the next
+                # step's old text: one decode per step instead of two.
+                t.window = new
+            else:
+                t.prefix_offset = t.read_offset
+                t.window = None
+            t.read_offset = n
 
     def decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         """One position's logprobs with each token's text filled in (when there is a tokenizer).
