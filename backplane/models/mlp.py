@@ -136,7 +136,7 @@ class MLP(nn.Module):
         """
         if self.gated:
             # forward() reads ``projected`` as the gated product exactly when this asks for it.
-            return InputProjection(self.gate_up_proj, glu=self._glu_act())
+            return InputProjection(self.gate_up_proj, glu=self._glu_act(self._epilogue_act()))
         act = _EPILOGUE_ACTS.get(self.act_fn)
         return None if act is None else InputProjection(self.up_proj, act)
 
@@ -144,10 +144,12 @@ class MLP(nn.Module):
         """The activation the one-row kernel applies for this block, or ``None`` where it does not."""
         return _EPILOGUE_ACTS.get(self.act_fn) if self.fused_ops == "triton" else None
 
-    def _glu_act(self) -> str | None:
+    def _glu_act(self, act: str | None) -> str | None:
         """The activation of the gate/up projection's gated epilogue, or ``None`` where the
-        down projection forms the product (see :func:`~backplane.kernels.gemv.glu_pays`)."""
-        act = self._epilogue_act()
+        down projection forms the product (see :func:`~backplane.kernels.gemv.glu_pays`).
+
+        :param act: :meth:`_epilogue_act`'s answer.
+        """
         if act is None or not load_gemv().glu_pays(self.gate_up_proj.in_features):
             return None
         return act
@@ -163,7 +165,8 @@ class MLP(nn.Module):
             kernel does not apply the activation), or the activated up output.
         """
         if self.gated:
-            act, glu = self._epilogue_act(), self._glu_act()
+            act = self._epilogue_act()
+            glu = self._glu_act(act)
             if projected is not None and glu is not None:
                 return self.down_proj(projected)
             if projected is None and glu is not None:
