@@ -82,6 +82,22 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
         "down": (4096, 14336),
         "lm_head": (128256, 4096),
     },
+    # one rank's share at tensor-parallel sizes 2 and 4: q/k/v and gate/up split by rows,
+    # o and down by columns, the LM head by vocabulary rows
+    "llama-8b-tp2": {
+        "qkv": (3072, 4096),
+        "o": (4096, 2048),
+        "gate_up": (14336, 4096),
+        "down": (4096, 7168),
+        "lm_head": (64128, 4096),
+    },
+    "llama-8b-tp4": {
+        "qkv": (1536, 4096),
+        "o": (4096, 1024),
+        "gate_up": (7168, 4096),
+        "down": (4096, 3584),
+        "lm_head": (32064, 4096),
+    },
     # Mamba2 in_proj: z (4096) + x, B, C (4096 + 2 * 8 * 128) + dt (64 heads)
     "nemotron-h-0.85b": {
         "in_proj": (10304, 2048),

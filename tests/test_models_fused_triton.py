@@ -56,6 +56,7 @@ KERNEL_CHECKS = (
     "rotary",
     "rotary_interleaved",
     "gemv",
+    "gemv_epilogues",
     "row_parallel",
 )
 MODEL_CHECKS = (
@@ -607,6 +608,18 @@ def _gemv_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ref: t
     return last * ref.abs() + 2 * k * _unit(torch.float32) * absdot
 
 
+def check_gemv_epilogues(device: torch.device) -> None:
+    """The one-row kernel's prologues and epilogues (activations, the gated input, the gated
+    output of gate/up, the normed input) against the plain product and torch's ops."""
+    from backplane.kernels import load_gemv
+
+    gemv = load_gemv()
+    _check_gemv_activations(gemv, device)
+    _check_gemv_gated(gemv, device)
+    _check_gemv_glu(gemv, device)
+    _check_norm_gemv(gemv, device)
+
+
 def check_gemv(device: torch.device) -> None:
     """The one-row split-K product: every element within its rounding bound of float64, for
     planned and forced launches (splits that do and do not divide ``K``, ragged row blocks),
@@ -637,10 +650,6 @@ def check_gemv(device: torch.device) -> None:
             ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
             _within(name, got, ref, _gemv_bound(x, w, bias, ref))
             _equal(name + " (again)", gemv.gemv(x, w, bias, launch=launch), got)
-    _check_gemv_activations(gemv, device)
-    _check_gemv_gated(gemv, device)
-    _check_gemv_glu(gemv, device)
-    _check_norm_gemv(gemv, device)
     w = _randn(4, 8, dtype=torch.float32, device=device, seed=1)
     for bad in ((2, 8), (1, 1, 8), (1, 9)):
         try:

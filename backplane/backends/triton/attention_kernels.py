@@ -22,6 +22,10 @@ import triton.language as tl
 
 #: the largest finite float8_e4m3fn value (it has no infinity)
 _FP8_MAX = tl.constexpr(448.0)
+#: the most ``splits x value width`` elements the decode merge reads unrolled (one
+#: ``[heads, value]`` tile per split, all loads issued at once): Llama-shaped heads up to
+#: 16 splits of 128; MLA's 512-wide latents keep the loop
+MERGE_UNROLLED = tl.constexpr(2048)
 
 
 @triton.jit
@@ -818,20 +822,35 @@ def _decode_kernel(
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             total = tl.sum(tl.exp2(lses - m_safe[:, None]), 1)
             merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-            # One split at a time keeps registers at one [BLOCK_H, BLOCK_DV] tile
-            # whatever the number of splits (MLA rows are 512 wide).
-            for s in range(active):
-                w = tl.exp2(
-                    tl.load(plse_ptr + row0 + s, mask=h_mask, other=0.0, cache_modifier=".cg")
-                    - m_safe
-                )
-                part = tl.load(
-                    po_ptr + (row0 + s)[:, None] * BLOCK_DV + dv[None, :],
-                    mask=out_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                merged += part * w[:, None]
+            if BLOCK_S * BLOCK_DV <= MERGE_UNROLLED:
+                # Unrolled, the splits' loads are independent and issue together: one
+                # trip to L2 instead of one per split, which at one sequence is most
+                # of the merge (the weights come from the log-sum-exps in registers).
+                for s in tl.static_range(NUM_SPLITS):
+                    s_ok = (tl.zeros([BLOCK_H, BLOCK_DV], tl.int32) + s) < active
+                    w = tl.exp2(tl.sum(tl.where(ss[None, :] == s, lses, 0.0), 1) - m_safe)
+                    part = tl.load(
+                        po_ptr + (row0 + s)[:, None] * BLOCK_DV + dv[None, :],
+                        mask=out_mask & s_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    merged += part * w[:, None]
+            else:
+                # One split at a time keeps registers at one [BLOCK_H, BLOCK_DV] tile
+                # whatever the number of splits (MLA rows are 512 wide).
+                for s in range(active):
+                    w = tl.exp2(
+                        tl.load(plse_ptr + row0 + s, mask=h_mask, other=0.0, cache_modifier=".cg")
+                        - m_safe
+                    )
+                    part = tl.load(
+                        po_ptr + (row0 + s)[:, None] * BLOCK_DV + dv[None, :],
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    merged += part * w[:, None]
             merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
             tl.store(out_rows, merged.to(o_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter, 0)
