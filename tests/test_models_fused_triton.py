@@ -55,12 +55,14 @@ KERNEL_CHECKS = (
     "activation",
     "rotary",
     "rotary_interleaved",
+    "head_norm_rotary",
     "gemv",
     "gemv_epilogues",
     "row_parallel",
 )
 MODEL_CHECKS = (
     "model:tiny-llama",
+    "model:tiny-qwen3",
     "model:tiny-nemotron-h",
     "model:tiny-qwen3-next",
     "model:tiny-deepseek-v3",
@@ -515,6 +517,62 @@ def _rotate_ref(
     return out, bound * _unit(x.dtype)
 
 
+def check_head_norm_rotary(device: torch.device) -> None:
+    """Per-head norms (query and key weights) and the rotation of a fused qkv output in one
+    launch, in place: against float64 and the torch function; the values untouched."""
+    from backplane.models.fused import head_norm_rotary_
+
+    k = _kernels()
+    heads = ((4, 2, 64), (3, 1, 96), (2, 2, 16))
+    if not _small(device):
+        heads += ((32, 8, 128), (16, 4, 128))
+    for dtype in DTYPES:
+        for t in _tokens(device):
+            for hq, hk, d in heads:
+                for zc in (False, True):
+                    name = f"head_norm_rotary {dtype} T={t} heads={hq}+{hk} d={d} zc={zc}"
+                    seed = t + d + hq
+                    qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, device=device, seed=seed)
+                    qkv = qkv * torch.logspace(-2, 2, max(t, 1), device=device)[:t, None].to(dtype)
+                    wq = _randn(d, dtype=dtype, device=device, seed=seed + 1, scale=0.5)
+                    wk = _randn(d, dtype=dtype, device=device, seed=seed + 2, scale=0.5)
+                    if not zc:
+                        wq, wk = wq + 1, wk + 1
+                    cos, sin = _cos_sin(t, d // 2, dtype, device, seed=seed + 3)
+                    before = qkv.clone()
+                    torch_out = qkv.clone()
+                    qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)
+                    assert k.head_norm_rotary_(qk, hq, wq, wk, 1e-6, zc, cos, sin) is qk
+                    head_norm_rotary_(
+                        torch_out[:, : (hq + hk) * d].view(t, hq + hk, d),
+                        hq, wq, wk, 1e-6, zc, cos, sin,
+                    )  # fmt: skip
+                    _near_torch(name + " vs torch", qkv, torch_out)
+                    src = before[:, : (hq + hk) * d].view(t, hq + hk, d)
+                    normed = torch.cat(
+                        [_rms_ref(src[:, :hq], wq, 1e-6, zc), _rms_ref(src[:, hq:], wk, 1e-6, zc)],
+                        dim=1,
+                    )
+                    pairs = [(i, i + d // 2) for i in range(d // 2)]
+                    want, bound = _rotate_ref(normed, cos, sin, pairs)
+                    # the rotation's bound, widened for the norm's roundings (two in the
+                    # dtype, and the float32 mean square) on each product it feeds
+                    unit = _unit(dtype) / _unit(torch.float64)  # normed is float64
+                    _within(name, qk, want, 8 * unit * bound)
+                    assert torch.equal(qkv[:, (hq + hk) * d :], before[:, (hq + hk) * d :]), (
+                        f"{name}: values modified"
+                    )
+    x = torch.zeros(1, 2, 8, dtype=torch.bfloat16, device=device)
+    cos, sin = _cos_sin(1, 4, torch.bfloat16, device, seed=0)
+    w32 = torch.ones(8, device=device)
+    try:
+        head_norm_rotary_(x, 1, w32, w32, 1e-6, False, cos, sin, fused_ops="triton")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("head_norm_rotary_ wrote float32 norms into bfloat16 heads")
+
+
 def check_rotary(device: torch.device) -> None:
     """Queries and keys of a fused qkv output rotated in one launch, in place; values untouched."""
     from backplane.models.fused import apply_rotary_
@@ -581,16 +639,19 @@ _KERNEL_FUNCS = (
     "activation",
     "rotary_",
     "rotary_interleaved",
+    "head_norm_rotary_",
 )
 #: kernels each preset's forward must have run
 _EXPECTED_CALLS = {
     "tiny-llama": {"rms_norm", "add_rms_norm", "act_and_mul", "rotary_"},
+    "tiny-qwen3": {"rms_norm", "add_rms_norm", "act_and_mul", "head_norm_rotary_"},
     "tiny-nemotron-h": {"rms_norm", "add_rms_norm", "gated_rms_norm", "activation"},
     "tiny-qwen3-next": {"rms_norm", "add_rms_norm", "gated_rms_norm", "act_and_mul", "rotary_"},
     "tiny-deepseek-v3": {"rms_norm", "add_rms_norm", "act_and_mul", "rotary_interleaved"},
 }
 _PRESET_FAMILIES = {
     "tiny-llama": ("attention",),
+    "tiny-qwen3": ("attention",),
     "tiny-nemotron-h": ("attention", "ssm"),
     "tiny-qwen3-next": ("attention", "ssm", "delta"),
     "tiny-deepseek-v3": ("mla",),
@@ -1115,11 +1176,24 @@ def _forward_logits(lm, backends, device) -> torch.Tensor:
 
 def check_model(preset: str, device: torch.device) -> None:
     """The preset's logits with the Triton kernels equal its logits with torch (float32)."""
-    from backplane.models.presets import build_preset
+    from backplane.models import presets
 
     k = _kernels()
     backends = _torch_backends(_PRESET_FAMILIES[preset])
-    lm = build_preset(preset, device=device, backends=backends).model
+    if preset == "tiny-qwen3":
+        # tiny-llama's shape with Qwen3's per-head query and key norms
+        config = {
+            **presets.PRESETS["tiny-llama"],
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+        }
+        presets.PRESETS[preset] = config
+        try:
+            lm = presets.build_preset(preset, device=device, backends=backends).model
+        finally:
+            del presets.PRESETS[preset]
+    else:
+        lm = presets.build_preset(preset, device=device, backends=backends).model
     assert lm.set_fused_ops("torch") == "torch"
     want = _forward_logits(lm, backends, device)
     calls: dict[str, int] = {}

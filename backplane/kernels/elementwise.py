@@ -286,11 +286,71 @@ def _rotary_kernel(
         tl.store(dst + 2 * half + tail[None, :], v, mask=tmask)
 
 
+@triton.jit
+def _head_norm_rotary_kernel(
+    x_ptr,
+    w1_ptr,
+    w2_ptr,
+    cos_ptr,
+    sin_ptr,
+    n_first,
+    n_heads,
+    half,
+    sxt,
+    sxh,
+    sct,
+    sst,
+    eps,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    hmask = heads < n_heads
+    rmask = r < half
+    mask = hmask[:, None] & rmask[None, :]
+    src = x_ptr + t * sxt + heads[:, None] * sxh
+    x1 = tl.load(src + r[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + r[None, :], mask=mask, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    # the rms_norm kernel's arithmetic, per head (the mean square over both halves)
+    inv = tl.math.div_rn(
+        1.0, tl.math.sqrt_rn((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)
+    )
+    first = (heads < n_first)[:, None]
+    wa1 = tl.load(w1_ptr + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    wa2 = tl.load(w1_ptr + half + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    wb1 = tl.load(w2_ptr + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    wb2 = tl.load(w2_ptr + half + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    g1 = tl.where(first, wa1, wb1)
+    g2 = tl.where(first, wa2, wb2)
+    n1 = x1 * inv[:, None]
+    n2 = x2 * inv[:, None]
+    if ZERO_CENTERED:
+        y1 = _round(n1 * (1.0 + g1), dt, INTERPRET)
+        y2 = _round(n2 * (1.0 + g2), dt, INTERPRET)
+    else:
+        y1 = _round(g1 * _round(n1, dt, INTERPRET), dt, INTERPRET)
+        y2 = _round(g2 * _round(n2, dt, INTERPRET), dt, INTERPRET)
+    # then the rotary kernel's
+    c = tl.load(cos_ptr + t * sct + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * sst + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    y1_sin = _round(y1 * s, dt, INTERPRET)
+    o1 = _round(_round(y1 * c, dt, INTERPRET) - _round(y2 * s, dt, INTERPRET), dt, INTERPRET)
+    o2 = _round(_round(y2 * c, dt, INTERPRET) + y1_sin, dt, INTERPRET)
+    tl.store(src + r[None, :], o1.to(dt), mask=mask)
+    tl.store(src + half + r[None, :], o2.to(dt), mask=mask)
+
+
 # -- launchers ------------------------------------------------------------------------------
 _RMS_NORM = KernelLauncher(_rms_norm_kernel)
 _GATED_RMS_NORM = KernelLauncher(_gated_rms_norm_kernel)
 _ACT = KernelLauncher(_act_kernel)
 _ROTARY = KernelLauncher(_rotary_kernel)
+_HEAD_NORM_ROTARY = KernelLauncher(_head_norm_rotary_kernel)
 
 # The ``out`` buffers they take must be new contiguous tensors of the result's
 # shape and dtype (tests hand in poisoned ones).
@@ -556,6 +616,49 @@ def _launch_rotary(
     )
 
 
+def _head_norm_rotary_eager_(
+    x: torch.Tensor,
+    n_first: int,
+    first_weight: torch.Tensor,
+    second_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    t, heads, dim = x.shape
+    half = dim // 2
+    if t == 0 or heads == 0:
+        return
+    block_r = next_pow2(half)
+    block_h = min(next_pow2(heads), max(1, 4096 // block_r))
+    _HEAD_NORM_ROTARY.launch(
+        (t, cdiv(heads, block_h)),
+        (
+            x,
+            first_weight,
+            second_weight,
+            cos,
+            sin,
+            n_first,
+            heads,
+            half,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            float(eps),
+        ),
+        x.device.index,
+        ZERO_CENTERED=bool(zero_centered),
+        BLOCK_H=block_h,
+        BLOCK_R=block_r,
+        INTERPRET=INTERPRET,
+        num_warps=max(1, min(8, block_h * block_r // 512)),
+        **_LAUNCH,
+    )
+
+
 def _rotary_eager_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _launch_rotary(x, cos, sin, x, interleaved=False)
 
@@ -633,6 +736,25 @@ def _rotary_op_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 @_rotary_op_.register_fake
 def _(x, cos, sin):
+    return None
+
+
+@torch.library.custom_op("backplane_models::head_norm_rotary_", mutates_args=("x",))
+def _head_norm_rotary_op_(
+    x: torch.Tensor,
+    n_first: int,
+    first_weight: torch.Tensor,
+    second_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    _head_norm_rotary_eager_(x, n_first, first_weight, second_weight, eps, zero_centered, cos, sin)
+
+
+@_head_norm_rotary_op_.register_fake
+def _(x, n_first, first_weight, second_weight, eps, zero_centered, cos, sin):
     return None
 
 
@@ -742,6 +864,41 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_op_(x, cos, sin)
     else:
         _rotary_eager_(x, cos, sin)
+    return x
+
+
+def head_norm_rotary_(
+    x: torch.Tensor,
+    n_first: int,
+    first_weight: torch.Tensor,
+    second_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """RMS-normalise every head of ``x`` and rotate its channel pairs ``(i, i + D/2)``, in
+    place, in one kernel: what :func:`rms_norm` and :func:`rotary_` do one after the other
+    to a Qwen3 layer's queries and keys, rounded the same way.
+
+    :param x: ``[T, H, D]``, the last dimension of unit stride (any other strides): the
+        query heads then the key heads of a fused projection output.
+    :param n_first: heads normalised with ``first_weight`` (the queries); the rest take
+        ``second_weight``.
+    :param first_weight: ``[D]`` contiguous, in ``x.dtype`` (unless ``zero_centered``).
+    :param second_weight: like ``first_weight``.
+    :param eps: added to the mean square.
+    :param zero_centered: scale by ``1 + weight`` in float32.
+    :param cos: ``[T, 1, D/2]`` (or ``[T, D/2]``), unit stride in the last dimension, ``x.dtype``.
+    :param sin: like ``cos``.
+    :return: ``x``.
+    """
+    if torch.compiler.is_compiling():
+        _head_norm_rotary_op_(x, n_first, first_weight, second_weight, eps, zero_centered, cos, sin)
+    else:
+        _head_norm_rotary_eager_(
+            x, n_first, first_weight, second_weight, eps, zero_centered, cos, sin
+        )
     return x
 
 

@@ -383,6 +383,69 @@ def apply_rotary_(
     return x
 
 
+def head_norm_rotary_(
+    x: torch.Tensor,
+    n_first: int,
+    first_weight: torch.Tensor,
+    second_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    fused_ops: str = "torch",
+) -> torch.Tensor:
+    """RMS-normalise each head of ``x``, then rotate its channel pairs ``(i, i + D/2)``, in place.
+
+    What a Qwen3 layer does to its queries and keys (per-head norms, then
+    rotary over whole heads): :func:`rms_norm` of the first ``n_first`` heads
+    with ``first_weight`` and of the rest with ``second_weight``, then
+    :func:`apply_rotary_`, with the same roundings. With ``fused_ops="triton"``
+    it is one kernel for both (four launches otherwise).
+
+    :param x: ``[T, H, D]`` with unit stride in ``D`` (e.g. the query and key heads of a
+        fused projection output); modified in place.
+    :param n_first: how many leading heads take ``first_weight``.
+    :param first_weight: ``[D]``; in ``x.dtype`` unless ``zero_centered`` (the norm's
+        result must be in ``x.dtype`` to be written back).
+    :param second_weight: like ``first_weight``.
+    :param eps: added to the mean square.
+    :param zero_centered: the weights store ``w - 1`` (see :func:`rms_norm`).
+    :param cos: ``[T, 1, D/2]``, in ``x.dtype``.
+    :param sin: ``[T, 1, D/2]``, in ``x.dtype``.
+    :param fused_ops: ``"torch"`` or ``"triton"`` (see the module docstring).
+    :return: ``x``.
+    :raises ValueError: the norm would return another dtype than ``x``'s.
+    """
+    for w in (first_weight, second_weight):
+        if _norm_out_dtype(x, w, zero_centered) != x.dtype:
+            raise ValueError(
+                f"head_norm_rotary_: a {w.dtype} weight would normalise {x.dtype} heads into "
+                f"{_norm_out_dtype(x, w, zero_centered)}; cast the weights to {x.dtype}"
+            )
+    k = _triton(fused_ops, x, first_weight, second_weight, cos, sin)
+    if (
+        k is not None
+        and _rotary_fits(k, x, cos, sin)
+        and 2 * cos.shape[-1] == x.shape[-1]
+        and _norm_fits(k, x, first_weight)
+        and second_weight.is_contiguous()
+    ):
+        return k.head_norm_rotary_(
+            x, n_first, first_weight, second_weight, eps, zero_centered, cos, sin
+        )
+    x[:, :n_first] = rms_norm(x[:, :n_first], first_weight, eps, zero_centered, fused_ops=fused_ops)
+    x[:, n_first:] = rms_norm(
+        x[:, n_first:], second_weight, eps, zero_centered, fused_ops=fused_ops
+    )
+    return apply_rotary_(x, cos, sin, fused_ops=fused_ops)
+
+
+def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor, zero_centered: bool) -> torch.dtype:
+    """The dtype :func:`rms_norm` returns for ``x`` and ``weight``."""
+    return x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+
+
 def apply_rotary_interleaved(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused_ops: str = "torch"
 ) -> torch.Tensor:

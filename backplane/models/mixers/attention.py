@@ -8,6 +8,7 @@ import torch
 
 from backplane.core.families import AttentionLayerSpec
 from backplane.core.parallel import tensor_parallel
+from backplane.models.fused import head_norm_rotary_
 from backplane.models.linear import InputProjection, RotaryEpilogue
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
@@ -113,6 +114,15 @@ class AttentionMixer(PagedMixer):
             and rotary.rotary_dim == head_dim
             else 0
         )
+        # Per-head norms then rotary over whole rotate-half heads: one call does both,
+        # in place on the fused projection's rows (see :func:`head_norm_rotary_`).
+        self._norm_rotary = bool(
+            qk_norm
+            and rotary is not None
+            and not output_gate
+            and not rotary.interleaved
+            and rotary.rotary_dim == head_dim
+        )
 
     def input_projection(self, rope: RopeCosSin | None = None) -> InputProjection:
         """The first projection of the input (``qkv_proj``), with no activation.
@@ -130,6 +140,12 @@ class AttentionMixer(PagedMixer):
         return InputProjection(
             self.qkv_proj, rotary=RotaryEpilogue(rope[0], rope[1], self._rotary_rows)
         )
+
+    def _norms_keep_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the q/k norms return ``dtype`` (so their results fit back in the rows)."""
+        if self.q_norm.zero_centered:
+            return True
+        return self.q_norm.weight.dtype == dtype and self.k_norm.weight.dtype == dtype
 
     def forward(
         self,
@@ -161,11 +177,24 @@ class AttentionMixer(PagedMixer):
         else:
             # One call for the three head views (they run every layer and step).
             q, k, v = qkv.view(t, h + 2 * hk, d).split((h, hk, hk), dim=1)
-        if self.qk_norm:
+        rotated = projected is not None and rope is not None and bool(self._rotary_rows)
+        if self._norm_rotary and self._norms_keep_dtype(qkv.dtype):
+            cos, sin = rope if rope is not None else self.rotary.cos_sin(positions, qkv.dtype)
+            head_norm_rotary_(
+                qkv[:, : (h + hk) * d].view(t, h + hk, d),
+                h,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                self.q_norm.zero_centered,
+                cos,
+                sin,
+                fused_ops=self.q_norm.fused_ops,
+            )
+            rotated = True
+        elif self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None and not (
-            projected is not None and rope is not None and self._rotary_rows
-        ):
+        if self.rotary is not None and not rotated:
             cos, sin = rope if rope is not None else self.rotary.cos_sin(positions, q.dtype)
             if self.qk_norm or self.output_gate:
                 self.rotary.rotate_(q, cos, sin)
