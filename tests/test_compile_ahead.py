@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import pytest
 import torch
@@ -189,3 +190,32 @@ def test_the_environment_can_turn_compiling_ahead_off(monkeypatch: pytest.Monkey
             assert (cached() is not None) == on
     finally:
         cached.cache_clear()
+
+
+def _busy(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU, as compiling a kernel does."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def test_the_disk_cache_is_warm_while_every_compile_asked_for_was_a_load(
+    async_triton, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    monkeypatch.setattr(compile_ahead, "_TALLY", compile_ahead._Tally())
+    assert not compile_ahead.disk_cache_warm()  # nothing asked for yet
+
+    def one_pass(*jobs: float) -> None:
+        with compile_ahead.compile_only(workers=2):
+            pool = async_triton.made[-1].executor
+            futures = [pool.submit(_busy, s) for s in jobs]
+        assert all(f.done() for f in futures)
+
+    one_pass(0.0, 0.0)
+    assert compile_ahead.disk_cache_warm()
+    one_pass(0.0, 2 * compile_ahead.LOADED_CPU_S)
+    assert not compile_ahead.disk_cache_warm()
+    # one compile says the cache was not warm for this start-up, whatever comes later
+    one_pass(0.0)
+    assert not compile_ahead.disk_cache_warm()
+    assert (compile_ahead._TALLY.asked, compile_ahead._TALLY.compiled) == (5, 1)

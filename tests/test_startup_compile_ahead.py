@@ -246,3 +246,22 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def test_the_later_passes_follow_the_dtype_and_the_disk_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from backplane.engine.worker.device_worker import DeviceWorker
+
+    worker = DeviceWorker.__new__(DeviceWorker)  # only its dtype is read
+    tally = compile_ahead._Tally()
+    monkeypatch.setattr(compile_ahead, "_TALLY", tally)
+    worker.dtype = torch.bfloat16
+    assert worker._compiles_ahead and worker._later_passes()
+    tally.add(compiled=False)  # the profiling step loaded its kernels from the disk cache
+    assert worker._compiles_ahead and not worker._later_passes()
+    tally.add(compiled=True)
+    assert worker._later_passes()
+    # float32: the library kernels' exact products are chosen around their launches
+    worker.dtype = torch.float32
+    assert not worker._compiles_ahead and not worker._later_passes()

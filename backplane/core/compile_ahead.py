@@ -31,6 +31,13 @@ returns at once.
   launched with the same arguments. (Launches made directly, ``kernel[grid]``,
   by libraries compile in the pool too, but wait for their compile and run.)
 
+A start-up that has run before with the same shapes finds every kernel in
+Triton's disk cache: its launches load them in milliseconds, and a pass would
+only cost a forward each. :func:`disk_cache_warm` tells, from the passes run
+so far in the process (the first is the memory-profiling step's), whether
+every compile they asked for was such a load, so that later steps can skip
+theirs.
+
 Under the Triton interpreter, on the CPU, with a Triton without
 ``AsyncCompileMode`` or with ``BACKPLANE_COMPILE_AHEAD=0``,
 :func:`can_compile_ahead` and :func:`ahead_of` are false and nothing changes.
@@ -43,6 +50,7 @@ import contextvars
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +66,7 @@ __all__ = [
     "can_compile_ahead",
     "compile_only",
     "compiling_only",
+    "disk_cache_warm",
     "hold_while_compiling_only",
     "in_startup_window",
     "launch",
@@ -84,6 +93,57 @@ _COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
 _DONE: set[Hashable] = set()
 # context managers entered around every compile-only pass (hold_while_compiling_only)
 _HOLDS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+#: a compile job that spent less CPU than this (seconds, in its own thread) loaded its
+#: kernel from Triton's disk cache (milliseconds); compiling one takes tens to hundreds
+#: (the MLIR and LLVM passes; ptxas runs in a subprocess and is not counted)
+LOADED_CPU_S = 0.03
+
+
+class _Tally:
+    """The compile jobs of this process's compile-only passes: asked for, and compiled."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.asked = 0
+        self.compiled = 0
+
+    def add(self, compiled: bool) -> None:
+        """Count one job, finished (``compiled``: not a load from the disk cache)."""
+        with self.lock:
+            self.asked += 1
+            self.compiled += compiled
+
+
+_TALLY = _Tally()
+
+
+class _CompilePool(ThreadPoolExecutor):
+    """The thread pool of a compile-only pass; it tallies whether each job compiled."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the pool, timing its thread's CPU.
+
+        :return: the job's future.
+        """
+
+        def job() -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _TALLY.add(time.thread_time() - start >= LOADED_CPU_S)
+
+        return super().submit(job)
+
+
+def disk_cache_warm() -> bool:
+    """Whether this process's compile-only passes asked for compiles and all were loads.
+
+    :return: ``True`` once some pass has asked for a compile and none so far has
+        compiled (each loaded its kernel from Triton's disk cache).
+    """
+    with _TALLY.lock:
+        return _TALLY.asked > 0 and _TALLY.compiled == 0
 
 
 @contextlib.contextmanager
@@ -233,7 +293,7 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
     mode_class = _async_compile_mode()
     if mode_class is None:
         raise RuntimeError("this Triton cannot compile asynchronously (no AsyncCompileMode)")
-    with ThreadPoolExecutor(workers or _workers(), thread_name_prefix="triton-compile") as pool:
+    with _CompilePool(workers or _workers(), thread_name_prefix="triton-compile") as pool:
         token = _COMPILE_ONLY.set(True)
         try:
             with mode_class(pool, ignore_errors=True), contextlib.ExitStack() as holds:
@@ -256,6 +316,7 @@ def run_ahead(what: str, fn: Callable[..., Any], *args: Any, detail: str = AHEAD
     :param detail: the start-up detail its wall seconds are added to.
     """
     start = time.perf_counter()
+    asked, compiled = _TALLY.asked, _TALLY.compiled
     try:
         with compile_only():
             fn(*args)
@@ -268,7 +329,13 @@ def run_ahead(what: str, fn: Callable[..., Any], *args: Any, detail: str = AHEAD
         )
     elapsed = time.perf_counter() - start
     record(detail, elapsed)
-    logger.debug("compiled %s ahead in %.2f s", what, elapsed)
+    logger.debug(
+        "compiled %s ahead in %.2f s (%d compiles asked for, %d not in the disk cache)",
+        what,
+        elapsed,
+        _TALLY.asked - asked,
+        _TALLY.compiled - compiled,
+    )
 
 
 def attempt(what: str, fn: Callable[..., Any], *args: Any) -> bool:

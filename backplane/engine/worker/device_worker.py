@@ -340,6 +340,22 @@ class DeviceWorker:
         """
         return self.dtype != torch.float32
 
+    def _later_passes(self) -> bool:
+        """Whether the captures and warm-up steps compile ahead (``_compiles_ahead``), unless
+        the profiling step's pass found its every kernel in Triton's disk cache
+        (:func:`~backplane.core.compile_ahead.disk_cache_warm`): then this start-up ran
+        before, its launches load their kernels in milliseconds, and a pass would only
+        cost a forward per bucket and step."""
+        if not self._compiles_ahead:
+            return False
+        if compile_ahead.disk_cache_warm():
+            logger.info(
+                "no compile-only pass for the graph captures and warm-up steps: the "
+                "profiling step found its kernels in Triton's disk cache"
+            )
+            return False
+        return True
+
     @timed_startup_method("kernel warm-up")
     def compile_or_warm_up_model(self) -> None:
         """Build the runner (capturing its graphs) and, on CUDA, run the warm-up steps.
@@ -360,8 +376,8 @@ class DeviceWorker:
         if self._cuda:
             if (
                 not self.graph_mode.captures
-                and self._compiles_ahead
                 and compile_ahead.can_compile_ahead()
+                and self._later_passes()
             ):
                 compile_ahead.run_ahead(
                     "the warm-up steps", self._warm_up_forwards, detail=WARM_UP_AHEAD_DETAIL
@@ -397,9 +413,8 @@ class DeviceWorker:
         from backplane.engine.worker.graph.runner import GraphModelRunner
 
         if isinstance(self.runner, GraphModelRunner):
-            self.runner.capture(
-                self._warm_up_forwards if self._cuda else None, ahead=self._compiles_ahead
-            )
+            ahead = compile_ahead.can_compile_ahead() and self._later_passes()
+            self.runner.capture(self._warm_up_forwards if self._cuda else None, ahead=ahead)
 
     @timed_startup_method("graph capture")
     def _build_runner(self) -> ModelRunner:
