@@ -248,6 +248,10 @@ class GraphModelRunner:
         if not self.mode.captures:
             return
         if ahead and compile_ahead.can_compile_ahead():
+            logger.info(
+                "compiling the kernels of the graph buckets%s side by side",
+                " and warm-up steps" if warm_up is not None else "",
+            )
             compile_ahead.run_ahead(
                 "the CUDA-graph buckets and warm-up steps",
                 self.forwards_ahead,
