@@ -10,6 +10,7 @@ the captures is checked, and so is that a failing part leaves the rest running.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -253,13 +254,18 @@ def test_the_later_passes_follow_the_dtype_and_the_disk_cache(
 ) -> None:
     from backplane.engine.worker.device_worker import DeviceWorker
 
-    worker = DeviceWorker.__new__(DeviceWorker)  # only its dtype is read
+    worker = DeviceWorker.__new__(DeviceWorker)  # only its dtype and split are read
+    worker.config = SimpleNamespace(tensor_parallel_size=1)
     tally = compile_ahead._Tally()
     monkeypatch.setattr(compile_ahead, "_TALLY", tally)
     worker.dtype = torch.bfloat16
     assert worker._compiles_ahead and worker._later_passes()
     tally.add(compiled=False)  # the profiling step loaded its kernels from the disk cache
     assert worker._compiles_ahead and not worker._later_passes()
+    # every rank of a split model runs the passes: their forwards' collectives stay in step
+    worker.config.tensor_parallel_size = 2
+    assert worker._later_passes()
+    worker.config.tensor_parallel_size = 1
     tally.add(compiled=True)
     assert worker._later_passes()
     # float32: the library kernels' exact products are chosen around their launches

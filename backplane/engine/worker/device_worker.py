@@ -345,10 +345,12 @@ class DeviceWorker:
         the profiling step's pass found its every kernel in Triton's disk cache
         (:func:`~backplane.core.compile_ahead.disk_cache_warm`): then this start-up ran
         before, its launches load their kernels in milliseconds, and a pass would only
-        cost a forward per bucket and step."""
+        cost a forward per bucket and step. Ranks of a split model do not skip: each
+        judges its own cache, and a rank whose forwards skipped a pass would meet the
+        others' collectives out of step."""
         if not self._compiles_ahead:
             return False
-        if compile_ahead.disk_cache_warm():
+        if int(self.config.tensor_parallel_size) == 1 and compile_ahead.disk_cache_warm():
             logger.info(
                 "no compile-only pass for the graph captures and warm-up steps: the "
                 "profiling step found its kernels in Triton's disk cache"
