@@ -218,4 +218,4 @@ def test_the_disk_cache_is_warm_while_every_compile_asked_for_was_a_load(
     # one compile says the cache was not warm for this start-up, whatever comes later
     one_pass(0.0)
     assert not compile_ahead.disk_cache_warm()
-    assert (compile_ahead._TALLY.asked, compile_ahead._TALLY.compiled) == (5, 1)
+    assert compile_ahead.compiles() == (5, 1)

@@ -65,6 +65,7 @@ __all__ = [
     "attempt",
     "can_compile_ahead",
     "compile_only",
+    "compiles",
     "compiling_only",
     "disk_cache_warm",
     "hold_while_compiling_only",
@@ -134,6 +135,16 @@ class _CompilePool(ThreadPoolExecutor):
                 _TALLY.add(time.thread_time() - start >= LOADED_CPU_S)
 
         return super().submit(job)
+
+
+def compiles() -> tuple[int, int]:
+    """The compile jobs of this process's compile-only passes so far.
+
+    :return: ``(asked for, compiled)``; the others loaded their kernel from
+        Triton's disk cache.
+    """
+    with _TALLY.lock:
+        return _TALLY.asked, _TALLY.compiled
 
 
 def disk_cache_warm() -> bool:

@@ -321,13 +321,23 @@ class DeviceWorker:
     def _compiling_ahead(self) -> Iterator[None]:
         """Let the kernels of the wrapped start-up step compile ahead, side by side
         (:mod:`~backplane.core.compile_ahead`), and add the seconds that took to the
-        start-up details."""
+        start-up details (and, at INFO, how many kernels that compiled)."""
+        asked, compiled = compile_ahead.compiles()
         with compile_ahead.startup_window() as details:
             try:
                 yield
             finally:
                 for name, seconds in details.items():
                     self.startup_timings.add_detail(name, seconds)
+                now_asked, now_compiled = compile_ahead.compiles()
+                if now_asked > asked:
+                    logger.info(
+                        "compile-only passes: %d kernels asked for, %d compiled, %d loaded "
+                        "from the disk cache",
+                        now_asked - asked,
+                        now_compiled - compiled,
+                        (now_asked - asked) - (now_compiled - compiled),
+                    )
 
     @property
     def _compiles_ahead(self) -> bool:
