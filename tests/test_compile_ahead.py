@@ -7,7 +7,9 @@ mode class records what the code asks of it, and the real answer on this machine
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import pytest
 import torch
@@ -125,3 +127,95 @@ def test_the_signature_sees_what_launches_specialise_on() -> None:
     assert compile_ahead.signature(torch.zeros(48), 3, None) != same
     assert compile_ahead.signature(base[1:], 3, None) != compile_ahead.signature(base[:-1], 3, None)
     assert compile_ahead.signature(base, 4, None) != same
+
+
+def test_a_pass_is_possible_inside_a_window_outside_another_pass(async_triton) -> None:  # noqa: ANN001
+    assert not compile_ahead.can_compile_ahead()
+    with compile_ahead.startup_window():
+        assert compile_ahead.can_compile_ahead()
+        # unlike ahead_of, no key is spent: a later step may ask again
+        assert compile_ahead.can_compile_ahead()
+        with compile_ahead.compile_only(workers=1):
+            assert not compile_ahead.can_compile_ahead()
+    assert compile_ahead._DONE == set()
+
+
+def test_holds_are_entered_inside_the_pass_and_left_before_its_wait(
+    async_triton, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    events: list[str] = []
+
+    class Mode(FakeMode):
+        def __exit__(self, *exc):  # noqa: ANN002, ANN204
+            events.append("wait for the compiles")
+
+    @contextlib.contextmanager
+    def hold():  # noqa: ANN202
+        events.append(f"hold, compiling only: {compile_ahead.compiling_only()}")
+        yield
+        events.append("release")
+
+    monkeypatch.setattr(compile_ahead, "_async_compile_mode", lambda: Mode)
+    monkeypatch.setattr(compile_ahead, "_HOLDS", [])
+    compile_ahead.hold_while_compiling_only(hold)
+    with compile_ahead.compile_only(workers=1):
+        events.append("pass")
+    assert events == [
+        "hold, compiling only: True",
+        "pass",
+        "release",
+        "wait for the compiles",
+    ]
+
+
+def test_attempt_logs_a_failing_part_and_says_so(caplog) -> None:  # noqa: ANN001
+    def broken(n: int) -> None:
+        raise KeyError(n)
+
+    with caplog.at_level(logging.WARNING):
+        assert not compile_ahead.attempt("decode batch 8", broken, 8)
+        assert compile_ahead.attempt("decode batch 4", lambda n: None, 4)
+    assert "compiling ahead: decode batch 8 failed (KeyError: 8)" in caplog.text
+    assert "batch 4" not in caplog.text
+
+
+def test_the_environment_can_turn_compiling_ahead_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cached = compile_ahead._async_compile_mode
+    try:
+        for value, on in (("0", False), ("1", True)):
+            monkeypatch.setenv(compile_ahead.ENV, value)
+            cached.cache_clear()
+            assert (cached() is not None) == on
+    finally:
+        cached.cache_clear()
+
+
+def _busy(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU, as compiling a kernel does."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def test_the_disk_cache_is_warm_while_every_compile_asked_for_was_a_load(
+    async_triton, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    monkeypatch.setattr(compile_ahead, "_TALLY", compile_ahead._Tally())
+    assert not compile_ahead.disk_cache_warm()  # nothing asked for yet
+
+    def one_pass(*jobs: float) -> None:
+        with compile_ahead.compile_only(workers=2):
+            pool = async_triton.made[-1].executor
+            futures = [pool.submit(_busy, s) for s in jobs]
+        assert all(f.done() for f in futures)
+
+    one_pass(0.0, 0.0)
+    assert compile_ahead.disk_cache_warm()
+    one_pass(0.0, 2 * compile_ahead.LOADED_CPU_S)
+    assert not compile_ahead.disk_cache_warm()
+    # one compile says the cache was not warm for this start-up, whatever comes later
+    one_pass(0.0)
+    assert not compile_ahead.disk_cache_warm()
+    assert compile_ahead.compiles() == (5, 1)

@@ -22,18 +22,31 @@ every launch asks Triton which kernel it would have run and raises
 In the Triton interpreter (CPU tests) every call goes through the
 interpreter, with the constants passed in the same positional order as the
 fast call, so that ordering is tested on CPU too.
+
+Inside a compile-only pass (:func:`backplane.core.compile_ahead.compile_only`,
+start-up only) a launch asks Triton for the kernel it would run, which queues
+its compile on the pass's thread pool, and launches nothing. Compiled kernels
+that callers keep and launch directly (:meth:`KernelLauncher.lookup`) are
+held for the pass's duration: their launch checks for the pass first, and
+gets its direct driver call back when the last pass ends, so serving never
+pays for the check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Hashable, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 # Any throughout: the Triton kernels, their compiled forms and their arguments come from a
 # library core never imports, so their types cannot be named here.
 from typing import Any
+
+from backplane.core import compile_ahead
 
 __all__ = [
     "CHECK",
@@ -163,11 +176,61 @@ def _direct_launch_supported() -> bool:
     )
 
 
+# Every launcher, and how many compile-only passes are under way (in any thread): while
+# one is, every launcher's compiled kernels launch through a check (_hold_launches).
+# The lock orders a new launcher or compiled kernel against the start and end of a hold.
+_LAUNCHERS: weakref.WeakSet[KernelLauncher] = weakref.WeakSet()
+_HOLD_LOCK = threading.Lock()
+_holding = 0
+
+
+def _held(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run``, made to launch nothing inside a compile-only pass of the calling thread."""
+
+    def held(*args: Any) -> None:
+        if not compile_ahead.compiling_only():
+            run(*args)
+
+    return held
+
+
+def _hold_all(on: bool) -> None:
+    """Hold (or release) every compiled kernel of every launcher; call with the lock held."""
+    for launcher in list(_LAUNCHERS):
+        for hit in launcher._cache.values():
+            hit.hold(on)
+
+
+@contextlib.contextmanager
+def _hold_launches() -> Iterator[None]:
+    """Hold every compiled kernel's direct launch while a compile-only pass runs.
+
+    Entered by every :func:`~backplane.core.compile_ahead.compile_only`. Other
+    threads go on launching (through the check) until the last pass ends.
+    """
+    global _holding
+    with _HOLD_LOCK:
+        _holding += 1
+        if _holding == 1:
+            _hold_all(True)
+    try:
+        yield
+    finally:
+        with _HOLD_LOCK:
+            _holding -= 1
+            if _holding == 0:
+                _hold_all(False)
+
+
+compile_ahead.hold_while_compiling_only(_hold_launches)
+
+
 class _Compiled:
     """What the fast path needs of one compiled kernel (see :meth:`KernelLauncher.lookup`)."""
 
     __slots__ = (
         "compiled",
+        "direct",
         "enter",
         "exit",
         "function",
@@ -188,7 +251,9 @@ class _Compiled:
         fast = _direct_launch_supported() and all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
         )
-        self.run = compiled.run if fast else None
+        # the driver call; ``run`` is it, or while a compile-only pass runs, it held
+        self.direct = compiled.run if fast else None
+        self.run = self.direct
         self.function = compiled.function if fast else None
         self.metadata = compiled.packed_metadata if fast else None
         # Read once, as torch.compile's launchers do: a profiler hook installed
@@ -202,6 +267,14 @@ class _Compiled:
             import torch
 
             self.stream = torch._C._cuda_getCurrentRawStream
+
+    def hold(self, on: bool) -> None:
+        """Make :meth:`launch` check for a compile-only pass first (``on``), or not.
+
+        :param on: whether a compile-only pass is under way somewhere.
+        """
+        if self.direct is not None:
+            self.run = _held(self.direct) if on else self.direct
 
     def launch(self, grid0: int, grid1: int, grid2: int, device: int, *args: Any) -> None:
         """Launch on the current stream of ``device`` with the kernel's leading ``args``.
@@ -257,6 +330,8 @@ class KernelLauncher:
         self._cache: dict[Hashable, _Compiled] = {}
         # Every launch goes through Triton in the interpreter and while checking.
         self._always_slow = CHECK or self._interpret
+        with _HOLD_LOCK:
+            _LAUNCHERS.add(self)
 
     def __call__(
         self,
@@ -287,7 +362,8 @@ class KernelLauncher:
             if hit is None:
                 return
         if hit.run is None:
-            self.kernel[tuple(grid)](*args, *hit.tail, **hit.options)
+            if not compile_ahead.compiling_only():
+                self.kernel[tuple(grid)](*args, *hit.tail, **hit.options)
             return
         g = len(grid)
         hit.launch(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, device, *args)
@@ -330,10 +406,16 @@ class KernelLauncher:
     def _slow(
         self, key: Hashable, grid: Sequence[int], args: tuple[Any, ...], meta: dict[str, Any]
     ) -> _Compiled | None:
-        """Compile (or look up) through Triton; check the key; ``None`` when already launched."""
+        """Compile (or look up) through Triton; check the key; ``None`` when already launched
+        (or, in a compile-only pass, when nothing is to be launched)."""
         tail = self._tail(len(args), meta)
         # Keywords that are not parameters are compile or launch options (num_warps, ...).
         options = {k: v for k, v in meta.items() if k not in self._names}
+        if compile_ahead.compiling_only() and not self._interpret:
+            # Triton's async mode queues the compile this launch would wait for, under
+            # the key the real launch looks up; the kernel is not loaded or launched
+            self.kernel.warmup(*args, *tail, grid=tuple(grid), **options)
+            return None
         if self._interpret:
             # The interpreter runs the kernel; the constants go in the fast call's order.
             self.kernel[tuple(grid)](*args, *tail, **options)
@@ -347,5 +429,10 @@ class KernelLauncher:
                     "before; the key misses something Triton specialises on"
                 )
             return hit
-        hit = self._cache[key] = _Compiled(compiled, tail, options)
+        hit = _Compiled(compiled, tail, options)
+        with _HOLD_LOCK:
+            self._cache[key] = hit
+            if _holding:
+                # made by another thread while a compile-only pass runs
+                hit.hold(True)
         return hit

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backplane.core import compile_ahead
 from backplane.core.launch import cdiv
 from backplane.kernels.availability import interpreting
 from backplane.kernels.split_k import scratch as _scratch
@@ -379,7 +380,7 @@ def quantized_gemv(
     )
     split_k = grid[1]
     counters, part = _scratch(x.device, grid[0], split_k * n) if split_k > 1 else (y, y)
-    _qgemv_kernel[grid](xr, blocks, y, part, counters, *ints, **constexprs)
+    compile_ahead.launch(_qgemv_kernel, grid, xr, blocks, y, part, counters, *ints, **constexprs)
     return y
 
 
@@ -483,7 +484,9 @@ def dequantize_blocks(
     n = blocks.shape[0]
     out = torch.empty(n, in_features, dtype=dtype, device=blocks.device)
     grid = (cdiv(n, _BLOCK_N), cdiv(in_features, _TILE))
-    _dequant_kernel[grid](
+    compile_ahead.launch(
+        _dequant_kernel,
+        grid,
         blocks,
         out,
         n,

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backplane.core import compile_ahead
 from backplane.core.launch import cdiv
 from backplane.kernels.availability import interpreting
 from backplane.kernels.q4k_layout import QK_K, PackedQ4K
@@ -420,7 +421,9 @@ def packed_gemv(
     grid, ints, constexprs = _launch(n, k, _sm_count(x.device), launch)
     split_k = grid[1]
     counters, part = _scratch(x.device, grid[0], split_k * n) if split_k > 1 else (y, y)
-    _packed_gemv_kernel[grid](
+    compile_ahead.launch(
+        _packed_gemv_kernel,
+        grid,
         xr,
         packed.qs,
         packed.scales.view(torch.int16),
@@ -541,7 +544,9 @@ def dequantize_packed_matrix(packed: PackedQ4K, dtype: torch.dtype) -> torch.Ten
         raise ValueError(f"the packed Q4_K kernels do not write rows of {k} values in {dtype}")
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
     grid = (cdiv(n, _DQ_BLOCK_N), cdiv(k, _DQ_BLOCK_K))
-    _dequant_packed_kernel[grid](
+    compile_ahead.launch(
+        _dequant_packed_kernel,
+        grid,
         packed.qs,
         packed.scales.view(torch.int16),
         packed.dm.view(torch.int32),

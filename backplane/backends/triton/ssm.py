@@ -338,9 +338,10 @@ def causal_conv(
             return finish_output(out, buf, batch.num_tokens)
         block_t = min(64, next_pow2(max_q))
         grid = (n, cdiv(max_q, block_t), cdiv(C, block_c))
-        _conv_kernel[grid](*args, **meta, BLOCK_T=block_t)
+        compile_ahead.launch(_conv_kernel, grid, *args, **meta, BLOCK_T=block_t)
         if K > 1:
-            _conv_state_kernel[(n, cdiv(C, block_c))](
+            compile_ahead.launch(
+                _conv_state_kernel, (n, cdiv(C, block_c)),
                 x, conv_state, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
                 x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
                 C, KM1=K - 1, BLOCK_K=next_pow2(K - 1), BLOCK_C=block_c,

@@ -45,7 +45,11 @@ from backplane.engine.worker.startup_timings import (
     startup_phase,
     timed_startup_method,
 )
-from backplane.engine.worker.warmup import profile_step_peak, warm_up_kernels
+from backplane.engine.worker.warmup import (
+    profile_step_peak,
+    warm_up_forwards,
+    warm_up_kernels,
+)
 
 if TYPE_CHECKING:
     from backplane.core.registry import BackendRegistry
@@ -56,6 +60,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceWorker"]
+
+#: the start-up detail of an eager runner's compile-only pass over the warm-up steps
+WARM_UP_AHEAD_DETAIL = f"{compile_ahead.AHEAD_DETAIL}: warm-up"
 
 #: One layer's caches: ``{cache name: tensor}``.
 LayerCaches = dict[str, torch.Tensor]
@@ -266,6 +273,7 @@ class DeviceWorker:
             num_slots=max(self.num_slots, 1),
             dtype=self.dtype,
             device=self.device,
+            ahead=self._compiles_ahead,
         )
         budget = kv_budget(
             utilization=self.config.gpu_memory_utilization,
@@ -313,17 +321,61 @@ class DeviceWorker:
     def _compiling_ahead(self) -> Iterator[None]:
         """Let the kernels of the wrapped start-up step compile ahead, side by side
         (:mod:`~backplane.core.compile_ahead`), and add the seconds that took to the
-        start-up details."""
+        start-up details (and, at INFO, how many kernels that compiled)."""
+        asked, compiled = compile_ahead.compiles()
         with compile_ahead.startup_window() as details:
             try:
                 yield
             finally:
                 for name, seconds in details.items():
                     self.startup_timings.add_detail(name, seconds)
+                now_asked, now_compiled = compile_ahead.compiles()
+                if now_asked > asked:
+                    logger.info(
+                        "compile-only passes: %d kernels asked for, %d compiled, %d loaded "
+                        "from the disk cache",
+                        now_asked - asked,
+                        now_compiled - compiled,
+                        (now_asked - asked) - (now_compiled - compiled),
+                    )
+
+    @property
+    def _compiles_ahead(self) -> bool:
+        """Whether the start-up steps may compile their kernels in compile-only passes.
+
+        Not for float32 activations: the library kernels of the recurrent
+        backends get exact float32 products from an environment variable set
+        around their launches (``exact_fp32_dots``), which a compile finishing
+        after its pass would miss.
+        """
+        return self.dtype != torch.float32
+
+    def _later_passes(self) -> bool:
+        """Whether the captures and warm-up steps compile ahead (``_compiles_ahead``), unless
+        the profiling step's pass found its every kernel in Triton's disk cache
+        (:func:`~backplane.core.compile_ahead.disk_cache_warm`): then this start-up ran
+        before, its launches load their kernels in milliseconds, and a pass would only
+        cost a forward per bucket and step. Ranks of a split model do not skip: each
+        judges its own cache, and a rank whose forwards skipped a pass would meet the
+        others' collectives out of step."""
+        if not self._compiles_ahead:
+            return False
+        if int(self.config.tensor_parallel_size) == 1 and compile_ahead.disk_cache_warm():
+            logger.info(
+                "no compile-only pass for the graph captures and warm-up steps: the "
+                "profiling step found its kernels in Triton's disk cache"
+            )
+            return False
+        return True
 
     @timed_startup_method("kernel warm-up")
     def compile_or_warm_up_model(self) -> None:
-        """Build the runner (capturing its graphs) and, on CUDA, run the warm-up steps."""
+        """Build the runner (capturing its graphs) and, on CUDA, run the warm-up steps.
+
+        On CUDA the warm-up steps' kernels compile ahead in the graph runner's
+        compile-only pass, beside those of the captures (with the eager runner, in
+        a pass of their own).
+        """
         with self._compiling_ahead():
             self._build_and_warm_up()
 
@@ -332,20 +384,54 @@ class DeviceWorker:
         # a worker dropped without shutdown() still releases its graphs and the
         # memory their pool holds
         self._release_runner = weakref.finalize(self, self.runner.release)
+        self._capture_graphs()
         if self._cuda:
+            if (
+                not self.graph_mode.captures
+                and compile_ahead.can_compile_ahead()
+                and self._later_passes()
+            ):
+                compile_ahead.run_ahead(
+                    "the warm-up steps", self._warm_up_forwards, detail=WARM_UP_AHEAD_DETAIL
+                )
             warm_up_kernels(
                 self.prepare_inputs,
                 self.execute_model,
-                max_num_tokens=self.max_num_tokens,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-                page_size=self.page_size,
+                **self._warm_up_limits(),
                 device=self.device,
             )
 
+    def _warm_up_limits(self) -> dict[str, int]:
+        """The engine limits :func:`~backplane.engine.worker.warmup.warmup_steps` fits its steps to."""
+        return {
+            "max_num_tokens": self.max_num_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "page_size": self.page_size,
+        }
+
+    def _warm_up_forwards(self) -> None:
+        """The warm-up steps' forwards through the runner, for a compile-only pass."""
+        warm_up_forwards(self.prepare_inputs, self.execute_model, **self._warm_up_limits())
+
+    @timed_startup_method("graph capture")
+    def _capture_graphs(self) -> None:
+        """Capture the graph runner's graphs (nothing for the eager runner).
+
+        On CUDA the warm-up steps' forwards join the runner's compile-only pass.
+        """
+        if not self.graph_mode.captures:
+            return
+        from backplane.engine.worker.graph.runner import GraphModelRunner
+
+        if isinstance(self.runner, GraphModelRunner):
+            ahead = compile_ahead.can_compile_ahead() and self._later_passes()
+            self.runner.capture(self._warm_up_forwards if self._cuda else None, ahead=ahead)
+
     @timed_startup_method("graph capture")
     def _build_runner(self) -> ModelRunner:
-        """The eager runner, or the CUDA-graph runner (graphs captured now) for the graph mode."""
+        """The eager runner, or the CUDA-graph runner (its graphs not captured yet) for the
+        graph mode."""
         if not self.graph_mode.captures:
             return EagerModelRunner(self.model, self.input_batch, self.sampler)
         from backplane.engine.worker.graph.runner import GraphModelRunner
@@ -365,7 +451,6 @@ class DeviceWorker:
                 verify_len=self.verify_len,
                 first_scratch_slot=self.num_slots if self.has_recurrent_state else None,
             )
-        runner.capture()
         return runner
 
     def _verify_len(self) -> int:

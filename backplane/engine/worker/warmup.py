@@ -24,6 +24,11 @@ page the scratch page, the scratch state slot), so running them touches no live
 cache data. The worker runs them through its model runner at start-up, the way
 a real step of that shape runs (piecewise graphs included); with Triton's disk
 cache warm, they take milliseconds.
+
+On a cold cache their kernels compile ahead, side by side with those of the
+graph captures (:func:`warm_up_forwards` in the graph runner's compile-only
+pass, :mod:`backplane.core.compile_ahead`); the profiling step's compile in a
+compile-only pass of their own before it is measured.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from backplane.core import compile_ahead
 from backplane.core.families import Backend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.engine.sampling import Sampler, SamplingParams
@@ -54,8 +60,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KEYS_PER_SPLIT",
     "PREFILL_LENGTHS",
+    "PROFILE_AHEAD_DETAIL",
     "profile_step_peak",
     "step_kind",
+    "warm_up_forwards",
     "warm_up_kernels",
     "warmup_steps",
 ]
@@ -67,6 +75,9 @@ PREFILL_LENGTHS = (16, 48, 128, 2048, 4096)
 
 #: Context length that gives a decode sequence one key split; each doubling doubles it.
 KEYS_PER_SPLIT = 128
+
+#: the start-up detail that the compile-only pass of the profiling step adds its seconds to
+PROFILE_AHEAD_DETAIL = f"{compile_ahead.AHEAD_DETAIL}: memory profiling"
 
 
 def warmup_steps(
@@ -182,6 +193,41 @@ def warm_up_kernels(
     )
 
 
+def warm_up_forwards(
+    prepare: Callable[[list[ScheduledSeqLike]], BatchInputs],
+    execute: Callable[[BatchInputs], torch.Tensor],
+    *,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+) -> None:
+    """Run the forward of each step of :func:`warmup_steps`, untimed, for a compile-only pass.
+
+    What :func:`warm_up_kernels` runs, inside :func:`~backplane.core.compile_ahead.compile_only`
+    so that its kernels compile side by side with the rest of the pass; a step
+    that fails is logged and the others still run.
+
+    :param prepare: the worker's input preparation (its runner's ``prepare_inputs``).
+    :param execute: the worker's forward (plans the backends, runs the runner).
+    :param max_num_tokens: most tokens in one step.
+    :param max_num_seqs: most sequences in one step.
+    :param max_model_len: the longest sequence.
+    :param page_size: tokens per page.
+    """
+    steps = warmup_steps(
+        max_num_tokens=max_num_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=page_size,
+    )
+    for seqs in steps:
+        compile_ahead.attempt(
+            f"the warm-up step of {len(seqs)} sequence(s)",
+            lambda seqs=seqs: execute(prepare(list(seqs))),
+        )
+
+
 @torch.inference_mode()
 def profile_step_peak(
     model: CausalLM,
@@ -196,13 +242,17 @@ def profile_step_peak(
     num_slots: int,
     dtype: torch.dtype,
     device: torch.device,
+    ahead: bool = False,
 ) -> int:
     """The activation peak of the largest step, measured by running one.
 
     Binds a two-page cache to the model, runs a prefill of ``max_num_tokens``
     scratch tokens (all on the scratch page and state slot), then the LM head
     and a filtered sampling pass over ``max_num_seqs`` rows. The caller binds
-    the real caches afterwards.
+    the real caches afterwards. With ``ahead``, where
+    :func:`~backplane.core.compile_ahead.can_compile_ahead` allows it, the
+    prefill and the LM head first run in a compile-only pass (before the
+    measurement), so that their Triton kernels compile side by side.
 
     :param model: the loaded ``CausalLM``.
     :param backends: its backends (planned for the profiling batch).
@@ -215,6 +265,7 @@ def profile_step_peak(
     :param num_slots: recurrent-state slots of the caches.
     :param dtype: the caches' dtype.
     :param device: the CUDA device.
+    :param ahead: compile the step's kernels ahead (see above).
     :return: bytes allocated at the peak beyond what was allocated before.
     """
     specs = model.cache_specs(num_pages=2, page_size=page_size, num_slots=num_slots, dtype=dtype)
@@ -224,15 +275,22 @@ def profile_step_peak(
     }
     model.bind_caches(caches)
     seqs = scratch_prefill(max_num_tokens, max_model_len, page_size)[:max_num_seqs]
+    if ahead and compile_ahead.can_compile_ahead():
+        # the logits of a compile-only pass are not real: nothing is sampled from them
+        compile_ahead.run_ahead(
+            "the memory-profiling step",
+            _largest_step_logits,
+            model,
+            backends,
+            input_batch,
+            seqs,
+            max_num_seqs,
+            detail=PROFILE_AHEAD_DETAIL,
+        )
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    inputs = input_batch.prepare(seqs)
-    with forward_context(inputs.metadata, plan_step(backends, inputs.metadata)):
-        hidden = model(inputs.input_ids, inputs.positions)
-    rows = hidden[-1:].expand(max_num_seqs, -1)
-    logits = model.compute_logits(rows)
-    del hidden
+    logits = _largest_step_logits(model, backends, input_batch, seqs, max_num_seqs)
     params = [SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01)] * max_num_seqs
     seeds = np.arange(max_num_seqs, dtype=np.int64)
     sampler.sample(logits, params, seeds, np.zeros(max_num_seqs, dtype=np.int64))
@@ -241,3 +299,20 @@ def profile_step_peak(
     peak = torch.cuda.max_memory_allocated(device) - base
     del caches
     return int(max(0, peak))
+
+
+def _largest_step_logits(
+    model: CausalLM,
+    backends: Mapping[str, Backend],
+    input_batch: InputBatch,
+    seqs: list[ScratchSeq],
+    rows: int,
+) -> torch.Tensor:
+    """The profiling step's forward over ``seqs`` and its LM head over ``rows`` rows.
+
+    :return: ``[rows, vocab]`` logits (the last token's, repeated).
+    """
+    inputs = input_batch.prepare(seqs)
+    with forward_context(inputs.metadata, plan_step(backends, inputs.metadata)):
+        hidden = model(inputs.input_ids, inputs.positions)
+    return model.compute_logits(hidden[-1:].expand(rows, -1))

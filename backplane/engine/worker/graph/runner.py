@@ -28,6 +28,13 @@ Decode graphs are captured with every sequence at the model's full length
 (``max_model_len``) and a block table of full width, so work a backend sizes
 from host lengths is sized for the worst case, and each replay masks by the
 real lengths it reads from the device metadata.
+
+At start-up on CUDA (:func:`~backplane.core.compile_ahead.can_compile_ahead`),
+:meth:`GraphModelRunner.capture` first runs one compile-only pass over the
+forward of every bucket it will capture and of the warm-up steps the worker
+will run: the Triton kernels of them all compile side by side, where each
+bucket's first run would otherwise compile its new variants one after the
+other.
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from backplane.core import compile_ahead
 from backplane.core.families import Backend, RecurrentBackend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import NULL_PAGE, StepMode
@@ -72,6 +80,9 @@ from backplane.engine.worker.runner import sample_eagerly
 from backplane.engine.worker.startup_timings import startup_detail
 
 logger = logging.getLogger(__name__)
+
+#: the start-up detail that the compile-only pass before the captures adds its seconds to
+CAPTURE_AHEAD_DETAIL = f"{compile_ahead.AHEAD_DETAIL}: graph captures and warm-up"
 
 
 class GraphModelRunner:
@@ -223,10 +234,33 @@ class GraphModelRunner:
             yield
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every configured graph, with a progress bar (bucket and pool memory)."""
+    def capture(self, warm_up: Callable[[], None] | None = None, *, ahead: bool = True) -> None:
+        """Capture every configured graph, with a progress bar (bucket and pool memory).
+
+        Where :func:`~backplane.core.compile_ahead.can_compile_ahead` allows it
+        (inside a start-up window, on CUDA), one compile-only pass over every
+        bucket's forward and ``warm_up`` comes first (:meth:`forwards_ahead`).
+
+        :param warm_up: the forwards of the warm-up steps that will run through this
+            runner once it is captured (run in the compile-only pass only).
+        :param ahead: ``False``: no compile-only pass.
+        """
         if not self.mode.captures:
             return
+        if ahead and compile_ahead.can_compile_ahead():
+            logger.info(
+                "compiling the kernels of the graph buckets%s side by side",
+                " and warm-up steps" if warm_up is not None else "",
+            )
+            compile_ahead.run_ahead(
+                "the CUDA-graph buckets and warm-up steps",
+                self.forwards_ahead,
+                warm_up,
+                detail=CAPTURE_AHEAD_DETAIL,
+            )
+            if self.cuda:
+                # what the pass's forwards left cached goes back before the graphs' pool grows
+                torch.cuda.empty_cache()
         total = (
             (len(self.decode_buckets) if self.decode else 0)
             + (len(self.verify_buckets) if self.verify else 0)
@@ -248,6 +282,55 @@ class GraphModelRunner:
             with startup_detail("capture: waiting for the device"):
                 torch.cuda.synchronize()
         logger.info("CUDA graph pool: %.1f MiB", pool_bytes(self.pool) / 2**20)
+
+    def forwards_ahead(self, warm_up: Callable[[], None] | None = None) -> None:
+        """Run the forward of every bucket :meth:`capture` captures, then ``warm_up``.
+
+        For a compile-only pass (:func:`~backplane.core.compile_ahead.compile_only`):
+        each bucket runs on the batch it is captured with, in the order it is
+        captured, its decode buckets through the LM head as their graphs do, so
+        every Triton kernel variant the captures launch is asked for. A failure is
+        logged and the pass goes on; that bucket's kernels compile when it is
+        captured. Nothing is sampled (the logits are not real).
+
+        :param warm_up: run last, with the steps that the piecewise buckets will
+            hold taken through those buckets (eagerly, on the padded batch), as
+            they will be once the buckets are captured.
+        """
+        attempt = compile_ahead.attempt
+        if self.piecewise is not None:
+            for bucket in sorted(self.token_buckets, reverse=True):
+                attempt(f"piecewise bucket {bucket}", self._forward_ahead, bucket)
+        if self.decode is not None:
+            for bucket in sorted(self.decode_buckets, reverse=True):
+                attempt(f"decode batch {bucket}", self._decode_ahead, bucket, False)
+        if self.verify is not None:
+            for bucket in sorted(self.verify_buckets, reverse=True):
+                attempt(f"verify batch {bucket}", self._decode_ahead, bucket, True)
+        if warm_up is not None:
+            with self._as_if_captured():
+                attempt("the warm-up steps", warm_up)
+
+    def _forward_ahead(self, bucket: int) -> None:
+        with self._piecewise_inputs(bucket) as args:
+            self._forward(*args)
+
+    def _decode_ahead(self, bucket: int, rows_share_pages: bool) -> None:
+        with self._decode_inputs(bucket, rows_share_pages=rows_share_pages) as args:
+            self._forward_logits(*args)
+
+    @contextlib.contextmanager
+    def _as_if_captured(self) -> Iterator[None]:
+        """Let :meth:`step_mode` choose piecewise buckets not captured yet (they run eagerly)."""
+        if self.piecewise is None:
+            yield
+            return
+        captured = self.piecewise.captured
+        self.piecewise.captured = set(self.token_buckets)
+        try:
+            yield
+        finally:
+            self.piecewise.captured = captured
 
     def memory_report(self) -> dict[str, int | dict[int, int]]:
         """Pool growth per bucket and in total, in bytes."""
