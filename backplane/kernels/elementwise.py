@@ -234,6 +234,16 @@ def _act_kernel(
 
 
 @triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rotate pairs ``(x1, x2)`` by ``(cos, sin)`` with torch's roundings to ``DT``:
+    ``x1_sin = x1 * sin; x1 = x1 * cos - x2 * sin; x2 = x2 * cos + x1_sin``."""
+    x1_sin = _round(x1 * s, DT, INTERPRET)
+    o1 = _round(_round(x1 * c, DT, INTERPRET) - _round(x2 * s, DT, INTERPRET), DT, INTERPRET)
+    o2 = _round(_round(x2 * c, DT, INTERPRET) + x1_sin, DT, INTERPRET)
+    return o1, o2
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,
     cos_ptr,
@@ -271,11 +281,7 @@ def _rotary_kernel(
         second = r + half
     x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    dt = x_ptr.dtype.element_ty
-    # torch: x1_sin = x1 * sin; x1 = x1 * cos - x2 * sin; x2 = x2 * cos + x1_sin
-    x1_sin = _round(x1 * s, dt, INTERPRET)
-    o1 = _round(_round(x1 * c, dt, INTERPRET) - _round(x2 * s, dt, INTERPRET), dt, INTERPRET)
-    o2 = _round(_round(x2 * c, dt, INTERPRET) + x1_sin, dt, INTERPRET)
+    o1, o2 = _rotate(x1, x2, c, s, x_ptr.dtype.element_ty, INTERPRET)
     dst = out_ptr + t * sot + heads[:, None] * soh
     tl.store(dst + r[None, :], o1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half + r[None, :], o2.to(out_ptr.dtype.element_ty), mask=mask)
@@ -338,9 +344,7 @@ def _head_norm_rotary_kernel(
     # then the rotary kernel's
     c = tl.load(cos_ptr + t * sct + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * sst + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    y1_sin = _round(y1 * s, dt, INTERPRET)
-    o1 = _round(_round(y1 * c, dt, INTERPRET) - _round(y2 * s, dt, INTERPRET), dt, INTERPRET)
-    o2 = _round(_round(y2 * c, dt, INTERPRET) + y1_sin, dt, INTERPRET)
+    o1, o2 = _rotate(y1, y2, c, s, dt, INTERPRET)
     tl.store(src + r[None, :], o1.to(dt), mask=mask)
     tl.store(src + half + r[None, :], o2.to(dt), mask=mask)
 
