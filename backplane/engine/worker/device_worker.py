@@ -346,21 +346,23 @@ class DeviceWorker:
         Not for float32 activations: the library kernels of the recurrent
         backends get exact float32 products from an environment variable set
         around their launches (``exact_fp32_dots``), which a compile finishing
-        after its pass would miss.
+        after its pass would miss. Not for a split model either: a pass runs
+        the forwards' all-reduces on the outputs of kernels it skipped, and a
+        part that raised on one rank but not on another would leave the
+        ranks' collectives out of step, a hang rather than an error; its
+        kernels compile on first launch, as each rank's own.
         """
-        return self.dtype != torch.float32
+        return self.dtype != torch.float32 and int(self.config.tensor_parallel_size) == 1
 
     def _later_passes(self) -> bool:
         """Whether the captures and warm-up steps compile ahead (``_compiles_ahead``), unless
         the profiling step's pass found its every kernel in Triton's disk cache
         (:func:`~backplane.core.compile_ahead.disk_cache_warm`): then this start-up ran
         before, its launches load their kernels in milliseconds, and a pass would only
-        cost a forward per bucket and step. Ranks of a split model do not skip: each
-        judges its own cache, and a rank whose forwards skipped a pass would meet the
-        others' collectives out of step."""
+        cost a forward per bucket and step."""
         if not self._compiles_ahead:
             return False
-        if int(self.config.tensor_parallel_size) == 1 and compile_ahead.disk_cache_warm():
+        if compile_ahead.disk_cache_warm():
             logger.info(
                 "no compile-only pass for the graph captures and warm-up steps: the "
                 "profiling step found its kernels in Triton's disk cache"
