@@ -1300,6 +1300,9 @@ def test_long_rows_take_the_kernel_in_wide_chunks():
     assert gemv.glu_pays(2048) and not gemv.glu_pays(4096)
     assert gemv.plan_gated(2048, 8192, sms) is None  # 1B down: 2048 columns per split
     assert gemv.plan_gated(28672, 4096, sms) is None  # not tall
+    # a rank's half of the 8B down projection: one split in row blocks of 8
+    assert gemv.plan_gated(4096, 7168, sms) == (8, 512, 1)
+    assert gemv.plan_gated(4096, 7168, sms, fp8=True) is None
     # A launch may name its warps; the projection keeps the three-part shape.
     w = torch.zeros(64, 128, dtype=torch.float32)
     proj = gemv.OneRowProjection(w, launch=(16, 64, 2, 8), pdl=False)
