@@ -580,6 +580,14 @@ def _act_eager(
     return out
 
 
+def _rotary_tiles(heads: int, half: int) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_R, warps)`` of a rotary launch: heads of ``2 * half`` channels, up to
+    4096 pairs a program."""
+    block_r = next_pow2(half)
+    block_h = min(next_pow2(heads), max(1, 4096 // block_r))
+    return block_h, block_r, max(1, min(8, block_h * block_r // 512))
+
+
 def _launch_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, interleaved: bool
 ) -> None:
@@ -589,8 +597,7 @@ def _launch_rotary(
         if interleaved and out.numel():
             out.copy_(x)
         return
-    block_r = next_pow2(half)
-    block_h = min(next_pow2(heads), max(1, 4096 // block_r))
+    block_h, block_r, warps = _rotary_tiles(heads, half)
     n_tail = dim - 2 * half if interleaved else 0
     _ROTARY.launch(
         (t, cdiv(heads, block_h)),
@@ -615,7 +622,7 @@ def _launch_rotary(
         BLOCK_R=block_r,
         BLOCK_TAIL=next_pow2(n_tail) if n_tail > 0 else 0,
         INTERPRET=INTERPRET,
-        num_warps=max(1, min(8, block_h * block_r // 512)),
+        num_warps=warps,
         **_LAUNCH,
     )
 
@@ -634,8 +641,7 @@ def _head_norm_rotary_eager_(
     half = dim // 2
     if t == 0 or heads == 0:
         return
-    block_r = next_pow2(half)
-    block_h = min(next_pow2(heads), max(1, 4096 // block_r))
+    block_h, block_r, warps = _rotary_tiles(heads, half)
     _HEAD_NORM_ROTARY.launch(
         (t, cdiv(heads, block_h)),
         (
@@ -658,7 +664,7 @@ def _head_norm_rotary_eager_(
         BLOCK_H=block_h,
         BLOCK_R=block_r,
         INTERPRET=INTERPRET,
-        num_warps=max(1, min(8, block_h * block_r // 512)),
+        num_warps=warps,
         **_LAUNCH,
     )
 

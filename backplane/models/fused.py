@@ -418,10 +418,10 @@ def head_norm_rotary_(
     :raises ValueError: the norm would return another dtype than ``x``'s.
     """
     for w in (first_weight, second_weight):
-        if _norm_out_dtype(x, w, zero_centered) != x.dtype:
+        if not norm_keeps_dtype(x.dtype, w, zero_centered):
             raise ValueError(
                 f"head_norm_rotary_: a {w.dtype} weight would normalise {x.dtype} heads into "
-                f"{_norm_out_dtype(x, w, zero_centered)}; cast the weights to {x.dtype}"
+                f"{torch.promote_types(w.dtype, x.dtype)}; cast the weights to {x.dtype}"
             )
     k = _triton(fused_ops, x, first_weight, second_weight, cos, sin)
     if (
@@ -441,9 +441,16 @@ def head_norm_rotary_(
     return apply_rotary_(x, cos, sin, fused_ops=fused_ops)
 
 
-def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor, zero_centered: bool) -> torch.dtype:
-    """The dtype :func:`rms_norm` returns for ``x`` and ``weight``."""
-    return x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+def norm_keeps_dtype(dtype: torch.dtype, weight: torch.Tensor, zero_centered: bool) -> bool:
+    """Whether :func:`rms_norm` of ``dtype`` rows with ``weight`` returns ``dtype`` (the result
+    can then be written back over its input, as :func:`head_norm_rotary_` does).
+
+    :param dtype: the rows' dtype.
+    :param weight: the norm's weight.
+    :param zero_centered: as for :func:`rms_norm`.
+    :return: ``True`` when no promotion changes the dtype.
+    """
+    return zero_centered or torch.promote_types(weight.dtype, dtype) == dtype
 
 
 def apply_rotary_interleaved(

@@ -8,7 +8,7 @@ import torch
 
 from backplane.core.families import AttentionLayerSpec
 from backplane.core.parallel import tensor_parallel
-from backplane.models.fused import head_norm_rotary_
+from backplane.models.fused import head_norm_rotary_, norm_keeps_dtype
 from backplane.models.linear import InputProjection, RotaryEpilogue
 from backplane.models.mixers.base import PagedMixer
 from backplane.models.norm import RMSNorm
@@ -143,9 +143,9 @@ class AttentionMixer(PagedMixer):
 
     def _norms_keep_dtype(self, dtype: torch.dtype) -> bool:
         """Whether the q/k norms return ``dtype`` (so their results fit back in the rows)."""
-        if self.q_norm.zero_centered:
-            return True
-        return self.q_norm.weight.dtype == dtype and self.k_norm.weight.dtype == dtype
+        return all(
+            norm_keeps_dtype(dtype, n.weight, n.zero_centered) for n in (self.q_norm, self.k_norm)
+        )
 
     def forward(
         self,
