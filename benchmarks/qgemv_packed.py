@@ -17,10 +17,10 @@ sum); the last line adds the four projections up for the 32 layers of the
 
 ``--sweep`` also times the packed kernel over a grid of launches (rows per
 iteration, inputs per program, warps, groups per thread, prefetch stages,
-each at 4, 8 and 16 programs per multiprocessor), each checked against the
-reference first, and prints the best per projection: the figures its
-``plan`` should be drawn from. About 20 kernel compiles; under a minute on
-an H200 with an empty Triton cache.
+row tiles prefetched into registers, each at 8, 16 and 32 programs per multiprocessor),
+each checked against the reference first, and prints the best per projection:
+the figures its ``plan`` should be drawn from. About 20 kernel compiles; a
+minute or two on an H200 with an empty Triton cache.
 
 Run on the GPU machine::
 
@@ -61,39 +61,37 @@ LAYERS = 32
 Q4_K = 12
 Q4_K_F16_AT = (0, 2)
 
-#: ``(block_n, block_k, num_warps, groups_per_thread, stages)`` of the packed kernel
-#: ``--sweep`` times (each compiled once per width)
-SWEEP: tuple[tuple[int, int, int, int, int], ...] = (
-    (8, 512, 2, 2, 1),
-    (16, 512, 2, 2, 1),
-    (16, 512, 4, 2, 1),
-    (8, 1024, 2, 2, 1),
-    (8, 1024, 4, 2, 1),
-    (8, 256, 1, 2, 1),
-    (8, 512, 2, 1, 1),
-    (8, 512, 2, 2, 2),
-    (16, 512, 4, 2, 2),
+#: ``(block_n, block_k, num_warps, groups_per_thread, stages, prefetch)`` of the packed
+#: kernel ``--sweep`` times (each compiled once per width)
+SWEEP: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (8, 512, 2, 1, 1, 0),
+    (4, 512, 1, 1, 1, 1),
+    (2, 1024, 1, 2, 1, 1),
+    (2, 512, 1, 1, 1, 2),
+    (4, 512, 1, 1, 1, 2),
+    (2, 1024, 1, 2, 1, 2),
+    (4, 1024, 1, 2, 1, 2),
 )
 #: programs per multiprocessor each sweep launch is tried at
-DENSITIES = (4, 8, 16)
+DENSITIES = (8, 16, 32)
 
 
 def launch_at(
-    n: int, k: int, sms: int, tile: tuple[int, int, int, int, int], per_sm: int
+    n: int, k: int, sms: int, tile: tuple[int, int, int, int, int, int], per_sm: int
 ) -> qgemv_packed.Launch:
     """The packed kernel's launch of ``tile`` with about ``per_sm`` programs per multiprocessor.
 
     :param n: output rows.
     :param k: values per row.
     :param sms: the device's multiprocessor count.
-    :param tile: ``(block_n, block_k, num_warps, groups_per_thread, stages)``.
+    :param tile: ``(block_n, block_k, num_warps, groups_per_thread, stages, prefetch)``.
     :param per_sm: programs per multiprocessor to aim for.
     :return: the launch (rows per program a multiple of ``block_n``).
     """
-    block_n, block_k, warps, groups, stages = tile
+    block_n, block_k, warps, groups, stages, prefetch = tile
     runs = max(1, per_sm * sms // cdiv(k, block_k))
     rows = cdiv(cdiv(n, runs), block_n) * block_n
-    return qgemv_packed.Launch(block_n, block_k, warps, rows, groups, stages)
+    return qgemv_packed.Launch(block_n, block_k, warps, rows, groups, stages, prefetch)
 
 
 def reference(x: torch.Tensor, blocks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

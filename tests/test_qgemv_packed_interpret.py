@@ -108,6 +108,11 @@ def _launches() -> None:
         qp.Launch(8, 1024, 4, 40, 2, stages=2),
         qp.Launch(4, 512, 1, 12, 2),
         qp.Launch(32, 64, 1, 32, 2),
+        qp.Launch(8, 256, 1, 24, 1, prefetch=1),
+        qp.Launch(8, 512, 2, 12, 2, prefetch=2),
+        qp.Launch(16, 256, 2, 40, 1, prefetch=2),
+        qp.Launch(2, 1024, 1, 6, 2, prefetch=1),
+        qp.Launch(2, 512, 1, 10, 1, prefetch=2),
     ):
         assert launch.fills(), launch
         _product(blocks, w, x, launch, str(launch))
@@ -173,10 +178,10 @@ def _plan() -> None:
         assert split_k * 8 < 0.03 * k * 0.578, (n, k, split_k)
     # the launches measured fastest at the 8B projections (H200, 132 multiprocessors)
     measured = {
-        (6144, 4096): (8, 512, 2, 48, 1, 1),
-        (4096, 4096): (8, 512, 2, 32, 1, 1),
-        (28672, 4096): (8, 512, 2, 112, 1, 1),
-        (4096, 14336): (8, 1024, 2, 56, 2, 1),
+        (6144, 4096): (2, 1024, 1, 12, 2, 1, 1),
+        (4096, 4096): (2, 1024, 1, 8, 2, 1, 1),
+        (28672, 4096): (2, 1024, 1, 56, 2, 1, 1),
+        (4096, 14336): (2, 1024, 1, 28, 2, 1, 1),
     }
     for (n, k), launch in measured.items():
         assert tuple(qp.plan(n, k, 132)) == launch, (n, k, qp.plan(n, k, 132))
