@@ -10,7 +10,8 @@ on a device, since launches on one stream run one after the other.
 That last program's reads are on the kernel's critical path: every other
 program is done by then. :func:`sum_parts` issues a row block's loads of its
 partials together (the loop over splits unrolled to the split count rounded up
-to a power of two at compile time) instead of one after another.
+to a power of two at compile time) instead of one after another; the packed
+Q4_K kernel, whose programs each finish a run of many row blocks, takes it.
 """
 
 from __future__ import annotations
@@ -72,9 +73,7 @@ def sum_parts(part_ptr, rows, rows_ok, split_k, row_stride, split_stride, SPLITS
     :param row_stride: elements from one row's partial to the next row's.
     :param split_stride: elements from one split's partial to the next split's.
     :param SPLITS: ``split_k`` rounded up to a power of two: the loop is unrolled, so
-        the loads do not wait for each other. (A tile of splits by rows summed across
-        threads was measured slower: its reduction through shared memory took L1
-        cache from the kernels that read through it.)
+        the loads do not wait for each other.
     :return: float32 ``[BLOCK]``, each row's partials added in split order
         (deterministic). Loads bypass L1 (``.cg``): other multiprocessors wrote the
         partials.
