@@ -228,34 +228,18 @@ def _group_tile(qs_at, sm_at, dm_at, m2, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(
-    qs_row,
-    sm_row,
-    dm_row,
-    qs_off,
-    sm_off,
-    dm_off,
-    qs_off_b,
-    sm_off_b,
-    dm_off_b,
-    ahead,
-    r_ok,
-    a_ok,
-    b_ok,
-    K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TWO: tl.constexpr,
-    EVEN: tl.constexpr,
-):
-    """The row tile ``ahead`` tiles after the one at the row pointers: both halves'
-    :func:`_group_tile` (the second half is the first's tensors when not ``TWO``)."""
-    qs_at = qs_row + ahead * (BLOCK_N * (K // 8))
-    sm_at = sm_row + ahead * (BLOCK_N * (K // 32))
-    dm_at = dm_row + ahead * (BLOCK_N * (K // 256))
-    wa, sa, da = _group_tile(qs_at + qs_off, sm_at + sm_off, dm_at + dm_off, r_ok & a_ok, EVEN)
+def _row_tile(rows, offs, ahead, r_ok, a_ok, b_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """The row tile ``ahead`` tiles after the one at the row pointers ``rows`` (quant
+    words, scales, ``d``/``dmin``), at the offsets ``offs`` of the first half's and the
+    second half's groups: both halves' :func:`_group_tile` (the second half is the
+    first's tensors when not ``TWO``)."""
+    qs_at = rows[0] + ahead * (BLOCK_N * (K // 8))
+    sm_at = rows[1] + ahead * (BLOCK_N * (K // 32))
+    dm_at = rows[2] + ahead * (BLOCK_N * (K // 256))
+    wa, sa, da = _group_tile(qs_at + offs[0], sm_at + offs[1], dm_at + offs[2], r_ok & a_ok, EVEN)
     if TWO:
         wb, sb, db = _group_tile(
-            qs_at + qs_off_b, sm_at + sm_off_b, dm_at + dm_off_b, r_ok & b_ok, EVEN
+            qs_at + offs[3], sm_at + offs[4], dm_at + offs[5], r_ok & b_ok, EVEN
         )
     else:
         wb, sb, db = wa, sa, da
@@ -340,19 +324,18 @@ def _packed_gemv_kernel(
         qs_off_b, sm_off_b, dm_off_b = qs_off, sm_off, dm_off
     a_ok2 = a_ok[None, :]
     b_ok2 = b_ok[None, :]
+    offs = (qs_off, sm_off, dm_off, qs_off_b, sm_off_b, dm_off_b)
+    ptrs = (qs_row, sm_row, dm_row)
     if PREFETCH > 0:
         # The first PREFETCH row tiles; each iteration then loads the one PREFETCH
         # tiles ahead before multiplying its own, so a program always has that
         # many tiles' loads in flight.
         n1 = _row_tile(
-            qs_row, sm_row, dm_row, qs_off, sm_off, dm_off, qs_off_b, sm_off_b, dm_off_b, 0, (row_start + r < row_end)[:, None],
-            a_ok2, b_ok2, K, BLOCK_N, TWO, False,
-        )  # fmt: skip
+            ptrs, offs, 0, (row_start + r < row_end)[:, None], a_ok2, b_ok2, K, BLOCK_N, TWO, False
+        )
         if PREFETCH > 1:
-            n2 = _row_tile(
-                qs_row, sm_row, dm_row, qs_off, sm_off, dm_off, qs_off_b, sm_off_b, dm_off_b, 1, (row_start + BLOCK_N + r < row_end)[:, None],
-                a_ok2, b_ok2, K, BLOCK_N, TWO, False,
-            )  # fmt: skip
+            ok1 = (row_start + BLOCK_N + r < row_end)[:, None]
+            n2 = _row_tile(ptrs, offs, 1, ok1, a_ok2, b_ok2, K, BLOCK_N, TWO, False)
     if PDL:
         # Everything below reads (or writes what may still be read by) the kernels
         # before; the weights are no kernel's output, so the first tiles' loads
@@ -372,39 +355,18 @@ def _packed_gemv_kernel(
         out_off = row_start + r[:, None] + 0 * g[None, :]
     for r0 in tl.range(row_start, row_end, BLOCK_N, num_stages=STAGES):
         r_ok = (r0 + r < row_end)[:, None]
+        ptrs = (qs_row, sm_row, dm_row)
         if PREFETCH > 0:
             wa, sa, da, wb, sb, db = n1
             ahead_ok = (r0 + PREFETCH * BLOCK_N + r < row_end)[:, None]
             if PREFETCH > 1:
                 n1 = n2
-                n2 = _row_tile(
-                    qs_row, sm_row, dm_row, qs_off, sm_off, dm_off, qs_off_b, sm_off_b, dm_off_b, 2, ahead_ok, a_ok2, b_ok2, K, BLOCK_N, TWO,
-                    False,
-                )  # fmt: skip
+                n2 = _row_tile(ptrs, offs, 2, ahead_ok, a_ok2, b_ok2, K, BLOCK_N, TWO, False)
             else:
-                n1 = _row_tile(
-                    qs_row, sm_row, dm_row, qs_off, sm_off, dm_off, qs_off_b, sm_off_b, dm_off_b, 1, ahead_ok, a_ok2, b_ok2, K, BLOCK_N, TWO,
-                    False,
-                )  # fmt: skip
+                n1 = _row_tile(ptrs, offs, 1, ahead_ok, a_ok2, b_ok2, K, BLOCK_N, TWO, False)
         else:
             wa, sa, da, wb, sb, db = _row_tile(
-                qs_row,
-                sm_row,
-                dm_row,
-                qs_off,
-                sm_off,
-                dm_off,
-                qs_off_b,
-                sm_off_b,
-                dm_off_b,
-                0,
-                r_ok,
-                a_ok2,
-                b_ok2,
-                K,
-                BLOCK_N,
-                TWO,
-                EVEN,
+                ptrs, offs, 0, r_ok, a_ok2, b_ok2, K, BLOCK_N, TWO, EVEN
             )
         part = _group_part(wa, sa, da, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xsa)
         if TWO:
@@ -523,7 +485,9 @@ def packed_gemv(
     else:
         y = out
     grid, ints, constexprs = _launch(n, k, _sm_count(x.device), launch)
-    if x.is_cuda and dependent_launch(x.device.index if x.device.index is not None else 0):
+    if x.is_cuda and dependent_launch(
+        x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ):
         constexprs.update(PDL=True, launch_pdl=True)
     split_k = grid[1]
     counters, part = _scratch(x.device, grid[0], split_k * n) if split_k > 1 else (y, y)
@@ -604,9 +568,10 @@ def plan(n: int, k: int, sms: int) -> Launch:
     leave about :data:`_PROGRAMS_PER_SM` programs per multiprocessor. Small
     widths take a smaller chunk and more rows per iteration. This is the
     fastest launch of ``benchmarks/qgemv_packed.py --sweep`` at the
-    Llama-3.1-8B projections on an H200, or within 3% of it (us per call,
-    against the fastest launch without the prefetch: q/k/v 8.7 against 11.4, o
-    7.6 against 9.2, gate/up 26.0 against 37.4, down 14.9 against 26.3).
+    Llama-3.1-8B projections on an H200, or within 3% of it (us per call; in
+    brackets the previous plan, 8-row tiles of two warps without the prefetch,
+    its partials already read together: q/k/v 8.7 (11.4), o 7.6 (9.2), gate/up
+    26.0 (37.4), down 14.9 (26.3)).
 
     :param n: output rows.
     :param k: values per row.
