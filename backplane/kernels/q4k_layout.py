@@ -107,12 +107,18 @@ def repack_q4k(blocks: torch.Tensor, in_features: int) -> PackedQ4K:
     scales = torch.stack([sc, mn], dim=-1).reshape(n, nb * 16)
     # ggml: byte 32 * c + l holds value l of group 2c (low nibble) and of group 2c + 1 (high)
     nib = b[..., 16:].reshape(n, nb, 4, 1, 32)
-    q = torch.cat([nib & 0xF, nib >> 4], dim=3).reshape(n, nb * 8, 8, 4)  # [n, group, s, w]
+    q = torch.cat([nib & 0xF, nib >> 4], dim=3).reshape(n, in_features)
+    return PackedQ4K(qs=pack_quants(q), scales=scales.contiguous(), dm=dm)
+
+
+def pack_quants(q: torch.Tensor) -> torch.Tensor:
+    """4-bit quants in value order, uint8 ``[rows, K]`` (each below 16), into the words of
+    ``qs``, int32 ``[rows, K / 8]`` (the inverse of :func:`unpack_quants`)."""
+    n = q.shape[0]
     # word w of a group holds value 4 * s + w at nibble s; nibbles 2j and 2j + 1 share byte j
-    q = q.transpose(2, 3)  # [n, group, w, s]
+    q = q.reshape(n, -1, 8, 4).transpose(2, 3)  # [n, group, s, w] -> [n, group, w, s]
     word_bytes = q[..., 0::2] | (q[..., 1::2] << 4)  # [n, group, w, 4 bytes], little-endian
-    qs = word_bytes.contiguous().view(torch.int32).reshape(n, in_features // 8)
-    return PackedQ4K(qs=qs, scales=scales.contiguous(), dm=dm)
+    return word_bytes.contiguous().view(torch.int32).reshape(n, -1)
 
 
 def unpack_quants(qs: torch.Tensor) -> torch.Tensor:
