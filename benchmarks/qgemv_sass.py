@@ -42,11 +42,15 @@ in flight than the loads' latency needs.
 (:func:`backplane.kernels.qgemv_packed.packed_gemv`) instead, at its planned
 launch, per byte of the Q4_K weight it stands for (its layout is 2.8%
 larger); its main loop is the one with the most multiply-adds.
+``--packed-q6k`` does the same for the one-row kernel over repacked Q6_K
+(:func:`backplane.kernels.qgemv_packed_q6k.packed_gemv`), per byte of Q6_K (its
+layout is Q6_K's own size).
 
 Run here (CPU only)::
 
     python benchmarks/qgemv_sass.py [--types Q4_K,Q8_0] [--shape 6144x4096] [--json out.json]
     python benchmarks/qgemv_sass.py --packed [--shape 4096x14336]
+    python benchmarks/qgemv_sass.py --packed-q6k [--shape 128256x4096]
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
-from backplane.kernels import qgemv, qgemv_packed
+from backplane.kernels import qgemv, qgemv_packed, qgemv_packed_q6k
 
 logger = logging.getLogger("qgemv_sass")
 
@@ -89,6 +93,17 @@ _PACKED_POINTERS = (
     ("count_ptr", torch.int32),
 )
 _PACKED_INTS = ("N", "rows_per_program", "split_k")
+#: the packed Q6_K kernel's pointer parameters, in order, with their dtypes
+_PACKED_Q6K_POINTERS = (
+    ("x_ptr", None),
+    ("ql_ptr", torch.int32),
+    ("qh_ptr", torch.int32),
+    ("sc_ptr", torch.int32),
+    ("d_ptr", torch.float16),
+    ("y_ptr", None),
+    ("part_ptr", torch.float32),
+    ("count_ptr", torch.int32),
+)
 
 #: passes of the loop nested in each type's main loop (the Q6_K step runs its block's
 #: four (half, scale group) quarters as a loop: unrolled, it takes minutes to compile)
@@ -135,6 +150,25 @@ def compile_packed_sass(
     args = [torch.empty(1, dtype=t or dtype) for _, t in _PACKED_POINTERS]
     names = tuple(name for name, _ in _PACKED_POINTERS) + _PACKED_INTS
     return _compile(qgemv_packed._packed_gemv_kernel, names, args + list(ints), constexprs, grid)
+
+
+def compile_packed_q6k_sass(
+    n: int, k: int, sms: int, dtype: torch.dtype, launch: qgemv_packed.Launch | None = None
+) -> tuple[str, dict]:
+    """Compile the packed Q6_K one-row kernel for sm_90 at a launch and disassemble it.
+
+    :param n: output rows.
+    :param k: values per row.
+    :param sms: the multiprocessor count the launch is planned for.
+    :param dtype: the input's dtype.
+    :param launch: instead of the package's plan.
+    :return: as :func:`compile_sass`.
+    """
+    grid, ints, constexprs = qgemv_packed_q6k._launch(n, k, sms, launch)
+    args = [torch.empty(1, dtype=t or dtype) for _, t in _PACKED_Q6K_POINTERS]
+    names = tuple(name for name, _ in _PACKED_Q6K_POINTERS) + _PACKED_INTS
+    kernel = qgemv_packed_q6k._packed_q6k_gemv_kernel
+    return _compile(kernel, names, args + list(ints), constexprs, grid)
 
 
 def _compile(
@@ -241,15 +275,20 @@ def classify(op: str) -> str:
     return "other"
 
 
-def measure_packed(n: int, k: int, sms: int, dtype: torch.dtype) -> dict:
-    """Loop statistics of the packed Q4_K kernel at one shape, as :func:`measure` gives them
-    (bytes: of the Q4_K weight the iteration's rows and inputs stand for)."""
-    sass, launch = compile_packed_sass(n, k, sms, dtype)
+def measure_packed(n: int, k: int, sms: int, dtype: torch.dtype, q6k: bool = False) -> dict:
+    """Loop statistics of a packed kernel at one shape, as :func:`measure` gives them
+    (bytes: of the Q4_K, or Q6_K, weight the iteration's rows and inputs stand for).
+
+    :param q6k: the Q6_K kernel instead of the Q4_K one.
+    """
+    compile_fn = compile_packed_q6k_sass if q6k else compile_packed_sass
+    sass, launch = compile_fn(n, k, sms, dtype)
     bodies = loops(parse(sass))
     if not bodies:
         raise ValueError("no loop in the kernel's SASS")
     body = max(bodies, key=lambda b: sum(i[1].startswith("FFMA") for i in b))
-    per_iter = launch["BLOCK_N"] * launch["BLOCK_K"] // 256 * 144
+    block_bytes = 210 if q6k else 144
+    per_iter = launch["BLOCK_N"] * launch["BLOCK_K"] // 256 * block_bytes
     return _loop_stats(launch, body, launch["num_warps"], per_iter)
 
 
@@ -294,17 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sms", type=int, default=132, help="multiprocessors to plan for")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--packed", action="store_true", help="the packed Q4_K kernel instead")
+    p.add_argument("--packed-q6k", action="store_true", help="the packed Q6_K kernel instead")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     n, k = (int(v) for v in args.shape.split("x"))
     dtype = getattr(torch, args.dtype)
     results = {}
-    for name in ["Q4_K packed"] if args.packed else args.types.split(","):
-        if name not in TYPES and not args.packed:
+    if args.packed_q6k:
+        names = ["Q6_K packed"]
+    else:
+        names = ["Q4_K packed"] if args.packed else args.types.split(",")
+    for name in names:
+        packed = name.endswith("packed")
+        if name not in TYPES and not packed:
             p.error(f"unknown type {name!r}; choose from {', '.join(TYPES)}")
-        if args.packed:
-            r = results[name] = measure_packed(n, k, args.sms, dtype)
+        if packed:
+            r = results[name] = measure_packed(n, k, args.sms, dtype, q6k=args.packed_q6k)
         else:
             r = results[name] = measure(TYPES[name], n, k, args.sms, dtype)
         launch = {key: v for key, v in r["launch"].items() if key != "GGML_TYPE"}

@@ -7,8 +7,8 @@ kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
 does not, so its callers import cleanly without it. :func:`unavailable_reason`
 (from :mod:`.availability`) says whether the kernels can run on a device;
 :func:`load` imports one of them by name (``load_gemv``, ``load_qgemv``,
-``load_act_quant``, ``load_moe_gemv`` and ``load_qgemv_packed`` are :func:`load`
-bound to one module).
+``load_act_quant``, ``load_moe_gemv``, ``load_qgemv_packed`` and
+``load_qgemv_packed_q6k`` are :func:`load` bound to one module).
 """
 
 from __future__ import annotations
@@ -27,12 +27,21 @@ __all__ = [
     "load_moe_gemv",
     "load_qgemv",
     "load_qgemv_packed",
+    "load_qgemv_packed_q6k",
     "unavailable_reason",
 ]
 
 
 #: the kernel modules :func:`load` imports, by name
-MODULES = ("elementwise", "gemv", "qgemv", "qgemv_packed", "act_quant", "moe_gemv")
+MODULES = (
+    "elementwise",
+    "gemv",
+    "qgemv",
+    "qgemv_packed",
+    "qgemv_packed_q6k",
+    "act_quant",
+    "moe_gemv",
+)
 
 
 @functools.cache
@@ -41,7 +50,8 @@ def load(name: str = "elementwise") -> ModuleType:
 
     :param name: one of :data:`MODULES`: ``elementwise`` (the fused elementwise
         functions), ``gemv`` (one-row projections), ``qgemv`` (GGUF-quantised
-        ones), ``qgemv_packed`` (Q4_K repacked for them), ``act_quant`` (FP8
+        ones), ``qgemv_packed`` (Q4_K repacked for them), ``qgemv_packed_q6k``
+        (Q6_K repacked for them), ``act_quant`` (FP8
         activation quantisation) or ``moe_gemv`` (few-token MoE experts).
     :return: the module.
     :raises ValueError: ``name`` is not a kernel module.
@@ -58,3 +68,4 @@ load_qgemv = functools.partial(load, "qgemv")
 load_act_quant = functools.partial(load, "act_quant")
 load_moe_gemv = functools.partial(load, "moe_gemv")
 load_qgemv_packed = functools.partial(load, "qgemv_packed")
+load_qgemv_packed_q6k = functools.partial(load, "qgemv_packed_q6k")

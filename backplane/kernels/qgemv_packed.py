@@ -143,15 +143,10 @@ def _nibble(words, S: tl.constexpr):
 
 
 @triton.jit
-def _resident_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
-    """The inputs of groups ``k_g`` (first values), each nibble position's four as
-    float32 ``[G, 4]`` scaled by ``2**(149 - 85 - B)`` to meet :func:`_nibble`'s
-    ``2**(B - 149)``, and each group's sum ``[1, G]`` scaled by ``2**-85`` to match.
-
-    Products then come out as ``q * x * 2**-85``: normal floats, exact as float32
-    products are, for ``|q * x|`` from about 2**-41 (smaller ones are kept to 2**-64),
-    and finite for ``|x| < 2**64``.
-    """
+def _group_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
+    """The inputs of groups ``k_g`` (first values) in the order of their nibbles: eight
+    float32 ``[G, 4]``, the ``S``-th holding values ``k_g + 4 * S + w`` (zero where
+    ``g_ok`` is false)."""
     xk = x_ptr + k_g[:, None] + w[None, :]
     if EVEN_K:
         x0 = tl.load(xk).to(tl.float32)
@@ -172,6 +167,20 @@ def _resident_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
         x5 = tl.load(xk + 20, mask=xm, other=0.0).to(tl.float32)
         x6 = tl.load(xk + 24, mask=xm, other=0.0).to(tl.float32)
         x7 = tl.load(xk + 28, mask=xm, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _resident_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
+    """The inputs of groups ``k_g`` (first values), each nibble position's four as
+    float32 ``[G, 4]`` scaled by ``2**(149 - 85 - B)`` to meet :func:`_nibble`'s
+    ``2**(B - 149)``, and each group's sum ``[1, G]`` scaled by ``2**-85`` to match.
+
+    Products then come out as ``q * x * 2**-85``: normal floats, exact as float32
+    products are, for ``|q * x|`` from about 2**-41 (smaller ones are kept to 2**-64),
+    and finite for ``|x| < 2**64``.
+    """
+    x0, x1, x2, x3, x4, x5, x6, x7 = _group_x(x_ptr, k_g, w, g_ok, EVEN_K)
     xsum = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)[None, :]
     # 2**(64 - B) for B = 0, 4, 8, 12, 16, 20, 16, 20; 2**-85
     return (
