@@ -104,31 +104,37 @@ def test_merged_parts_of_mixed_types_keep_their_own_runs():
     assert ((got - want).abs() <= _bound(x, w)).all()
 
 
-def test_repacked_q4k_runs_keep_one_copy_and_their_values(monkeypatch):
-    """With the Triton ops (here: the interpreter's say-so), the Q4_K run is repacked once and
-    its raw blocks dropped; the Q6_K run stays; values and products do not change."""
+def test_repacked_q4k_and_q6k_runs_keep_one_copy_and_their_values(monkeypatch):
+    """With the Triton ops (here: the interpreter's say-so), the Q4_K and Q6_K runs are
+    repacked once and their raw blocks dropped; the Q5_K run stays; values and products do
+    not change."""
     import backplane.kernels
 
     rng = np.random.default_rng(4)
-    parts = [("gate_proj", 48, 12), ("up_proj", 16, 12), ("down_proj", 32, 14)]
+    types = (QT.Q4_K, QT.Q4_K, QT.Q6_K, QT.Q5_K)
+    parts = [("gate_proj", 48, 12), ("up_proj", 16, 12), ("down_proj", 32, 14), ("o", 8, 13)]
     blocks = [
         random_blocks(QT.Q4_K, 48, 512, rng),
         random_blocks(QT.Q4_K, 16, 512, rng),
         random_blocks(QT.Q6_K, 32, 512, rng),
+        random_blocks(QT.Q5_K, 8, 512, rng),
     ]
-    w = torch.cat(
-        [_reference(b, t) for b, t in zip(blocks, (QT.Q4_K, QT.Q4_K, QT.Q6_K), strict=True)]
-    )
-    bias = torch.randn(96)
+    w = torch.cat([_reference(b, t) for b, t in zip(blocks, types, strict=True)])
+    bias = torch.randn(104)
     m = _module(parts, blocks, 512, bias)
     m.fused_ops = "triton"
     assert m.prepare_fused_ops() == 0, "CPU tensors outside the interpreter stay raw"
     monkeypatch.setattr(backplane.kernels, "interpreting", lambda: True)
-    assert m.prepare_fused_ops() == 1 and m.packed_runs == {0}
+    assert m.prepare_fused_ops() == 2 and m.packed_runs == {0, 1}
     assert m.prepare_fused_ops() == 0, "repacked twice"
     assert m.qweight_0.numel() == 0 and m.weight.dtype == torch.int32
+    assert m.qweight_1.numel() == 0 and m.q6k_ql_1.shape == (32, 64)
+    assert m.qweight_2.shape == blocks[3].shape, "Q5_K stays raw"
     held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-    assert held == 64 * 512 * 37 // 64 + blocks[2].nbytes + bias.numel() * 4  # 4.625 bits
+    # Q4_K repacked at 4.625 bits a weight; Q6_K at its own 6.5625
+    assert held == 64 * 512 * 37 // 64 + blocks[2].nbytes + blocks[3].nbytes + bias.numel() * 4
+    kinds = [type(b).__name__ if isinstance(b, tuple) else "raw" for b, _ in m.blocks()]
+    assert kinds == ["PackedQ4K", "PackedQ6K", "raw"]
     assert torch.equal(m.dequantized(torch.float32), w)
     m.fused_ops = "torch"
     x = torch.randn(3, 512)
@@ -232,9 +238,10 @@ def test_loader_keeps_every_kquant_projection_as_blocks(files):
     assert [GGML for _, _, GGML in attn.runs] == [int(QT.Q4_K), int(QT.Q6_K)]
 
 
-def test_setting_the_triton_ops_repacks_the_q4k_projections(files, monkeypatch):
-    """``set_fused_ops("triton")`` repacks every Q4_K run (through ``prepare_fused_ops``) and
-    the model computes the same logits, bit for bit, from the repacked weights."""
+def test_setting_the_triton_ops_repacks_the_q4k_and_q6k_projections(files, monkeypatch):
+    """``set_fused_ops("triton")`` repacks every Q4_K and Q6_K run (through
+    ``prepare_fused_ops``) and the model computes the same logits, bit for bit, from the
+    repacked weights."""
     import backplane.kernels
     import backplane.models.base
 
@@ -246,9 +253,12 @@ def test_setting_the_triton_ops_repacks_the_q4k_projections(files, monkeypatch):
     monkeypatch.setattr(backplane.kernels, "interpreting", lambda: True)
     lm.set_fused_ops("triton")
     modules = [m for m in lm.modules() if isinstance(m, QuantizedLinear)]
-    q4k = [m for m in modules if int(QT.Q4_K) in [t for _, _, t in m.runs]]
-    assert q4k and all(m.packed_runs for m in q4k)
-    assert all(not m.packed_runs for m in modules if m not in q4k)
+    repacked = (int(QT.Q4_K), int(QT.Q6_K))
+    for m in modules:
+        want = {i for i, (_, _, t) in enumerate(m.runs) if t in repacked}
+        assert m.packed_runs == want, (m, m.packed_runs)
+    assert any(int(QT.Q6_K) in [t for _, _, t in m.runs] for m in modules)
+    assert any(not m.packed_runs for m in modules), "the Q5_K and Q8_0 runs stay raw"
     lm.set_fused_ops("torch")
     assert torch.equal(prefill_logits(lm, ids), before)
 

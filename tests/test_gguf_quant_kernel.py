@@ -83,7 +83,7 @@ def _check(name: str, device: torch.device, dtype: torch.dtype) -> None:
 
 def _check_module(device: torch.device, dtype: torch.dtype) -> None:
     """A QuantizedLinear of mixed types at one row runs a kernel once per run of rows: its
-    Q4_K run repacked (raw blocks dropped), its Q6_K run as raw blocks."""
+    Q4_K and Q6_K runs repacked (raw blocks dropped), its Q5_K run as raw blocks."""
     import gguf
     from gguf_quant_helpers import QT, random_blocks
 
@@ -91,9 +91,10 @@ def _check_module(device: torch.device, dtype: torch.dtype) -> None:
     from backplane.models.gguf.qlinear import QuantizedLinear
 
     rng = np.random.default_rng(5)
-    parts = [("gate_proj", 48, int(QT.Q4_K)), ("up_proj", 48, int(QT.Q6_K))]
-    blocks = [random_blocks(QT.Q4_K, 48, 256, rng), random_blocks(QT.Q6_K, 48, 256, rng)]
-    m = QuantizedLinear(256, parts, dtype=dtype, device=device)
+    types = (QT.Q4_K, QT.Q6_K, QT.Q5_K)
+    parts = [(name, 48, int(t)) for name, t in zip(("gate", "up", "down"), types, strict=True)]
+    blocks = [random_blocks(t, 48, 512, rng) for t in types]
+    m = QuantizedLinear(512, parts, dtype=dtype, device=device)
     m.fused_ops = "triton"
     targets = dict(m.checkpoint_slices())
     with torch.no_grad():
@@ -101,37 +102,46 @@ def _check_module(device: torch.device, dtype: torch.dtype) -> None:
             targets[f"{part}.weight"].copy_(torch.from_numpy(b))
     qgemv = kernels.load_qgemv()
     packed = kernels.load_qgemv_packed()
+    packed6 = kernels.load_qgemv_packed_q6k()
     w = torch.cat(
         [
             torch.from_numpy(gguf.quants.dequantize(b, t).astype(np.float64))
-            for b, t in zip(blocks, (QT.Q4_K, QT.Q6_K), strict=True)
+            for b, t in zip(blocks, types, strict=True)
         ]
     )
-    # one row: the one-row kernels per run of rows (Q4_K repacked at the first product);
-    # three rows: the dequantising kernels
+    # one row: the one-row kernels per run of rows (Q4_K and Q6_K repacked at the first
+    # product); three rows: the dequantising kernels
     kernel_pairs = (
-        (1, (packed, "packed_gemv"), (qgemv, "quantized_gemv")),
-        (3, (packed, "dequantize_packed_matrix"), (qgemv, "dequantize_blocks")),
+        (1, (packed, "packed_gemv"), (packed6, "packed_gemv"), (qgemv, "quantized_gemv")),
+        (
+            3,
+            (packed, "dequantize_packed_matrix"),
+            (packed6, "dequantize_packed_matrix"),
+            (qgemv, "dequantize_blocks"),
+        ),
     )
     for rows, *pair in kernel_pairs:
         calls = []
         reals = [getattr(mod, name) for mod, name in pair]
-        for (mod, name), real in zip(pair, reals, strict=True):
+        labels = [f"{mod.__name__.rpartition('.')[2]}.{name}" for mod, name in pair]
+        for (mod, name), real, label in zip(pair, reals, labels, strict=True):
 
-            def counted(*args, real=real, calls=calls, name=name, **kwargs):
-                calls.append(name)
+            def counted(*args, real=real, calls=calls, label=label, **kwargs):
+                calls.append(label)
                 return real(*args, **kwargs)
 
             setattr(mod, name, counted)
         try:
-            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
             with torch.no_grad():
                 got = m(x.to(device))
         finally:
             for (mod, name), real in zip(pair, reals, strict=True):
                 setattr(mod, name, real)
-        assert calls == [name for _, name in pair], (rows, calls)
-        assert m.packed_runs == {0} and m.qweight_0.numel() == 0, "Q4_K was not repacked once"
+        assert calls == labels, (rows, calls)
+        assert m.packed_runs == {0, 1}, "Q4_K and Q6_K were not repacked"
+        assert m.qweight_0.numel() == 0 and m.qweight_1.numel() == 0, "raw blocks were kept"
+        assert m.qweight_2.numel() > 0, "Q5_K stays raw"
         want = x.double() @ w.T
         eps = torch.finfo(dtype).eps
         bound = 1e-5 * (x.double().abs() @ w.abs().T) + eps * want.abs() + 1e-6

@@ -13,12 +13,15 @@ reads about a quarter of the bytes of its bfloat16 form per token:
   :mod:`backplane.kernels.qgemv`, which reads the blocks and dequantises in
   registers; more rows expand the blocks into a matrix of the input's dtype
   with one kernel of the same module and multiply (the matrix is dropped);
-- Q4_K rows there are first repacked (:meth:`QuantizedLinear.prepare_fused_ops`,
-  once, when the fused ops are set, or at the first product) into the layout of
-  :mod:`backplane.kernels.q4k_layout` (4.625 bits a weight against 4.5),
-  which the one-row kernel of :mod:`backplane.kernels.qgemv_packed` reads at
-  a third of the instructions per byte; the raw blocks are dropped, so the
-  weight is kept once;
+- Q4_K and Q6_K rows there are first repacked
+  (:meth:`QuantizedLinear.prepare_fused_ops`, once, when the fused ops are
+  set, or at the first product; :data:`REPACKED` says how): Q4_K into the
+  layout of :mod:`backplane.kernels.q4k_layout` (4.625 bits a weight against
+  4.5), which the one-row kernel of :mod:`backplane.kernels.qgemv_packed`
+  reads at a third of the instructions per byte, Q6_K into that of
+  :mod:`backplane.kernels.q6k_layout` (its own 6.5625 bits a weight) for
+  :mod:`backplane.kernels.qgemv_packed_q6k`. The raw blocks are dropped, so
+  the weight is kept once;
 - elsewhere (CPU, traced forwards) the matrix is dequantised per call with
   the vectorised torch code of :mod:`~backplane.models.gguf.dequant` (kept
   nowhere) and multiplied.
@@ -34,14 +37,15 @@ Q6_K) are kept as separate runs of rows, each multiplied on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from backplane import kernels
 from backplane.kernels.q4k_layout import PackedQ4K, dequantize_packed, repack_q4k
+from backplane.kernels.q6k_layout import PackedQ6K, dequantize_packed_q6k, repack_q6k
 from backplane.models.base import CausalLM
 from backplane.models.gguf.dequant import GGML_TYPES, dequantize
 from backplane.models.linear import Linear, MergedLinear, dense
@@ -50,8 +54,34 @@ logger = logging.getLogger(__name__)
 
 #: ggml type ids kept quantised in memory: Q8_0, Q4_K, Q5_K, Q6_K
 KEPT_TYPES: frozenset[int] = frozenset({8, 12, 13, 14})
-#: the ggml type id repacked for the Triton one-row kernel (Q4_K)
-PACKED_TYPE = 12
+#: a run of rows repacked for the Triton kernels
+Packed = PackedQ4K | PackedQ6K
+
+
+class Repacking(NamedTuple):
+    """How the runs of one ggml type are repacked for the Triton kernels.
+
+    :param prefix: the repacked tensors are buffers ``{prefix}_{field}_{run index}``,
+        one per field of ``layout``.
+    :param layout: the named tuple of tensors :attr:`repack` returns.
+    :param repack: ``(raw blocks [rows, row_bytes], in_features) -> layout``.
+    :param dequantize: the torch reference, ``layout -> float32 [rows, in_features]``.
+    :param kernels: the kernel module (a name :func:`backplane.kernels.load` takes) with
+        ``supports``, ``packed_gemv`` (one row) and ``dequantize_packed_matrix``.
+    """
+
+    prefix: str
+    layout: type
+    repack: Callable[[torch.Tensor, int], Packed]
+    dequantize: Callable[[Any], torch.Tensor]
+    kernels: str
+
+
+#: ggml type id -> how its runs are repacked for the Triton kernels (Q4_K, Q6_K)
+REPACKED: dict[int, Repacking] = {
+    12: Repacking("q4k", PackedQ4K, repack_q4k, dequantize_packed, "qgemv_packed"),
+    14: Repacking("q6k", PackedQ6K, repack_q6k, dequantize_packed_q6k, "qgemv_packed_q6k"),
+}
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int | None:
@@ -144,28 +174,26 @@ class QuantizedLinear(MergedLinear):
         """The first run of rows as stored (raw ``uint8`` blocks, or the int32 quant words of a
         repacked run), for code that asks a projection where its weight lives; the float
         matrix does not exist (see :meth:`dequantized`)."""
-        return self.qweight_0 if 0 not in self.packed_runs else self.q4k_qs_0
+        first, _ = next(self.blocks())
+        return first if isinstance(first, torch.Tensor) else first[0]
 
-    def blocks(self) -> Iterator[tuple[torch.Tensor | PackedQ4K, int]]:
+    def blocks(self) -> Iterator[tuple[torch.Tensor | Packed, int]]:
         """Yield ``(weight, ggml type)`` per run of rows, in output order: its raw blocks
-        ``[rows, row_bytes]`` ``uint8``, or the :class:`~backplane.kernels.q4k_layout.PackedQ4K`
-        of a repacked Q4_K run."""
+        ``[rows, row_bytes]`` ``uint8``, or the layout of a repacked run
+        (:class:`~backplane.kernels.q4k_layout.PackedQ4K`,
+        :class:`~backplane.kernels.q6k_layout.PackedQ6K`; see :data:`REPACKED`)."""
         for i, (_, _, t) in enumerate(self.runs):
             if i in self.packed_runs:
-                yield (
-                    PackedQ4K(
-                        getattr(self, f"q4k_qs_{i}"),
-                        getattr(self, f"q4k_scales_{i}"),
-                        getattr(self, f"q4k_dm_{i}"),
-                    ),
-                    t,
-                )
+                how = REPACKED[t]
+                fields = how.layout._fields
+                yield how.layout(*(getattr(self, f"{how.prefix}_{f}_{i}") for f in fields)), t
             else:
                 yield getattr(self, f"qweight_{i}"), t
 
     def prepare_fused_ops(self) -> int:
-        """With the Triton fused ops on CUDA (or the Triton interpreter), repack each Q4_K run
-        of rows for :mod:`backplane.kernels.qgemv_packed`, once, and drop its raw blocks.
+        """With the Triton fused ops on CUDA (or the Triton interpreter), repack each run of
+        rows of a type of :data:`REPACKED` (Q4_K, Q6_K) for its one-row kernel, once, and
+        drop its raw blocks.
 
         Called by :meth:`~backplane.models.base.CausalLM.set_fused_ops` after it sets
         :attr:`fused_ops` (before any graph is captured), and by the first product.
@@ -186,15 +214,15 @@ class QuantizedLinear(MergedLinear):
             blocks = getattr(self, f"qweight_{i}")
             if (
                 i in self.packed_runs
-                or t != PACKED_TYPE
+                or t not in REPACKED
                 or not (blocks.is_cuda or kernels.interpreting())
             ):
                 continue
+            how = REPACKED[t]
             with torch.no_grad():
-                packed = repack_q4k(blocks, self.in_features)
-            self.register_buffer(f"q4k_qs_{i}", packed.qs)
-            self.register_buffer(f"q4k_scales_{i}", packed.scales)
-            self.register_buffer(f"q4k_dm_{i}", packed.dm)
+                packed = how.repack(blocks, self.in_features)
+            for field, tensor in zip(packed._fields, packed, strict=True):
+                self.register_buffer(f"{how.prefix}_{field}_{i}", tensor)
             # the raw blocks go: one copy of the weight (an empty tensor keeps the name)
             empty = blocks.new_empty((0, blocks.shape[1]))
             setattr(self, f"qweight_{i}", nn.Parameter(empty, requires_grad=False))
@@ -212,13 +240,13 @@ class QuantizedLinear(MergedLinear):
         return torch.cat(mats).to(dtype or self.compute_dtype)
 
     def _unpacked(self) -> bool:
-        """Whether a Q4_K run is still to be repacked for the Triton kernels."""
+        """Whether a run of a type of :data:`REPACKED` is still to be repacked for the Triton
+        kernels."""
         return (
             self.fused_ops == "triton"
             and not self._keep_raw
             and any(
-                t == PACKED_TYPE and i not in self.packed_runs
-                for i, (_, _, t) in enumerate(self.runs)
+                t in REPACKED and i not in self.packed_runs for i, (_, _, t) in enumerate(self.runs)
             )
         )
 
@@ -251,18 +279,17 @@ class QuantizedLinear(MergedLinear):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _run(
-        self, x: torch.Tensor, blocks: torch.Tensor | PackedQ4K, ggml_type: int
-    ) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, blocks: torch.Tensor | Packed, ggml_type: int) -> torch.Tensor:
         """One run of rows: ``x [n, in] @ dequant(blocks).T`` -> ``[n, rows]`` in ``x``'s dtype."""
-        if isinstance(blocks, PackedQ4K):
+        if not isinstance(blocks, torch.Tensor):
+            how = REPACKED[ggml_type]
             if self._fused(x):
-                packed = kernels.load_qgemv_packed()
+                packed = kernels.load(how.kernels)
                 if packed.supports(self.in_features, x.dtype):
                     if x.shape[0] == 1:
                         return packed.packed_gemv(x, blocks)
                     return dense(x, packed.dequantize_packed_matrix(blocks, x.dtype))
-            return dense(x, dequantize_packed(blocks).to(x.dtype))
+            return dense(x, how.dequantize(blocks).to(x.dtype))
         if self._fused(x):
             qgemv = kernels.load_qgemv()
             if qgemv.supports(ggml_type, self.in_features, x.dtype):
@@ -319,11 +346,11 @@ class QuantizedLinear(MergedLinear):
 
 
 def _dequantize_rows(
-    blocks: torch.Tensor | PackedQ4K, ggml_type: int, in_features: int
+    blocks: torch.Tensor | Packed, ggml_type: int, in_features: int
 ) -> torch.Tensor:
-    """Raw blocks ``[rows, row_bytes]`` (or a repacked Q4_K run) -> float32 ``[rows, in_features]``."""
-    if isinstance(blocks, PackedQ4K):
-        return dequantize_packed(blocks)
+    """Raw blocks ``[rows, row_bytes]`` (or a repacked run) -> float32 ``[rows, in_features]``."""
+    if not isinstance(blocks, torch.Tensor):
+        return REPACKED[ggml_type].dequantize(blocks)
     return dequantize(blocks.reshape(-1), ggml_type, (blocks.shape[0], in_features))
 
 
