@@ -4,8 +4,9 @@ A split-K launch has each of its programs store a partial sum; the program that
 arrives last at its row block (an int32 counter per block) adds them in split
 order and resets the counter to zero. So the counters need zeroing once, when
 allocated, and every launch leaves them as it found them; one set serves every
-launch of every split-K kernel (:mod:`.gemv`, :mod:`.qgemv`, :mod:`.qgemv_packed`)
-on a device, since launches on one stream run one after the other.
+launch of every split-K kernel (:mod:`.gemv`, :mod:`.qgemv`, :mod:`.qgemv_packed`,
+:mod:`.qgemv_packed_q6k`) on a device, since launches on one stream run one
+after the other.
 
 That last program's reads are on the kernel's critical path: every other
 program is done by then. :func:`sum_parts` issues a row block's loads of its
