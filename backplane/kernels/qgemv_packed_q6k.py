@@ -27,8 +27,10 @@ the same launch structure (:class:`~backplane.kernels.qgemv_packed.Launch`):
   the float ``q * 2**(P - 149)`` (``P`` the bit it starts at) and one
   multiply-add with the input, scaled by ``2**(64 - P)`` when it was loaded,
   adds ``q * x * 2**-85``. Per thread-weight that is two ``LOP3``, one
-  ``FFMA`` and 3/8 of a shift: about 0.13 warp-instructions per byte of Q6_K,
-  against 0.17 for the Q4_K kernel per byte of Q4_K;
+  ``FFMA`` and 3/8 of a shift; its planned loop counts 0.164
+  warp-instructions per byte of Q6_K in its sm_90 SASS, against 0.194 for
+  the Q4_K kernel per byte of Q4_K (``benchmarks/qgemv_sass.py
+  --packed-q6k``, ``--packed``; 128 registers a thread, no spills);
 - each 16-value sub-block's chain of multiply-adds starts at ``-32 * sum(x)``
   (scaled alike), so it ends at ``dot(q - 32, x)``; the thread's four chains
   are weighted by their scales and the sum by ``d``: ``d * sum_j sc_j *
