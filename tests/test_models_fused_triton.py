@@ -1254,17 +1254,18 @@ def test_fake_implementations_run_under_fake_tensors():
         assert ops.rotary_(x, cs, cs) is None
 
 
-def test_normed_projections_take_the_kernel_up_to_gate_up_size():
-    """A norm prologue moves the gate/up projection of a 1B model onto the kernel, not an LM head;
-    the rotary epilogue needs row blocks that hold whole pairs inside the rotated rows."""
+def test_one_row_plan_takes_every_weight_and_rotary_needs_whole_pairs():
+    """Every weight runs the kernel at one row, 1B-class gate/up and LM heads too, in steps of
+    512; the rotary epilogue needs row blocks that hold whole pairs inside the rotated rows."""
     pytest.importorskip("triton", reason="triton is not installed")
     from backplane.kernels import gemv
 
     sms = 132
-    assert gemv.plan(16384, 2048, sms) is None
-    assert gemv.plan_normed(16384, 2048, sms) == (16, 256, 1)
-    assert gemv.plan_normed(32000, 2048, sms) is None
-    assert gemv.plan_normed(3072, 2048, sms) == gemv.plan(3072, 2048, sms)
+    assert gemv.plan(16384, 2048, sms) == (16, 512, 1)
+    assert gemv.plan(32000, 2048, sms) == (16, 512, 1)
+    assert gemv.plan(10304, 2048, sms) == (16, 256, 1)  # medium: Mamba2 in projection
+    assert gemv.plan(3072, 2048, sms) == (8, 512, 1)
+    assert gemv.plan(2048, 4096, sms) == (16, 256, 4)  # 1024 columns per split
     bf16 = torch.bfloat16
     assert gemv.rotary_fits((8, 512, 1), 3072, 2560, 32, bf16)
     assert not gemv.rotary_fits((16, 256, 1), 3072, 2552, 4, bf16)  # ends inside a block
@@ -1284,10 +1285,11 @@ def test_long_rows_take_the_kernel_in_wide_chunks():
     assert gemv.plan(28672, 4096, sms) == (16, 512, 1)  # gate/up: cuBLAS before
     assert gemv.plan(128256, 4096, sms) == (16, 512, 1)  # LM head
     assert gemv.plan(4096, 14336, sms) == (16, 512, 2)  # down: 7168 columns per split
-    assert gemv.plan(2048, 8192, sms) == (16, 256, 4)  # 1B down: 2048 per split
+    assert gemv.plan(2048, 8192, sms) == (16, 512, 4)  # 1B down: 2048 per split
     assert gemv.plan(2048, 2048, sms) == (8, 512, 1)
-    assert gemv.plan(16384, 2048, sms) is None
     assert gemv.plan_fp8(28672, 4096, sms) == (16, 512, 1, 8)
+    assert gemv.plan_fp8(6144, 4096, sms) == (16, 512, 1, 8)  # q/k/v: wide
+    assert gemv.plan_fp8(4096, 4096, sms) == (8, 1024, 1)
     assert gemv.plan_fp8(4096, 14336, sms) == (8, 1024, 1)
     assert gemv.plan_fp8(1024, 16384, sms) == (8, 1024, 4)  # 128 row blocks: split to 512
     assert gemv.plan_fp8(6144, 4096, sms, 128) == gemv.plan_fp8(6144, 4096, sms)  # whole blocks

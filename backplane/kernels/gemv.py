@@ -452,9 +452,12 @@ MEDIUM_WEIGHT = 1 << 25
 #: at every weight size (the 8B-class shapes, ``K = 4096``)
 LONG_ROW = 4096
 
+#: a split of a tall weight at least this long streams in chunks of 512 columns
+WIDE_SPLIT = 2048
 
-def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
-    """The launch shape for an ``[n, k]`` weight, or ``None`` where cuBLAS is as fast.
+
+def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """The launch shape for an ``[n, k]`` weight at one row.
 
     Measured on an H200 at one row, weights cold in L2 (``benchmarks/gemv.py``).
     Projections of 1B-class models (``K = 2048``, ``--model llama-1b`` and
@@ -462,17 +465,29 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
 
     * tall weights (``k >= 2n``: down and Mamba2 out projections) split the
       reduction until about three programs per SM are in flight, at least
-      1024 columns per split, in row blocks of 16 and steps of 256: 8192 ->
-      2048 in 11.9 us against cuBLAS's 14.1, 4096 -> 2048 in 8.0 against 9.5;
+      1024 columns per split, in row blocks of 16, in steps of 512 where a
+      split holds :data:`WIDE_SPLIT` columns and 256 below: 8192 -> 2048 in
+      four splits in 10.1 us against 12.4 in steps of 256 and cuBLAS's 14.1,
+      4096 -> 2048 in 8.0 against 9.5;
     * small weights (up to :data:`SMALL_WEIGHT` elements: attention
       projections) run unsplit, in row blocks of 8 and steps of 512: 2048 ->
-      2048 in 5.3 us against 6.1, 2048 -> 3072 in 6.0 against 6.2;
+      2048 in 4.2 us against 6.1, 2048 -> 3072 in 4.5 against 6.2;
     * medium weights (below :data:`MEDIUM_WEIGHT` elements: Mamba2 in
       projections, non-gated MLP up projections) run unsplit, in row blocks of
       16 and steps of 256: 2048 -> 10304 in 12.1 us against 13.1, 2048 -> 8192
       in 10.5 against 10.9;
-    * larger weights (gate/up of 2048 -> 16384, LM heads) stay with cuBLAS,
-      which reads them at 87-95% of the bandwidth; the kernel was slower.
+    * larger weights (gate/up of 2048 -> 16384, LM heads) run unsplit in row
+      blocks of 16 and steps of 512: 16.0 us against cuBLAS's 18.4 (97% of the
+      bandwidth against 85%), a 32000-row head in 30.3 against 35.0. Once
+      slower than cuBLAS here, the kernel overtook it with its dependent
+      launches and row tiles.
+
+    With both the wider steps of tall weights and the kernel for larger ones,
+    Nemotron-H 0.85B's batch-1 step (its untied 32000-row head, twelve 8192
+    -> 2048 down projections) went from 0.685 to 0.662 ms per token; the
+    Llama-3.2-1B shape's stayed at 0.93 (its tied head is a cuBLAS product of
+    the embedding, and the shorter down and gate/up launches gained nothing
+    in the layer).
 
     Where each program reduces at least :data:`LONG_ROW` columns (8B-class
     models, ``--model llama-8b``) every size runs the kernel in steps of 512,
@@ -485,7 +500,7 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     :param n: output features.
     :param k: input features.
     :param sms: the device's multiprocessor count.
-    :return: ``(block_n, block_k, split_k)`` (``split_k`` a power of two), or ``None``.
+    :return: ``(block_n, block_k, split_k)`` (``split_k`` a power of two).
     """
     if k >= 2 * n:
         block_n = 16
@@ -493,50 +508,25 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
         split_k = 1
         while blocks * split_k < 3 * sms and k // (split_k * 2) >= 1024:
             split_k *= 2
-        return block_n, 512 if k // split_k >= LONG_ROW else 256, split_k
+        return block_n, 512 if k // split_k >= WIDE_SPLIT else 256, split_k
     if k >= LONG_ROW:
         return 16, 512, 1
     if n * k <= SMALL_WEIGHT:
         return 8, 512, 1
     if n * k < MEDIUM_WEIGHT:
         return 16, 256, 1
-    return None
-
-
-#: weights up to this many elements (64 MiB in 16-bit types: the gate/up
-#: projection of 1B-class models) run the kernel when it also normalises
-#: their input (see :func:`plan_normed`)
-NORMED_WEIGHT = 1 << 25
-
-
-def plan_normed(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
-    """The launch shape for an ``[n, k]`` weight whose input the kernel also RMS-normalises.
-
-    As :func:`plan`, and medium launches up to :data:`NORMED_WEIGHT` elements:
-    the norm prologue saves the norm's launch and the round trip of its
-    output, and at batch 1 a decode step is bound by launches as much as by
-    the weights' bytes (eager steps are the host's launches), so the kernel
-    takes a pre-norm layer's gate/up projection although cuBLAS reads that
-    weight alone a little faster.
-
-    :return: ``(block_n, block_k, split_k)``, or ``None``.
-    """
-    launch = plan(n, k, sms)
-    if launch is None and n * k <= NORMED_WEIGHT:
-        return 16, 256, 1
-    return launch
+    return 16, 512, 1
 
 
 def default_launch(
     n: int, k: int, device: torch.device, scale_k: int | None = None, fp8: bool = False
 ) -> tuple[int, ...]:
-    """:func:`plan`'s launch for an ``[n, k]`` weight on ``device``, or one split in row
-    blocks of 16 where it leaves the weight to cuBLAS; for FP8 weights (``fp8``, with
-    ``scale_k`` for block scales), :func:`plan_fp8`'s."""
+    """:func:`plan`'s launch for an ``[n, k]`` weight on ``device``; for FP8 weights
+    (``fp8``, with ``scale_k`` for block scales), :func:`plan_fp8`'s."""
     sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
     if fp8 or scale_k is not None:
         return plan_fp8(n, k, sms, scale_k)
-    return plan(n, k, sms) or (16, 256, 1)
+    return plan(n, k, sms)
 
 
 def plan_gated(n: int, k: int, sms: int, fp8: bool = False) -> tuple[int, int, int] | None:
@@ -563,16 +553,16 @@ def plan_gated(n: int, k: int, sms: int, fp8: bool = False) -> tuple[int, int, i
     :return: ``(block_n, block_k, split_k)``, or ``None``.
     """
     launch = plan(n, k, sms)
-    if launch is not None and not fp8 and k >= LONG_ROW and n <= k < 2 * n:
+    if not fp8 and k >= LONG_ROW and n <= k < 2 * n:
         return 8, 512, 1
-    if launch is None or k < 2 * n or k // launch[2] < LONG_ROW:
+    if k < 2 * n or k // launch[2] < LONG_ROW:
         return None
     block_n, block_k, split_k = launch
     return (block_n, block_k, split_k) if fp8 else (block_n, block_k, 2 * split_k)
 
 
 #: FP8 weights of at least this many elements (64 MiB: gate/up and LM heads of
-#: 8B-class models) take eight warps per program on long rows
+#: 8B-class models) take eight warps per program on long rows, as wide ones do
 FP8_LARGE = 1 << 26
 
 
@@ -609,13 +599,14 @@ def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int,
     With one scale per row (or tensor) and rows of at least
     :data:`LONG_ROW` columns, the shapes measured on an H200 at the
     Llama-3.1-8B projections (``--fp8 channel --model llama-8b``): weights of
-    :data:`FP8_LARGE` elements and more in row blocks of 16, steps of 512 and
-    eight warps (gate/up 30.7-31.9 us at 86-89% of the bandwidth, a 128k LM
-    head 126.7 us at 97%); smaller ones in row blocks of 8 and steps of 1024,
+    :data:`FP8_LARGE` elements and more, and wide ones (``n > k``), in row
+    blocks of 16, steps of 512 and eight warps (gate/up 30.7-32.2 us at 86-89%
+    of the bandwidth, a 128k LM head 126.5 us at 97%, q/k/v 8.5 us against 9.8
+    in the launch below, and with its norm and rotary riding along, ``--fused``,
+    9.0 against 10.8); smaller ones in row blocks of 8 and steps of 1024,
     split as :func:`plan` splits tall weights, two chunks per split at least
     (o 5.8 us against 12.2 for the 16-bit shapes below, down 16.6 against
-    24.8, q/k/v 9.6 against 12.7): an
-    FP8 tile holds half the bytes of a 16-bit one of the same shape.
+    24.8): an FP8 tile holds half the bytes of a 16-bit one of the same shape.
 
     Block scales on such rows take the same shapes where the chunk holds
     whole scale blocks or lies within one (see :func:`chunk_fits_blocks`:
@@ -640,16 +631,17 @@ def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int,
         multiple of 16.
     """
     blocked = scale_k is not None and scale_k < k
-    wide = 512 if n * k >= FP8_LARGE else 1024
+    eight_warps = n * k >= FP8_LARGE or n > k
+    wide = 512 if eight_warps else 1024
     if k >= LONG_ROW and (not blocked or chunk_fits_blocks(wide, scale_k)):
-        if n * k >= FP8_LARGE:
+        if eight_warps:
             return 16, wide, 1, 8
         blocks = cdiv(n, 8)
         split_k = 1
         while blocks * split_k < 3 * sms and k // (split_k * 2) >= 2 * wide:
             split_k *= 2
         return 8, wide, split_k
-    block_n, block_k, split_k = plan(n, k, sms) or (16, 256, 1)
+    block_n, block_k, split_k = plan(n, k, sms)
     if blocked:
         if scale_k % 16:
             raise ValueError(

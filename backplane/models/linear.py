@@ -333,7 +333,7 @@ class Linear(nn.Linear):
         """Build what :meth:`_projection` returns (``False`` where the kernel does not run it)."""
         kind = variant[0]
         scaled = None if self.quant is None else self.quant.one_row_scales(self)
-        launch = self._plan_gemv(x, normed=kind == "norm", gated=kind == "gated", scaled=scaled)
+        launch = self._plan_gemv(x, gated=kind == "gated", scaled=scaled)
         if not launch:
             return False
         gemv = kernels.load_gemv()
@@ -380,14 +380,11 @@ class Linear(nn.Linear):
     def _plan_gemv(
         self,
         x: torch.Tensor,
-        normed: bool = False,
         scaled: ScaledWeight | None = None,
         gated: bool = False,
     ) -> tuple[int, ...]:
         """The split-K launch for one-row inputs like ``x``, or ``()`` to keep cuBLAS.
 
-        :param normed: the kernel also normalises the input (see
-            :func:`~backplane.kernels.gemv.plan_normed`).
         :param gated: the kernel forms the input from a gated MLP's row (see
             :func:`~backplane.kernels.gemv.plan_gated`).
         :param scaled: a quantised weight's scales (see
@@ -418,8 +415,7 @@ class Linear(nn.Linear):
             except ValueError as exc:
                 logger.warning("quantised projection %dx%d keeps its other paths: %s", n, k, exc)
                 return ()
-        planner = gemv.plan_normed if normed else gemv.plan
-        return planner(n, k, sms) or ()
+        return gemv.plan(n, k, sms)
 
     def pack(self, rows: int, *, release: bool) -> bool:
         """Pack the weight for CPU inference (see :func:`pack_weight`).
