@@ -616,8 +616,7 @@ def plan_fp8(n: int, k: int, sms: int, scale_k: int | None = None) -> tuple[int,
     projections (o 7.4 us in ``(32, 128, 8)`` against 5.8 in
     ``(8, 1024, 1)``, down 18.7 against 16.6, q/k/v 10.1 against 8.3).
 
-    Otherwise the shapes are :func:`plan`'s (one in row blocks of 16 where it
-    leaves a 16-bit weight to cuBLAS), with the chunks narrowed to divide the
+    Otherwise the shapes are :func:`plan`'s, with the chunks narrowed to divide the
     weight's scale blocks so that each chunk takes one scale per row.
 
     :param n: output features.
