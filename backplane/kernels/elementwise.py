@@ -27,12 +27,14 @@ without the op dispatch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from backplane.core.launch import KernelLauncher, cdiv, int_key, next_pow2
+from backplane.core.launch import KernelLauncher, cdiv, dependent_launch, int_key, next_pow2
 from backplane.kernels.availability import interpreting
 
 #: activation names the kernels compute (the keys of :data:`ACT_CODES`)
@@ -50,6 +52,16 @@ INTERPRET = interpreting()
 # exp/erf/tanh; the interpreter has no libdevice and uses numpy's functions.
 _EXACT_MATH = not INTERPRET
 _LAUNCH = {"enable_fp_fusion": False}
+
+
+@functools.cache
+def _pdl(device: int | None) -> dict[str, bool]:
+    """The ``PDL`` constant (and launch option) of a launch on ``device``: a programmatic
+    dependent launch where the device takes one (see
+    :func:`~backplane.core.launch.dependent_launch`), so that a decode graph's chain of
+    projections, norms and rotations overlaps each kernel's start with the one before."""
+    on = not INTERPRET and device is not None and dependent_launch(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _warps(block: int) -> int:
@@ -118,6 +130,16 @@ def _act(x, ACT: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _after_previous(PDL: tl.constexpr):
+    """With ``PDL`` (a programmatic dependent launch), let the next kernel's programs be
+    scheduled now (a projection then loads its first weight tiles while this kernel runs)
+    and wait until the kernel before is done: every read and write comes after this."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _inv_rms(x, n, eps):
     """``1 / sqrt(mean(x^2) + eps)`` of a float32 row (masked lanes hold zeros)."""
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.sum(x * x, axis=0) / n + eps))
@@ -144,7 +166,9 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     i0 = row // n_inner
     i1 = row % n_inner
@@ -185,7 +209,9 @@ def _gated_rms_norm_kernel(
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_groups
     col = (pid % n_groups) * group + tl.arange(0, BLOCK)
@@ -221,7 +247,9 @@ def _act_kernel(
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -263,7 +291,9 @@ def _rotary_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
@@ -311,7 +341,9 @@ def _head_norm_rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
@@ -439,6 +471,7 @@ def _launch_rms_norm(
                 INTERPRET=INTERPRET,
                 num_warps=_warps(block),
                 **_LAUNCH,
+                **_pdl(device),
             )
             return
     x3 = _rows3(x)
@@ -468,6 +501,7 @@ def _launch_rms_norm(
         INTERPRET=INTERPRET,
         num_warps=_warps(block),
         **_LAUNCH,
+        **_pdl(x3.device.index),
     )
 
 
@@ -546,6 +580,7 @@ def _gated_rms_norm_eager(
         EXACT=_EXACT_MATH,
         num_warps=_warps(block),
         **_LAUNCH,
+        **_pdl(x3.device.index),
     )
     return out
 
@@ -576,6 +611,7 @@ def _act_eager(
         EXACT=_EXACT_MATH,
         num_warps=max(1, min(4, block // 256)),
         **_LAUNCH,
+        **_pdl(x2.device.index),
     )
     return out
 
@@ -624,6 +660,7 @@ def _launch_rotary(
         INTERPRET=INTERPRET,
         num_warps=warps,
         **_LAUNCH,
+        **_pdl(x.device.index),
     )
 
 
@@ -666,6 +703,7 @@ def _head_norm_rotary_eager_(
         INTERPRET=INTERPRET,
         num_warps=warps,
         **_LAUNCH,
+        **_pdl(x.device.index),
     )
 
 
