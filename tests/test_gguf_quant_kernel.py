@@ -37,7 +37,6 @@ CHECKS = [
     "dequant-Q5_K",
     "dequant-Q6_K",
     "module",
-    "module-gated",
 ]
 
 
@@ -54,9 +53,6 @@ def _check(name: str, device: torch.device, dtype: torch.dtype) -> None:
     rng = np.random.default_rng(len(name))
     if name == "module":
         _check_module(device, dtype)
-        return
-    if name == "module-gated":
-        _check_module_gated(device, dtype)
         return
     if name.startswith("dequant-"):
         qtype = QT[name.removeprefix("dequant-")]
@@ -152,59 +148,6 @@ def _check_module(device: torch.device, dtype: torch.dtype) -> None:
         if dtype != torch.float32:  # the matrix itself is rounded to the dtype first
             bound = bound + eps * (x.double().abs() @ w.abs().T)
         assert ((got.double().cpu() - want).abs() <= bound).all(), pair
-
-
-def _check_module_gated(device: torch.device, dtype: torch.dtype) -> None:
-    """A down projection whose runs are all repacked (Q4_K and Q6_K, with a bias) forms a
-    gated MLP's ``act(gate) * up`` in its kernels (``forward_gated``), bit for bit the gated
-    activation kernel followed by :meth:`forward`; with a raw Q5_K run, at two rows, and for
-    the variants it has no kernel for, it declines (``None``: the caller runs the steps)."""
-    from gguf_quant_helpers import QT, random_blocks
-
-    from backplane.kernels.elementwise import act_and_mul
-    from backplane.models.gguf.qlinear import QuantizedLinear
-    from backplane.models.linear import RotaryEpilogue
-
-    rng = np.random.default_rng(6)
-    k = 512
-
-    def module(types: tuple, bias: bool) -> QuantizedLinear:
-        parts = [(f"p{i}", 24, int(t)) for i, t in enumerate(types)]
-        m = QuantizedLinear(k, parts, bias=bias, dtype=dtype, device=device)
-        m.fused_ops = "triton"
-        with torch.no_grad():
-            for name, target in m.checkpoint_slices():
-                if name.endswith(".weight"):
-                    target.copy_(torch.from_numpy(random_blocks(types[int(name[1])], 24, k, rng)))
-                else:
-                    target.copy_(torch.randn(target.shape, generator=torch.Generator()))
-        m.prepare_fused_ops()
-        return m
-
-    x = (3 * torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(6))).to(device, dtype)
-    m = module((QT.Q4_K, QT.Q6_K), bias=True)
-    assert m.packed_runs == {0, 1}
-    with torch.no_grad():
-        for act in ("silu", "gelu"):
-            got = m.forward_gated(x, act)
-            want = m(act_and_mul(x, act))
-            assert got is not None and got.shape == (1, 48), act
-            assert torch.equal(got, want), f"{act}: {(got.float() - want.float()).abs().max()}"
-        assert m.forward_gated(x, "gelu_tanh") is None, "gelu_tanh has no exact gated input"
-        assert m.forward_gated(x.expand(2, -1).contiguous(), "silu") is None, "two rows"
-        half = x[:, :k].contiguous()
-        assert m.forward_glu(half, "silu") is None
-        assert m.forward_activated(half, "silu") is None
-        norm_w = torch.ones(k, dtype=dtype, device=device)
-        assert m.forward_normed(half, None, norm_w, 1e-6, False) is None
-        rot = torch.zeros(1, 4, dtype=dtype, device=device)
-        assert (
-            m.forward_normed(half, None, norm_w, 1e-6, False, rotary=RotaryEpilogue(rot, rot, 16))
-            is None
-        )
-        raw = module((QT.Q4_K, QT.Q5_K), bias=False)
-        assert raw.packed_runs == {0}
-        assert raw.forward_gated(x, "silu") is None, "a raw Q5_K run has no gated kernel"
 
 
 # -- the pytest side ------------------------------------------------------------------------

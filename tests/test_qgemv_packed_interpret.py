@@ -20,8 +20,7 @@ not a multiple of a chunk, a split product, an unsplit one, bfloat16
 inputs, launches other than the planned one (one or two groups a thread,
 prefetching), inputs from 1e-12 to 1e15 in size, the nibble order (one-hot
 inputs read out each column of a group, exactly), the dequantising kernel,
-the launch plan at the Llama-3.1-8B shapes, the refusals, and a gated MLP's
-``[gate | up]`` input with the activation formed in the kernel.
+the launch plan at the Llama-3.1-8B shapes, and the refusals.
 
 The checks run in one child process under ``TRITON_INTERPRET=1`` (see
 ``tests/interpreter_checks.py``); one by hand::
@@ -47,7 +46,7 @@ PRODUCTS = {
     "single": (9, 256, torch.float32),  # one chunk: no split
     "bf16": (16, 1024, torch.bfloat16),
 }
-CHECKS = [*PRODUCTS, "launches", "scales", "nibble-order", "dequant", "plan", "refusals", "gated"]
+CHECKS = [*PRODUCTS, "launches", "scales", "nibble-order", "dequant", "plan", "refusals"]
 
 
 def _weight(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -226,25 +225,6 @@ def _refusals() -> None:
             raise AssertionError(f"no ValueError for {tuple(xi.shape)} {xi.dtype} {kwargs}")
 
 
-def _gated() -> None:
-    """A ``[gate | up]`` input with the activation formed in the kernel (``gate_act``): bit for
-    bit the gated activation kernel followed by the product, split and unsplit, a partial
-    chunk, one and two groups a thread (see ``tests/gated_input_checks.py``)."""
-    from gated_input_checks import check_gated
-
-    from backplane import kernels
-    from backplane.kernels.q4k_layout import repack_q4k
-
-    qp = kernels.load_qgemv_packed()
-    for rows, cols, launches in (
-        (37, 768, (None, qp.Launch(8, 256, 1, 16, 1))),
-        (24, 1280, (None,)),  # split in two, the second chunk a quarter full
-    ):
-        blocks, _ = _weight(rows, cols, rows)
-        packed = repack_q4k(torch.from_numpy(blocks), cols)
-        check_gated(qp, packed, cols, torch.device("cpu"), launches)
-
-
 def _check(name: str) -> None:
     """Run one check by name."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -261,7 +241,6 @@ def _check(name: str) -> None:
             "dequant": _dequant,
             "plan": _plan,
             "refusals": _refusals,
-            "gated": _gated,
         }[name]()
 
 

@@ -180,16 +180,3 @@ def test_graph_replay(device: torch.device) -> None:
         assert_close(static_y, x, w, f"replay {seed}")
     counters, _ = qp._scratch(device, 1, 1)
     assert not counters.any(), "a replay left arrival counters set"
-
-
-@pytest.mark.parametrize("shape", [(4096, 14336), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gated_input(device: torch.device, shape: tuple[int, int]) -> None:
-    """A ``[gate | up]`` row with the activation formed in the kernel: bit for bit the gated
-    activation kernel followed by the product (the Llama-3.1-8B down projection, and a
-    partial chunk; see ``tests/gated_input_checks.py``)."""
-    from gated_input_checks import check_gated
-
-    from backplane import kernels
-
-    rows, cols = shape
-    check_gated(kernels.load_qgemv_packed_q6k(), packed_weight(rows, cols, device), cols, device)

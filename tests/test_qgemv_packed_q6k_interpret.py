@@ -50,7 +50,7 @@ PRODUCTS = {
     "single": (9, 256, torch.float32),  # one chunk: no split
     "bf16": (16, 1024, torch.bfloat16),
 }
-CHECKS = [*PRODUCTS, "launches", "scales", "bit-order", "dequant", "plan", "refusals", "gated"]
+CHECKS = [*PRODUCTS, "launches", "scales", "bit-order", "dequant", "plan", "refusals"]
 
 
 def _weight(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -237,22 +237,6 @@ def _refusals() -> None:
             raise AssertionError(f"no ValueError for {tuple(xi.shape)} {xi.dtype} {kwargs}")
 
 
-def _gated() -> None:
-    """A ``[gate | up]`` input with the activation formed in the kernel (``gate_act``): bit for
-    bit the gated activation kernel followed by the product, split and unsplit, a partial
-    chunk (see ``tests/gated_input_checks.py``)."""
-    from gated_input_checks import check_gated
-
-    from backplane import kernels
-    from backplane.kernels.q6k_layout import repack_q6k
-
-    qp = kernels.load_qgemv_packed_q6k()
-    for rows, cols in ((37, 768), (19, 1280)):
-        blocks, _ = _weight(rows, cols, rows)
-        packed = repack_q6k(torch.from_numpy(blocks), cols)
-        check_gated(qp, packed, cols, torch.device("cpu"))
-
-
 def _check(name: str) -> None:
     """Run one check by name."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -269,7 +253,6 @@ def _check(name: str) -> None:
             "dequant": _dequant,
             "plan": _plan,
             "refusals": _refusals,
-            "gated": _gated,
         }[name]()
 
 

@@ -56,18 +56,12 @@ import triton.language as tl
 from backplane.core import compile_ahead
 from backplane.core.launch import cdiv, dependent_launch, next_pow2
 from backplane.kernels.availability import interpreting
-from backplane.kernels.elementwise import ACT_CODES, _act, _round
 from backplane.kernels.q4k_layout import QK_K, PackedQ4K
 from backplane.kernels.split_k import scratch as _scratch
 from backplane.kernels.split_k import sum_parts
 
 #: dtypes of the input (and output) the kernels take
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-#: activations a one-row kernel applies to a ``[gate | up]`` input (``gate_act``):
-#: those whose float32 arithmetic has no multiply-add the compiler could fuse, so the
-#: product is the gated activation kernel's bit for bit (not ``gelu_tanh``)
-GATE_ACTS = ("silu", "relu", "relu2", "gelu")
 
 #: default launch (see :func:`plan`): rows per iteration, inputs per program, warps,
 #: groups per thread, row tiles loaded ahead, programs per multiprocessor
@@ -149,45 +143,35 @@ def _nibble(words, S: tl.constexpr):
 
 
 @triton.jit
-def _input(x_ptr, at, mask, K, GATE_ACT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """The input values at ``at`` in float32: the row's, or with ``GATE_ACT`` (an activation
-    code, -1 for none) of a ``[gate | up]`` row of ``2 * K`` values ``act(gate) * up``,
-    rounded as the gated activation kernel rounds it (zero where ``mask`` is false)."""
-    if EVEN_K:
-        x = tl.load(x_ptr + at).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    if GATE_ACT >= 0:
-        dt = x_ptr.dtype.element_ty
-        if EVEN_K:
-            u = tl.load(x_ptr + K + at).to(tl.float32)
-        else:
-            u = tl.load(x_ptr + K + at, mask=mask, other=0.0).to(tl.float32)
-        a = _round(_act(x, GATE_ACT, not INTERPRET), dt, INTERPRET)
-        x = _round(a * u, dt, INTERPRET)
-    return x
-
-
-@triton.jit
-def _group_x(x_ptr, k_g, w, g_ok, K, GATE_ACT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+def _group_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
     """The inputs of groups ``k_g`` (first values) in the order of their nibbles: eight
     float32 ``[G, 4]``, the ``S``-th holding values ``k_g + 4 * S + w`` (zero where
-    ``g_ok`` is false), each as :func:`_input` forms it."""
-    at = k_g[:, None] + w[None, :]
-    xm = g_ok[:, None]
-    x0 = _input(x_ptr, at, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x1 = _input(x_ptr, at + 4, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x2 = _input(x_ptr, at + 8, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x3 = _input(x_ptr, at + 12, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x4 = _input(x_ptr, at + 16, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x5 = _input(x_ptr, at + 20, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x6 = _input(x_ptr, at + 24, xm, K, GATE_ACT, INTERPRET, EVEN_K)
-    x7 = _input(x_ptr, at + 28, xm, K, GATE_ACT, INTERPRET, EVEN_K)
+    ``g_ok`` is false)."""
+    xk = x_ptr + k_g[:, None] + w[None, :]
+    if EVEN_K:
+        x0 = tl.load(xk).to(tl.float32)
+        x1 = tl.load(xk + 4).to(tl.float32)
+        x2 = tl.load(xk + 8).to(tl.float32)
+        x3 = tl.load(xk + 12).to(tl.float32)
+        x4 = tl.load(xk + 16).to(tl.float32)
+        x5 = tl.load(xk + 20).to(tl.float32)
+        x6 = tl.load(xk + 24).to(tl.float32)
+        x7 = tl.load(xk + 28).to(tl.float32)
+    else:
+        xm = g_ok[:, None]
+        x0 = tl.load(xk, mask=xm, other=0.0).to(tl.float32)
+        x1 = tl.load(xk + 4, mask=xm, other=0.0).to(tl.float32)
+        x2 = tl.load(xk + 8, mask=xm, other=0.0).to(tl.float32)
+        x3 = tl.load(xk + 12, mask=xm, other=0.0).to(tl.float32)
+        x4 = tl.load(xk + 16, mask=xm, other=0.0).to(tl.float32)
+        x5 = tl.load(xk + 20, mask=xm, other=0.0).to(tl.float32)
+        x6 = tl.load(xk + 24, mask=xm, other=0.0).to(tl.float32)
+        x7 = tl.load(xk + 28, mask=xm, other=0.0).to(tl.float32)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
-def _resident_x(x_ptr, k_g, w, g_ok, K, GATE_ACT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+def _resident_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
     """The inputs of groups ``k_g`` (first values), each nibble position's four as
     float32 ``[G, 4]`` scaled by ``2**(149 - 85 - B)`` to meet :func:`_nibble`'s
     ``2**(B - 149)``, and each group's sum ``[1, G]`` scaled by ``2**-85`` to match.
@@ -196,7 +180,7 @@ def _resident_x(x_ptr, k_g, w, g_ok, K, GATE_ACT: tl.constexpr, INTERPRET: tl.co
     products are, for ``|q * x|`` from about 2**-41 (smaller ones are kept to 2**-64),
     and finite for ``|x| < 2**64``.
     """
-    x0, x1, x2, x3, x4, x5, x6, x7 = _group_x(x_ptr, k_g, w, g_ok, K, GATE_ACT, INTERPRET, EVEN_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _group_x(x_ptr, k_g, w, g_ok, EVEN_K)
     xsum = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)[None, :]
     # 2**(64 - B) for B = 0, 4, 8, 12, 16, 20, 16, 20; 2**-85
     return (
@@ -313,8 +297,6 @@ def _packed_gemv_kernel(
     STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    GATE_ACT: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -369,13 +351,9 @@ def _packed_gemv_kernel(
         # overlap the previous kernel's tail.
         tl.extra.cuda.gdc_wait()
     # This program's inputs, kept for all its rows.
-    xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xsa = _resident_x(
-        x_ptr, ka, w, a_ok, K, GATE_ACT, INTERPRET, EVEN_K
-    )
+    xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xsa = _resident_x(x_ptr, ka, w, a_ok, EVEN_K)
     if TWO:
-        xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, xsb = _resident_x(
-            x_ptr, kb, w, b_ok, K, GATE_ACT, INTERPRET, EVEN_K
-        )
+        xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, xsb = _resident_x(x_ptr, kb, w, b_ok, EVEN_K)
     # Partial sums are stored row-major by row, split_k a row, from the first lane of each
     # row's threads: a store the reduction's layout makes (rows stored consecutively
     # would be laid out differently, through shared memory and a barrier every iteration).
@@ -478,25 +456,18 @@ def packed_gemv(
     packed: PackedQ4K,
     out: torch.Tensor | None = None,
     launch: Launch | None = None,
-    gate_act: str | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(packed).T`` for one input row, dequantising in the kernel.
 
-    :param x: ``[1, K]`` (or ``[K]``), on the weight's device, a dtype of :data:`DTYPES`;
-        with ``gate_act``, a gated MLP's ``[gate | up]`` row of ``2 * K`` values.
+    :param x: ``[1, K]`` (or ``[K]``), on the weight's device, a dtype of :data:`DTYPES`.
     :param packed: the weight ``[N, K]`` (see :func:`~backplane.kernels.q4k_layout.repack_q4k`).
     :param out: where to write the row (``[1, N]``, contiguous, ``x``'s dtype and device);
         a new tensor when ``None``.
     :param launch: a :class:`Launch` instead of :func:`plan`'s (tuning).
-    :param gate_act: multiply ``act(gate) * up`` instead of ``x`` (one of
-        :data:`GATE_ACTS`), rounded as the gated activation kernel
-        (:func:`~backplane.kernels.elementwise.act_and_mul`) rounds it, so the
-        result is that kernel's followed by this one's; ``None`` for ``x`` itself.
     :return: ``[1, N]`` in ``x``'s dtype (``out`` when given).
     :raises ValueError: a width or dtype :func:`supports` refuses, tensors not laid out
         as :class:`~backplane.kernels.q4k_layout.PackedQ4K` says, an input that is not one
-        row of ``K`` (``2 * K``) values, an activation not in :data:`GATE_ACTS`, or an
-        ``out`` that does not fit.
+        row of ``K`` values, or an ``out`` that does not fit.
     """
     n, k = _check(packed)
     if not supports(k, x.dtype):
@@ -504,7 +475,13 @@ def packed_gemv(
             f"the packed Q4_K kernel does not run rows of {k} values in {x.dtype}; "
             "dequantise the weight instead"
         )
-    xr = _input_row(x, k, gate_act, "packed_gemv")
+    xr = x.reshape(-1)
+    if xr.numel() != k:
+        raise ValueError(
+            f"packed_gemv takes one input row of {k} values, got shape {tuple(x.shape)}; "
+            "multiply several rows with dequantize_packed_matrix"
+        )
+    xr = xr.contiguous()
     if out is None:
         y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or out.dtype != x.dtype or out.device != x.device:
@@ -517,7 +494,6 @@ def packed_gemv(
     else:
         y = out
     grid, ints, constexprs = _launch(n, k, _sm_count(x.device), launch)
-    constexprs["GATE_ACT"] = -1 if gate_act is None else ACT_CODES[gate_act]
     if x.is_cuda and dependent_launch(
         x.device.index if x.device.index is not None else torch.cuda.current_device()
     ):
@@ -538,24 +514,6 @@ def packed_gemv(
         **constexprs,
     )
     return y
-
-
-def _input_row(x: torch.Tensor, k: int, gate_act: str | None, what: str) -> torch.Tensor:
-    """``x`` as one contiguous row of ``k`` values (``2 * k`` with ``gate_act``), refusing
-    other shapes and activations the kernels do not form (see :data:`GATE_ACTS`)."""
-    width = k if gate_act is None else 2 * k
-    if gate_act is not None and gate_act not in GATE_ACTS:
-        raise ValueError(
-            f"{what}: no gated input with {gate_act!r}; the kernel forms "
-            f"{', '.join(GATE_ACTS)} (apply act_and_mul first for others)"
-        )
-    xr = x.reshape(-1)
-    if xr.numel() != width:
-        raise ValueError(
-            f"{what} takes one input row of {width} values, got shape {tuple(x.shape)}; "
-            "multiply several rows with dequantize_packed_matrix"
-        )
-    return xr.contiguous()
 
 
 def _check(packed: PackedQ4K) -> tuple[int, int]:
@@ -604,8 +562,6 @@ def _launch(
         "STAGES": launch.stages,
         "PREFETCH": int(launch.prefetch),
         "PDL": False,
-        "GATE_ACT": -1,
-        "INTERPRET": interpreting(),
         "num_warps": launch.num_warps,
     }
     return (cdiv(n, rows), split_k), (n, rows, split_k), constexprs

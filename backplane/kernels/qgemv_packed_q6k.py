@@ -58,24 +58,13 @@ import triton.language as tl
 from backplane.core import compile_ahead
 from backplane.core.launch import cdiv, dependent_launch
 from backplane.kernels import qgemv_packed
-from backplane.kernels.elementwise import ACT_CODES
 from backplane.kernels.q6k_layout import QK_K, PackedQ6K
-from backplane.kernels.qgemv_packed import (
-    DTYPES,
-    GATE_ACTS,
-    Launch,
-    _group_x,
-    _input_row,
-    _load,
-    _sm_count,
-    _split4,
-)
+from backplane.kernels.qgemv_packed import DTYPES, Launch, _group_x, _load, _sm_count, _split4
 from backplane.kernels.split_k import scratch as _scratch
 from backplane.kernels.split_k import sum_parts
 
 __all__ = [
     "DTYPES",
-    "GATE_ACTS",
     "Launch",
     "dequantize_packed_matrix",
     "packed_gemv",
@@ -135,7 +124,7 @@ def _sub_block(l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, xsum, P0: tl.cons
 
 
 @triton.jit
-def _resident_x(x_ptr, k_g, w, g_ok, K, GATE_ACT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+def _resident_x(x_ptr, k_g, w, g_ok, EVEN_K: tl.constexpr):
     """The inputs of groups ``k_g`` (first values), each nibble position's four as float32
     ``[G, 4]`` scaled by ``2**(64 - P)`` (``P`` where :func:`_pair_part` finds that
     position's quant: ``4 * S`` for ``S < 4``, ``4 * S - 12`` above), and each
@@ -143,7 +132,7 @@ def _resident_x(x_ptr, k_g, w, g_ok, K, GATE_ACT: tl.constexpr, INTERPRET: tl.co
 
     Products then come out as ``q * x * 2**-85``, as in :mod:`.qgemv_packed`.
     """
-    x0, x1, x2, x3, x4, x5, x6, x7 = _group_x(x_ptr, k_g, w, g_ok, K, GATE_ACT, INTERPRET, EVEN_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _group_x(x_ptr, k_g, w, g_ok, EVEN_K)
     sum0 = tl.sum((x0 + x1) + (x2 + x3), axis=1)[None, :]
     sum1 = tl.sum((x4 + x5) + (x6 + x7), axis=1)[None, :]
     # 2**(64 - P) for P = 0, 4, 8, 12, 4, 8, 12, 16; -32 * 2**-85 = -2**-80
@@ -252,8 +241,6 @@ def _packed_q6k_gemv_kernel(
     STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    GATE_ACT: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -303,12 +290,8 @@ def _packed_q6k_gemv_kernel(
         # overlap the previous kernel's tail.
         tl.extra.cuda.gdc_wait()
     # This program's inputs, kept for all its rows.
-    xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, sa0, sa1 = _resident_x(
-        x_ptr, ka, w, p_ok, K, GATE_ACT, INTERPRET, EVEN_K
-    )
-    xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, sb0, sb1 = _resident_x(
-        x_ptr, kb, w, p_ok, K, GATE_ACT, INTERPRET, EVEN_K
-    )
+    xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, sa0, sa1 = _resident_x(x_ptr, ka, w, p_ok, EVEN_K)
+    xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, sb0, sb1 = _resident_x(x_ptr, kb, w, p_ok, EVEN_K)
     # Partial sums are stored from the first lane of each row's threads (see qgemv_packed).
     first = (tl.arange(0, G) == 0)[None, :]
     if SPLITS:
@@ -430,25 +413,19 @@ def packed_gemv(
     packed: PackedQ6K,
     out: torch.Tensor | None = None,
     launch: Launch | None = None,
-    gate_act: str | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(packed).T`` for one input row, dequantising in the kernel.
 
-    :param x: ``[1, K]`` (or ``[K]``), on the weight's device, a dtype of :data:`DTYPES`;
-        with ``gate_act``, a gated MLP's ``[gate | up]`` row of ``2 * K`` values.
+    :param x: ``[1, K]`` (or ``[K]``), on the weight's device, a dtype of :data:`DTYPES`.
     :param packed: the weight ``[N, K]`` (see :func:`~backplane.kernels.q6k_layout.repack_q6k`).
     :param out: where to write the row (``[1, N]``, contiguous, ``x``'s dtype and device);
         a new tensor when ``None``.
     :param launch: a :class:`Launch` instead of :func:`plan`'s (tuning): two groups a
         thread, a chunk of whole super-blocks.
-    :param gate_act: multiply ``act(gate) * up`` instead of ``x``, as
-        :func:`~backplane.kernels.qgemv_packed.packed_gemv` does.
     :return: ``[1, N]`` in ``x``'s dtype (``out`` when given).
     :raises ValueError: a width or dtype :func:`supports` refuses, tensors not laid out
         as :class:`~backplane.kernels.q6k_layout.PackedQ6K` says, an input that is not one
-        row of ``K`` (``2 * K``) values, an activation not in
-        :data:`~backplane.kernels.qgemv_packed.GATE_ACTS`, an ``out`` that does not fit, or
-        a launch the kernel cannot run.
+        row of ``K`` values, an ``out`` that does not fit, or a launch the kernel cannot run.
     """
     n, k = _check(packed)
     if not supports(k, x.dtype):
@@ -456,7 +433,13 @@ def packed_gemv(
             f"the packed Q6_K kernel does not run rows of {k} values in {x.dtype}; "
             "dequantise the weight instead"
         )
-    xr = _input_row(x, k, gate_act, "packed_gemv (Q6_K)")
+    xr = x.reshape(-1)
+    if xr.numel() != k:
+        raise ValueError(
+            f"packed_gemv takes one input row of {k} values, got shape {tuple(x.shape)}; "
+            "multiply several rows with dequantize_packed_matrix"
+        )
+    xr = xr.contiguous()
     if out is None:
         y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or out.dtype != x.dtype or out.device != x.device:
@@ -469,7 +452,6 @@ def packed_gemv(
     else:
         y = out
     grid, ints, constexprs = _launch(n, k, _sm_count(x.device), launch)
-    constexprs["GATE_ACT"] = -1 if gate_act is None else ACT_CODES[gate_act]
     if x.is_cuda and dependent_launch(x.device.index if x.device.index is not None else 0):
         constexprs.update(PDL=True, launch_pdl=True)
     split_k = grid[1]

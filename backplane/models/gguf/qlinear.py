@@ -104,11 +104,10 @@ class QuantizedLinear(MergedLinear):
     It answers to the loader as a :class:`~backplane.models.linear.MergedLinear`
     does: :meth:`checkpoint_slices` names a row slice of the raw blocks per
     checkpoint tensor, so each GGUF tensor's bytes (``[rows, row_bytes]``
-    ``uint8``) are copied into place. Of the fused one-row paths of
-    :class:`~backplane.models.linear.Linear`, repacked weights run the gated
-    input (:meth:`~backplane.models.linear.Linear.forward_gated`); the others
-    (norm prologue, activation epilogues) decline, so their callers run the
-    separate steps around :meth:`forward`.
+    ``uint8``) are copied into place. The fused one-row paths of
+    :class:`~backplane.models.linear.Linear` (norm prologue, activation
+    epilogues) decline, so their callers run the separate steps around
+    :meth:`forward`.
 
     :param in_features: the input width.
     :param parts: ``(checkpoint module name, output rows, ggml type id)`` of
@@ -324,32 +323,8 @@ class QuantizedLinear(MergedLinear):
         raise IndexError(f"row {start} is outside {self.out_features} rows")
 
     def _projection(self, x: torch.Tensor, variant: tuple) -> Any:
-        """The one-row product of a gated MLP's ``[gate | up]`` row (``("gated", act)``, see
-        :meth:`~backplane.models.linear.Linear.forward_gated`) where every run of rows is
-        repacked: each run's kernel forms ``act(gate) * up`` as it reads its input, so the
-        gated activation needs no launch of its own. The other fused variants (norm
-        prologue, activation and rotary epilogues) are declined: their callers run the
-        separate steps around :meth:`forward`.
-        """
-        if (
-            variant[0] != "gated"
-            or not self._fused(x)
-            or x.dim() != 2
-            or x.shape[0] != 1
-            or len(self.packed_runs) != len(self.runs)
-        ):
-            return None
-        act = variant[1]
-        runs = [(b, kernels.load(REPACKED[t].kernels)) for b, t in self.blocks()]
-        if not all(act in k.GATE_ACTS and k.supports(self.in_features, x.dtype) for _, k in runs):
-            return None
-
-        def gated(row: torch.Tensor) -> tuple[torch.Tensor]:
-            outs = [k.packed_gemv(row, b, gate_act=act) for b, k in runs]
-            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-            return (y if self.bias is None else y + self.bias.to(y.dtype),)
-
-        return gated
+        """Decline the fused one-row variants: the kernel of :meth:`_run` has no prologue or epilogue."""
+        return None
 
     def pack(self, rows: int, *, release: bool) -> bool:
         """Nothing to pack: oneDNN's blocked layout is for float weights.
