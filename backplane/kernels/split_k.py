@@ -46,19 +46,30 @@ def scratch(device: torch.device, blocks: int, parts: int) -> tuple[torch.Tensor
     """
     bufs = SCRATCH.get(device)
     if bufs is None or bufs[0].numel() < blocks or bufs[1].numel() < parts:
-        if bufs is not None:
-            _RETIRED.append(bufs)
-        counters = (
-            bufs[0]
-            if bufs is not None and bufs[0].numel() >= blocks
-            else torch.zeros(max(next_pow2(blocks), 1024), dtype=torch.int32, device=device)
-        )
-        part = (
-            bufs[1]
-            if bufs is not None and bufs[1].numel() >= parts
-            else torch.empty(max(next_pow2(parts), 1 << 16), dtype=torch.float32, device=device)
-        )
-        bufs = SCRATCH[device] = (counters, part)
+        with torch.inference_mode(False):
+            # Normal tensors, not inference ones: the buffers outlive the engine's
+            # inference mode and serve callers outside it (kernel tests poison them).
+            return _grow(device, bufs, blocks, parts)
+    return bufs
+
+
+def _grow(
+    device: torch.device, bufs: tuple[torch.Tensor, torch.Tensor] | None, blocks: int, parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scratch`'s buffers grown to ``blocks`` counters and ``parts`` partial sums."""
+    if bufs is not None:
+        _RETIRED.append(bufs)
+    counters = (
+        bufs[0]
+        if bufs is not None and bufs[0].numel() >= blocks
+        else torch.zeros(max(next_pow2(blocks), 1024), dtype=torch.int32, device=device)
+    )
+    part = (
+        bufs[1]
+        if bufs is not None and bufs[1].numel() >= parts
+        else torch.empty(max(next_pow2(parts), 1 << 16), dtype=torch.float32, device=device)
+    )
+    bufs = SCRATCH[device] = (counters, part)
     return bufs
 
 
