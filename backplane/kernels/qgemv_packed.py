@@ -276,6 +276,38 @@ def _group_part(words, sm, dm, x0, x1, x2, x3, x4, x5, x6, x7, xsum):
 
 
 @triton.jit
+def _store_tile(part, y_ptr, part_ptr, out_off, store, SPLITS: tl.constexpr):
+    """Store a row tile's sums (``part``: ``[BLOCK_N, G]`` products scaled by ``2**-85``,
+    see :func:`_resident_x`) from the lanes ``store`` marks: the output rows, or with
+    ``SPLITS`` this split's float32 partials (``out_off``: where each row's goes)."""
+    # undo the 2**-85 of the products
+    total = tl.sum(part, axis=1)[:, None] * 38685626227668133590597632.0
+    if SPLITS:
+        tl.store(part_ptr + out_off, total, mask=store)
+    else:
+        tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=store)
+
+
+@triton.jit
+def _sum_splits(y_ptr, part_ptr, counter, row_start, row_end, split_k, SPLITS: tl.constexpr, TAIL_N: tl.constexpr):  # fmt: skip
+    """Count this program in at ``counter`` (its run of rows); the last of the run's
+    ``split_k`` programs to arrive adds their partials into the output rows, ``TAIL_N``
+    rows at a time, and leaves the counter at zero for the next launch."""
+    # Every thread's partial stores come before the (releasing) arrival.
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
+        # Whichever program arrives last adds the run's partials (a whole run at once
+        # for the launches plan() makes).
+        t = tl.arange(0, TAIL_N)
+        for r0 in range(row_start, row_end, TAIL_N):
+            rows = r0 + t
+            ok = rows < row_end
+            total = sum_parts(part_ptr, rows, ok, split_k, split_k, 1, SPLITS)
+            tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
 def _packed_gemv_kernel(
     x_ptr,
     qs_ptr,
@@ -380,31 +412,14 @@ def _packed_gemv_kernel(
         part = _group_part(wa, sa, da, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xsa)
         if TWO:
             part += _group_part(wb, sb, db, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, xsb)
-        # undo the 2**-85 of the products
-        total = tl.sum(part, axis=1)[:, None] * 38685626227668133590597632.0
         store = first if EVEN_N else first & r_ok
-        if SPLITS:
-            tl.store(part_ptr + out_off, total, mask=store)
-        else:
-            tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=store)
+        _store_tile(part, y_ptr, part_ptr, out_off, store, SPLITS)
         out_off += BLOCK_N * split_k if SPLITS else BLOCK_N
         qs_row += BLOCK_N * (K // 8)
         sm_row += BLOCK_N * (K // 32)
         dm_row += BLOCK_N * (K // 256)
     if SPLITS:
-        # Every thread's partial stores come before the (releasing) arrival.
-        tl.debug_barrier()
-        counter = count_ptr + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
-            # Whichever program arrives last adds the run's partials, TAIL_N rows at a
-            # time (a whole run for the launches plan() makes).
-            t = tl.arange(0, TAIL_N)
-            for r0 in range(row_start, row_end, TAIL_N):
-                rows = r0 + t
-                ok = rows < row_end
-                total = sum_parts(part_ptr, rows, ok, split_k, split_k, 1, SPLITS)
-                tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(counter, 0)
+        _sum_splits(y_ptr, part_ptr, count_ptr + pid_n, row_start, row_end, split_k, SPLITS, TAIL_N)
 
 
 @triton.jit
@@ -475,24 +490,7 @@ def packed_gemv(
             f"the packed Q4_K kernel does not run rows of {k} values in {x.dtype}; "
             "dequantise the weight instead"
         )
-    xr = x.reshape(-1)
-    if xr.numel() != k:
-        raise ValueError(
-            f"packed_gemv takes one input row of {k} values, got shape {tuple(x.shape)}; "
-            "multiply several rows with dequantize_packed_matrix"
-        )
-    xr = xr.contiguous()
-    if out is None:
-        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(
-            f"out must be [1, {n}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
-            f"{out.dtype} on {out.device}"
-        )
-    elif not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    else:
-        y = out
+    xr, y = _row_and_output(x, k, n, out)
     grid, ints, constexprs = _launch(n, k, _sm_count(x.device), launch)
     if x.is_cuda and dependent_launch(
         x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -514,6 +512,30 @@ def packed_gemv(
         **constexprs,
     )
     return y
+
+
+def _row_and_output(
+    x: torch.Tensor, k: int, n: int, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-row kernels' input as a contiguous row of ``k`` values, and where they write
+    their ``[1, n]`` output (``out``, or a new tensor); refuses what they cannot read or
+    write (shared by the Q4_K and Q6_K kernels)."""
+    xr = x.reshape(-1)
+    if xr.numel() != k:
+        raise ValueError(
+            f"packed_gemv takes one input row of {k} values, got shape {tuple(x.shape)}; "
+            "multiply several rows with dequantize_packed_matrix"
+        )
+    if out is None:
+        return xr.contiguous(), torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if out.shape != (1, n) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out must be [1, {n}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
+            f"{out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return xr.contiguous(), out
 
 
 def _check(packed: PackedQ4K) -> tuple[int, int]:

@@ -59,9 +59,18 @@ from backplane.core import compile_ahead
 from backplane.core.launch import cdiv, dependent_launch
 from backplane.kernels import qgemv_packed
 from backplane.kernels.q6k_layout import QK_K, PackedQ6K
-from backplane.kernels.qgemv_packed import DTYPES, Launch, _group_x, _load, _sm_count, _split4
+from backplane.kernels.qgemv_packed import (
+    DTYPES,
+    Launch,
+    _group_x,
+    _load,
+    _row_and_output,
+    _sm_count,
+    _split4,
+    _store_tile,
+    _sum_splits,
+)
 from backplane.kernels.split_k import scratch as _scratch
-from backplane.kernels.split_k import sum_parts
 
 __all__ = [
     "DTYPES",
@@ -324,32 +333,15 @@ def _packed_q6k_gemv_kernel(
             xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, sa0, sa1,
             xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, sb0, sb1,
         )  # fmt: skip
-        # undo the 2**-85 of the products
-        total = tl.sum(part, axis=1)[:, None] * 38685626227668133590597632.0
         store = first if EVEN_N else first & r_ok
-        if SPLITS:
-            tl.store(part_ptr + out_off, total, mask=store)
-        else:
-            tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=store)
+        _store_tile(part, y_ptr, part_ptr, out_off, store, SPLITS)
         out_off += BLOCK_N * split_k if SPLITS else BLOCK_N
         ql_row += BLOCK_N * (K // 8)
         qh_row += BLOCK_N * (K // 16)
         sc_row += BLOCK_N * (K // 64)
         d_row += BLOCK_N * (K // 256)
     if SPLITS:
-        # Every thread's partial stores come before the (releasing) arrival.
-        tl.debug_barrier()
-        counter = count_ptr + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
-            # Whichever program arrives last adds the run's partials, TAIL_N rows at a
-            # time (a whole run for the launches plan() makes).
-            t = tl.arange(0, TAIL_N)
-            for r0 in range(row_start, row_end, TAIL_N):
-                rows = r0 + t
-                ok = rows < row_end
-                total = sum_parts(part_ptr, rows, ok, split_k, split_k, 1, SPLITS)
-                tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(counter, 0)
+        _sum_splits(y_ptr, part_ptr, count_ptr + pid_n, row_start, row_end, split_k, SPLITS, TAIL_N)
 
 
 @triton.jit
@@ -433,24 +425,7 @@ def packed_gemv(
             f"the packed Q6_K kernel does not run rows of {k} values in {x.dtype}; "
             "dequantise the weight instead"
         )
-    xr = x.reshape(-1)
-    if xr.numel() != k:
-        raise ValueError(
-            f"packed_gemv takes one input row of {k} values, got shape {tuple(x.shape)}; "
-            "multiply several rows with dequantize_packed_matrix"
-        )
-    xr = xr.contiguous()
-    if out is None:
-        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(
-            f"out must be [1, {n}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
-            f"{out.dtype} on {out.device}"
-        )
-    elif not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    else:
-        y = out
+    xr, y = _row_and_output(x, k, n, out)
     grid, ints, constexprs = _launch(n, k, _sm_count(x.device), launch)
     if x.is_cuda and dependent_launch(x.device.index if x.device.index is not None else 0):
         constexprs.update(PDL=True, launch_pdl=True)
