@@ -484,7 +484,8 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int, int]:
 
     With both the wider steps of tall weights and the kernel for larger ones,
     Nemotron-H 0.85B's batch-1 step (its untied 32000-row head, twelve 8192
-    -> 2048 down projections) went from 0.685 to 0.662 ms per token; the
+    -> 2048 down projections) went from 0.685-0.698 to 0.662-0.666 ms per
+    token (three pairs, each in one call on an H200); the
     Llama-3.2-1B shape's stayed at 0.93 (its tied head is a cuBLAS product of
     the embedding, and the shorter down and gate/up launches gained nothing
     in the layer).
