@@ -55,47 +55,22 @@ CHECKS = [*PRODUCTS, "launches", "scales", "bit-order", "dequant", "plan", "refu
 
 def _weight(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     """Random Q6_K blocks and gguf's float64 matrix of them."""
-    import gguf
-    from gguf_quant_helpers import QT, random_blocks
+    from packed_kernel_checks import weight
 
-    blocks = random_blocks(QT.Q6_K, rows, cols, np.random.default_rng(seed))
-    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, QT.Q6_K).astype(np.float64))
+    return weight("Q6_K", rows, cols, seed)
 
 
 def _product(
     blocks: np.ndarray, w: torch.Tensor, x: torch.Tensor, launch=None, what: str = ""
 ) -> torch.Tensor:
-    """One poisoned product against the float64 reference; returns the output row."""
+    """One poisoned product against the float64 reference (see
+    ``tests/packed_kernel_checks.py``); returns the output row."""
+    from packed_kernel_checks import product
+
     from backplane import kernels
     from backplane.kernels.q6k_layout import repack_q6k
 
-    qp = kernels.load_qgemv_packed_q6k()
-    rows, cols = w.shape
-    packed = repack_q6k(torch.from_numpy(blocks), cols)
-    grid, _, _ = qp._launch(rows, cols, qp._sm_count(x.device), launch)
-    split_k = grid[1]
-    if split_k > 1:
-        # partials the kernel must overwrite before it sums them
-        _, part = qp._scratch(x.device, grid[0], split_k * rows)
-        part.fill_(float("nan"))
-    out = torch.full((1, rows), float("nan"), dtype=x.dtype)
-    got = qp.packed_gemv(x, packed, out=out, launch=launch)
-    assert got.data_ptr() == out.data_ptr() and got.shape == (1, rows), got.shape
-    want = x.double() @ w.T
-    eps = torch.finfo(x.dtype).eps
-    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 2 * eps * want.abs()
-    err = (got.double() - want).abs()
-    bad = ~(err <= bound)
-    assert not bad.any(), (
-        f"{what} {rows}x{cols}: {int(bad.sum())} wrong elements, first at "
-        f"{bad.nonzero()[0].tolist()}: got {got.double()[bad][0]:.6g}, want {want[bad][0]:.6g}"
-    )
-    if split_k > 1:
-        counters, _ = qp._scratch(x.device, 1, 1)
-        assert not counters.any(), "the split launch left arrival counters set"
-        again = qp.packed_gemv(x, packed, launch=launch)
-        assert torch.equal(again, got), "a second run gave other bits"
-    return got
+    return product(kernels.load_qgemv_packed_q6k(), repack_q6k, blocks, w, x, launch, what)
 
 
 def _launches() -> None:
