@@ -50,6 +50,7 @@ def generate_eager_and_graphed(
     prompt_lens: tuple[int, ...],
     max_tokens: int,
     params: Any = None,
+    **engine_kwargs: Any,
 ) -> dict[str, list[list[int]]]:
     """Tokens of the same prompts with ``cuda_graphs`` off and ``full_and_piecewise``.
 
@@ -62,6 +63,7 @@ def generate_eager_and_graphed(
     :param prompt_lens: one random prompt of each length.
     :param max_tokens: tokens generated per prompt (greedy unless ``params`` is given).
     :param params: ``SamplingParams`` for every prompt, or one per prompt.
+    :param engine_kwargs: further engine options (``quantization``, ``kv_cache_dtype`` ...).
     :return: ``{"off": ..., "full_and_piecewise": ...}``, the token ids per prompt.
     """
     from backplane import LLM, SamplingParams
@@ -84,6 +86,7 @@ def generate_eager_and_graphed(
             kv_memory="256MiB",
             cuda_graphs=mode,
             backends=backends,
+            **engine_kwargs,
         )
         if mode != "off":
             runner = llm.engine.runner

@@ -314,6 +314,46 @@ def test_generation_with_triton_graphs_equals_eager(model, monkeypatch):
     assert results["full_and_piecewise"] == results["off"]
 
 
+@pytest.mark.gpu
+def test_fp8_weights_and_kv_cache_capture_every_bucket():
+    # The attention op's arguments include the e4m3 cache planes, which each
+    # recorded step holds through a weak reference: every dtype must have one.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 needs compute capability 8.9 or newer")
+    pytest.importorskip("triton", reason="triton is not installed")
+    results = generate_eager_and_graphed(
+        "tiny-llama",
+        {"attention": "triton"},
+        dtype="bfloat16",
+        prompt_lens=(3, 17, 40, 9),
+        max_tokens=12,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+    )
+    assert results["full_and_piecewise"] == results["off"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32,
+     torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool],
+)  # fmt: skip
+def test_weak_ref_aliases_a_tensor_of_every_dtype(dtype):
+    from backplane.engine.worker.graph.capture import weak_ref
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; torch.cuda.is_available() is False")
+    base = torch.randn(6, 10, device="cuda").mul(8).to(dtype)
+    view = base[1:5, ::3]
+    alias = weak_ref(view)
+    assert alias.dtype == dtype and alias.shape == view.shape and alias.stride() == view.stride()
+    assert alias.data_ptr() == view.data_ptr()
+    assert torch.equal(alias.contiguous().view(torch.uint8), view.contiguous().view(torch.uint8))
+
+
 def test_every_dynamic_op_of_the_model_is_cut_out(setup):
     # an op left inside a recorded graph would freeze one step's metadata
     from backplane.core.contract import intercept_cached_ops

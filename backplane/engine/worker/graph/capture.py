@@ -53,6 +53,16 @@ def allocate_in(pool: GraphPool) -> Iterator[None]:
         yield
 
 
+#: the integer dtype (and its ``__cuda_array_interface__`` type string) a tensor
+#: of each element width is viewed as by :func:`weak_ref`
+_RAW_VIEWS: dict[int, tuple[torch.dtype, str]] = {
+    1: (torch.uint8, "|u1"),
+    2: (torch.int16, "<i2"),
+    4: (torch.int32, "<i4"),
+    8: (torch.int64, "<i8"),
+}
+
+
 def weak_ref(t: torch.Tensor) -> torch.Tensor:
     """Return a tensor aliasing ``t``'s memory without keeping it allocated.
 
@@ -67,20 +77,14 @@ def weak_ref(t: torch.Tensor) -> torch.Tensor:
     class _Iface:
         __slots__ = ("__cuda_array_interface__",)
 
-    raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    # Viewed as the integer of its width, a tensor of any dtype (float8 caches and
+    # activations, bfloat16, bool) has a type string the interface knows.
+    raw = t.view(_RAW_VIEWS[t.element_size()][0])
     iface = _Iface()
     iface.__cuda_array_interface__ = {
         "shape": tuple(raw.shape),
         "strides": tuple(s * raw.element_size() for s in raw.stride()),
-        "typestr": {
-            torch.int16: "<i2",
-            torch.float32: "<f4",
-            torch.int32: "<i4",
-            torch.int64: "<i8",
-            torch.uint8: "|u1",
-            torch.bool: "|b1",
-            torch.float64: "<f8",
-        }[raw.dtype],
+        "typestr": _RAW_VIEWS[raw.element_size()][1],
         "data": (raw.data_ptr(), False),
         "version": 2,
     }
