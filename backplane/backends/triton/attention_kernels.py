@@ -132,6 +132,32 @@ def _fold_tile(acc, m_i, l_i, s, keep, v, qk_scale, MASKED: tl.constexpr, IEEE: 
 
 
 @triton.jit
+def _e4m3_words_to_f16(w):
+    """e4m3 values packed four to an int32 word (``[N, W]``, the first in the low byte)
+    widened to float16: ``[N, 4 * W]``, in the packed order.
+
+    Two ``cvt`` of byte pairs a word, in registers. Widened here, before the
+    tile is laid out for the product, a value tile reaches the product the way
+    a float16 one does (one transposing shared-memory pass); left to the
+    compiler, an 8-bit tile is gathered byte by byte from shared memory in
+    that layout, which costs more instructions than its bytes take to stream.
+    """
+    a, b, c, d = tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+        "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; "
+        "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r",
+        [w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    # value 4j + 2i + k is word j's (2i + k)-th byte
+    v = tl.join(tl.join(a, c), tl.join(b, d))
+    return tl.reshape(v, [w.shape[0], 4 * w.shape[1]])
+
+
+@triton.jit
 def _dot_t(a, b, IEEE: tl.constexpr):
     """``a @ b^T`` with exact float32 products when ``IEEE``."""
     if IEEE:
@@ -183,7 +209,9 @@ def _paged_tile(
 
     Shared by the prefill and decode kernels. A ``KV_FP8`` cache's tiles are
     widened to the queries' dtype as stored (``key / k_scale``): the caller
-    folds ``k_scale`` into ``qk_scale`` and ``v_scale`` into the output. ``MASK`` says what is hidden:
+    folds ``k_scale`` into ``qk_scale`` and ``v_scale`` into the output. With
+    ``KV_FP8 == 2`` the value tile is read as int32 words and widened to
+    float16 by :func:`_e4m3_words_to_f16`. ``MASK`` says what is hidden:
     ``0`` nothing (the tile lies below every row's causal limit and inside its
     window, so no compare is spent), ``1`` the keys at or past ``hi``, ``2``
     those and, per row, keys past ``q_pos`` or ``window`` or more behind it.
@@ -228,6 +256,15 @@ def _paged_tile(
         s += _dot_t(qpe, kpe, IEEE)
     if V_FROM_K:
         v = k  # MLA: the value is the latent the key tile already holds
+    elif KV_FP8 == 2:
+        rows = v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh
+        dw = tl.arange(0, BLOCK_DV // 4)
+        words = tl.load(
+            rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + dw[None, :],
+            mask=n_mask[:, None] & (dw[None, :] < DV // 4),
+            other=0,
+        )
+        v = _e4m3_words_to_f16(words)
     else:
         v = tl.load(
             v_ptr
