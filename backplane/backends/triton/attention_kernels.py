@@ -158,6 +158,20 @@ def _e4m3_words_to_f16(w):
 
 
 @triton.jit
+def _e4m3_rows_to_f16(rows, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The ``D`` e4m3 values from each pointer of ``rows`` (4-byte aligned), read as
+    int32 words and widened to float16: ``[len(rows), BLOCK_D]``, zero where ``row_ok``
+    is false or past ``D``."""
+    dw = tl.arange(0, BLOCK_D // 4)
+    words = tl.load(
+        rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + dw[None, :],
+        mask=row_ok[:, None] & (dw[None, :] < D // 4),
+        other=0,
+    )
+    return _e4m3_words_to_f16(words)
+
+
+@triton.jit
 def _dot_t(a, b, IEEE: tl.constexpr):
     """``a @ b^T`` with exact float32 products when ``IEEE``."""
     if IEEE:
@@ -210,8 +224,9 @@ def _paged_tile(
     Shared by the prefill and decode kernels. A ``KV_FP8`` cache's tiles are
     widened to the queries' dtype as stored (``key / k_scale``): the caller
     folds ``k_scale`` into ``qk_scale`` and ``v_scale`` into the output. With
-    ``KV_FP8 == 2`` the value tile is read as int32 words and widened to
-    float16 by :func:`_e4m3_words_to_f16`. ``MASK`` says what is hidden:
+    ``KV_FP8 == 2`` the key and value tiles are read as int32 words and widened
+    to float16 by :func:`_e4m3_rows_to_f16` (the caller's queries are float16
+    then). ``MASK`` says what is hidden:
     ``0`` nothing (the tile lies below every row's causal limit and inside its
     window, so no compare is spent), ``1`` the keys at or past ``hi``, ``2``
     those and, per row, keys past ``q_pos`` or ``window`` or more behind it.
@@ -228,17 +243,22 @@ def _paged_tile(
         n_mask = offs_n < hi
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     off = offs_n % PAGE_SIZE
-    k = tl.load(
-        k_ptr
-        + page[:, None] * stride_kp
-        + off[:, None] * stride_ko
-        + kvh * stride_kh
-        + dk[None, :],
-        mask=n_mask[:, None] & (dk[None, :] < DK),
-        other=0.0,
-    )
-    if KV_FP8:
-        k = k.to(q.dtype)
+    if KV_FP8 == 2:
+        k = _e4m3_rows_to_f16(
+            k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh, n_mask, DK, BLOCK_DK
+        )
+    else:
+        k = tl.load(
+            k_ptr
+            + page[:, None] * stride_kp
+            + off[:, None] * stride_ko
+            + kvh * stride_kh
+            + dk[None, :],
+            mask=n_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        if KV_FP8:
+            k = k.to(q.dtype)
     s = _dot_t(q, k, IEEE)
     if HAS_PE:
         de = tl.arange(0, BLOCK_DPE)
@@ -257,14 +277,9 @@ def _paged_tile(
     if V_FROM_K:
         v = k  # MLA: the value is the latent the key tile already holds
     elif KV_FP8 == 2:
-        rows = v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh
-        dw = tl.arange(0, BLOCK_DV // 4)
-        words = tl.load(
-            rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + dw[None, :],
-            mask=n_mask[:, None] & (dw[None, :] < DV // 4),
-            other=0,
+        v = _e4m3_rows_to_f16(
+            v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh, n_mask, DV, BLOCK_DV
         )
-        v = _e4m3_words_to_f16(words)
     else:
         v = tl.load(
             v_ptr
@@ -477,6 +492,9 @@ def _prefill_kernel(
         )
         if not KV_FP8:
             q = q.to(k_ptr.dtype.element_ty)
+        elif KV_FP8 == 2:
+            # the tiles are widened to float16 (see _paged_tile): so are the queries
+            q = q.to(tl.float16)
         if HAS_PE:
             de = tl.arange(0, BLOCK_DPE)
             qpe = tl.load(
@@ -486,6 +504,8 @@ def _prefill_kernel(
             )
             if not KV_FP8:
                 qpe = qpe.to(kpe_ptr.dtype.element_ty)
+            elif KV_FP8 == 2:
+                qpe = qpe.to(tl.float16)
         else:
             qpe = q
 
