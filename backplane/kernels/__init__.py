@@ -7,8 +7,9 @@ kernels (:mod:`.elementwise`, :mod:`.gemv`) import ``triton``; this package
 does not, so its callers import cleanly without it. :func:`unavailable_reason`
 (from :mod:`.availability`) says whether the kernels can run on a device;
 :func:`load` imports one of them by name (``load_gemv``, ``load_qgemv``,
-``load_act_quant``, ``load_moe_gemv``, ``load_qgemv_packed`` and
-``load_qgemv_packed_q6k`` are :func:`load` bound to one module).
+``load_act_quant``, ``load_moe_gemv``, ``load_qgemv_packed``,
+``load_qgemv_packed_q6k`` and ``load_fp8_few_rows`` are :func:`load` bound to one
+module).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "interpreting",
     "load",
     "load_act_quant",
+    "load_fp8_few_rows",
     "load_gemv",
     "load_moe_gemv",
     "load_qgemv",
@@ -41,6 +43,7 @@ MODULES = (
     "qgemv_packed_q6k",
     "act_quant",
     "moe_gemv",
+    "fp8_few_rows",
 )
 
 
@@ -52,7 +55,8 @@ def load(name: str = "elementwise") -> ModuleType:
         functions), ``gemv`` (one-row projections), ``qgemv`` (GGUF-quantised
         ones), ``qgemv_packed`` (Q4_K repacked for them), ``qgemv_packed_q6k``
         (Q6_K repacked for them), ``act_quant`` (FP8
-        activation quantisation) or ``moe_gemv`` (few-token MoE experts).
+        activation quantisation), ``moe_gemv`` (few-token MoE experts) or
+        ``fp8_few_rows`` (FP8 products of a few rows).
     :return: the module.
     :raises ValueError: ``name`` is not a kernel module.
     :raises ImportError: when ``triton`` cannot be imported.
@@ -69,3 +73,4 @@ load_act_quant = functools.partial(load, "act_quant")
 load_moe_gemv = functools.partial(load, "moe_gemv")
 load_qgemv_packed = functools.partial(load, "qgemv_packed")
 load_qgemv_packed_q6k = functools.partial(load, "qgemv_packed_q6k")
+load_fp8_few_rows = functools.partial(load, "fp8_few_rows")

@@ -19,7 +19,10 @@ float32 ``weight_scale`` parameter in row form (see
   scale per weight row: the activations quantised per token (or with the
   checkpoint's static ``input_scale``; one kernel of
   :mod:`backplane.kernels.act_quant` either way) and ``torch._scaled_mm`` with
-  row-wise scales, in the activations' dtype;
+  row-wise scales, in the activations' dtype; up to
+  :data:`backplane.kernels.fp8_few_rows.MAX_ROWS` rows the product runs
+  :mod:`backplane.kernels.fp8_few_rows` instead, which reads the weight with
+  every multiprocessor where cuBLAS's wide tiles leave most idle;
 * elsewhere (the CPU, older GPUs, block scales, shapes ``_scaled_mm`` does not
   take): the weight dequantised to the activations' dtype and the ordinary
   :func:`~backplane.models.linear.dense` product. This path's results equal
@@ -202,14 +205,18 @@ class Fp8Projection:
             qx = quantize_static(rows, linear.input_scale)
         else:
             qx, scale_a = quantize_per_token(rows)
-        y = torch._scaled_mm(
-            qx,
-            linear.weight.t(),
-            scale_a=scale_a.contiguous(),
-            scale_b=linear.weight_scale.reshape(1, -1),
-            bias=linear.bias,
-            out_dtype=x.dtype,
-        )
+        few = kernels.load_fp8_few_rows()
+        if few.supports(rows.shape[0], linear.weight):
+            y = few.scaled_mm(qx, linear.weight, scale_a, linear.weight_scale, linear.bias, x.dtype)
+        else:
+            y = torch._scaled_mm(
+                qx,
+                linear.weight.t(),
+                scale_a=scale_a.contiguous(),
+                scale_b=linear.weight_scale.reshape(1, -1),
+                bias=linear.bias,
+                out_dtype=x.dtype,
+            )
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
