@@ -57,7 +57,7 @@ def _check(m: int, n: int, k: int, device: str, out_dtype: torch.dtype, seed: in
             want += b.double()
         assert got.shape == (m, n)
         # float32 accumulation, then the output's rounding
-        eps = 2.0 ** -(23 if out_dtype == torch.float32 else 10)
+        eps = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[out_dtype]
         bound = 1e-5 * terms + eps * want.abs() + 1e-6
         bad = ((got - want).abs() > bound).nonzero()
         assert bad.numel() == 0, (
