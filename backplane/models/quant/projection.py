@@ -21,8 +21,9 @@ float32 ``weight_scale`` parameter in row form (see
   :mod:`backplane.kernels.act_quant` either way) and ``torch._scaled_mm`` with
   row-wise scales, in the activations' dtype; up to
   :data:`backplane.kernels.fp8_few_rows.MAX_ROWS` rows the product runs
-  :mod:`backplane.kernels.fp8_few_rows` instead, which reads the weight with
-  every multiprocessor where cuBLAS's wide tiles leave most idle;
+  :mod:`backplane.kernels.fp8_few_rows` instead (not under ``torch.compile``),
+  which reads the weight with every multiprocessor where cuBLAS's wide tiles
+  leave most idle;
 * elsewhere (the CPU, older GPUs, block scales, shapes ``_scaled_mm`` does not
   take): the weight dequantised to the activations' dtype and the ordinary
   :func:`~backplane.models.linear.dense` product. This path's results equal
@@ -32,6 +33,7 @@ float32 ``weight_scale`` parameter in row form (see
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -205,8 +207,8 @@ class Fp8Projection:
             qx = quantize_static(rows, linear.input_scale)
         else:
             qx, scale_a = quantize_per_token(rows)
-        few = kernels.load_fp8_few_rows()
-        if few.supports(rows.shape[0], linear.weight):
+        few = _few_rows(x.device)
+        if few is not None and few.supports(rows.shape[0], linear.weight):
             y = few.scaled_mm(qx, linear.weight, scale_a, linear.weight_scale, linear.bias, x.dtype)
         else:
             y = torch._scaled_mm(
@@ -218,6 +220,23 @@ class Fp8Projection:
                 out_dtype=x.dtype,
             )
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+#: CUDA devices (``str(device)``) and the few-row FP8 product's module, held so that a
+#: caller need not import it again
+_FEW_ROWS: dict[str, ModuleType] = {}
+
+
+def _few_rows(device: torch.device) -> ModuleType | None:
+    """:mod:`backplane.kernels.fp8_few_rows` for products on ``device``, or ``None`` while
+    ``torch.compile`` traces (it takes ``torch._scaled_mm`` there)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = str(device)
+    module = _FEW_ROWS.get(key)
+    if module is None:
+        module = _FEW_ROWS[key] = kernels.load_fp8_few_rows()
+    return module
 
 
 def convert_linear(linear: Linear, block_k: int | None, *, static: bool = False) -> None:
