@@ -86,7 +86,7 @@ def _run(monkeypatch, mode: int | None, launch) -> torch.Tensor:
         monkeypatch.setattr(al, "_PREFILL_LAYOUTS", {})
     if mode is not None:
         real = al._kv_fp8_mode
-        monkeypatch.setattr(al, "_kv_fp8_mode", lambda q, v, dv: min(real(q, v, dv), mode))
+        monkeypatch.setattr(al, "_kv_fp8_mode", lambda *args: min(real(*args), mode))
     out = launch()
     monkeypatch.undo()
     return out
@@ -102,7 +102,7 @@ def test_decode_value_words_match_triton_widening(monkeypatch, head_dim, dtype, 
     cached = [1, 5, 16, 300]
     query = [1] * len(cached)
     batch, tables, q, cache = _case(query, cached, head_dim, dtype)
-    assert al._kv_fp8_mode(q, cache[:, 1], head_dim) == 2
+    assert al._kv_fp8_mode(q, cache[:, 0], cache[:, 1], head_dim, head_dim) == 2
 
     def launch() -> torch.Tensor:
         out = torch.full_like(q, float("nan"))

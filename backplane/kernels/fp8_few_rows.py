@@ -10,8 +10,8 @@ about 1.8 TB/s, against the 3 TB/s the device streams.
 
 Here the output is tiled in :data:`BLOCK_N` columns and the reduction split
 along K until about two programs run per multiprocessor. Each program
-multiplies its rows' chunks with its weight tiles on the tensor cores (e4m3 in,
-float32 out), pipelined; with several splits each stores a float32 partial,
+multiplies its rows' chunks with its weight tiles on the tensor cores (the e4m3
+values widened to float16, exact products, float32 sums), pipelined; with several splits each stores a float32 partial,
 and the program that arrives last at its column block adds them in split order
 (deterministic) and applies the scales and the bias (see
 :mod:`backplane.kernels.split_k`).

@@ -154,20 +154,25 @@ def _plane_strides(plane: torch.Tensor) -> tuple[int, int, int]:
     return plane.stride(0), plane.stride(1), plane.stride(2)
 
 
-def _kv_fp8_mode(q: torch.Tensor, v_plane: torch.Tensor, dv: int) -> int:
-    """The ``KV_FP8`` of a launch over ``v_plane``: 0 for a 16- or 32-bit cache, 1 for an
-    e4m3 one whose tiles Triton widens, 2 where its value tiles are read as int32 words
-    and widened to float16 in registers (16-bit queries on a GPU, every value row
-    4-byte aligned; see ``_e4m3_words_to_f16``)."""
+def _kv_fp8_mode(
+    q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, dk: int, dv: int
+) -> int:
+    """The ``KV_FP8`` of a launch over these cache planes: 0 for a 16- or 32-bit cache, 1
+    for an e4m3 one whose tiles Triton widens, 2 where its key and value tiles are read as
+    int32 words and widened to float16 in registers (16-bit queries on a GPU, every key and
+    value row 4-byte aligned; see ``_e4m3_rows_to_f16``)."""
     if v_plane.dtype != FP8_KV_DTYPE:
         return 0
     words = (
         q.is_cuda
         and not interpreting()
         and q.dtype in (torch.float16, torch.bfloat16)
+        and dk % 4 == 0
         and dv % 4 == 0
-        and v_plane.data_ptr() % 4 == 0
-        and all(s % 4 == 0 for s in _plane_strides(v_plane))
+        and all(
+            p.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in _plane_strides(p))
+            for p in (k_plane, v_plane)
+        )
     )
     return 2 if words else 1
 
@@ -591,7 +596,7 @@ class _PrefillLayout:
             CHUNK_FROM_INPUT=self.from_input,
             WINDOWED=self.windowed,
             APPEND=self.from_input,
-            KV_FP8=_kv_fp8_mode(q, v_plane, dv),
+            KV_FP8=_kv_fp8_mode(q, k_plane, v_plane, dk, dv),
         )
         #: the config choice's key, less what a step decides
         self.config_key = ("prefill", dk, dpe, dv, k_plane.dtype, q.dtype, self.from_input)
@@ -920,7 +925,7 @@ class _DecodeLayout:
             IEEE=ieee_dot(q.dtype if kv_fp8 else k_plane.dtype),
             APPEND=append,
             PDL=pdl,
-            KV_FP8=_kv_fp8_mode(q, v_plane, dv),
+            KV_FP8=_kv_fp8_mode(q, k_plane, v_plane, dk, dv),
         )
         if pdl:
             self.meta["launch_pdl"] = True
