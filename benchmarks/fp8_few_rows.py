@@ -16,41 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from backplane.kernels import fp8_few_rows as few
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv import time_calls  # noqa: E402
+
+from backplane.kernels import fp8_few_rows as few  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 #: bytes of weight copies a timed graph cycles through (several times the L2 cache)
 COPY_BYTES = 512 << 20
-
-
-def _graph_us(fn, calls: int, iters: int = 20) -> float:
-    """Median microseconds per call of ``fn(i)`` for ``i < calls``, replayed as one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def _shape_rows(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
@@ -66,17 +45,18 @@ def _shape_rows(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         sa = torch.rand(m, 1, device="cuda")
         row: dict = {"shape": name, "n": n, "k": k, "rows": m}
 
-        def few_call(i: int, qx=qx, sa=sa) -> None:
-            few.scaled_mm(qx, ws[i], sa, sb, None, torch.bfloat16)
+        def few_call(w: torch.Tensor, qx=qx, sa=sa) -> None:
+            few.scaled_mm(qx, w, sa, sb, None, torch.bfloat16)
 
-        def cublas_call(i: int, qx=qx, sa=sa) -> None:
+        def cublas_call(w: torch.Tensor, qx=qx, sa=sa) -> None:
             torch._scaled_mm(
-                qx, ws[i].t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16
+                qx, w.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16
             )
 
+        calls = max(40, copies)
         if few.supports(m, ws[0]):
-            row["few_us"] = _graph_us(few_call, copies)
-        row["cublas_us"] = _graph_us(cublas_call, copies)
+            row["few_us"] = time_calls(few_call, ws, calls=calls, repeats=20)
+        row["cublas_us"] = time_calls(cublas_call, ws, calls=calls, repeats=20)
         out.append(row)
         cells = [
             "-" if us is None else f"{us:7.1f} ({n * k / us / 1e6:4.2f})"
