@@ -7,6 +7,10 @@ Two (or ``--gpus``) processes, one GPU each, sum a ``[1, hidden]`` bfloat16 row
 * PyTorch's symmetric-memory one-shot all-reduce
   (``torch.ops.symm_mem.one_shot_all_reduce_out``: every rank reads its peers'
   buffers over NVLink and sums them in one kernel, no NVLink multicast needed),
+* the engine's own one-shot kernel
+  (:class:`~backplane.engine.distributed.one_shot.OneShotAllReduce`: the same
+  idea in one Triton kernel that copies the input in itself and launches as a
+  programmatic dependent),
 
 first eagerly, one call after another, then as a decode step would run them: a
 CUDA graph of ``--layers`` x (one ``hidden x hidden`` product, one all-reduce),
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backplane.engine.distributed.one_shot import OneShotAllReduce
 from backplane.engine.worker.graph.capture import CapturedGraph, capture
 
 
@@ -70,6 +75,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     ways: dict[str, Callable[[torch.Tensor], object]] = {
         "nccl": lambda t: dist.all_reduce(t),
         "one-shot": _one_shot(dist.group.WORLD.group_name, device, args.hidden),
+        "ours": OneShotAllReduce(dist.group.WORLD, rank, args.gpus, device),
     }
     want = args.gpus * (args.gpus + 1) / 2
     for name, all_reduce in ways.items():

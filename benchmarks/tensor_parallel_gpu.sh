@@ -13,7 +13,8 @@
 #   GPUS=2 SIZES=2 STEPS="latency" bash benchmarks/tensor_parallel_gpu.sh OUT_DIR
 #
 # STEPS picks the parts (default "parity latency profile throughput"), SIZES the
-# tensor-parallel sizes measured (default "1 2", or "1 2 4" with four GPUs).
+# tensor-parallel sizes measured (default "1 2", or "1 2 4" with four GPUs); ONE_SHOT=1
+# measures latency at TP > 1 with --custom-all-reduce.
 #
 # Each step has a time limit (seconds, LIMIT_* below), so a stuck step costs its limit and
 # the rest still run; OUT_DIR/timeline.txt says how long each took.
@@ -53,11 +54,14 @@ mark "weights saved"
 sizes="1 2"
 [[ $GPUS -ge 4 ]] && sizes="1 2 4"
 sizes=${SIZES:-$sizes}
+# ONE_SHOT=1: the TP > 1 latency runs sum small all-reduces with the one-shot kernel
+one_shot() { [[ -n ${ONE_SHOT:-} && $1 -gt 1 ]] && echo --custom-all-reduce; }
 for tp in $sizes; do
     if wants latency; then
         timeout "$LIMIT_BENCH" backplane bench latency \
             --shapes llama-3.1-8b --batch-sizes 1 --attention triton --transformers none \
-            --repeats 3 --weights-dir "$W" -tp "$tp" --json "$OUT/latency_tp$tp.json" \
+            --repeats 3 --weights-dir "$W" -tp "$tp" $(one_shot "$tp") \
+            --json "$OUT/latency_tp$tp.json" \
             >"$OUT/latency_tp$tp.log" 2>&1
         mark "rc=$? latency tp=$tp"
     fi

@@ -181,6 +181,7 @@ def test_plot_from_rejects_other_json(tmp_path, capsys):
         (["--new-tokens", "1"], "at least 2"),
         (["--cuda-graphs", "maybe"], "use on, off"),
         (["--shapes", "tiny-llama", "--prompt-len", "4000"], "positions"),
+        (["--custom-all-reduce"], "--tensor-parallel-size 2 or more"),
     ],
 )
 def test_bad_settings_are_user_errors(flags, message, capsys):

@@ -19,6 +19,7 @@ KEYS = (
     "page_size, kv_memory, "
     "gpu_memory_utilization, num_kv_pages, host_kv_memory, enable_prefix_caching, cuda_graphs, cuda_graph_buckets, "
     "fused_ops, async_scheduling, threads, tensor_parallel_size, distributed_executor_backend, "
+    "custom_all_reduce, "
     "data_parallel_size, speculative_config, seed, debug, backends"
 )
 
@@ -346,6 +347,17 @@ def test_to_dict_round_trips(tmp_path):
 def test_gpu_memory_utilization_is_a_fraction(value):
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=value)
+
+
+def test_custom_all_reduce_is_opt_in_from_flags_yaml_and_keywords(tmp_path):
+    assert EngineConfig().custom_all_reduce is False
+    assert config_from_args(_parser().parse_args(["--custom-all-reduce"])).custom_all_reduce
+    off = config_from_args(_parser().parse_args(["--no-custom-all-reduce"]))
+    assert off.custom_all_reduce is False
+    path = _write(tmp_path, "custom_all_reduce: on\n")
+    assert EngineConfig.from_yaml(path).custom_all_reduce is True
+    with pytest.raises(ConfigError, match="custom_all_reduce"):
+        EngineConfig(custom_all_reduce="sometimes")
 
 
 def test_gpu_memory_utilization_flag():

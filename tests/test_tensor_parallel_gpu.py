@@ -1,5 +1,6 @@
 """Tensor parallelism on GPUs (NCCL): two and four ranks with CUDA graphs (decode and piecewise,
-the all-reduces captured inside them) against transformers, and two replicas of two ranks each."""
+the all-reduces captured inside them) against transformers, also with the one-shot all-reduce,
+and two replicas of two ranks each."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import test_e2e  # noqa: E402
 from test_e2e import ARCHS, assert_matches, hf_greedy, make_requests  # noqa: E402
 
 from backplane import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from backplane.core import parallel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -41,16 +43,16 @@ def _llm(path: str, graphs: str, tp: int, **kw: Any) -> LLM:
     return LLM(path, **SETTINGS, cuda_graphs=graphs, tensor_parallel_size=tp, **kw)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_ranks_on_gpus_with_graphs_equal_transformers(hf_model, arch, tp):
+def _check_against_transformers(hf_model: Any, arch: str, tp: int, **engine: Any) -> bool:
+    """Greedy TP output with graphs on against transformers; whether a small all-reduce was set."""
     _gpus(tp)
     model, path = hf_model(arch)
     prompts, max_tokens = make_requests(seed=len(arch))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    llm = _llm(path, "full_and_piecewise", tp)
+    llm = _llm(path, "full_and_piecewise", tp, **engine)
     try:
         graph_modes = llm.engine.executor.driver.graph_mode
+        one_shot = parallel._small is not None
         outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
@@ -60,6 +62,20 @@ def test_ranks_on_gpus_with_graphs_equal_transformers(hf_model, arch, tp):
         want, margins = hf_greedy(arch, model, p, m)
         ties += assert_matches(got, want, margins, f"{arch} TP={tp} on GPUs, request {i}")
     assert ties <= 1, f"{ties} requests ended in near-ties: the comparison is too weak"
+    return one_shot
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_ranks_on_gpus_with_graphs_equal_transformers(hf_model, arch, tp):
+    assert not _check_against_transformers(hf_model, arch, tp)
+
+
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
+def test_one_shot_all_reduce_with_graphs_equals_transformers(hf_model, arch):
+    assert _check_against_transformers(hf_model, arch, 2, custom_all_reduce=True), (
+        "the one-shot all-reduce was not set up on two GPUs"
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "nemotron_h"])

@@ -126,6 +126,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "ray (actors on a Ray cluster: pip install 'backplane[ray]')",
     )
     group.add_argument(
+        "--custom-all-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=sup,
+        help="sum small tensor-parallel all-reduces (decode rows) with a one-shot kernel "
+        "reading the peers' buffers over NVLink instead of NCCL (default: off)",
+    )
+    group.add_argument(
         "--data-parallel-size",
         "-dp",
         default=sup,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,7 +27,9 @@ from backplane.core.errors import ConfigError
 __all__ = [
     "TensorParallel",
     "UnevenSplitError",
+    "SmallAllReduce",
     "divide",
+    "set_small_all_reduce",
     "set_tensor_parallel",
     "shard_range",
     "tensor_parallel",
@@ -132,6 +134,38 @@ _gather_single = getattr(
 _current = TensorParallel()
 
 
+class SmallAllReduce(Protocol):
+    """An all-reduce faster than the group's own for the messages it takes.
+
+    Every rank of the group must hold one (or none), and :meth:`fits` must
+    answer alike on every rank for the same message, so that the ranks never
+    take different paths.
+    """
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether this all-reduce takes ``x``; otherwise the group's collective sums it."""
+        ...
+
+    def __call__(self, x: torch.Tensor) -> None:
+        """Sum ``x`` over the ranks in place."""
+        ...
+
+
+_small: SmallAllReduce | None = None
+
+
+def set_small_all_reduce(small: SmallAllReduce | None) -> None:
+    """Route the all-reduces that ``small`` takes through it (``None``: all through the group).
+
+    Set by the engine's worker once the group is joined, before any model
+    runs; read inside the all-reduce op, so layers built before it use it too.
+
+    :param small: the all-reduce for small messages, or ``None``.
+    """
+    global _small
+    _small = small
+
+
 def tensor_parallel() -> TensorParallel:
     """The tensor-parallel group of this process (one rank unless a worker set it)."""
     return _current
@@ -175,6 +209,10 @@ def unsplit() -> Iterator[TensorParallel]:
 @torch.library.custom_op("backplane::tp_all_reduce", mutates_args=("x",))
 def _tp_all_reduce(x: torch.Tensor) -> None:
     """Sum ``x`` over the ranks of this process's tensor-parallel group, in place."""
+    small = _small
+    if small is not None and small.fits(x):
+        small(x)
+        return
     torch.distributed.all_reduce(x, group=_current.group)
 
 

@@ -215,6 +215,11 @@ class EngineConfig:
     :param distributed_executor_backend: one of
         :data:`DISTRIBUTED_EXECUTOR_BACKENDS`: how the worker processes of
         ``tensor_parallel_size > 1`` are started.
+    :param custom_all_reduce: on CUDA ranks whose GPUs reach each other
+        directly, sum the tensor-parallel all-reduces of up to 128K elements
+        (decode rows, short prefills) with a one-shot kernel that reads the
+        peers' buffers (:mod:`backplane.engine.distributed.one_shot`) instead
+        of NCCL; off by default (opt-in while it is new).
     :param data_parallel_size: engine replicas behind one ``AsyncLLM`` (and
         server), each a whole engine on its own devices, requests balanced by
         load (:mod:`backplane.api.data_parallel`); an ``LLM`` runs one.
@@ -253,6 +258,7 @@ class EngineConfig:
     threads: int | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    custom_all_reduce: bool = False
     data_parallel_size: int = 1
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
@@ -663,6 +669,7 @@ _VALIDATORS: dict[str, Any] = {
     "distributed_executor_backend": lambda v: _choice(
         v.strip().lower() if isinstance(v, str) else v, DISTRIBUTED_EXECUTOR_BACKENDS
     ),
+    "custom_all_reduce": _bool,
     "data_parallel_size": lambda v: _int(v, minimum=1),
     "speculative_config": lambda v: _speculative(v),
     "seed": lambda v: _int(v, minimum=0),

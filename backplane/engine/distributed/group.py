@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from backplane.core.parallel import TensorParallel, set_tensor_parallel
+from backplane.core.parallel import TensorParallel, set_small_all_reduce, set_tensor_parallel
 from backplane.engine.threads import available_cores
 
 if TYPE_CHECKING:
@@ -75,13 +75,18 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return config.merge(**overrides)
 
 
-def join_group(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+def join_group(
+    rank: int, size: int, init_method: str, device: torch.device, *, one_shot: bool = False
+) -> TensorParallel:
     """Join the engine's process group and make it this process's tensor-parallel group.
 
     :param rank: this process's rank (0 is the driver).
     :param size: the number of ranks.
     :param init_method: the rendezvous address (:func:`free_tcp_address`).
     :param device: this rank's device (CUDA: NCCL, and the current device is set).
+    :param one_shot: on CUDA, set up the one-shot all-reduce for small messages
+        (:func:`~backplane.engine.distributed.one_shot.setup_one_shot`; every
+        rank must pass the same).
     :return: the group, also set with :func:`~backplane.core.parallel.set_tensor_parallel`.
     """
     backend = "gloo"
@@ -100,6 +105,10 @@ def join_group(rank: int, size: int, init_method: str, device: torch.device) -> 
     )
     tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
     set_tensor_parallel(tp)
+    if one_shot and device.type == "cuda" and size > 1:
+        from backplane.engine.distributed.one_shot import setup_one_shot
+
+        setup_one_shot(tp.group, rank, size, device)
     logger.debug("rank %d of %d joined the %s group at %s", rank, size, backend, init_method)
     return tp
 
@@ -107,6 +116,7 @@ def join_group(rank: int, size: int, init_method: str, device: torch.device) -> 
 def leave_group() -> None:
     """Leave the process group (if joined) and return to one rank."""
     set_tensor_parallel(TensorParallel())
+    set_small_all_reduce(None)
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

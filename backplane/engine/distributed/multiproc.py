@@ -176,7 +176,7 @@ class MultiprocExecutor:
         :param config: rank 0's configuration.
         :param registry: the plugin registry rank 0 chooses backends from.
         """
-        self._join(init_method, config.torch_device)
+        self._join(init_method, config.torch_device, config.custom_all_reduce)
         self.driver = DeviceWorker(config, registry)
         self._start_up()
 
@@ -210,7 +210,7 @@ class MultiprocExecutor:
             daemon=True,
         ).start()
 
-    def _join(self, init_method: str, device: torch.device) -> None:
+    def _join(self, init_method: str, device: torch.device, one_shot: bool) -> None:
         """Join the group on a helper thread, watching the workers meanwhile.
 
         The rendezvous waits for every rank; a worker that dies before it joins
@@ -221,7 +221,7 @@ class MultiprocExecutor:
 
         def join() -> None:
             try:
-                join_group(0, self.size, init_method, device)
+                join_group(0, self.size, init_method, device, one_shot=one_shot)
             except BaseException as exc:
                 error.append(exc)
             finally:

@@ -187,7 +187,13 @@ def worker_main(
     code = 0
     worker = None
     try:
-        join_group(rank, size, init_method, config.torch_device)
+        join_group(
+            rank,
+            size,
+            init_method,
+            config.torch_device,
+            one_shot=config.custom_all_reduce,
+        )
         worker = DeviceWorker(config)
         WorkerLoop(worker, conn, rank).run()
     except BaseException as exc:

@@ -243,6 +243,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split each backplane engine over N GPUs (one worker process per rank; "
         "transformers runs on one device) (default: 1)",
     )
+    parser.add_argument(
+        "--custom-all-reduce",
+        action="store_true",
+        help="with -tp > 1, sum small all-reduces with the one-shot kernel instead of NCCL "
+        "(the engine option custom_all_reduce)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
     parser.add_argument(
         "--speculative-config",
@@ -335,6 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         compile_on_cpu=args.compile_on_cpu,
         weights_dir=args.weights_dir,
         tensor_parallel_size=args.tensor_parallel_size,
+        custom_all_reduce=args.custom_all_reduce,
         speculative_config=args.speculative_config,
         workload=args.workload,
         quantization=None if args.quantization == "none" else args.quantization,

@@ -1,0 +1,167 @@
+"""The one-shot all-reduce's buffers, mapped into every rank of a CUDA tensor-parallel group.
+
+Each rank allocates an exchange buffer with a flag array in front in PyTorch's
+symmetric memory, which maps it into every peer (once, at start-up, over the
+group); every rank then holds the addresses of all of them and
+:func:`~backplane.kernels.one_shot_all_reduce.one_shot_all_reduce` sums a
+small message in one kernel of peer loads. Messages larger than the buffers,
+and every message on a group whose GPUs cannot reach each other directly, go
+through NCCL as before: :func:`setup_one_shot` decides that for all ranks at
+once, so that they never take different paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from backplane.core.parallel import set_small_all_reduce
+
+__all__ = ["OneShotAllReduce", "setup_one_shot"]
+
+logger = logging.getLogger(__name__)
+
+
+class OneShotAllReduce:
+    """The exchange buffers of one rank, and every peer's as mapped into this process.
+
+    Built collectively: every rank of ``group`` constructs one at the same
+    point (the buffers are mapped by a symmetric-memory rendezvous, and one row
+    of each dtype is summed to check the kernel).
+
+    :param group: the NCCL process group of the tensor-parallel ranks.
+    :param rank: this rank.
+    :param size: the number of ranks.
+    :param device: this rank's GPU.
+    """
+
+    def __init__(self, group: Any, rank: int, size: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from backplane.kernels.one_shot_all_reduce import BLOCK, MAX_PROGRAMS
+
+        self.rank, self.size = rank, size
+        # two halves, each as large as the largest float32 message, after the flags
+        self.max_elems = BLOCK * MAX_PROGRAMS
+        self._half_bytes = self.max_elems * 4
+        flag_bytes = -(-MAX_PROGRAMS * size * 4 // 256) * 256
+        # PyTorch's symmetric memory maps every rank's buffer into every rank
+        # (and grants this GPU access to them); its own kernels are not used.
+        self._buffer = symm_mem.empty(
+            flag_bytes + 2 * self._half_bytes, dtype=torch.uint8, device=device
+        )
+        self._buffer.zero_()
+        self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+        self._flags = self._buffer[:flag_bytes].view(torch.int32)
+        self._epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
+        bases = [int(p) for p in self._handle.buffer_ptrs]
+        self._buffers = torch.tensor(
+            [b + flag_bytes for b in bases], dtype=torch.int64, device=device
+        )
+        self._flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        # no rank's first flag may land before every rank has zeroed its own
+        dist.barrier(group=group)
+        self._check(device)
+
+    def _check(self, device: torch.device) -> None:
+        """Sum a row of every dtype once, here, on every rank: the kernels are compiled and
+        loaded now rather than in the middle of a forward, and a wrong sum is caught."""
+        from backplane.kernels.one_shot_all_reduce import DTYPES
+
+        want = self.size * (self.size + 1) // 2
+        for dtype in DTYPES:
+            x = torch.full((1000,), self.rank + 1, dtype=dtype, device=device)
+            self(x)
+            if not bool((x == want).all()):
+                raise RuntimeError(f"the one-shot all-reduce summed {dtype} rows wrongly")
+        torch.cuda.synchronize(device)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the one-shot kernel (small, contiguous, on this GPU).
+
+        Depends only on ``x``'s shape, dtype and place, so every rank answers alike.
+
+        :param x: a message.
+        :return: whether :meth:`__call__` takes it.
+        """
+        from backplane.kernels.one_shot_all_reduce import DTYPES
+
+        return (
+            x.is_cuda
+            and x.dtype in DTYPES
+            and x.is_contiguous()
+            and x.data_ptr() % 16 == 0
+            and 0 < x.numel() <= self._half_bytes // x.element_size()
+            and x.numel() <= self.max_elems
+        )
+
+    def __call__(self, x: torch.Tensor) -> None:
+        """Sum ``x`` over the ranks in place (``x`` as :meth:`fits` takes).
+
+        :param x: this rank's partial result; overwritten with the sum.
+        """
+        from backplane.kernels.one_shot_all_reduce import one_shot_all_reduce
+
+        one_shot_all_reduce(
+            x,
+            self._buffers,
+            self._flag_ptrs,
+            self._flags,
+            self._epochs,
+            self.rank,
+            self._half_bytes // x.element_size(),
+        )
+
+
+def setup_one_shot(group: Any, rank: int, size: int, device: torch.device) -> bool:
+    """Build the one-shot all-reduce on every rank, or on none.
+
+    Collective. Each rank tries (its GPU must reach every peer's directly, and
+    Triton must be there); only when all of them succeed does the
+    tensor-parallel all-reduce use it for small messages
+    (:func:`~backplane.core.parallel.set_small_all_reduce`).
+
+    :param group: the NCCL process group.
+    :param rank: this rank.
+    :param size: the number of ranks.
+    :param device: this rank's GPU.
+    :return: whether the one-shot path is on.
+    """
+    places: list[Any] = [None] * size
+    dist.all_gather_object(places, device.index, group=group)
+    peers = [p for r, p in enumerate(places) if r != rank]
+    why = ""
+    if device.index in peers:
+        why = "the ranks' GPUs are not told apart in this process (one visible GPU each)"
+    elif not all(torch.cuda.can_device_access_peer(device.index, p) for p in peers):
+        why = "this GPU cannot access its peers' memory directly"
+    else:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            why = "triton is not installed"
+    # every rank must agree before the collective setup (and after it)
+    reasons: list[Any] = [None] * size
+    dist.all_gather_object(reasons, why, group=group)
+    failed = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
+    comm: OneShotAllReduce | None = None
+    if failed is None:
+        try:
+            comm = OneShotAllReduce(group, rank, size, device)
+        except Exception as exc:  # a mapping the driver or the torch build refuses
+            logger.debug("one-shot all-reduce setup failed on rank %d", rank, exc_info=True)
+            why = f"{type(exc).__name__}: {exc}"
+        dist.all_gather_object(reasons, why, group=group)
+        failed = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
+    if failed is not None:
+        if rank == 0:
+            logger.warning("custom_all_reduce: small all-reduces stay on NCCL (%s)", failed)
+        set_small_all_reduce(None)
+        return False
+    set_small_all_reduce(comm)
+    logger.debug("rank %d: small all-reduces run the one-shot kernel", rank)
+    return True
