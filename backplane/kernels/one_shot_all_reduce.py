@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from backplane.core.launch import KernelLauncher, cdiv, dependent_launch
+from backplane.kernels.elementwise import INTERPRET, _round
 
 __all__ = ["BLOCK", "DTYPES", "MAX_PROGRAMS", "one_shot_all_reduce"]
 
@@ -54,6 +55,7 @@ def _one_shot_kernel(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
@@ -87,7 +89,8 @@ def _one_shot_kernel(
     for r in tl.static_range(WORLD):
         peer = tl.load(buffers_ptr + r).to(tl.pointer_type(dt))
         acc += tl.load(peer + half + offs, mask=ok, other=0.0, volatile=True).to(tl.float32)
-    tl.store(x_ptr + offs, acc.to(dt), mask=ok)
+    # rounded once (the interpreter's bfloat16 cast would truncate)
+    tl.store(x_ptr + offs, _round(acc, dt, INTERPRET).to(dt), mask=ok)
 
 
 _LAUNCHER = KernelLauncher(_one_shot_kernel)
@@ -141,5 +144,6 @@ def one_shot_all_reduce(
         WORLD=world,
         BLOCK=BLOCK,
         PDL=pdl,
+        INTERPRET=INTERPRET,
         num_warps=4,
     )
