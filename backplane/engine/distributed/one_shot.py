@@ -81,9 +81,10 @@ class OneShotAllReduce:
         torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the one-shot kernel (small, contiguous, on this GPU).
+        """Whether ``x`` goes through the one-shot kernel (small, contiguous, 16-byte aligned).
 
-        Depends only on ``x``'s shape, dtype and place, so every rank answers alike.
+        Depends only on ``x``'s shape, dtype, device and offset into its
+        allocation (allocations are aligned alike), so every rank answers alike.
 
         :param x: a message.
         :return: whether :meth:`__call__` takes it.
