@@ -410,6 +410,55 @@ def test_engine_runs_fp8_weights_and_an_fp8_kv_cache() -> None:
     assert len(got) == len(want) and got[:4] == want[:4]
 
 
+def _greedy_with_logprobs(llm, prompt: list[int]) -> tuple[list[int], list[dict]]:
+    from backplane import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), list(out.logprobs)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-nemotron-h", "tiny-deepseek-v3"])
+def test_two_ranks_quantise_their_shards_on_load(preset) -> None:
+    """TP=2 with ``quantization="fp8"`` against one rank quantising the whole model: the same
+    greedy tokens (up to a near-tie of the one rank) and log-probabilities within 0.02 (a
+    row-parallel shard's rows are scaled over its own columns, so the rounding differs)."""
+    from backplane import LLM
+    from backplane.models.parallel import ColumnParallelLinear, RowParallelLinear
+
+    prompt = [5, 17, 99, 3, 42, 7]
+    torch_ops = dict.fromkeys(("attention", "ssm", "mla", "delta"), "torch")
+    common = dict(device="cpu", backends=torch_ops, num_kv_pages=32, threads=1)
+    one = LLM(preset, quantization="fp8", **common)
+    try:
+        want, want_lp = _greedy_with_logprobs(one, prompt)
+    finally:
+        one.shutdown()
+    llm = LLM(preset, tensor_parallel_size=2, quantization="fp8", **common)
+    try:
+        split = {
+            name: m
+            for name, m in llm.engine.model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+        }
+        assert any(isinstance(m, RowParallelLinear) for m in split.values())
+        full = [n for n, m in split.items() if m.weight.dtype != FP8_DTYPE]
+        # as on one rank: these stay in full precision
+        assert all(n.rpartition(".")[2] in ("kv_b_proj", "shared_expert_gate") for n in full), full
+        got, got_lp = _greedy_with_logprobs(llm, prompt)
+    finally:
+        llm.shutdown()
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g != w:
+            top = sorted(p.logprob for p in want_lp[step].values())[-2:]
+            assert top[1] - top[0] < 0.02, f"step {step}: {g} != {w}, not a near-tie"
+            break
+        diff = abs(got_lp[step][g].logprob - want_lp[step][w].logprob)
+        assert diff < 0.02, f"step {step}: log-probabilities {diff:.3f} apart"
+
+
 def test_fp8_options_from_the_command_line_and_yaml(tmp_path) -> None:
     import argparse
 

@@ -129,11 +129,13 @@ class WeightQuantization(Protocol):
     from :meth:`one_row_scales`, for every scheme the kernel reads.
     """
 
-    def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, linear: Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """``x @ W^T + bias`` where the one-row kernel does not run.
 
         :param linear: the quantised projection.
         :param x: ``[..., in_features]``.
+        :param bias: add ``linear.bias`` (a row-parallel rank's partial product
+            leaves it to the sum).
         :return: ``[..., out_features]`` in ``x``'s dtype.
         """
         ...

@@ -272,7 +272,8 @@ class RowParallelLinear(Linear):
     all-reduce and the bias follow as they do after ``dense``. Variants whose
     epilogue acts on the whole output (an activation, a rotation, a gated
     epilogue) or whose prologue normalises the row are not used: the partial
-    sums are not the output.
+    sums are not the output. A quantised shard (``quant`` set) multiplies
+    through its quantisation, also without the bias.
 
     :param shard: this rank's slice of the input columns.
     :param out_features: the output width (whole on every rank).
@@ -320,7 +321,10 @@ class RowParallelLinear(Linear):
             return self._sum(proj(x)[0])
         bias = self.bias
         first = bias is not None and not self.reduce and self.tp.rank == 0
-        y = dense(x, self.weight, bias if first else None, self.packed_weight)
+        if self.quant is not None:
+            y = self.quant.apply(self, x, bias=first)
+        else:
+            y = dense(x, self.weight, bias if first else None, self.packed_weight)
         if not self.reduce:
             return y
         self.tp.all_reduce(y)

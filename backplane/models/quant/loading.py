@@ -250,13 +250,12 @@ def quantize_model(lm: CausalLM, *, skip: Iterable[str] = _KEEP_FULL_PRECISION) 
     :param lm: the model, its full-precision weights loaded.
     :param skip: last parts of module names left in full precision (the LM head, gates).
     :return: how many projections were quantised.
-    :raises ConfigError: on a tensor-parallel rank (not supported with FP8 yet).
+
+    On a tensor-parallel rank each projection's shard is quantised: a
+    column-parallel shard gets the scales the whole projection's rows would
+    get; a row-parallel shard's rows are scaled over its own columns, and its
+    partial product is summed over the ranks in full precision.
     """
-    if lm.tp.enabled:
-        raise ConfigError(
-            "quantization='fp8' does not work with tensor parallelism yet; use "
-            "tensor_parallel_size=1"
-        )
     keep = tuple(skip)
     done = 0
     for name, (linear, _) in _projections(lm).items():

@@ -140,18 +140,20 @@ class Fp8Projection:
         self.block_k = int(block_k)
         self.static = bool(static)
 
-    def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, linear: Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """``x @ W^T + bias`` for the FP8 weight of ``linear``, where the one-row kernel does not
         run it (:meth:`~backplane.models.linear.Linear.forward` tries that first).
 
         :param linear: the converted projection.
         :param x: ``[..., in_features]`` in a float dtype.
+        :param bias: add ``linear.bias`` (if it has one).
         :return: ``[..., out_features]`` in ``x``'s dtype.
         """
         w, scales = linear.weight, linear.weight_scale
+        b = linear.bias if bias else None
         if scales.shape[1] == 1 and self._fast(x, w):
             try:
-                return self._scaled_mm(linear, x)
+                return self._scaled_mm(linear, x, b)
             except RuntimeError as exc:
                 # e.g. a torch build whose _scaled_mm lacks row-wise scales on this GPU
                 logger.warning(
@@ -161,7 +163,7 @@ class Fp8Projection:
                     exc,
                 )
                 _SCALED_MM[str(x.device)] = False
-        return dense(x, dequantize_rows(w, scales, self.block_k, x.dtype), linear.bias)
+        return dense(x, dequantize_rows(w, scales, self.block_k, x.dtype), b)
 
     def one_row_key(self, linear: Linear, x: torch.Tensor) -> tuple | None:
         """What the one-row projections of ``linear`` are built from, or ``None`` where the
@@ -200,7 +202,9 @@ class Fp8Projection:
             and scaled_mm_supported(x.device)
         )
 
-    def _scaled_mm(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    def _scaled_mm(
+        self, linear: Linear, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.static:
             scale_a = linear.input_scale.float().reshape(1, 1).expand(rows.shape[0], 1)
@@ -209,14 +213,14 @@ class Fp8Projection:
             qx, scale_a = quantize_per_token(rows)
         few = _few_rows(x.device)
         if few is not None and few.supports(rows.shape[0], linear.weight):
-            y = few.scaled_mm(qx, linear.weight, scale_a, linear.weight_scale, linear.bias, x.dtype)
+            y = few.scaled_mm(qx, linear.weight, scale_a, linear.weight_scale, bias, x.dtype)
         else:
             y = torch._scaled_mm(
                 qx,
                 linear.weight.t(),
                 scale_a=scale_a.contiguous(),
                 scale_b=linear.weight_scale.reshape(1, -1),
-                bias=linear.bias,
+                bias=bias,
                 out_dtype=x.dtype,
             )
         return y.view(*x.shape[:-1], y.shape[-1])

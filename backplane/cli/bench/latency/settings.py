@@ -200,7 +200,7 @@ def check_storage(settings: Settings) -> None:
             )
         if settings.tensor_parallel_size > 1:
             raise ConfigError(
-                "--quantization fp8 does not work with tensor parallelism yet; "
+                "--quantization fp8 has no per-rank floor with tensor parallelism yet; "
                 "use --tensor-parallel-size 1"
             )
         for shape in settings.shapes:
