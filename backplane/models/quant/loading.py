@@ -254,7 +254,7 @@ def quantize_model(lm: CausalLM, *, skip: Iterable[str] = _KEEP_FULL_PRECISION) 
     On a tensor-parallel rank each projection's shard is quantised: a
     column-parallel shard gets the scales the whole projection's rows would
     get; a row-parallel shard's rows are scaled over its own columns, and its
-    partial product is summed over the ranks in full precision.
+    partial product is summed over the ranks in the activations' dtype.
     """
     keep = tuple(skip)
     done = 0
