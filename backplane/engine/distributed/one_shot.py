@@ -41,8 +41,15 @@ class OneShotAllReduce:
     def __init__(self, group: Any, rank: int, size: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from backplane.kernels.one_shot_all_reduce import BLOCK, MAX_PROGRAMS
+        from backplane.kernels.one_shot_all_reduce import (
+            BLOCK,
+            DTYPES,
+            MAX_PROGRAMS,
+            one_shot_all_reduce,
+        )
 
+        # held here: the all-reduce path imports nothing per call
+        self._kernel, self._dtypes = one_shot_all_reduce, DTYPES
         self.rank, self.size = rank, size
         # two halves, each as large as the largest float32 message, after the flags
         self.max_elems = BLOCK * MAX_PROGRAMS
@@ -70,10 +77,8 @@ class OneShotAllReduce:
     def _check(self, device: torch.device) -> None:
         """Sum a row of every dtype once, here, on every rank: the kernels are compiled and
         loaded now rather than in the middle of a forward, and a wrong sum is caught."""
-        from backplane.kernels.one_shot_all_reduce import DTYPES
-
         want = self.size * (self.size + 1) // 2
-        for dtype in DTYPES:
+        for dtype in self._dtypes:
             x = torch.full((1000,), self.rank + 1, dtype=dtype, device=device)
             self(x)
             if not bool((x == want).all()):
@@ -89,15 +94,13 @@ class OneShotAllReduce:
         :param x: a message.
         :return: whether :meth:`__call__` takes it.
         """
-        from backplane.kernels.one_shot_all_reduce import DTYPES
-
         return (
             x.is_cuda
-            and x.dtype in DTYPES
+            and x.dtype in self._dtypes
             and x.is_contiguous()
             and x.data_ptr() % 16 == 0
-            and 0 < x.numel() <= self._half_bytes // x.element_size()
-            and x.numel() <= self.max_elems
+            # a half holds max_elems float32 values, so any dtype's message of that many
+            and 0 < x.numel() <= self.max_elems
         )
 
     def __call__(self, x: torch.Tensor) -> None:
@@ -105,9 +108,7 @@ class OneShotAllReduce:
 
         :param x: this rank's partial result; overwritten with the sum.
         """
-        from backplane.kernels.one_shot_all_reduce import one_shot_all_reduce
-
-        one_shot_all_reduce(
+        self._kernel(
             x,
             self._buffers,
             self._flag_ptrs,
