@@ -78,10 +78,15 @@ def _float_state(lm: CausalLM) -> dict[str, torch.Tensor]:
 
 
 def _write(
-    path: Path, state: dict[str, torch.Tensor], quant: dict | None = None, preset: str = PRESET
+    path: Path,
+    state: dict[str, torch.Tensor],
+    quant: dict | None = None,
+    preset: str = PRESET,
+    config: dict | None = None,
 ) -> Path:
+    """A checkpoint folder of ``state`` with ``config`` (``preset``'s by default)."""
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(preset_config(preset))
+    config = dict(preset_config(preset) if config is None else config)
     if quant is not None:
         config["quantization_config"] = quant
     (path / "config.json").write_text(json.dumps(config))
@@ -104,10 +109,17 @@ def _scale_of(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int])
 
 
 def _fp8_checkpoints(
-    tmp: Path, state: dict[str, torch.Tensor], layout: str, preset: str = PRESET
+    tmp: Path,
+    state: dict[str, torch.Tensor],
+    layout: str,
+    preset: str = PRESET,
+    *,
+    block: tuple[int, int] = (32, 32),  # tiny-llama's widths are 64 and 128: several blocks
+    config: dict | None = None,
+    folder: str | None = None,
 ) -> tuple[Path, Path]:
-    """An FP8 checkpoint of ``state`` in ``layout`` and a float one holding its dequantised weights."""
-    block = (32, 32)  # tiny-llama's widths are 64 and 128: several blocks per matrix
+    """An FP8 checkpoint of ``state`` in ``layout`` and a float one holding its dequantised weights
+    (``config`` instead of ``preset``'s, and the folders named after ``folder``, where given)."""
     if layout == "hf-block":
         granularity, scale_name = "block", "weight_scale_inv"
         quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -151,9 +163,10 @@ def _fp8_checkpoints(
         if layout.endswith("static"):
             fp8[f"{base}.input_scale"] = torch.rand(()) + 0.5
         deq[name] = q.float() * _scale_of(scale, *w.shape, block)
+    folder = folder or f"{preset}-{layout}"
     return (
-        _write(tmp / f"{preset}-{layout}-fp8", fp8, quant, preset),
-        _write(tmp / f"{preset}-{layout}-deq", deq, preset=preset),
+        _write(tmp / f"{folder}-fp8", fp8, quant, preset, config),
+        _write(tmp / f"{folder}-deq", deq, preset=preset, config=config),
     )
 
 
