@@ -25,7 +25,7 @@ import sys
 import torch
 from interpreter_checks import interpreter_tests, kernel_gpu, main
 
-CHECKS = ("products", "refusals")
+CHECKS = ("products", "launches", "refusals")
 
 if __name__ != "__main__":
     import pytest
@@ -44,14 +44,16 @@ def _case(m: int, n: int, k: int, device: str, seed: int):
     return qx.to(device), w.to(device), sa.to(device), sb.to(device), bias.to(device)
 
 
-def _check(m: int, n: int, k: int, device: str, out_dtype: torch.dtype, seed: int) -> None:
+def _check(
+    m: int, n: int, k: int, device: str, out_dtype: torch.dtype, seed: int, launch=None
+) -> None:
     from backplane.kernels import fp8_few_rows as few
     from backplane.kernels.split_k import SCRATCH
 
     qx, w, sa, sb, bias = _case(m, n, k, device, seed)
     terms = qx.double().abs() @ w.double().abs().T * sa.double() * sb.double().T
     for b in (None, bias):
-        got = few.scaled_mm(qx, w, sa, sb, b, out_dtype).double()
+        got = few.scaled_mm(qx, w, sa, sb, b, out_dtype, launch).double()
         want = qx.double() @ w.double().T * sa.double() * sb.double().T
         if b is not None:
             want += b.double()
@@ -83,8 +85,42 @@ def check_products(device: str = "cpu", big: bool = False) -> None:
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if big else ())
     for seed, ((m, n, k), dt) in enumerate((s, d) for s in shapes for d in dtypes):
         _check(m, n, k, device, dt, seed)
+    # past WIDE_MAX_ROWS rows only a weight too narrow for cuBLAS's tiles to fill the device
+    wide = torch.empty(32 * few._sms(torch.device(device)), 128, dtype=torch.float8_e4m3fn)
+    assert few.supports(few.WIDE_MAX_ROWS, wide) and not few.supports(few.WIDE_MAX_ROWS + 1, wide)
+    assert few.supports(few.MAX_ROWS, wide[:64])
     # several splits are planned for these shapes on the interpreter's 4 "multiprocessors"
     assert few.split_plan(128, 512, 4)[0] > 1 and few.split_plan(64, 1024, 4)[0] > 1
+
+
+def check_launches(device: str = "cpu") -> None:
+    """Tilings the planner and the benchmark's sweep may pick: several row blocks, wide and
+    deep tiles, a last split shorter than the others; against float64 as above."""
+    from backplane.kernels import fp8_few_rows as few
+
+    launch = few.Launch
+    cases = [
+        # three row blocks of 16 (the last one partial), two splits
+        (40, 128, 512, launch(16, 64, 128, 2, 256, 4, 2)),
+        # three row blocks of 32, 128-column tiles, 256-column steps
+        (70, 128, 512, launch(32, 128, 256, 2, 256, 4, 2)),
+        # four row blocks of 32, one split
+        (128, 64, 256, launch(32, 64, 128, 1, 256, 4, 3)),
+        # 256-column steps whose last split is shorter
+        (5, 128, 768, launch(16, 128, 256, 2, 512, 4, 2)),
+    ]
+    old = few.MAX_ROWS, few.WIDE_MAX_ROWS
+    few.MAX_ROWS = few.WIDE_MAX_ROWS = 128
+    try:
+        for seed, (m, n, k, lz) in enumerate(cases):
+            _check(m, n, k, device, torch.float32, seed, lz)
+    finally:
+        few.MAX_ROWS, few.WIDE_MAX_ROWS = old
+    # the planner's choice for every row count up to MAX_ROWS stays within the tiles
+    for m in range(1, few.MAX_ROWS + 1):
+        lz = few.plan(m, 4096, 4096, 132)
+        assert lz.block_m in (16, 32) and lz.block_m >= min(m, 32), (m, lz)
+        assert 4096 % lz.block_n == 0 and 4096 % lz.block_k == 0, (m, lz)
 
 
 def check_refusals(device: str = "cpu") -> None:
@@ -115,6 +151,7 @@ if __name__ != "__main__":
     def test_products_on_a_gpu() -> None:
         kernel_gpu((8, 9), "e4m3 products")
         check_products("cuda", big=True)
+        check_launches("cuda")
         check_refusals("cuda")
 
     @pytest.mark.gpu

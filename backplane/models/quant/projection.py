@@ -20,7 +20,8 @@ float32 ``weight_scale`` parameter in row form (see
   checkpoint's static ``input_scale``; one kernel of
   :mod:`backplane.kernels.act_quant` either way) and ``torch._scaled_mm`` with
   row-wise scales, in the activations' dtype; up to
-  :data:`backplane.kernels.fp8_few_rows.MAX_ROWS` rows the product runs
+  :data:`backplane.kernels.fp8_few_rows.MAX_ROWS` rows (see its
+  :func:`~backplane.kernels.fp8_few_rows.supports`) the product runs
   :mod:`backplane.kernels.fp8_few_rows` instead (not under ``torch.compile``),
   which reads the weight with every multiprocessor where cuBLAS's wide tiles
   leave most idle;
