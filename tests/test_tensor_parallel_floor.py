@@ -69,3 +69,34 @@ def test_hybrid_rank_keeps_half_the_recurrent_state(tmp_path):
     assert info.state_bytes_per_seq > 0
     assert rank.state_bytes_per_seq * 2 == info.state_bytes_per_seq
     assert rank.kv_bytes_per_token * 2 == info.kv_bytes_per_token
+
+
+def _fp8_rank_bytes_by_rule(folder: str, size: int) -> int:
+    """One rank's weight bytes with ``quantization="fp8"``: each projection's shard an e4m3
+    byte per weight and a float32 scale per shard row (a row-parallel shard keeps every
+    row); norms whole, the embedding and LM head split in float32."""
+    total = 0
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as fh:
+        for key in fh.keys():
+            rows, *cols = fh.get_slice(key).get_shape()
+            n = rows * math.prod(cols)
+            if "norm" in key:
+                total += 4 * n
+            elif "proj" not in key:
+                total += 4 * n // size
+            elif key.endswith(("o_proj.weight", "down_proj.weight")):
+                total += n // size + 4 * rows
+            else:
+                total += n // size + 4 * rows // size
+    return total
+
+
+def test_an_fp8_rank_holds_e4m3_shards_with_their_row_scales(tiny_llama):
+    from backplane.cli.bench.latency.quantized import held_weights_info
+
+    info, _ = tiny_llama
+    held = held_weights_info(info, torch.float32, quantization="fp8", kv_cache_dtype="auto")
+    rank = rank_weights_info(held, torch.float32, 2, "fp8")
+    assert rank.weight_bytes == _fp8_rank_bytes_by_rule(info.folder, 2)
+    assert rank.weight_bytes < rank_weights_info(info, torch.float32, 2).weight_bytes
+    assert rank.embedding_bytes * 2 == info.embedding_bytes

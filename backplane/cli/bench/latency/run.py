@@ -200,9 +200,13 @@ def run_shape(
         # the ranks read their shards at once: the floor is one rank's bytes
         stored_floor_info = rank_weights_info(stored, dtype, settings.tensor_parallel_size)
         floor_info = stored_floor_info
+        if settings.quantization is not None:
+            floor_info = rank_weights_info(
+                info, dtype, settings.tensor_parallel_size, settings.quantization
+            )
         if held and stored.kv_bytes_per_token:
             floor_info = dataclasses.replace(
-                stored_floor_info,
+                floor_info,
                 kv_bytes_per_token=stored_floor_info.kv_bytes_per_token
                 * info.kv_bytes_per_token
                 / stored.kv_bytes_per_token,

@@ -198,11 +198,6 @@ def check_storage(settings: Settings) -> None:
                 f"--weights-format {settings.weights_format} stores them quantised already: "
                 "give one of the two"
             )
-        if settings.tensor_parallel_size > 1:
-            raise ConfigError(
-                "--quantization fp8 has no per-rank floor with tensor parallelism yet; "
-                "use --tensor-parallel-size 1"
-            )
         for shape in settings.shapes:
             if checkpoint_file(shape) is not None:
                 raise ConfigError(

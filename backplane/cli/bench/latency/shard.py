@@ -37,26 +37,36 @@ def _meta_model(config: Any, dtype: Any, size: int) -> Any:
         set_tensor_parallel(previous)
 
 
-def _numel(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _bytes(model: Any) -> int:
+    """Bytes of ``model``'s parameters, each tensor once (a tied matrix is one parameter)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def rank_weights_info(info: WeightsInfo, dtype: Any, tensor_parallel_size: int) -> WeightsInfo:
+def rank_weights_info(
+    info: WeightsInfo, dtype: Any, tensor_parallel_size: int, quantization: str | None = None
+) -> WeightsInfo:
     """The sizes one rank of a ``tensor_parallel_size``-way split model holds, for its floor.
 
-    Each size of ``info`` (the whole model as saved) is scaled by what one
-    rank's model holds of it: all weights by the ratio of rank 0's parameters
-    to the whole model's, the embedding and LM head by their shard's share,
+    Each size of ``info`` (the whole model) is scaled by what one rank's model
+    holds of it: all weights by the ratio of rank 0's parameter bytes to the
+    whole model's, the embedding and LM head by their shard's share,
     routed experts evenly (tensor parallel inside the experts or expert
     parallel, each rank holds ``1 / N`` of them); the KV bytes per token and
     the recurrent state per sequence are rank 0's own cache specs (key/value
     heads replicated when the ranks outnumber them, SSM and delta-rule heads
     split).
 
+    With ``quantization="fp8"`` both models are quantised as the engine
+    quantises on load (each rank its own shard: an e4m3 byte per weight and a
+    float32 scale per shard row) before their bytes are compared, and ``info``
+    is to hold the whole quantised model's sizes
+    (:func:`~.quantized.held_weights_info`).
+
     :param info: the whole model's sizes (:func:`~.weights.save_random_weights`
         or :func:`~.weights.folder_weights_info`); its ``folder`` holds the config.
     :param dtype: the ``torch.dtype`` the engine holds the weights and caches in.
     :param tensor_parallel_size: the number of ranks (1: ``info`` itself).
+    :param quantization: ``"fp8"`` or ``None``, as the engine's ``quantization``.
     :return: one rank's sizes (``params`` and ``folder`` stay the whole model's).
     :raises UnevenSplitError: the model cannot be split over that many ranks.
     """
@@ -68,7 +78,12 @@ def rank_weights_info(info: WeightsInfo, dtype: Any, tensor_parallel_size: int) 
     # a config read for each build: normalising may change it in place
     whole = _meta_model(read_config(info.folder), dtype, 1)
     rank = _meta_model(read_config(info.folder), dtype, size)
-    share = _numel(rank) / max(_numel(whole), 1)
+    if quantization == "fp8":
+        from backplane.models.quant.loading import quantize_model
+
+        quantize_model(whole)
+        quantize_model(rank)
+    share = _bytes(rank) / max(_bytes(whole), 1)
     embedding_share = rank.embed_tokens.weight.numel() / max(whole.embed_tokens.weight.numel(), 1)
     head_share = embedding_share
     if not info.tied:
