@@ -13,6 +13,7 @@ once, so that they never take different paths.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from backplane.core.parallel import set_small_all_reduce
 
-__all__ = ["OneShotAllReduce", "setup_one_shot"]
+__all__ = ["OneShotAllReduce", "run_in_stages", "setup_one_shot"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +29,18 @@ logger = logging.getLogger(__name__)
 class OneShotAllReduce:
     """The exchange buffers of one rank, and every peer's as mapped into this process.
 
-    Built collectively: every rank of ``group`` constructs one at the same
-    point (the buffers are mapped by a symmetric-memory rendezvous, and one row
-    of each dtype is summed to check the kernel).
+    Built in three steps, each of which every rank of the group takes together
+    (see :func:`setup_one_shot`): the constructor allocates this rank's buffer
+    in symmetric memory (local), :meth:`connect` maps every rank's buffer into
+    every rank (collective) and :meth:`check` sums one row of each dtype
+    (collective: the kernel waits for every peer).
 
-    :param group: the NCCL process group of the tensor-parallel ranks.
     :param rank: this rank.
     :param size: the number of ranks.
     :param device: this rank's GPU.
     """
 
-    def __init__(self, group: Any, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from backplane.kernels.one_shot_all_reduce import (
@@ -50,40 +52,52 @@ class OneShotAllReduce:
 
         # held here: the all-reduce path imports nothing per call
         self._kernel, self._dtypes = one_shot_all_reduce, DTYPES
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.device = rank, size, device
+        self._programs = MAX_PROGRAMS
         # two halves, each as large as the largest float32 message, after the flags
         self.max_elems = BLOCK * MAX_PROGRAMS
         self._half_bytes = self.max_elems * 4
-        flag_bytes = -(-MAX_PROGRAMS * size * 4 // 256) * 256
+        self._flag_bytes = -(-MAX_PROGRAMS * size * 4 // 256) * 256
         # PyTorch's symmetric memory maps every rank's buffer into every rank
         # (and grants this GPU access to them); its own kernels are not used.
         self._buffer = symm_mem.empty(
-            flag_bytes + 2 * self._half_bytes, dtype=torch.uint8, device=device
+            self._flag_bytes + 2 * self._half_bytes, dtype=torch.uint8, device=device
         )
         self._buffer.zero_()
+
+    def connect(self, group: Any) -> None:
+        """Map every rank's buffer into this one (collective over ``group``).
+
+        :param group: the NCCL process group of the tensor-parallel ranks.
+        """
+        import torch.distributed._symmetric_memory as symm_mem
+
+        device = self.device
         self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
-        self._flags = self._buffer[:flag_bytes].view(torch.int32)
-        self._epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
+        self._flags = self._buffer[: self._flag_bytes].view(torch.int32)
+        self._epochs = torch.zeros(self._programs, dtype=torch.int32, device=device)
         bases = [int(p) for p in self._handle.buffer_ptrs]
         self._buffers = torch.tensor(
-            [b + flag_bytes for b in bases], dtype=torch.int64, device=device
+            [b + self._flag_bytes for b in bases], dtype=torch.int64, device=device
         )
         self._flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         # no rank's first flag may land before every rank has zeroed its own
         dist.barrier(group=group)
-        self._check(device)
 
-    def _check(self, device: torch.device) -> None:
-        """Sum a row of every dtype once, here, on every rank: the kernels are compiled and
-        loaded now rather than in the middle of a forward, and a wrong sum is caught."""
+    def check(self) -> None:
+        """Sum a row of every dtype once, on every rank together: the kernels are compiled
+        and loaded now rather than in the middle of a forward, and a wrong sum is caught.
+
+        :raises RuntimeError: a sum came out wrong on this rank.
+        """
         want = self.size * (self.size + 1) // 2
         for dtype in self._dtypes:
-            x = torch.full((1000,), self.rank + 1, dtype=dtype, device=device)
+            x = torch.full((1000,), self.rank + 1, dtype=dtype, device=self.device)
             self(x)
             if not bool((x == want).all()):
                 raise RuntimeError(f"the one-shot all-reduce summed {dtype} rows wrongly")
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(self.device)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the one-shot kernel (small, contiguous, 16-byte aligned).
@@ -119,13 +133,45 @@ class OneShotAllReduce:
         )
 
 
+def run_in_stages(
+    group: Any, rank: int, size: int, stages: Sequence[tuple[str, Callable[[], str | None]]]
+) -> str | None:
+    """Run a set-up's stages on every rank of ``group``, each only where all finished the last.
+
+    Collective. After each stage the ranks tell one another whether theirs
+    went well, so that a rank that failed never leaves the others inside the
+    next stage's collective (a rendezvous, a kernel that waits for its peers).
+
+    :param group: the process group.
+    :param rank: this rank.
+    :param size: the number of ranks.
+    :param stages: ``(name, run)`` pairs; ``run`` returns why the set-up cannot go
+        on here (or ``None``) or raises.
+    :return: ``None`` when every stage went well on every rank, else the first
+        failure as ``"rank R, NAME: why"`` (the same text on every rank).
+    """
+    for name, run in stages:
+        try:
+            why = run() or ""
+        except Exception as exc:  # whatever a stage meets, the group must hear of it
+            logger.debug("rank %d: %s failed", rank, name, exc_info=True)
+            why = f"{type(exc).__name__}: {exc}"
+        reasons: list[Any] = [None] * size
+        dist.all_gather_object(reasons, why, group=group)
+        failed = next((f"rank {r}, {name}: {w}" for r, w in enumerate(reasons) if w), None)
+        if failed is not None:
+            return failed
+    return None
+
+
 def setup_one_shot(group: Any, rank: int, size: int, device: torch.device) -> bool:
     """Build the one-shot all-reduce on every rank, or on none.
 
-    Collective. Each rank tries (its GPU must reach every peer's directly, and
-    Triton must be there); only when all of them succeed does the
-    tensor-parallel all-reduce use it for small messages
-    (:func:`~backplane.core.parallel.set_small_all_reduce`).
+    Collective. Each rank checks that its GPU reaches every peer's directly
+    and that Triton is there, allocates its buffer, maps its peers' and sums a
+    row of each dtype, all ranks a stage at a time (:func:`run_in_stages`);
+    only when all of them succeed does the tensor-parallel all-reduce use it
+    for small messages (:func:`~backplane.core.parallel.set_small_all_reduce`).
 
     :param group: the NCCL process group.
     :param rank: this rank.
@@ -136,34 +182,36 @@ def setup_one_shot(group: Any, rank: int, size: int, device: torch.device) -> bo
     places: list[Any] = [None] * size
     dist.all_gather_object(places, device.index, group=group)
     peers = [p for r, p in enumerate(places) if r != rank]
-    why = ""
-    if device.index in peers:
-        why = "the ranks' GPUs are not told apart in this process (one visible GPU each)"
-    elif not all(torch.cuda.can_device_access_peer(device.index, p) for p in peers):
-        why = "this GPU cannot access its peers' memory directly"
-    else:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            why = "triton is not installed"
-    # every rank must agree before the collective setup (and after it)
-    reasons: list[Any] = [None] * size
-    dist.all_gather_object(reasons, why, group=group)
-    failed = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
-    comm: OneShotAllReduce | None = None
-    if failed is None:
-        try:
-            comm = OneShotAllReduce(group, rank, size, device)
-        except Exception as exc:  # a mapping the driver or the torch build refuses
-            logger.debug("one-shot all-reduce setup failed on rank %d", rank, exc_info=True)
-            why = f"{type(exc).__name__}: {exc}"
-        dist.all_gather_object(reasons, why, group=group)
-        failed = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
+    built: list[OneShotAllReduce] = []
+
+    def devices() -> str | None:
+        if device.index in peers:
+            return "the ranks' GPUs are not told apart in this process (one visible GPU each)"
+        if not all(torch.cuda.can_device_access_peer(device.index, p) for p in peers):
+            return "this GPU cannot access its peers' memory directly"
+        import triton  # noqa: F401
+
+        return None
+
+    def allocate() -> None:
+        built.append(OneShotAllReduce(rank, size, device))
+
+    failed = run_in_stages(
+        group,
+        rank,
+        size,
+        [
+            ("devices", devices),
+            ("allocation", allocate),
+            ("mapping", lambda: built[0].connect(group)),
+            ("check", lambda: built[0].check()),
+        ],
+    )
     if failed is not None:
         if rank == 0:
             logger.warning("custom_all_reduce: small all-reduces stay on NCCL (%s)", failed)
         set_small_all_reduce(None)
         return False
-    set_small_all_reduce(comm)
+    set_small_all_reduce(built[0])
     logger.debug("rank %d: small all-reduces run the one-shot kernel", rank)
     return True
