@@ -123,3 +123,34 @@ def test_async_engine_never_shut_down_exits_cleanly(tmp_path):
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_a_worker_that_loaded_weights_leaves_no_semaphore_behind(tmp_path):
+    """A worker's progress bars lock with a thread lock: a multiprocessing one, made when the
+    weight loader's bar starts, would outlive the worker's ``os._exit`` and the resource
+    tracker would warn of a leaked semaphore when the driver exits."""
+    import torch
+
+    from backplane.cli.bench.latency.shapes import shape_config
+    from backplane.cli.bench.latency.weights import save_random_weights
+
+    folder = tmp_path / "tiny-llama"
+    save_random_weights("tiny-llama", shape_config("tiny-llama"), folder, torch.float32)
+    script = tmp_path / "load_and_leave.py"
+    script.write_text(
+        "import sys\n"
+        "from backplane import LLM, SamplingParams\n"
+        "\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(sys.argv[1], device='cpu', threads=1, tensor_parallel_size=2)\n"
+        "    params = SamplingParams(max_tokens=2, ignore_eos=True)\n"
+        "    out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0]\n"
+        "    print('tokens:', len(out.token_ids), flush=True)\n"
+        "    llm.shutdown()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens: 2" in proc.stdout
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-3000:]

@@ -22,6 +22,7 @@ from backplane.core.families import Backend, RecurrentBackend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.hookspecs import FAMILIES
 from backplane.core.layouts import TensorSpec, cache_footprint
+from backplane.core.parallel import tensor_parallel
 from backplane.engine.config import RECURRENT_MAX_NUM_SEQS
 from backplane.engine.kv_cache.state_cache import snapshot_slot_count
 from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
@@ -210,6 +211,8 @@ class DeviceWorker:
                     backends=dict(selection.backends),
                     mtp=_wants_mtp(cfg),
                     quantization=cfg.quantization,
+                    # every rank reads alike: the first one's bar says it all
+                    progress=tensor_parallel().rank == 0,
                 )
                 if cfg.kv_cache_dtype != "auto":
                     use_fp8_kv_cache(loaded.model)
