@@ -21,9 +21,10 @@ split order (deterministic) and applies the scales and the bias (see
 
 Past 32 rows cuBLAS's tiles fill a device once the weight has enough columns,
 so those rows come here only for weights that leave three quarters of the
-multiprocessors without a tile (:func:`supports`): on an H100 at 48 and 64 rows, the 8B shape's
-o projection 13.4 us against cuBLAS's 13.9-14.0 and its down projection
-34.1-34.8 against 38.0-39.1, while q/k/v and gate/up are faster in cuBLAS.
+multiprocessors without a tile (:func:`supports`): on an H100 at 48 and 64
+rows, the 8B shape's o projection takes 13.2-13.6 us against cuBLAS's
+13.7-14.0 and its down projection 34.1-34.6 against 38.0-39.5, while q/k/v and
+gate/up are faster in cuBLAS.
 
 The weight must be ``N % BLOCK_N == 0`` and ``K % BLOCK_K == 0``, which every
 projection of the published shapes is. Needs compute capability 8.9 (e4m3
@@ -271,8 +272,9 @@ def scaled_mm(
     n = weight.shape[0]
     if not supports(m, weight) or qx.stride(1) != 1 or weight.shape[1] != k:
         raise ValueError(
-            f"fp8_few_rows.scaled_mm takes 1..{MAX_ROWS} rows against an e4m3 weight of whole "
-            f"{BLOCK_N}x{BLOCK_K} tiles; got input {tuple(qx.shape)}, weight {tuple(weight.shape)}"
+            f"fp8_few_rows.scaled_mm takes 1..{WIDE_MAX_ROWS} rows ({MAX_ROWS} for a weight of "
+            f"few columns, see supports()) against an e4m3 weight of whole {BLOCK_N}x{BLOCK_K} "
+            f"tiles; got input {tuple(qx.shape)}, weight {tuple(weight.shape)}"
         )
     if launch is None:
         launch = plan(m, n, k, _sms(qx.device))
