@@ -392,12 +392,17 @@ def test_each_rank_holds_its_slice_of_the_dequantised_checkpoint(
     ],
 )
 def test_two_ranks_give_the_tokens_of_one_on_an_fp8_checkpoint(checkpoint, case, layout, block):
-    from backplane import LLM
 
-    path = str(checkpoint(case, layout, block))
-    prompt = [5, 17, 99, 3, 42, 7]
     torch_ops = dict.fromkeys(("attention", "ssm", "mla", "delta"), "torch")
     common = dict(device="cpu", backends=torch_ops, num_kv_pages=32, threads=1)
+    _two_ranks_against_one(str(checkpoint(case, layout, block)), common, MAX_LOGPROB_DIFF)
+
+
+def _two_ranks_against_one(path: str, common: dict[str, Any], max_diff: float) -> None:
+    """Greedy tokens of TP=2 equal TP=1's on ``path``, log-probabilities within ``max_diff``."""
+    from backplane import LLM
+
+    prompt = [5, 17, 99, 3, 42, 7]
     one = LLM(path, **common)
     try:
         want, want_lp = _greedy_with_logprobs(one, prompt)
@@ -414,7 +419,7 @@ def test_two_ranks_give_the_tokens_of_one_on_an_fp8_checkpoint(checkpoint, case,
     assert got == want
     for step, token in enumerate(got):
         diff = abs(got_lp[step][token].logprob - want_lp[step][token].logprob)
-        assert diff < MAX_LOGPROB_DIFF, f"step {step}: log-probabilities {diff:.2e} apart"
+        assert diff < max_diff, f"step {step}: log-probabilities {diff:.2e} apart"
 
 
 #: TP=2 against TP=1 on two GPUs, bfloat16 activations: the FP8 products (cuBLAS or the
@@ -431,24 +436,7 @@ def test_two_gpus_give_the_tokens_of_one_on_an_fp8_checkpoint(
     checkpoint, case, layout, block, graphs
 ):
     """The same on two GPUs (NCCL, FP8 products on the device, CUDA graphs on and off)."""
-    from backplane import LLM
-
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    path = str(checkpoint(case, layout, block))
-    prompt = [5, 17, 99, 3, 42, 7]
     common = dict(device="cuda", dtype="bfloat16", num_kv_pages=64, cuda_graphs=graphs)
-    one = LLM(path, **common)
-    try:
-        want, want_lp = _greedy_with_logprobs(one, prompt)
-    finally:
-        one.shutdown()
-    llm = LLM(path, tensor_parallel_size=2, **common)
-    try:
-        got, got_lp = _greedy_with_logprobs(llm, prompt)
-    finally:
-        llm.shutdown()
-    assert got == want
-    for step, token in enumerate(got):
-        diff = abs(got_lp[step][token].logprob - want_lp[step][token].logprob)
-        assert diff < MAX_GPU_LOGPROB_DIFF, f"step {step}: log-probabilities {diff:.2e} apart"
+    _two_ranks_against_one(str(checkpoint(case, layout, block)), common, MAX_GPU_LOGPROB_DIFF)
