@@ -190,7 +190,7 @@ def test_random_q4_k_and_q6_k_blocks_decode_to_small_centred_weights():
             "give one of the two",
         ),
         (
-            ["--shapes", "tiny-llama", "--quantization", "fp8", "--tensor-parallel-size", "2"],
+            ["--shapes", "tiny-llama", "--weights-format", "gguf-q4_k", "-tp", "2"],
             "--tensor-parallel-size 1",
         ),
     ],
