@@ -148,19 +148,18 @@ def _exit_when_orphaned(rank: int, parent: int) -> None:
     os._exit(1)
 
 
-def _quiet_progress_bars() -> None:
-    """Leave progress bars to the driver, and give this process's a lock of its own.
+def _own_progress_lock() -> None:
+    """Give this process's progress bars a lock of its own (a thread lock).
 
-    Every rank captures the same graphs, so one bar (the driver's) says it all:
-    bars that do not choose for themselves are off here (``TQDM_DISABLE``; the
-    weight loader's asks for the rank). And tqdm otherwise makes a
-    multiprocessing lock, a semaphore that the resource tracker shared with the
-    driver counts: this process leaves with ``os._exit``, which never releases
-    it, and the driver's exit would warn of a leaked semaphore.
+    tqdm otherwise makes a multiprocessing lock when its first bar starts (even a
+    disabled one), a semaphore that the resource tracker shared with the driver
+    counts: this process leaves with ``os._exit``, which never releases it, and
+    the driver's exit would warn of a leaked semaphore. (The ranks' bars are the
+    driver's to show: the weight loader and the graph capture show theirs on
+    rank 0 only.)
     """
     from tqdm import tqdm
 
-    os.environ["TQDM_DISABLE"] = "1"
     tqdm.set_lock(threading.RLock())
 
 
@@ -189,7 +188,7 @@ def worker_main(
         level=os.environ.get("BACKPLANE_WORKER_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s",
     )
-    _quiet_progress_bars()
+    _own_progress_lock()
     from backplane.engine.worker.device_worker import DeviceWorker
 
     if driver_pid is not None:

@@ -52,6 +52,7 @@ from backplane.core import compile_ahead
 from backplane.core.families import Backend, RecurrentBackend
 from backplane.core.forward_context import forward_context, plan_step
 from backplane.core.metadata import NULL_PAGE, StepMode
+from backplane.core.parallel import tensor_parallel
 from backplane.engine.sampling import Sampler, SamplerOutput, SamplingRows
 from backplane.engine.sizes import pages_per_seq
 from backplane.engine.worker.graph.buckets import (
@@ -266,7 +267,9 @@ class GraphModelRunner:
             + (len(self.verify_buckets) if self.verify else 0)
             + (len(self.token_buckets) if self.piecewise else 0)
         )
-        with tqdm(total=total, desc="capturing CUDA graphs", unit="bucket") as bar:
+        # every tensor-parallel rank captures the same buckets: the first one's bar says it all
+        quiet = tensor_parallel().rank != 0
+        with tqdm(total=total, desc="capturing CUDA graphs", unit="bucket", disable=quiet) as bar:
             if self.piecewise is not None:
                 self.piecewise.capture(self._piecewise_inputs, progress=bar)
             if self.decode is not None:
