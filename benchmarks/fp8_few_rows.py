@@ -74,7 +74,7 @@ def _shape_rows(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
 
 
 #: the grids ``--sweep`` takes: tile columns, step columns, warps, pipeline depth,
-#: programs per multiprocessor, programmatic dependent launch
+#: programs per multiprocessor
 GRIDS = {
     "full": ((64, 128), (128, 256), (4,), (3, 4, 5), (1, 2, 3, 4)),
     "small": ((64,), (128, 256), (4,), (4, 5), (2, 3)),
