@@ -33,6 +33,7 @@ products); the interpreter runs it on CPU tensors (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -176,9 +177,12 @@ def supports(rows: int, weight: torch.Tensor) -> bool:
         multiprocessors idle.
     """
     n, k = weight.shape
-    limit = MAX_ROWS if n // 128 < _sms(weight.device) // 4 else min(WIDE_MAX_ROWS, MAX_ROWS)
+    # the device's multiprocessors are looked up only past WIDE_MAX_ROWS (every call
+    # of an FP8 projection of a few rows asks)
+    narrow = rows <= WIDE_MAX_ROWS or n // 128 < _sms(weight.device) // 4
     return (
-        0 < rows <= limit
+        0 < rows <= MAX_ROWS
+        and narrow
         and n % BLOCK_N == 0
         and k % BLOCK_K == 0
         and weight.stride(1) == 1
@@ -228,6 +232,7 @@ def split_plan(
     return cdiv(k, k_per_split), k_per_split
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(m: int, n: int, k: int, sms: int) -> Launch:
     """The launch of an ``[m, K] x [N, K]^T`` product on a device of ``sms`` multiprocessors.
 
@@ -235,7 +240,7 @@ def plan(m: int, n: int, k: int, sms: int) -> Launch:
     :param n: output columns (whole :data:`BLOCK_N` blocks).
     :param k: reduction length (whole :data:`BLOCK_K` steps).
     :param sms: the device's multiprocessors.
-    :return: the launch.
+    :return: the launch (kept per argument set: every projection call asks).
     """
     # Past 32 rows, row blocks of 32 that share each weight tile through L2. Deeper
     # steps (256 columns, five stages) and launches as programmatic dependents were
