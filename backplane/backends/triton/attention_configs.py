@@ -129,12 +129,36 @@ calls of 16 layers in one graph (``benchmarks/decode_splits.py``), us per layer:
 128-key blocks is rounded up to a power of two: 5 blocks get 8 splits."""
 
 
-def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: torch.device) -> int:
+#: the most bytes of key and value tiles a decode program holds in registers while it
+#: waits for the previous kernel (``_decode_kernel``'s ``EARLY``): Llama-3.1-8B's
+#: layer (heads of 128) at batch 1 with 128-key tiles (64 KiB) ran slower than without
+#: the early tile; Llama-3.2-1B's (heads of 64, 32 KiB) ran faster
+EARLY_TILE_BYTES = 32768
+
+
+def early_block(block_dk: int, block_dv: int, element_size: int) -> int:
+    """The keys of a decode program's first tile read before its wait (see
+    :data:`EARLY_TILE_BYTES`): a power of two from 16 to 128.
+
+    :param block_dk: the key tile's width.
+    :param block_dv: the value tile's width.
+    :param element_size: bytes of a tile element as the products read it.
+    """
+    fit = EARLY_TILE_BYTES // ((block_dk + block_dv) * element_size)
+    return max(16, min(128, 1 << (max(fit, 1).bit_length() - 1)))
+
+
+def choose_num_splits(
+    batch: BatchMetadata,
+    programs_per_split: int,
+    device: torch.device,
+    keys_per_split: int = KEYS_PER_SPLIT,
+) -> int:
     """Pick how many key splits each decode sequence gets.
 
     Enough splits to fill the device (about two programs per SM, and at most
     :data:`MAX_KV_SPLITS`, rounded down to a power of two), but no more than
-    the longest context's (host value) count of :data:`KEYS_PER_SPLIT`-key
+    the longest context's (host value) count of ``keys_per_split``-key
     blocks rounded up to a power of two. The kernel derives each split's range
     from the sequence length on the device, so any value is correct for any
     lengths (a decode graph captured with one value replays correctly for
@@ -147,5 +171,5 @@ def choose_num_splits(batch: BatchMetadata, programs_per_split: int, device: tor
     fill = int(max(1, min(want, MAX_KV_SPLITS)))
     # Powers of two: the count is a compile-time constant of the kernel, so
     # free values would compile a new variant for nearly every mixed step.
-    by_len = next_pow2(cdiv(max(batch.max_seq_len, 1), KEYS_PER_SPLIT))
+    by_len = next_pow2(cdiv(max(batch.max_seq_len, 1), keys_per_split))
     return min(1 << (fill.bit_length() - 1), by_len)

@@ -304,6 +304,69 @@ def _paged_tile(
 
 
 @triton.jit
+def _paged_kv(
+    start,
+    hi,
+    bt_row,
+    k_ptr,
+    v_ptr,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    kvh,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """The key and value tiles of the ``BLOCK_N`` positions from ``start``, read through the
+    page table as :func:`_paged_tile` reads them, zero at or past ``hi``: as stored, or
+    widened to float16 with ``KV_FP8 == 2``.
+
+    :return: ``(k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV])``.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    off = offs_n % PAGE_SIZE
+    if KV_FP8 == 2:
+        k = _e4m3_rows_to_f16(
+            k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh, n_mask, DK, BLOCK_DK
+        )
+        v = _e4m3_rows_to_f16(
+            v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh, n_mask, DV, BLOCK_DV
+        )
+    else:
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        k = tl.load(
+            k_ptr
+            + page[:, None] * stride_kp
+            + off[:, None] * stride_ko
+            + kvh * stride_kh
+            + dk[None, :],
+            mask=n_mask[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vp
+            + off[:, None] * stride_vo
+            + kvh * stride_vh
+            + dv[None, :],
+            mask=n_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+    return k, v
+
+
+@triton.jit
 def _chunk_tile(
     acc,
     m_i,
@@ -710,6 +773,7 @@ def _decode_kernel(
     PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """One split of the keys of one decode sequence, for one block of a GQA group's heads.
 
@@ -725,7 +789,10 @@ def _decode_kernel(
     With ``APPEND`` the program whose split holds the sequence's last position
     first writes this step's key/value row (``kn``/``vn`` at the token's slot)
     to the pages, then reads it back with the rest: the decode tokens need no
-    append launch of their own.
+    append launch of their own. With ``EARLY`` (``APPEND`` and plain keys and
+    values) the split's first tile is read before the wait for the previous
+    kernel, and this step's row is put in it from ``kn``/``vn`` (as the cache
+    stores it) instead of read back.
 
     With one split the program writes its rows of ``out``. With several it
     writes its normalised partial output and log2-sum-exp to
@@ -744,10 +811,8 @@ def _decode_kernel(
     """
     if PDL:
         # Launched as a programmatic dependent: the next kernel's programs may
-        # be scheduled once all of these run, and these start reading once the
-        # previous kernel (this step's queries) is done.
+        # be scheduled once all of these run.
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     j = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hb = tl.program_id(1) % HEAD_BLOCKS
@@ -772,6 +837,20 @@ def _decode_kernel(
     active = tl.maximum(tl.cdiv(span, per_split), 1)
     lo = lo0 + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    if EARLY:
+        # The split's first tile, before the wait: the lengths and page table
+        # were written before this step's first kernel and the pages by earlier
+        # steps, so the page walk overlaps the previous kernel's tail. The one
+        # row this step writes (the new position's) is put in below.
+        k_first, v_first = _paged_kv(
+            lo, hi, bt_row, k_ptr, v_ptr,
+            stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, kvh,
+            DK, DV, PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DV, KV_FP8,
+        )  # fmt: skip
+    if PDL:
+        # What follows reads this step's queries and rows: the previous kernel's.
+        tl.extra.cuda.gdc_wait()
 
     in_group = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = in_group < group
@@ -806,9 +885,11 @@ def _decode_kernel(
     else:
         qpe = q
 
+    appended = False
     if APPEND:
         slot = tl.load(slot_ptr + tok)
-        if (slot >= 0) & (seq_len - 1 >= lo) & (seq_len - 1 < hi):
+        appended = (slot >= 0) & (seq_len - 1 >= lo) & (seq_len - 1 < hi)
+        if appended:
             slot = slot.to(tl.int64)
             page = slot // PAGE_SIZE
             off = slot % PAGE_SIZE
@@ -830,10 +911,26 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     # Whole tiles need no bounds check; only the split's last, partial tile does.
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, full_hi, BLOCK_N):
+    rest = lo
+    if EARLY:
+        # The early tile read the new position's row before it was written: this
+        # step's row goes in its place, as the cache now holds it.
+        offs_first = lo + tl.arange(0, BLOCK_N)
+        new_row = (offs_first == seq_len - 1) & appended
+        kc = tl.load(kn_ptr + tok * stride_knt + kvh * stride_knh + dk, mask=dk < DK, other=0.0)
+        kc = _to_cache(kc, k_scale, k_ptr.dtype.element_ty, KV_FP8).to(q.dtype)
+        vc = tl.load(vn_ptr + tok * stride_vnt + kvh * stride_vnh + dv, mask=dv < DV, other=0.0)
+        vc = _to_cache(vc, v_scale, v_ptr.dtype.element_ty, KV_FP8).to(q.dtype)
+        k_first = tl.where(new_row[:, None], kc[None, :], k_first.to(q.dtype))
+        v_first = tl.where(new_row[:, None], vc[None, :], v_first.to(q.dtype))
+        acc, m_i, l_i = _fold_tile(
+            acc, m_i, l_i, _dot_t(q, k_first, IEEE), (offs_first < hi)[None, :], v_first,
+            qk_scale, True, IEEE,
+        )  # fmt: skip
+        rest = lo + BLOCK_N
+    for start in range(rest, full_hi, BLOCK_N):
         acc, m_i, l_i = _paged_tile(
             acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
             k_ptr, kpe_ptr, v_ptr,
@@ -841,7 +938,7 @@ def _decode_kernel(
             stride_vp, stride_vo, stride_vh, kvh, qk_scale, DK, DPE, DV,
             PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DPE, BLOCK_DV, HAS_PE, V_FROM_K, IEEE, 0, KV_FP8,
         )  # fmt: skip
-    for start in range(full_hi, hi, BLOCK_N):
+    for start in range(tl.maximum(full_hi, rest), hi, BLOCK_N):
         acc, m_i, l_i = _paged_tile(
             acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,
             k_ptr, kpe_ptr, v_ptr,

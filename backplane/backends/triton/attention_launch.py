@@ -23,16 +23,24 @@ import torch
 import triton
 import triton.language as tl
 
-from backplane.backends.triton._common import dot_block, ieee_dot, interpreting, next_pow2
+from backplane.backends.triton._common import (
+    device_parallelism,
+    dot_block,
+    ieee_dot,
+    interpreting,
+    next_pow2,
+)
 from backplane.backends.triton.attention_configs import (
     _DECODE_CONFIGS,
     _PREFILL_CONFIGS,
     KEYS_PER_SPLIT,
+    _cfg,
     _configs_key,
     _decode_class,
     _launch_fitting,
     _prefill_class,
     choose_num_splits,
+    early_block,
 )
 from backplane.backends.triton.attention_kernels import (
     _decode_kernel,
@@ -264,17 +272,19 @@ class StepPlan:
         self.prefill = PrefillStep(batch) if batch.num_prefill_seqs else None
         self._splits: dict[int, int] = {}
 
-    def num_splits(self, programs_per_split: int) -> int:
+    def num_splits(self, programs_per_split: int, keys_per_split: int = KEYS_PER_SPLIT) -> int:
         """The decode's split count for layers of ``programs_per_split`` programs per split.
 
         :param programs_per_split: :attr:`_DecodeLayout.programs_per_split` of the layer.
+        :param keys_per_split: :attr:`_DecodeLayout.keys_per_split` of the layer.
         :return: :func:`choose_num_splits` for the batch, worked out once per value.
         """
-        splits = self._splits.get(programs_per_split)
+        key = (programs_per_split, keys_per_split)
+        splits = self._splits.get(key)
         if splits is None:
             batch = self.batch
-            splits = self._splits[programs_per_split] = choose_num_splits(
-                batch, programs_per_split, batch.device
+            splits = self._splits[key] = choose_num_splits(
+                batch, programs_per_split, batch.device, keys_per_split
             )
         return splits
 
@@ -785,13 +795,24 @@ def paged_decode(
                 q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
                 k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
+    # Loading the first tile before the wait for the queries pays where the
+    # launch leaves the device partly idle and its programs wait on the page
+    # walk; a full device hides that latency with other programs instead.
+    early = layout.early > 0 and nd * layout.programs_per_split <= layout.parallelism
     if min_split_keys is None:
-        min_split_keys = 0 if _FORCED_SPLITS["value"] else KEYS_PER_SPLIT
+        min_split_keys = 0 if _FORCED_SPLITS["value"] else layout.keys_per_split
     if num_splits is None:
-        num_splits = choose_num_splits(batch, layout.programs_per_split, q.device)
+        num_splits = choose_num_splits(
+            batch, layout.programs_per_split, q.device, layout.keys_per_split
+        )
     if configs is None:
-        cfg_id: Any = _decode_class(layout.big, layout.dk, num_splits)
-        configs = _DECODE_CONFIGS[cfg_id]
+        if early:
+            # splits of one early tile's keys, each read before the wait
+            cfg_id: Any = ("early", layout.early)
+            configs = [_cfg(None, layout.early, 4, 2)]
+        else:
+            cfg_id = _decode_class(layout.big, layout.dk, num_splits)
+            configs = _DECODE_CONFIGS[cfg_id]
     else:
         cfg_id = _configs_key(configs)
     dev = q.device
@@ -826,7 +847,7 @@ def paged_decode(
     )
     device = dev.index
     if aligned:
-        hit_key = (num_splits, min_split_keys, cfg_id, int_key(nps), int_key(npt), out.dtype,
+        hit_key = (num_splits, min_split_keys, early, cfg_id, int_key(nps), int_key(npt), out.dtype,
                    kn.dtype, vn.dtype, slots.dtype, seq_lens.dtype, table.dtype)  # fmt: skip
         hit = layout.hits.get(hit_key)
         if hit is not None:
@@ -837,6 +858,7 @@ def paged_decode(
         NUM_SPLITS=num_splits,
         BLOCK_S=next_pow2(num_splits),
         MIN_SPLIT_KEYS=min_split_keys,
+        EARLY=early,
     )
     key = (*layout.config_key, cfg_id)
     grid = (nd, layout.programs_per_split, num_splits)
@@ -929,6 +951,18 @@ class _DecodeLayout:
         )
         if pdl:
             self.meta["launch_pdl"] = True
+        #: keys of the first tile a program may read before this step's rows are
+        #: appended (it puts the new row in itself; plain keys and values of
+        #: regular heads only), 0 for none; see :func:`early_block`
+        self.early = 0
+        if append and not has_pe and not big and not self.meta["V_FROM_K"]:
+            widened = q.element_size() if kv_fp8 else k_plane.element_size()
+            self.early = early_block(self.meta["BLOCK_DK"], self.block_dv, max(widened, 2))
+        #: about how many keys a decode split is given (see :func:`choose_num_splits`):
+        #: one early tile's where the kernel reads one before its wait
+        self.keys_per_split = self.early or KEYS_PER_SPLIT
+        #: programs that keep the device busy (see :func:`device_parallelism`)
+        self.parallelism = device_parallelism(q.device)
         #: the config choice's key, less the configuration class
         self.config_key = ("decode", dk, dpe, dv, k_plane.dtype, q.dtype, block_h)
         #: the cache planes are 16-byte aligned (Triton specialises on it)
