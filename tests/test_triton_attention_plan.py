@@ -125,6 +125,39 @@ if __name__ != "__main__":
         with torch.inference_mode(), forward_context(batch, plans):
             TritonAttentionBackend().forward(q, k, v, cache, layer, out)
 
+    @pytest.mark.parametrize(
+        ("head_dim", "dtype", "keys"),
+        [(128, "bfloat16", 64), (64, "bfloat16", 128), (128, "float32", 32), (256, "float16", 32)],
+    )
+    def test_the_tile_read_before_the_wait_keeps_to_its_register_budget(head_dim, dtype, keys):
+        """A decode layout that appends this step's rows reads a first tile of at most 32 KiB of
+        keys and values before its wait, and splits contexts into that many keys; MLA's
+        two-part keys and layouts without the step's rows read none."""
+        import torch
+
+        from backplane.backends.triton import attention_launch as tri
+        from backplane.backends.triton.attention_configs import EARLY_TILE_BYTES, KEYS_PER_SPLIT
+
+        dt = getattr(torch, dtype)
+        q, out = torch.zeros(4, 8, head_dim, dtype=dt), torch.zeros(4, 8, head_dim, dtype=dt)
+        planes = torch.zeros(2, 6, 16, 2, head_dim, dtype=dt)
+        rows = torch.zeros(4, 2, head_dim, dtype=dt)
+        table = torch.zeros(4, 6, dtype=torch.int32)
+        kw = dict(scale=0.1, group=4)
+        layout = tri.decode_layout(
+            q, planes[0], planes[1], out, table, 16, k_new=rows, v_new=rows, **kw
+        )
+        assert layout.early == keys and layout.keys_per_split == keys
+        assert keys * 2 * head_dim * dt.itemsize <= EARLY_TILE_BYTES
+        no_rows = tri.decode_layout(q, planes[0], planes[1], out, table, 16, **kw)
+        assert no_rows.early == 0 and no_rows.keys_per_split == KEYS_PER_SPLIT
+        q_pe = torch.zeros(4, 8, 16, dtype=dt)
+        mla = tri.decode_layout(
+            q, planes[0], planes[1], out, table, 16, q_pe=q_pe, kpe_plane=planes[0, ..., :16],
+            k_new=rows, v_new=rows, **kw,
+        )  # fmt: skip
+        assert mla.early == 0
+
     def test_cached_launches_match_bound_ones_with_and_without_plan(recorded):
         """First call (Triton binds), later calls (cached handles) and planned calls launch alike."""
         import torch

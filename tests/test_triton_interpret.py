@@ -32,6 +32,7 @@ CHECKS = (
     "attention_prefill_extend",
     "attention_sliding_window",
     "attention_decode_split_kv",
+    "attention_decode_early_tile",
     "attention_long_chunks",
     "attention_pages_only_prefill",
     "attention_out_contract",
@@ -295,6 +296,14 @@ def check_attention_decode_split_kv():
     """Decode only, long-ish contexts over many splits (some empty), GQA group of 4."""
     _attention_case([1, 1, 1], [150, 37, 2], hq=8, hkv=2, d=32, page_size=16, splits=5, padded=4)
     _attention_case([1, 1], [90, 7], hq=2, hkv=2, d=64, page_size=8, splits=1)
+
+
+def check_attention_decode_early_tile():
+    """Splits longer than the tile read before the wait: heads of 128 in float32 keep that
+    tile to 32 keys, and two splits of 299, 170 and 89 cached keys go on in whole and
+    partial tiles after it, this step's row landing in a later tile (read back from the
+    pages) and, for the last sequence, in the early one (put in from the step's rows)."""
+    _attention_case([1, 1, 1], [299, 170, 89], hq=4, hkv=2, d=128, page_size=8, splits=2, seed=6)
 
 
 def check_attention_long_chunks():

@@ -34,7 +34,6 @@ from backplane.backends.triton.attention_configs import (
     _DECODE_CONFIGS,
     _PREFILL_CONFIGS,
     KEYS_PER_SPLIT,
-    _cfg,
     _configs_key,
     _decode_class,
     _launch_fitting,
@@ -806,13 +805,8 @@ def paged_decode(
             batch, layout.programs_per_split, q.device, layout.keys_per_split
         )
     if configs is None:
-        if early:
-            # splits of one early tile's keys, each read before the wait
-            cfg_id: Any = ("early", layout.early)
-            configs = [_cfg(None, layout.early, 4, 2)]
-        else:
-            cfg_id = _decode_class(layout.big, layout.dk, num_splits)
-            configs = _DECODE_CONFIGS[cfg_id]
+        cfg_id: Any = _decode_class(layout.big, layout.dk, num_splits)
+        configs = _DECODE_CONFIGS[cfg_id]
     else:
         cfg_id = _configs_key(configs)
     dev = q.device
@@ -858,7 +852,7 @@ def paged_decode(
         NUM_SPLITS=num_splits,
         BLOCK_S=next_pow2(num_splits),
         MIN_SPLIT_KEYS=min_split_keys,
-        EARLY=early,
+        EARLY=layout.early if early else 0,
     )
     key = (*layout.config_key, cfg_id)
     grid = (nd, layout.programs_per_split, num_splits)
