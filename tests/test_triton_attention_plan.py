@@ -131,8 +131,10 @@ if __name__ != "__main__":
     )
     def test_the_tile_read_before_the_wait_keeps_to_its_register_budget(head_dim, dtype, keys):
         """A decode layout that appends this step's rows reads a first tile of at most 32 KiB of
-        keys and values before its wait, and splits contexts into that many keys; MLA's
-        two-part keys and layouts without the step's rows read none."""
+        keys and values before its wait, and splits contexts into that many keys, at a
+        few sequences only (here the interpreter's device holds 8 programs: one sequence
+        of 2 KV heads in 4 splits); MLA's two-part keys and layouts without the step's
+        rows read none."""
         import torch
 
         from backplane.backends.triton import attention_launch as tri
@@ -147,10 +149,12 @@ if __name__ != "__main__":
         layout = tri.decode_layout(
             q, planes[0], planes[1], out, table, 16, k_new=rows, v_new=rows, **kw
         )
-        assert layout.early == keys and layout.keys_per_split == keys
-        assert keys * 2 * head_dim * dt.itemsize <= EARLY_TILE_BYTES
+        assert layout.early == keys and keys * 2 * head_dim * dt.itemsize <= EARLY_TILE_BYTES
+        assert layout.early_launch(1) and layout.split_keys(1) == keys
+        assert not layout.early_launch(2) and layout.split_keys(2) == KEYS_PER_SPLIT
         no_rows = tri.decode_layout(q, planes[0], planes[1], out, table, 16, **kw)
-        assert no_rows.early == 0 and no_rows.keys_per_split == KEYS_PER_SPLIT
+        assert no_rows.early == 0 and not no_rows.early_launch(1)
+        assert no_rows.split_keys(1) == KEYS_PER_SPLIT
         q_pe = torch.zeros(4, 8, 16, dtype=dt)
         mla = tri.decode_layout(
             q, planes[0], planes[1], out, table, 16, q_pe=q_pe, kpe_plane=planes[0, ..., :16],

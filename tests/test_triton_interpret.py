@@ -299,11 +299,15 @@ def check_attention_decode_split_kv():
 
 
 def check_attention_decode_early_tile():
-    """Splits longer than the tile read before the wait: heads of 128 in float32 keep that
-    tile to 32 keys, and two splits of 299, 170 and 89 cached keys go on in whole and
-    partial tiles after it, this step's row landing in a later tile (read back from the
-    pages) and, for the last sequence, in the early one (put in from the step's rows)."""
-    _attention_case([1, 1, 1], [299, 170, 89], hq=4, hkv=2, d=128, page_size=8, splits=2, seed=6)
+    """The tile read before the wait, at one sequence (the interpreter's device holds 8
+    programs, four splits of its 2 KV heads): heads of 128 in float32 keep that tile to
+    32 keys, and two splits of 299, 170 and 89 cached keys go on in whole and partial
+    tiles after it, this step's row landing in a later tile (read back from the pages)
+    and, for 89, in the early one (put in from the step's rows); heads of 32 read a whole
+    split of 70 keys early."""
+    for seed, cached in enumerate((299, 170, 89)):
+        _attention_case([1], [cached], hq=4, hkv=2, d=128, page_size=8, splits=2, seed=6 + seed)
+    _attention_case([1], [70], hq=8, hkv=2, d=32, page_size=8, seed=9)
 
 
 def check_attention_long_chunks():

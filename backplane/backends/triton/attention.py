@@ -224,7 +224,9 @@ def paged_attention(
                 layouts.decode = layout
         splits = _FORCED_SPLITS["value"]
         if not splits and plan is not None:
-            splits = plan.num_splits(layout.programs_per_split, layout.keys_per_split)
+            splits = plan.num_splits(
+                layout.programs_per_split, layout.split_keys(batch.num_decode_seqs)
+            )
         paged_decode(
             batch, q, k_plane, v_plane, buf,
             scale=scale, group=group, sliding_window=sliding_window, k_new=k_new,

@@ -136,6 +136,15 @@ calls of 16 layers in one graph (``benchmarks/decode_splits.py``), us per layer:
 EARLY_TILE_BYTES = 32768
 
 
+#: a decode launch reads its first tile before its wait only where the device holds at
+#: least this many splits of every sequence (a few sequences: batch 1, the end of a
+#: batch). Its tiles are then the early tile's keys (64 at heads of 128), which read
+#: long splits slower than the 128-key tiles of other launches (an FP8 cache, 32
+#: sequences x 1,200 keys in two splits: 66.8 against 54.6 us on an H100,
+#: ``benchmarks/tune_triton_attention.py``); with more splits a sequence's are short
+EARLY_MIN_SPLITS = 4
+
+
 def early_block(block_dk: int, block_dv: int, element_size: int) -> int:
     """The keys of a decode program's first tile read before its wait (see
     :data:`EARLY_TILE_BYTES`): a power of two from 16 to 128.

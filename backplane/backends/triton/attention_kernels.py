@@ -789,12 +789,10 @@ def _decode_kernel(
     With ``APPEND`` the program whose split holds the sequence's last position
     first writes this step's key/value row (``kn``/``vn`` at the token's slot)
     to the pages, then reads it back with the rest: the decode tokens need no
-    append launch of their own. With ``EARLY`` keys (``APPEND`` and plain keys
-    and values) the split's first tile of that many keys is read before the
-    wait for the previous kernel, and this step's row is put in it from
-    ``kn``/``vn`` (as the cache stores it) instead of read back; the splits
-    then hold whole early tiles' keys, and the rest of a split is read in
-    ``BLOCK_N``-key tiles as without it.
+    append launch of their own. With ``EARLY`` (``APPEND`` and plain keys and
+    values) the split's first tile is read before the wait for the previous
+    kernel, and this step's row is put in it from ``kn``/``vn`` (as the cache
+    stores it) instead of read back.
 
     With one split the program writes its rows of ``out``. With several it
     writes its normalised partial output and log2-sum-exp to
@@ -834,15 +832,13 @@ def _decode_kernel(
         want = tl.minimum(want, NUM_SPLITS)
     else:
         want = NUM_SPLITS
-    # whole tiles a split (whole early tiles where the kernel reads one)
-    GRAIN: tl.constexpr = EARLY if EARLY > 0 else BLOCK_N
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(span, want), GRAIN), 1) * GRAIN
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(span, want), BLOCK_N), 1) * BLOCK_N
     # splits past the keys stay idle; an empty sequence still has one (empty) split
     active = tl.maximum(tl.cdiv(span, per_split), 1)
     lo = lo0 + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    if EARLY > 0:
+    if EARLY:
         # The split's first tile, before the wait: the lengths and page table
         # were written before this step's first kernel and the pages by earlier
         # steps, so the page walk overlaps the previous kernel's tail. The one
@@ -850,7 +846,7 @@ def _decode_kernel(
         k_first, v_first = _paged_kv(
             lo, hi, bt_row, k_ptr, v_ptr,
             stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, kvh,
-            DK, DV, PAGE_SIZE, EARLY, BLOCK_DK, BLOCK_DV, KV_FP8,
+            DK, DV, PAGE_SIZE, BLOCK_N, BLOCK_DK, BLOCK_DV, KV_FP8,
         )  # fmt: skip
     if PDL:
         # What follows reads this step's queries and rows: the previous kernel's.
@@ -915,11 +911,13 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    # Whole tiles need no bounds check; only the split's last, partial tile does.
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     rest = lo
-    if EARLY > 0:
+    if EARLY:
         # The early tile read the new position's row before it was written: this
         # step's row goes in its place, as the cache now holds it.
-        offs_first = lo + tl.arange(0, EARLY)
+        offs_first = lo + tl.arange(0, BLOCK_N)
         new_row = (offs_first == seq_len - 1) & appended
         kc = tl.load(kn_ptr + tok * stride_knt + kvh * stride_knh + dk, mask=dk < DK, other=0.0)
         kc = _to_cache(kc, k_scale, k_ptr.dtype.element_ty, KV_FP8).to(q.dtype)
@@ -931,9 +929,7 @@ def _decode_kernel(
             acc, m_i, l_i, _dot_t(q, k_first, IEEE), (offs_first < hi)[None, :], v_first,
             qk_scale, True, IEEE,
         )  # fmt: skip
-        rest = lo + EARLY
-    # Whole tiles need no bounds check; only the split's last, partial tile does.
-    full_hi = rest + tl.maximum(hi - rest, 0) // BLOCK_N * BLOCK_N
+        rest = lo + BLOCK_N
     for start in range(rest, full_hi, BLOCK_N):
         acc, m_i, l_i = _paged_tile(
             acc, m_i, l_i, q, qpe, start, hi, lo, window, bt_row,

@@ -33,7 +33,9 @@ from backplane.backends.triton._common import (
 from backplane.backends.triton.attention_configs import (
     _DECODE_CONFIGS,
     _PREFILL_CONFIGS,
+    EARLY_MIN_SPLITS,
     KEYS_PER_SPLIT,
+    _cfg,
     _configs_key,
     _decode_class,
     _launch_fitting,
@@ -275,7 +277,7 @@ class StepPlan:
         """The decode's split count for layers of ``programs_per_split`` programs per split.
 
         :param programs_per_split: :attr:`_DecodeLayout.programs_per_split` of the layer.
-        :param keys_per_split: :attr:`_DecodeLayout.keys_per_split` of the layer.
+        :param keys_per_split: :meth:`_DecodeLayout.split_keys` of the layer for the batch.
         :return: :func:`choose_num_splits` for the batch, worked out once per value.
         """
         key = (programs_per_split, keys_per_split)
@@ -797,16 +799,21 @@ def paged_decode(
     # Loading the first tile before the wait for the queries pays where the
     # launch leaves the device partly idle and its programs wait on the page
     # walk; a full device hides that latency with other programs instead.
-    early = layout.early > 0 and nd * layout.programs_per_split <= layout.parallelism
+    early = layout.early_launch(nd)
     if min_split_keys is None:
-        min_split_keys = 0 if _FORCED_SPLITS["value"] else layout.keys_per_split
+        min_split_keys = 0 if _FORCED_SPLITS["value"] else layout.split_keys(nd)
     if num_splits is None:
         num_splits = choose_num_splits(
-            batch, layout.programs_per_split, q.device, layout.keys_per_split
+            batch, layout.programs_per_split, q.device, layout.split_keys(nd)
         )
     if configs is None:
-        cfg_id: Any = _decode_class(layout.big, layout.dk, num_splits)
-        configs = _DECODE_CONFIGS[cfg_id]
+        if early:
+            # splits of one early tile's keys, each read before the wait
+            cfg_id: Any = ("early", layout.early)
+            configs = [_cfg(None, layout.early, 4, 2)]
+        else:
+            cfg_id = _decode_class(layout.big, layout.dk, num_splits)
+            configs = _DECODE_CONFIGS[cfg_id]
     else:
         cfg_id = _configs_key(configs)
     dev = q.device
@@ -852,7 +859,7 @@ def paged_decode(
         NUM_SPLITS=num_splits,
         BLOCK_S=next_pow2(num_splits),
         MIN_SPLIT_KEYS=min_split_keys,
-        EARLY=layout.early if early else 0,
+        EARLY=early,
     )
     key = (*layout.config_key, cfg_id)
     grid = (nd, layout.programs_per_split, num_splits)
@@ -952,9 +959,6 @@ class _DecodeLayout:
         if append and not has_pe and not big and not self.meta["V_FROM_K"]:
             widened = q.element_size() if kv_fp8 else k_plane.element_size()
             self.early = early_block(self.meta["BLOCK_DK"], self.block_dv, max(widened, 2))
-        #: about how many keys a decode split is given (see :func:`choose_num_splits`):
-        #: one early tile's where the kernel reads one before its wait
-        self.keys_per_split = self.early or KEYS_PER_SPLIT
         #: programs that keep the device busy (see :func:`device_parallelism`)
         self.parallelism = device_parallelism(q.device)
         #: the config choice's key, less the configuration class
@@ -974,6 +978,22 @@ class _DecodeLayout:
             kpe.dtype,
             v_plane.dtype,
         )
+
+    def early_launch(self, num_decode_seqs: int) -> bool:
+        """Whether a launch over ``num_decode_seqs`` sequences reads each split's first tile
+        before its wait: where the layout has one and the device holds at least
+        :data:`EARLY_MIN_SPLITS` splits of every sequence (its programs would otherwise
+        wait on their page walks while other programs could run)."""
+        return (
+            self.early > 0
+            and num_decode_seqs * self.programs_per_split * EARLY_MIN_SPLITS <= self.parallelism
+        )
+
+    def split_keys(self, num_decode_seqs: int) -> int:
+        """About how many keys a decode split of such a launch is given (see
+        :func:`choose_num_splits`): one early tile's in an early launch, else
+        :data:`KEYS_PER_SPLIT`."""
+        return self.early if self.early_launch(num_decode_seqs) else KEYS_PER_SPLIT
 
 
 #: the fixed part of decode launches, by layout (see :class:`_DecodeLayout`)
