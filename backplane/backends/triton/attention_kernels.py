@@ -172,6 +172,34 @@ def _e4m3_rows_to_f16(rows, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _page_rows(
+    plane,
+    page,
+    off,
+    kvh,
+    stride_p,
+    stride_o,
+    stride_h,
+    row_ok,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """One KV head's rows at ``(page, off)`` of a cache plane: ``[len(page), BLOCK_D]``, zero
+    where ``row_ok`` is false or past ``D``; as stored, or widened to float16 from int32
+    words with ``KV_FP8 == 2`` (see :func:`_e4m3_rows_to_f16`)."""
+    rows = plane + page * stride_p + off * stride_o + kvh * stride_h
+    if KV_FP8 == 2:
+        tile = _e4m3_rows_to_f16(rows, row_ok, D, BLOCK_D)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        tile = tl.load(
+            rows[:, None] + d[None, :], mask=row_ok[:, None] & (d[None, :] < D), other=0.0
+        )
+    return tile
+
+
+@triton.jit
 def _dot_t(a, b, IEEE: tl.constexpr):
     """``a @ b^T`` with exact float32 products when ``IEEE``."""
     if IEEE:
@@ -234,8 +262,6 @@ def _paged_tile(
     :return: the updated ``(acc, m_i, l_i)``.
     """
     offs_n = start + tl.arange(0, BLOCK_N)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
     if MASK == 0:
         n_mask = offs_n >= 0
         page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
@@ -243,54 +269,26 @@ def _paged_tile(
         n_mask = offs_n < hi
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     off = offs_n % PAGE_SIZE
-    if KV_FP8 == 2:
-        k = _e4m3_rows_to_f16(
-            k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh, n_mask, DK, BLOCK_DK
-        )
-    else:
-        k = tl.load(
-            k_ptr
-            + page[:, None] * stride_kp
-            + off[:, None] * stride_ko
-            + kvh * stride_kh
-            + dk[None, :],
-            mask=n_mask[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        if KV_FP8:
-            k = k.to(q.dtype)
+    k = _page_rows(
+        k_ptr, page, off, kvh, stride_kp, stride_ko, stride_kh, n_mask, DK, BLOCK_DK, KV_FP8
+    )
+    if KV_FP8 == 1:
+        k = k.to(q.dtype)
     s = _dot_t(q, k, IEEE)
     if HAS_PE:
-        de = tl.arange(0, BLOCK_DPE)
-        kpe = tl.load(
-            kpe_ptr
-            + page[:, None] * stride_ep
-            + off[:, None] * stride_eo
-            + kvh * stride_eh
-            + de[None, :],
-            mask=n_mask[:, None] & (de[None, :] < DPE),
-            other=0.0,
+        kpe = _page_rows(
+            kpe_ptr, page, off, kvh, stride_ep, stride_eo, stride_eh, n_mask, DPE, BLOCK_DPE, 0
         )
         if KV_FP8:
             kpe = kpe.to(qpe.dtype)
         s += _dot_t(qpe, kpe, IEEE)
     if V_FROM_K:
         v = k  # MLA: the value is the latent the key tile already holds
-    elif KV_FP8 == 2:
-        v = _e4m3_rows_to_f16(
-            v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh, n_mask, DV, BLOCK_DV
-        )
     else:
-        v = tl.load(
-            v_ptr
-            + page[:, None] * stride_vp
-            + off[:, None] * stride_vo
-            + kvh * stride_vh
-            + dv[None, :],
-            mask=n_mask[:, None] & (dv[None, :] < DV),
-            other=0.0,
+        v = _page_rows(
+            v_ptr, page, off, kvh, stride_vp, stride_vo, stride_vh, n_mask, DV, BLOCK_DV, KV_FP8
         )
-        if KV_FP8:
+        if KV_FP8 == 1:
             v = v.to(q.dtype)
     if MASK == 2:
         keep = (
@@ -335,34 +333,12 @@ def _paged_kv(
     n_mask = offs_n < hi
     page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     off = offs_n % PAGE_SIZE
-    if KV_FP8 == 2:
-        k = _e4m3_rows_to_f16(
-            k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh, n_mask, DK, BLOCK_DK
-        )
-        v = _e4m3_rows_to_f16(
-            v_ptr + page * stride_vp + off * stride_vo + kvh * stride_vh, n_mask, DV, BLOCK_DV
-        )
-    else:
-        dk = tl.arange(0, BLOCK_DK)
-        dv = tl.arange(0, BLOCK_DV)
-        k = tl.load(
-            k_ptr
-            + page[:, None] * stride_kp
-            + off[:, None] * stride_ko
-            + kvh * stride_kh
-            + dk[None, :],
-            mask=n_mask[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr
-            + page[:, None] * stride_vp
-            + off[:, None] * stride_vo
-            + kvh * stride_vh
-            + dv[None, :],
-            mask=n_mask[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
+    k = _page_rows(
+        k_ptr, page, off, kvh, stride_kp, stride_ko, stride_kh, n_mask, DK, BLOCK_DK, KV_FP8
+    )
+    v = _page_rows(
+        v_ptr, page, off, kvh, stride_vp, stride_vo, stride_vh, n_mask, DV, BLOCK_DV, KV_FP8
+    )
     return k, v
 
 
