@@ -271,7 +271,7 @@ class StepPlan:
         self.batch = batch
         #: the prefill part, ``None`` without prefill sequences
         self.prefill = PrefillStep(batch) if batch.num_prefill_seqs else None
-        self._splits: dict[int, int] = {}
+        self._splits: dict[tuple[int, int], int] = {}
 
     def num_splits(self, programs_per_split: int, keys_per_split: int = KEYS_PER_SPLIT) -> int:
         """The decode's split count for layers of ``programs_per_split`` programs per split.
@@ -796,9 +796,9 @@ def paged_decode(
                 q_pe=q_pe, kpe_plane=kpe_plane, k_new=k_new, v_new=v_new,
                 k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
-    # Loading the first tile before the wait for the queries pays where the
-    # launch leaves the device partly idle and its programs wait on the page
-    # walk; a full device hides that latency with other programs instead.
+    # Loading the first tile before the wait for the queries pays where most
+    # of the device is idle and the programs would wait on their page walks; a
+    # full device hides that latency with other programs instead.
     early = layout.early_launch(nd)
     if min_split_keys is None:
         min_split_keys = 0 if _FORCED_SPLITS["value"] else layout.split_keys(nd)
