@@ -800,17 +800,16 @@ def paged_decode(
     # of the device is idle and the programs would wait on their page walks; a
     # full device hides that latency with other programs instead.
     early = layout.early_launch(nd)
+    split_keys = layout.early if early else KEYS_PER_SPLIT
     if min_split_keys is None:
-        min_split_keys = 0 if _FORCED_SPLITS["value"] else layout.split_keys(nd)
+        min_split_keys = 0 if _FORCED_SPLITS["value"] else split_keys
     if num_splits is None:
-        num_splits = choose_num_splits(
-            batch, layout.programs_per_split, q.device, layout.split_keys(nd)
-        )
+        num_splits = choose_num_splits(batch, layout.programs_per_split, q.device, split_keys)
     if configs is None:
         if early:
             # splits of one early tile's keys, each read before the wait
-            cfg_id: Any = ("early", layout.early)
-            configs = [_cfg(None, layout.early, 4, 2)]
+            cfg_id: Any = layout.early_cfg_id
+            configs = layout.early_configs
         else:
             cfg_id = _decode_class(layout.big, layout.dk, num_splits)
             configs = _DECODE_CONFIGS[cfg_id]
@@ -959,6 +958,9 @@ class _DecodeLayout:
         if append and not has_pe and not big and not self.meta["V_FROM_K"]:
             widened = q.element_size() if kv_fp8 else k_plane.element_size()
             self.early = early_block(self.meta["BLOCK_DK"], self.block_dv, max(widened, 2))
+        #: the launch configuration of early launches (tiles of the early tile's keys)
+        self.early_configs = [_cfg(None, self.early, 4, 2)] if self.early else []
+        self.early_cfg_id = ("early", self.early)
         #: programs that keep the device busy (see :func:`device_parallelism`)
         self.parallelism = device_parallelism(q.device)
         #: the config choice's key, less the configuration class
