@@ -9,8 +9,9 @@ runs alone in the Triton interpreter. Checked for every rank of two and of
 four, over calls of different sizes: the sum (the float32 sum in rank
 order, rounded once), the flag it stores into each peer's array (the call's
 epoch, program by program, its own included), the half of its own buffer it
-writes, and the epochs it advances. Two GPUs run the real exchange in
-``test_one_shot_all_reduce_gpu.py``.
+writes, and the epochs it advances. A call whose peer never signals returns
+once the host sets the abort word, and only then. Two GPUs run the real
+exchange in ``test_one_shot_all_reduce_gpu.py``.
 
 Run one check by hand with::
 
@@ -24,7 +25,7 @@ import sys
 import torch
 from interpreter_checks import interpreter_tests, main
 
-CHECKS = ("exchange", "refusals")
+CHECKS = ("exchange", "abort", "refusals")
 
 if __name__ != "__main__":
     interpret_results, test_in_interpreter = interpreter_tests(__file__, CHECKS, timeout=600)
@@ -45,6 +46,12 @@ def _rank_order_sum(slices: list[torch.Tensor], dtype: torch.dtype) -> torch.Ten
     return acc.to(dtype)
 
 
+def _abort_word(value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's abort word and the one-address table it takes."""
+    word = torch.full((1,), value, dtype=torch.int32)
+    return word, torch.tensor([word.data_ptr()], dtype=torch.int64)
+
+
 def _exchange(rank: int, world: int, dtype: torch.dtype) -> None:
     from backplane.kernels.one_shot_all_reduce import BLOCK, MAX_PROGRAMS, one_shot_all_reduce
 
@@ -54,6 +61,7 @@ def _exchange(rank: int, world: int, dtype: torch.dtype) -> None:
     buffers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
     epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32)
+    word, abort = _abort_word()
     # the epochs every rank counts, program by program, as the host expects them
     counted = [0] * MAX_PROGRAMS
     for call, numel in enumerate([3 * BLOCK + 5, 7, 4 * BLOCK, 1, BLOCK + 1]):
@@ -69,7 +77,7 @@ def _exchange(rank: int, world: int, dtype: torch.dtype) -> None:
                     bufs[peer][at + lo : at + hi] = slices[peer][lo:hi]
                     flags[rank][p * world + peer] = counted[p]
         x = slices[rank].clone()
-        one_shot_all_reduce(x, buffers, flag_ptrs, flags[rank], epochs, rank, half)
+        one_shot_all_reduce(x, buffers, flag_ptrs, epochs, abort, rank, half)
         want = _rank_order_sum(slices, dtype)
         assert torch.equal(x, want), f"rank {rank} of {world}, call {call}: wrong sums"
         assert epochs.tolist() == counted, f"call {call}: epochs {epochs.tolist()[:6]}"
@@ -93,16 +101,56 @@ def check_exchange() -> None:
                 _exchange(rank, world, dtype)
 
 
+def check_abort() -> None:
+    """A peer that never signals: the call returns once the abort word is set, not before.
+
+    The word is set by the host two seconds into the call (the kernel runs on
+    another thread); a kernel that never reads it does not return (the join
+    times out), one that gives up without it returns before the word is set.
+    """
+    import threading
+    import time
+
+    from backplane.kernels.one_shot_all_reduce import MAX_PROGRAMS, one_shot_all_reduce
+
+    half = 64
+    bufs = [torch.zeros(2 * half) for _ in range(WORLD)]
+    flags = [torch.zeros(MAX_PROGRAMS * WORLD, dtype=torch.int32) for _ in range(WORLD)]
+    buffers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32)
+    word, abort = _abort_word()
+    x = torch.arange(5, dtype=torch.float32)
+    done = threading.Event()
+
+    def call() -> None:
+        one_shot_all_reduce(x, buffers, flag_ptrs, epochs, abort, 0, half)
+        done.set()
+
+    waiting = threading.Thread(target=call, daemon=True)
+    waiting.start()
+    time.sleep(2.0)
+    assert not done.is_set(), "the call returned though its peer never signalled"
+    word.fill_(1)
+    waiting.join(timeout=120)
+    assert done.is_set(), "the call did not return after the abort word was set"
+    assert int(epochs[0]) == 1 and int(flags[1][0 * WORLD + 0]) == 1, "the call did not start"
+    # a later call gives up at its first look at the word (the word stays set)
+    started = time.monotonic()
+    one_shot_all_reduce(x, buffers, flag_ptrs, epochs, abort, 0, half)
+    assert int(epochs[0]) == 2, f"epoch {int(epochs[0])} after the second call"
+    assert time.monotonic() - started < 120, "the second call waited on"
+
+
 def check_refusals() -> None:
     """A message larger than a buffer half or not contiguous is refused with a message."""
     from backplane.kernels.one_shot_all_reduce import MAX_PROGRAMS, one_shot_all_reduce
 
     i64 = torch.zeros(WORLD, dtype=torch.int64)
-    flags = torch.zeros(MAX_PROGRAMS * WORLD, dtype=torch.int32)
     epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32)
     for x in (torch.zeros(65), torch.zeros(8, 8).t()):
         try:
-            one_shot_all_reduce(x, i64, i64, flags, epochs, 0, 64)
+            one_shot_all_reduce(x, i64, i64, epochs, i64[:1], 0, 64)
         except ValueError as e:
             assert "contiguous tensor of at most 64 elements" in str(e), str(e)
         else:

@@ -1,10 +1,12 @@
 """The one-shot all-reduce on two GPUs: sums against a float64 reference, bit-equal on every rank,
-eagerly and replayed in a CUDA graph, and the engine's routing of small messages to it."""
+eagerly and replayed in a CUDA graph, the engine's routing of small messages to it, and a wait
+for a peer that never comes, ended by the host's abort."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -105,3 +107,66 @@ def _check(rank: int, world: int, port: int) -> None:
 def test_one_shot_sums_equal_float64_on_every_rank_eager_and_in_graphs():
     _two_gpus()
     mp.spawn(_check, args=(2, _port()), nprocs=2, join=True)
+
+
+def _check_abort(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    try:
+        from backplane.core import parallel
+        from backplane.engine.distributed.one_shot import setup_one_shot
+
+        assert setup_one_shot(dist.group.WORLD, rank, world, device)
+        comm = parallel._small
+        assert comm is not None and not comm.aborted
+        dist.barrier()
+        if rank == 0:
+            # rank 1 never makes this call: rank 0's kernel waits for its flag
+            x = torch.ones(4096, dtype=torch.bfloat16, device=device)
+            comm(x)
+            done = torch.cuda.Event()
+            done.record()
+            time.sleep(2.0)
+            assert not done.query(), "the sum finished without the peer's slice"
+            comm.abort()
+            t0 = time.monotonic()
+            while not done.query():
+                assert time.monotonic() - t0 < 30, "the kernel went on waiting after the abort"
+                time.sleep(0.01)
+            assert comm.aborted
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        parallel.set_small_all_reduce(None)
+        dist.destroy_process_group()
+
+
+def test_a_wait_for_a_peer_that_never_comes_ends_when_the_host_aborts():
+    _two_gpus()
+    mp.spawn(_check_abort, args=(2, _port()), nprocs=2, join=True)
+
+
+def _check_rejoin(rank: int, world: int, ports: tuple[int, int]) -> None:
+    """Join, sum, leave, and join a new group in the same processes (a second engine)."""
+    from backplane.core import parallel
+    from backplane.engine.distributed.group import join_group, leave_group
+
+    device = torch.device("cuda", rank)
+    for seed, port in enumerate(ports):
+        join_group(rank, world, f"tcp://127.0.0.1:{port}", device, one_shot=True)
+        try:
+            comm = parallel._small
+            assert comm is not None, f"group {seed}: the one-shot all-reduce was not set up"
+            x = _inputs(rank, 5000, torch.bfloat16, seed).to(device)
+            comm(x)
+            want = _reference(world, 5000, torch.bfloat16, seed)
+            torch.testing.assert_close(x.cpu(), want, rtol=0, atol=0)
+        finally:
+            leave_group()
+
+
+def test_a_second_group_in_the_same_processes_sets_it_up_again():
+    _two_gpus()
+    mp.spawn(_check_rejoin, args=(2, (_port(), _port())), nprocs=2, join=True)

@@ -27,6 +27,16 @@ class _Tripling:
         self.calls.append(tuple(x.shape))
         x.mul_(3)
 
+    def abort(self) -> None:
+        raise AssertionError("nothing aborts it here")
+
+    @property
+    def aborted(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
 
 @pytest.fixture
 def one_rank_group(tmp_path):
@@ -75,7 +85,9 @@ def test_one_rank_never_calls_it():
         set_small_all_reduce(None)
 
 
-def test_leaving_the_group_drops_it():
-    set_small_all_reduce(_Tripling(limit=4))
+def test_leaving_the_group_drops_and_closes_it():
+    small = _Tripling(limit=4)
+    set_small_all_reduce(small)
     leave_group()
     assert parallel._small is None
+    assert getattr(small, "closed", False), "its buffers were not given back"

@@ -73,6 +73,75 @@ def test_watchdog_ends_a_collective_waiting_for_a_dead_rank(monkeypatch):
         leaks.forget_all()
 
 
+class _AbortableAllReduce:
+    """The host side of a small all-reduce that waits on the device (the one-shot
+    kernel): it takes no message here (gloo sums them all), only the abort."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+
+    def fits(self, x: Any) -> bool:
+        return False
+
+    def __call__(self, x: Any) -> None:
+        raise AssertionError("no message fits")
+
+    def abort(self) -> None:
+        self.stop.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self.stop.is_set()
+
+
+def test_a_step_whose_all_reduce_was_aborted_is_refused_naming_the_dead_rank(monkeypatch):
+    """A one-shot all-reduce waiting for a dead peer is aborted by the watchdog and returns
+    without raising (the device goes on with a sum that is not one); the step's token must
+    not reach the request: the engine ends naming the rank instead."""
+    from backplane.core import parallel
+
+    small = _AbortableAllReduce()
+    llm = _tp_llm(async_scheduling=False)
+    executor = llm.engine.executor
+    (pid,) = executor.worker_pids
+    driver = executor.driver
+    real_sample = driver.sample_tokens
+    first: list[Any] = []
+    entered = threading.Event()
+
+    def sample(hidden: Any, inputs: Any, rows: Any) -> Any:
+        if not first:
+            first.append(real_sample(hidden, inputs, rows))
+            return first[0]
+        # the decode step: its all-reduce waits on the device for the dead peer while
+        # the host has gone on (launches return at once); aborted, the device finishes
+        # the step with what is in the buffers: here, the prefill's tokens
+        entered.set()
+        small.stop.wait(HANG_S)
+        return first[0]
+
+    monkeypatch.setattr(driver, "sample_tokens", sample)
+    parallel.set_small_all_reduce(small)
+    killer = threading.Thread(
+        target=lambda: entered.wait(HANG_S) and os.kill(pid, signal.SIGKILL), daemon=True
+    )
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailedError, match=r"rank 1 died \(exit code -9\)") as info:
+            llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert small.aborted, "the watchdog did not abort the small all-reduce"
+        assert time.monotonic() - t0 < 30
+        assert info.value.rank == 1
+        assert not _alive(pid)
+    finally:
+        parallel.set_small_all_reduce(None)
+        llm.shutdown()
+        import leaks
+
+        leaks.forget_all()
+
+
 def test_watchdog_leaves_a_clean_shutdown_alone(monkeypatch):
     aborted = threading.Event()
     monkeypatch.setattr(multiproc, "abort_group", aborted.set)

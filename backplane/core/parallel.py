@@ -25,11 +25,13 @@ import torch
 from backplane.core.errors import ConfigError
 
 __all__ = [
+    "abort_small_all_reduce",
     "TensorParallel",
     "UnevenSplitError",
     "SmallAllReduce",
     "divide",
     "set_small_all_reduce",
+    "small_all_reduce_aborted",
     "set_tensor_parallel",
     "shard_range",
     "tensor_parallel",
@@ -150,20 +152,56 @@ class SmallAllReduce(Protocol):
         """Sum ``x`` over the ranks in place."""
         ...
 
+    def abort(self) -> None:
+        """Stop waiting for peers, from any thread: a peer died and the engine ends.
+
+        Calls waiting now, and every later call, return without the sum.
+        """
+        ...
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called (results computed since are not sums)."""
+        ...
+
+    def close(self) -> None:
+        """Give back what it holds (the group is being left; no call follows)."""
+        ...
+
 
 _small: SmallAllReduce | None = None
 
 
-def set_small_all_reduce(small: SmallAllReduce | None) -> None:
+def set_small_all_reduce(small: SmallAllReduce | None) -> SmallAllReduce | None:
     """Route the all-reduces that ``small`` takes through it (``None``: all through the group).
 
     Set by the engine's worker once the group is joined, before any model
     runs; read inside the all-reduce op, so layers built before it use it too.
 
     :param small: the all-reduce for small messages, or ``None``.
+    :return: the one it replaces (for the caller to close), or ``None``.
     """
     global _small
-    _small = small
+    previous, _small = _small, small
+    return previous
+
+
+def abort_small_all_reduce() -> bool:
+    """Abort this process's small all-reduce (see :meth:`SmallAllReduce.abort`), if it has one.
+
+    :return: whether there was one to abort.
+    """
+    small = _small
+    if small is None:
+        return False
+    small.abort()
+    return True
+
+
+def small_all_reduce_aborted() -> bool:
+    """Whether this process's small all-reduce was aborted (its sums since are not to be used)."""
+    small = _small
+    return small is not None and small.aborted
 
 
 def tensor_parallel() -> TensorParallel:

@@ -580,10 +580,12 @@ class Engine(WorkerView):
         :func:`~backplane.engine.step_rows.prompt_rows`), or ``None``."""
         return prompt_rows(self._prompt_lp_reqs, scheduled, inputs)
 
-    @staticmethod
-    def _wait(launched: LaunchedStep) -> dict[str, int]:
-        """The launched step's sampled tokens, once they reached the host."""
-        return launched.wait()
+    def _wait(self, launched: LaunchedStep) -> dict[str, int]:
+        """The launched step's sampled tokens, once they reached the host (and the executor
+        vouched for them)."""
+        sampled = launched.wait()
+        self.executor.check_results()
+        return sampled
 
     def execute(self, inputs: BatchInputs) -> torch.Tensor:
         """Run the model for a prepared step on the executor's worker(s).

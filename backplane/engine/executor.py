@@ -93,6 +93,17 @@ class Executor(Protocol):
         """
         ...
 
+    def check_results(self) -> None:
+        """Raise if results the host read from the device since the last step may be wrong.
+
+        Called once the host has a step's tokens, before it uses them. A rank that
+        died in the middle of a step leaves the others' results undefined (an
+        all-reduce given up on is not a sum); the step is refused and the engine ends.
+
+        :raises EngineFailedError: the results cannot be used (naming the rank lost).
+        """
+        ...
+
     def mirror_host_tier(self, tier: HostTier) -> None:
         """Make every page copy of the host KV tier (built over the driver's caches) reach
         every worker, so each rank's cache shard moves the same pages.
@@ -151,6 +162,9 @@ class InProcessExecutor:
     def keep_verified_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """See :meth:`Executor.keep_verified_states`."""
         self.driver.keep_verified_states(src_slots, dst_slots)
+
+    def check_results(self) -> None:
+        """Nothing to check: one worker's results depend on no other process."""
 
     def mirror_host_tier(self, tier: HostTier) -> None:
         """Nothing to do: the tier's copies move the only worker's pages (see the protocol)."""

@@ -18,6 +18,13 @@ writing call ``n + 1`` cannot overwrite what a slower peer still reads of call
 ``n``. Every rank must run the same sequence of all-reduces (as the ranks of a
 tensor-parallel model do).
 
+A peer that died never stores its flag, and nothing on the device would end
+the wait. Every :data:`ABORT_SPINS` turns of its wait a program also reads an
+abort word in pinned host memory; once the host sets it (a watchdog that saw
+the peer's process end), every waiting program leaves its wait and the call
+returns a sum that is not one, which the host then refuses to use. The word is
+read so rarely that a wait that ends normally never reads it across the bus.
+
 The buffers come from :class:`~backplane.engine.distributed.one_shot.OneShotAllReduce`,
 which maps them into every rank's address space.
 """
@@ -31,7 +38,7 @@ import triton.language as tl
 from backplane.core.launch import KernelLauncher, cdiv, dependent_launch
 from backplane.kernels.elementwise import INTERPRET, _round
 
-__all__ = ["BLOCK", "DTYPES", "MAX_PROGRAMS", "one_shot_all_reduce"]
+__all__ = ["ABORT_SPINS", "BLOCK", "DTYPES", "MAX_PROGRAMS", "one_shot_all_reduce"]
 
 #: elements of the message one program sums
 BLOCK = 2048
@@ -40,6 +47,8 @@ BLOCK = 2048
 MAX_PROGRAMS = 64
 #: dtypes the kernel sums
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: turns of a program's wait for a flag between two reads of the abort word (a power of two)
+ABORT_SPINS = 1024
 
 
 @triton.jit(do_not_specialize=["numel", "rank", "half_elems"])
@@ -48,11 +57,12 @@ def _one_shot_kernel(
     numel,
     buffers_ptr,
     flags_ptr,
-    own_flags_ptr,
     epochs_ptr,
+    abort_ptr,
     rank,
     half_elems,
     WORLD: tl.constexpr,
+    SPINS: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -77,13 +87,21 @@ def _one_shot_kernel(
     for r in tl.static_range(WORLD):
         peer_flags = tl.load(flags_ptr + r).to(tl.pointer_type(tl.int32))
         tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
+    # the host's abort word (pinned memory), read every SPINS turns of a wait
+    abort = tl.load(abort_ptr).to(tl.pointer_type(tl.int32))
+    stop = tl.full([], 0, tl.int32)
+    own_flags = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
-        flag = own_flags_ptr + pid * WORLD + r
+        flag = own_flags + pid * WORLD + r
         seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        spins = tl.full([], 0, tl.int32)
         # Epochs only grow (a peer may already be one call ahead); the signed
         # difference stays right across the counter's wrap.
-        while seen - epoch < 0:
+        while (seen - epoch < 0) & (stop == 0):
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            spins += 1
+            if spins % SPINS == 0:
+                stop = tl.load(abort, volatile=True)
     tl.debug_barrier()
     acc = tl.zeros([BLOCK], tl.float32)
     for r in tl.static_range(WORLD):
@@ -100,8 +118,8 @@ def one_shot_all_reduce(
     x: torch.Tensor,
     buffers: torch.Tensor,
     flags: torch.Tensor,
-    own_flags: torch.Tensor,
     epochs: torch.Tensor,
+    abort: torch.Tensor,
     rank: int,
     half_elems: int,
 ) -> None:
@@ -114,10 +132,11 @@ def one_shot_all_reduce(
         mapped in this process (two halves of ``half_elems`` elements of
         ``x``'s dtype each).
     :param flags: int64 ``[world]``: every rank's flag array address
-        (int32 ``[MAX_PROGRAMS, world]``), as mapped here.
-    :param own_flags: this rank's flag array itself (the one ``flags[rank]``
-        points at).
+        (int32 ``[MAX_PROGRAMS, world]``), as mapped here (``flags[rank]``: its own).
     :param epochs: int32 ``[MAX_PROGRAMS]`` of this rank, zero before the first call.
+    :param abort: int64 ``[1]`` on the device: the address of an int32 word the
+        kernel can read (pinned host memory on CUDA), zero while the ranks run; a
+        call waiting for a peer when it turns non-zero returns without the sum.
     :param rank: this rank.
     :param half_elems: the elements of ``x``'s dtype in one half of a buffer.
     :raises ValueError: ``x`` is too large for the buffers or not contiguous.
@@ -139,9 +158,10 @@ def one_shot_all_reduce(
     _LAUNCHER(
         (x.dtype, x.data_ptr() % 16 == 0, world, pdl),
         (cdiv(numel, BLOCK),),
-        (x, numel, buffers, flags, own_flags, epochs, rank, half_elems),
+        (x, numel, buffers, flags, epochs, abort, rank, half_elems),
         device,
         WORLD=world,
+        SPINS=ABORT_SPINS,
         BLOCK=BLOCK,
         PDL=pdl,
         INTERPRET=INTERPRET,

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from backplane.core.parallel import TensorParallel, set_small_all_reduce, set_tensor_parallel
+from backplane.core.parallel import (
+    TensorParallel,
+    abort_small_all_reduce,
+    set_small_all_reduce,
+    set_tensor_parallel,
+)
 from backplane.engine.threads import available_cores
 
 if TYPE_CHECKING:
@@ -116,7 +121,12 @@ def join_group(
 def leave_group() -> None:
     """Leave the process group (if joined) and return to one rank."""
     set_tensor_parallel(TensorParallel())
-    set_small_all_reduce(None)
+    small = set_small_all_reduce(None)
+    if small is not None:
+        try:
+            small.close()
+        except Exception:  # leaving anyway: a buffer not freed goes with the process
+            logger.warning("freeing the one-shot all-reduce's buffers failed", exc_info=True)
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -130,8 +140,12 @@ def abort_group() -> None:
     A NCCL collective whose peer died waits for it forever (until the group
     timeout); aborting the communicators ends the wait, so the caller can say
     which rank was lost. gloo notices a dead peer by itself (its sockets
-    close), so there is nothing to abort.
+    close), so there is nothing to abort. The one-shot all-reduce's kernel
+    waits for its peers' flags on the device, out of NCCL's reach: it is
+    aborted first (its word in host memory), so that the device gets past the
+    wait and the driver's next synchronisation returns.
     """
+    abort_small_all_reduce()
     if not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_backend() != "nccl":

@@ -18,8 +18,10 @@ its exit code; either ends the engine with a
 :class:`~.errors.WorkerFailedError` naming the rank, after every worker
 process was ended. A watchdog thread waits on the workers' process sentinels:
 when one dies while the driver is blocked in a collective that would wait for
-it forever (NCCL), it aborts the group so that the collective returns and the
-step fails naming the rank.
+it forever (NCCL, or the one-shot all-reduce's kernel), it aborts the group so
+that the collective returns and the step fails naming the rank (a one-shot
+all-reduce given up on returns no sum: the step's tokens are refused in
+:meth:`MultiprocExecutor.check_results`).
 
 Shutdown: the engine's shutdown (also :class:`~backplane.api.AsyncLLM`'s)
 ends the workers and destroys the process group; an engine never shut down
@@ -51,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from backplane.core.errors import EngineClosedError
+from backplane.core.parallel import small_all_reduce_aborted
 from backplane.engine.distributed import messages as msg
 from backplane.engine.distributed.errors import WorkerFailedError
 from backplane.engine.distributed.group import (
@@ -291,6 +294,25 @@ class MultiprocExecutor:
                 )
             self._send_all(msg.SAMPLE, portable)
             return self._guard(self.driver.sample_tokens, hidden, inputs, rows, fatal=True)
+
+    def check_results(self) -> None:
+        """See :meth:`Executor.check_results`.
+
+        A worker that died while the driver's device waited in the one-shot
+        all-reduce had that wait aborted by the watchdog: the device went on
+        with sums that are not sums, and the step's tokens are refused here.
+
+        :raises WorkerFailedError: the all-reduce was aborted (naming the lost rank).
+        """
+        if not small_all_reduce_aborted():
+            return
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._fail(
+                self._diagnose(wait=FAILURE_GRACE)
+                or WorkerFailedError(0, "(the driver) had its all-reduce aborted")
+            )
 
     def compute_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """Run the LM head over the rows on every rank; see :meth:`Executor.compute_logits`.

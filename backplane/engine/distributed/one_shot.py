@@ -1,8 +1,8 @@
 """The one-shot all-reduce's buffers, mapped into every rank of a CUDA tensor-parallel group.
 
-Each rank allocates an exchange buffer with a flag array in front in PyTorch's
-symmetric memory, which maps it into every peer (once, at start-up, over the
-group); every rank then holds the addresses of all of them and
+Each rank allocates an exchange buffer with a flag array in front and shares it
+with its peers through a CUDA IPC handle (:mod:`.cuda_ipc`; once, at start-up,
+over the group); every rank then holds the addresses of all of them and
 :func:`~backplane.kernels.one_shot_all_reduce.one_shot_all_reduce` sums a
 small message in one kernel of peer loads. Messages larger than the buffers,
 and every message on a group whose GPUs cannot reach each other directly, go
@@ -31,9 +31,9 @@ class OneShotAllReduce:
 
     Built in three steps, each of which every rank of the group takes together
     (see :func:`setup_one_shot`): the constructor allocates this rank's buffer
-    in symmetric memory (local), :meth:`connect` maps every rank's buffer into
-    every rank (collective) and :meth:`check` sums one row of each dtype
-    (collective: the kernel waits for every peer).
+    (local), :meth:`connect` maps every rank's buffer into every rank
+    (collective) and :meth:`check` sums one row of each dtype (collective: the
+    kernel waits for every peer). :meth:`close` gives the buffers back.
 
     :param rank: this rank.
     :param size: the number of ranks.
@@ -41,8 +41,7 @@ class OneShotAllReduce:
     """
 
     def __init__(self, rank: int, size: int, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
+        from backplane.engine.distributed.cuda_ipc import SharedBuffer
         from backplane.kernels.one_shot_all_reduce import (
             BLOCK,
             DTYPES,
@@ -58,32 +57,38 @@ class OneShotAllReduce:
         self.max_elems = BLOCK * MAX_PROGRAMS
         self._half_bytes = self.max_elems * 4
         self._flag_bytes = -(-MAX_PROGRAMS * size * 4 // 256) * 256
-        # PyTorch's symmetric memory maps every rank's buffer into every rank
-        # (and grants this GPU access to them); its own kernels are not used.
-        self._buffer = symm_mem.empty(
-            self._flag_bytes + 2 * self._half_bytes, dtype=torch.uint8, device=device
-        )
-        self._buffer.zero_()
+        # shared with the peers' processes through a CUDA IPC handle, zeroed
+        self._buffer = SharedBuffer(device, self._flag_bytes + 2 * self._half_bytes)
+        # the kernel's abort word, in pinned host memory so that the host can set it
+        # while the device is busy in a wait (see abort()); its device-side address
+        self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._abort_ptr = torch.tensor([self._abort.data_ptr()], dtype=torch.int64, device=device)
 
     def connect(self, group: Any) -> None:
         """Map every rank's buffer into this one (collective over ``group``).
 
         :param group: the NCCL process group of the tensor-parallel ranks.
         """
-        import torch.distributed._symmetric_memory as symm_mem
-
+        handles: list[Any] = [None] * self.size
+        dist.all_gather_object(handles, self._buffer.handle(), group=group)
+        bases = [
+            self._buffer.ptr if r == self.rank else self._buffer.open(h)
+            for r, h in enumerate(handles)
+        ]
         device = self.device
-        self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
-        self._flags = self._buffer[: self._flag_bytes].view(torch.int32)
         self._epochs = torch.zeros(self._programs, dtype=torch.int32, device=device)
-        bases = [int(p) for p in self._handle.buffer_ptrs]
         self._buffers = torch.tensor(
             [b + self._flag_bytes for b in bases], dtype=torch.int64, device=device
         )
         self._flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
-        # no rank's first flag may land before every rank has zeroed its own
+        # no rank's first flag may land before every rank has mapped its peers
         dist.barrier(group=group)
+
+    def close(self) -> None:
+        """Unmap the peers' buffers and free this rank's (the group is being left; no call
+        may run after this)."""
+        self._buffer.close()
 
     def check(self) -> None:
         """Sum a row of every dtype once, on every rank together: the kernels are compiled
@@ -126,11 +131,25 @@ class OneShotAllReduce:
             x,
             self._buffers,
             self._flag_ptrs,
-            self._flags,
             self._epochs,
+            self._abort_ptr,
             self.rank,
             self._half_bytes // x.element_size(),
         )
+
+    def abort(self) -> None:
+        """Make every call of this rank waiting for a peer return now, and every later
+        call return at its first wait, without the sum (from any thread).
+
+        For a peer that died: the engine ends, and no result computed since
+        may be used (see :attr:`aborted`).
+        """
+        self._abort.fill_(1)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called: sums since then are not to be trusted."""
+        return bool(self._abort.item())
 
 
 def run_in_stages(
@@ -191,6 +210,9 @@ def setup_one_shot(group: Any, rank: int, size: int, device: torch.device) -> bo
             return "this GPU cannot access its peers' memory directly"
         import triton  # noqa: F401
 
+        from backplane.engine.distributed.cuda_ipc import cudart
+
+        cudart()
         return None
 
     def allocate() -> None:
@@ -211,6 +233,11 @@ def setup_one_shot(group: Any, rank: int, size: int, device: torch.device) -> bo
         if rank == 0:
             logger.warning("custom_all_reduce: small all-reduces stay on NCCL (%s)", failed)
         set_small_all_reduce(None)
+        if built:
+            try:
+                built[0].close()
+            except Exception:  # the set-up already failed; this is only tidying up
+                logger.debug("rank %d: freeing the one-shot buffers failed", rank, exc_info=True)
         return False
     set_small_all_reduce(built[0])
     logger.debug("rank %d: small all-reduces run the one-shot kernel", rank)

@@ -389,6 +389,7 @@ class SpecDecoder:
             executor.keep_verified_states(*vs.keep_slots(out.num_accepted))
         verified = out.tokens.cpu().numpy()
         accepted = out.num_accepted.cpu().numpy()
+        executor.check_results()
         row_of = {id(r): i for i, r in enumerate(reqs)}
         rows_out = []
         finals = []
