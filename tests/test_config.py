@@ -349,13 +349,15 @@ def test_gpu_memory_utilization_is_a_fraction(value):
         EngineConfig(gpu_memory_utilization=value)
 
 
-def test_custom_all_reduce_is_opt_in_from_flags_yaml_and_keywords(tmp_path):
-    assert EngineConfig().custom_all_reduce is False
+def test_custom_all_reduce_is_on_unless_turned_off_by_flag_yaml_or_keyword(tmp_path):
+    assert EngineConfig().custom_all_reduce is True
+    assert config_from_args(_parser().parse_args([])).custom_all_reduce is True
     assert config_from_args(_parser().parse_args(["--custom-all-reduce"])).custom_all_reduce
     off = config_from_args(_parser().parse_args(["--no-custom-all-reduce"]))
     assert off.custom_all_reduce is False
-    path = _write(tmp_path, "custom_all_reduce: on\n")
-    assert EngineConfig.from_yaml(path).custom_all_reduce is True
+    assert EngineConfig(custom_all_reduce=False).custom_all_reduce is False
+    path = _write(tmp_path, "custom_all_reduce: off\n")
+    assert EngineConfig.from_yaml(path).custom_all_reduce is False
     with pytest.raises(ConfigError, match="custom_all_reduce"):
         EngineConfig(custom_all_reduce="sometimes")
 

@@ -130,7 +130,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=sup,
         help="sum small tensor-parallel all-reduces (decode rows) with a one-shot kernel "
-        "reading the peers' buffers over NVLink instead of NCCL (default: off)",
+        "reading the peers' buffers over NVLink instead of NCCL (default: on; "
+        "--no-custom-all-reduce keeps them on NCCL)",
     )
     group.add_argument(
         "--data-parallel-size",

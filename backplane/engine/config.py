@@ -219,7 +219,8 @@ class EngineConfig:
         directly, sum the tensor-parallel all-reduces of up to 128K elements
         (decode rows, short prefills) with a one-shot kernel that reads the
         peers' buffers (:mod:`backplane.engine.distributed.one_shot`) instead
-        of NCCL; off by default (opt-in while it is new).
+        of NCCL (on by default; ranks that cannot use it fall back to NCCL
+        together, with a warning; ``False`` keeps every sum on NCCL).
     :param data_parallel_size: engine replicas behind one ``AsyncLLM`` (and
         server), each a whole engine on its own devices, requests balanced by
         load (:mod:`backplane.api.data_parallel`); an ``LLM`` runs one.
@@ -258,7 +259,7 @@ class EngineConfig:
     threads: int | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
-    custom_all_reduce: bool = False
+    custom_all_reduce: bool = True
     data_parallel_size: int = 1
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0

@@ -245,9 +245,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--custom-all-reduce",
-        action="store_true",
-        help="with -tp > 1, sum small all-reduces with the one-shot kernel instead of NCCL "
-        "(the engine option custom_all_reduce)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with -tp > 1, sum small all-reduces with the one-shot kernel (default, the "
+        "engine option custom_all_reduce) or, with --no-custom-all-reduce, with NCCL",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
     parser.add_argument(

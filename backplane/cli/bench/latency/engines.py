@@ -139,8 +139,8 @@ def run_backplane(
         "backends": {**settings.backends, "attention": attention},
         "tensor_parallel_size": settings.tensor_parallel_size,
     }
-    if settings.custom_all_reduce:
-        overrides["custom_all_reduce"] = True
+    if settings.custom_all_reduce is not None:
+        overrides["custom_all_reduce"] = settings.custom_all_reduce
     if speculative_config is not None:
         overrides["speculative_config"] = dict(speculative_config)
     if settings.quantization is not None:

@@ -253,8 +253,8 @@ def run_shape(
                 label = _label("backplane", attention=attention, graphs=graphs)
                 if settings.tensor_parallel_size > 1:
                     label += f", tp={settings.tensor_parallel_size}"
-                    if settings.custom_all_reduce:
-                        label += ", one-shot all-reduce"
+                    if settings.custom_all_reduce is False:
+                        label += ", NCCL all-reduce"
                 if spec is not None:
                     label += f", {speculation_label(spec)}"
                 entry: dict[str, Any] = {

@@ -55,7 +55,8 @@ class Settings:
     :param compile_on_cpu: also compile transformers on a CPU (slow; off by default).
     :param weights_dir: keep the saved weights here (default: a temporary folder).
     :param tensor_parallel_size: ranks each backplane engine is split over (1).
-    :param custom_all_reduce: the engines' ``custom_all_reduce`` (with more than one rank).
+    :param custom_all_reduce: the engines' ``custom_all_reduce`` (with more than one rank);
+        ``None``: the engine's default (on).
     :param speculative_config: measure each backplane configuration again with this
         speculative decoding (the mapping ``LLM`` takes); ``None``: without only.
     :param workload: the prompts: ``random`` tokens, or ``rewrite`` (a paragraph to
@@ -84,7 +85,7 @@ class Settings:
     compile_on_cpu: bool = False
     weights_dir: str | None = None
     tensor_parallel_size: int = 1
-    custom_all_reduce: bool = False
+    custom_all_reduce: bool | None = None
     speculative_config: dict[str, Any] | None = None
     workload: str = "random"
     quantization: str | None = None
@@ -186,9 +187,9 @@ def check_storage(settings: Settings) -> None:
             f"--weights-format {settings.weights_format!r}: use {' or '.join(WEIGHTS_FORMATS)}"
         )
     gguf = settings.weights_format != "safetensors"
-    if settings.custom_all_reduce and settings.tensor_parallel_size < 2:
+    if settings.custom_all_reduce is not None and settings.tensor_parallel_size < 2:
         raise ConfigError(
-            "--custom-all-reduce changes how tensor-parallel ranks sum their outputs; "
+            "--[no-]custom-all-reduce changes how tensor-parallel ranks sum their outputs; "
             "use it with --tensor-parallel-size 2 or more"
         )
     if settings.quantization is not None:
