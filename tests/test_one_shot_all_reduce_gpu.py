@@ -40,11 +40,17 @@ def _reference(world: int, numel: int, dtype: torch.dtype, seed: int) -> torch.T
     return total.to(dtype)
 
 
-def _check(rank: int, world: int, port: int) -> None:
+def _join(rank: int, world: int, port: int) -> torch.device:
+    """Join a NCCL group of ``world`` ranks on this rank's GPU; return the GPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    return device
+
+
+def _check(rank: int, world: int, port: int) -> None:
+    device = _join(rank, world, port)
     try:
         from backplane.core import parallel
         from backplane.core.parallel import TensorParallel, set_tensor_parallel
@@ -110,10 +116,7 @@ def test_one_shot_sums_equal_float64_on_every_rank_eager_and_in_graphs():
 
 
 def _check_abort(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    device = _join(rank, world, port)
     try:
         from backplane.core import parallel
         from backplane.engine.distributed.one_shot import setup_one_shot

@@ -36,6 +36,13 @@ def _tp_llm(**kw: Any) -> LLM:
     return LLM("tiny-llama", device="cpu", threads=1, tensor_parallel_size=2, **kw)
 
 
+def _kill_once(entered: threading.Event, pid: int) -> None:
+    """Kill process ``pid`` from another thread once ``entered`` is set."""
+    threading.Thread(
+        target=lambda: entered.wait(HANG_S) and os.kill(pid, signal.SIGKILL), daemon=True
+    ).start()
+
+
 def test_watchdog_ends_a_collective_waiting_for_a_dead_rank(monkeypatch):
     aborted = threading.Event()
     monkeypatch.setattr(multiproc, "abort_group", aborted.set)
@@ -53,10 +60,7 @@ def test_watchdog_ends_a_collective_waiting_for_a_dead_rank(monkeypatch):
         return real_execute(inputs)
 
     monkeypatch.setattr(executor.driver, "execute_model", hanging_execute)
-    killer = threading.Thread(
-        target=lambda: entered.wait(HANG_S) and os.kill(pid, signal.SIGKILL), daemon=True
-    )
-    killer.start()
+    _kill_once(entered, pid)
     t0 = time.monotonic()
     try:
         with pytest.raises(WorkerFailedError, match=r"rank 1 died \(exit code -9\)") as info:
@@ -122,10 +126,7 @@ def test_a_step_whose_all_reduce_was_aborted_is_refused_naming_the_dead_rank(mon
 
     monkeypatch.setattr(driver, "sample_tokens", sample)
     parallel.set_small_all_reduce(small)
-    killer = threading.Thread(
-        target=lambda: entered.wait(HANG_S) and os.kill(pid, signal.SIGKILL), daemon=True
-    )
-    killer.start()
+    _kill_once(entered, pid)
     t0 = time.monotonic()
     try:
         with pytest.raises(WorkerFailedError, match=r"rank 1 died \(exit code -9\)") as info:
