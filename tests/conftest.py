@@ -120,6 +120,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected files' interpreter checks in the background (see
+    :func:`interpreter_checks.prefetch`): they run on a core the other tests leave idle."""
+    scripts: list[str] = []
+    for item in session.items:
+        if "interpret_results" in getattr(item, "fixturenames", ()):
+            path = str(item.path)
+            if path not in scripts:
+                scripts.append(path)
+    if scripts:
+        import interpreter_checks
+
+        interpreter_checks.prefetch(scripts)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End the background interpreter checks a stopped run did not wait for."""
+    import interpreter_checks
+
+    interpreter_checks.stop_prefetch()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _register_schedulers():
     """Make every scheduler and engine the tests build known to the leak check."""

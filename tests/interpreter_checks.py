@@ -6,6 +6,12 @@ process. So a test file of such checks runs itself as a script in one child
 process with the variable set (:func:`run_in_child`, from a module-scoped
 fixture), and the script's ``__main__`` runs the checks and writes their
 results as JSON (:func:`main`); each pytest test then reports one check.
+
+The children are CPU-bound and the pytest process mostly runs one thread, so
+once collection is done (:func:`prefetch`, from ``conftest.py``) a background
+thread starts the selected files' children one after another while the other
+tests run; a fixture takes its file's results when they are ready, and runs
+the child itself if the background thread has not reached it yet.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -61,13 +68,114 @@ def kernel_gpu(min_capability: tuple[int, int] | None = None, why: str = "") -> 
     return torch.device("cuda", torch.cuda.current_device())
 
 
+class _Child:
+    """One file's child process, run by whichever comes first: the background thread of
+    :func:`prefetch` or the file's fixture."""
+
+    def __init__(self, script: Path, checks: list[str], timeout: float) -> None:
+        self.script, self.checks, self.timeout = script, checks, timeout
+        self._claim = threading.Lock()
+        self._claimed = False
+        self._done = threading.Event()
+        self._outcome: tuple[int | None, str, dict[str, Result] | None] = (None, "", None)
+        self._proc: subprocess.Popen[str] | None = None
+
+    def claim(self) -> bool:
+        """Take the run for the caller; ``False`` when another caller already took it."""
+        with self._claim:
+            mine, self._claimed = not self._claimed, True
+            return mine
+
+    def run(self) -> None:
+        """Run the child (the claimer only) and keep its exit status, output and results."""
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = Path(tmp) / "results.json"
+            self._proc = proc = subprocess.Popen(
+                [sys.executable, str(self.script), "--json", str(result_file), *self.checks],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                out, err = proc.communicate(timeout=self.timeout)
+                code, output = proc.returncode, f"{out[-4000:]}\n{err[-4000:]}"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                code, output = None, f"the child took more than {self.timeout:.0f} s"
+            results = json.loads(result_file.read_text()) if result_file.exists() else None
+        self._outcome = (code, output, results)
+        self._done.set()
+
+    def cancel(self) -> None:
+        """Keep the child from starting, or end it if it runs (the session is over)."""
+        self.claim()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def outcome(self) -> tuple[int | None, str, dict[str, Result] | None]:
+        """The child's exit status, output tail and results, once it ended."""
+        self._done.wait()
+        return self._outcome
+
+
+#: the children of the files whose checks this session selected, by script path
+_children: dict[Path, _Child] = {}
+#: each file's checks and timeout, as its module declared them (see interpreter_tests)
+_declared: dict[Path, tuple[list[str], float]] = {}
+
+
+def prefetch(scripts: Iterable[str | Path], workers: int | None = None) -> None:
+    """Start running the interpreter checks of ``scripts`` in the background, in order.
+
+    Called once collection is done, with the files whose checks were selected.
+    Without ``triton`` nothing starts (the tests skip).
+
+    :param scripts: test files declared with :func:`interpreter_tests`.
+    :param workers: children at a time (default: half the CPUs, at least one).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    queue: list[_Child] = []
+    for script in scripts:
+        path = Path(script).resolve()
+        if path in _declared and path not in _children:
+            checks, timeout = _declared[path]
+            _children[path] = child = _Child(path, checks, timeout)
+            queue.append(child)
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 2) // 2)
+    for w in range(min(workers, len(queue))):
+        mine = queue[w::workers]
+        threading.Thread(
+            target=lambda own=mine: [c.run() for c in own if c.claim()],
+            name="interpreter-checks",
+            daemon=True,
+        ).start()
+
+
+def stop_prefetch() -> None:
+    """End the background children still running or waiting (the session is over: a run
+    stopped early leaves none behind)."""
+    for child in _children.values():
+        child.cancel()
+
+
 def run_in_child(
     script: str | Path, checks: Iterable[str], *, timeout: float = 600
 ) -> dict[str, Result]:
     """Run ``script``'s checks in one child process under ``TRITON_INTERPRET=1`` (pytest side).
 
-    Skips the calling test when ``triton`` is not installed, and fails it with
-    the child's output when the child ends without writing its results.
+    Takes the results of the background run :func:`prefetch` started, if any
+    (waiting for it), else runs the child now. Skips the calling test when
+    ``triton`` is not installed, and fails it with the child's output when the
+    child ends without writing its results.
 
     :param script: the test file, which runs :func:`main` when executed as a script.
     :param checks: the names of the checks to run.
@@ -77,23 +185,16 @@ def run_in_child(
     import pytest
 
     pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "results.json"
-        proc = subprocess.run(
-            [sys.executable, str(script), "--json", str(result_file), *checks],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if not result_file.exists():
-            pytest.fail(
-                f"interpreter checks crashed (rc={proc.returncode}):\n"
-                f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-            )
-        return json.loads(result_file.read_text())
+    names = list(checks)
+    child = _children.get(Path(script).resolve())
+    if child is None or child.checks != names:
+        child = _Child(Path(script), names, timeout)
+    if child.claim():
+        child.run()
+    code, output, results = child.outcome()
+    if results is None:
+        pytest.fail(f"interpreter checks crashed (rc={code}):\n{output}")
+    return results
 
 
 def main(
@@ -152,6 +253,7 @@ def interpreter_tests(
     import pytest
 
     names = list(checks)
+    _declared[Path(script).resolve()] = (names, timeout)
 
     @pytest.fixture(scope="module")
     def interpret_results() -> dict[str, Result]:
