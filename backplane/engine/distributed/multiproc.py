@@ -570,6 +570,8 @@ def _watch(
         if executor is None or executor._closing or stop.is_set():
             return
         p = ready[0]
+        # the sentinel can be ready a moment before the exit status is; wait for it briefly
+        p.process.join(1.0)
         logger.error(
             "tensor-parallel worker rank %d died (exit code %s); aborting the group so that "
             "the driver's collectives stop waiting for it",
