@@ -111,7 +111,7 @@ class _Child:
         self._done.set()
 
     def cancel(self) -> None:
-        """Keep the child from starting, or end it if it runs (the session is over)."""
+        """Keep the child from starting, or end it if it runs (the pytest run is over)."""
         self.claim()
         proc = self._proc
         if proc is not None and proc.poll() is None:
@@ -123,7 +123,7 @@ class _Child:
         return self._outcome
 
 
-#: the children of the files whose checks this session selected, by script path
+#: the children of the files whose checks this pytest run selected, by script path
 _children: dict[Path, _Child] = {}
 #: each file's checks and timeout, as its module declared them (see interpreter_tests)
 _declared: dict[Path, tuple[list[str], float]] = {}
@@ -152,16 +152,20 @@ def prefetch(scripts: Iterable[str | Path], workers: int | None = None) -> None:
     if workers is None:
         workers = max(1, (os.cpu_count() or 2) // 2)
     for w in range(min(workers, len(queue))):
-        mine = queue[w::workers]
         threading.Thread(
-            target=lambda own=mine: [c.run() for c in own if c.claim()],
-            name="interpreter-checks",
-            daemon=True,
+            target=_run_unclaimed, args=(queue[w::workers],), name="interpreter-checks", daemon=True
         ).start()
 
 
+def _run_unclaimed(children: list[_Child]) -> None:
+    """Run, in order, each of ``children`` no fixture has taken yet."""
+    for child in children:
+        if child.claim():
+            child.run()
+
+
 def stop_prefetch() -> None:
-    """End the background children still running or waiting (the session is over: a run
+    """End the background children still running or waiting (the pytest run is over: a run
     stopped early leaves none behind)."""
     for child in _children.values():
         child.cancel()

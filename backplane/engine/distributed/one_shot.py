@@ -62,6 +62,8 @@ class OneShotAllReduce:
         # the kernel's abort word, in pinned host memory so that the host can set it
         # while the device is busy in a wait (see abort()); its device-side address
         self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        # the host's own record of it, read after every step without touching the tensor
+        self._aborted = False
         self._abort_ptr = torch.tensor([self._abort.data_ptr()], dtype=torch.int64, device=device)
 
     def connect(self, group: Any) -> None:
@@ -144,12 +146,13 @@ class OneShotAllReduce:
         For a peer that died: the engine ends, and no result computed since
         may be used (see :attr:`aborted`).
         """
+        self._aborted = True
         self._abort.fill_(1)
 
     @property
     def aborted(self) -> bool:
         """Whether :meth:`abort` was called: sums since then are not to be trusted."""
-        return bool(self._abort.item())
+        return self._aborted
 
 
 def run_in_stages(
